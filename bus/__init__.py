@@ -1,0 +1,1 @@
+"""NATS connection, embedded server, subject registry, typed publish/pull, objects and KV."""

@@ -1,0 +1,71 @@
+"""Connecting to NATS and creating a run's topology idempotently.
+
+Guarantees:
+- `connect` reconnects forever (max_reconnect_attempts=-1) and logs each disconnect.
+- `ensure_topology` creates or updates every stream, the KV bucket and the object
+  store of a run; calling it again with the same registry changes nothing.
+- `ensure_consumer` creates or updates a durable with the registry's explicit config.
+"""
+
+from __future__ import annotations
+
+import nats
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import BadRequestError, NotFoundError
+
+from bus.subjects import ConsumerSpec, Registry
+
+log = structlog.get_logger()
+
+
+async def connect(url: str, name: str = "rlbus") -> nats.NATS:
+    """Connect with unlimited reconnects."""
+
+    async def on_disconnect():
+        log.warning("bus.disconnected", url=url)
+
+    async def on_reconnect():
+        log.info("bus.reconnected", url=url)
+
+    async def on_error(exc):
+        log.warning("bus.error", error=str(exc))
+
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, error_cb=on_error,
+        pending_size=64 * 1024 * 1024,
+    )
+
+
+async def ensure_topology(js: JetStreamContext, reg: Registry) -> None:
+    """Create or update every stream, the run's KV bucket and its object store."""
+    for cfg in reg.streams():
+        try:
+            await js.stream_info(cfg.name)
+            await js.update_stream(cfg)
+        except NotFoundError:
+            await js.add_stream(cfg)
+    try:
+        await js.key_value(reg.kv_bucket)
+    except Exception:
+        await js.create_key_value(bucket=reg.kv_bucket, history=16)
+    try:
+        await js.object_store(reg.object_bucket)
+    except Exception:
+        await js.create_object_store(bucket=reg.object_bucket)
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
+    """Create the durable, or update it to the spec's settings if it exists."""
+    try:
+        await js.add_consumer(spec.stream, config=spec.config())
+    except BadRequestError:
+        # exists with different settings: update in place (same name + filter)
+        await js.add_consumer(spec.stream, config=spec.config())
+
+
+async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
+    """Ensure the durable exists, then bind a pull subscription to it."""
+    await ensure_consumer(js, spec)
+    return await js.pull_subscribe_bind(spec.durable, stream=spec.stream)

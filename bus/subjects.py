@@ -1,0 +1,187 @@
+"""The one registry of every subject, stream, consumer, bucket and key of a run.
+
+Guarantees:
+- Handlers never build subject strings: every name comes from `Registry`.
+- Run ids and domain names are validated tokens (`[A-Za-z0-9_-]+`), so no name can
+  contain NATS wildcards or separators.
+- `Registry.streams()` and `Registry.consumers()` give explicit settings for every
+  stream and consumer; `bus.conn.ensure_topology` applies them idempotently.
+- Work streams (TASKS, TRAJ) are WorkQueue + discard=new with hard caps set far above
+  the sampler's in-flight bound, so a normal publish is never refused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler")
+DAY = 24 * 3600.0
+
+
+def check_token(kind: str, value: str) -> str:
+    """Return `value` if it is a safe subject token, else raise ValueError saying what to do."""
+    if not _TOKEN.match(value or ""):
+        raise ValueError(f"{kind} {value!r} must match [A-Za-z0-9_-]{{1,64}} (it becomes part of NATS subjects)")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard ceilings of the run's streams (far above normal in-flight work)."""
+
+    tasks_max_msgs: int = 100_000
+    traj_max_msgs: int = 1_000_000
+    work_max_bytes: int = 2 * 1024**3
+    rewards_max_bytes: int = 8 * 1024**3
+    rewards_max_age_s: float = 30 * DAY
+    dlq_max_age_s: float = 90 * DAY
+    weights_keep: int = 64
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer: which stream, which subjects, and its explicit settings."""
+
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_s: float
+    max_deliver: int
+    backoff_s: tuple[float, ...]
+    max_ack_pending: int
+    deliver_policy: DeliverPolicy = DeliverPolicy.ALL
+
+    def config(self) -> ConsumerConfig:
+        """The nats-py ConsumerConfig with every setting explicit."""
+        return ConsumerConfig(
+            durable_name=self.durable,
+            name=self.durable,
+            filter_subject=self.filter_subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=self.deliver_policy,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            backoff=list(self.backoff_s) or None,
+            max_ack_pending=self.max_ack_pending,
+            max_waiting=512,
+        )
+
+
+@dataclass(frozen=True)
+class Registry:
+    """All names of one run. Build it once per process from the run id."""
+
+    run_id: str
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self):
+        check_token("run_id", self.run_id)
+
+    # -- subjects ---------------------------------------------------------------
+    def tasks(self, domain: str) -> str:
+        """Subject a domain's tasks are published on."""
+        return f"tasks.{self.run_id}.{check_token('domain', domain)}"
+
+    def traj(self, domain: str) -> str:
+        """Subject a domain's trajectories are published on."""
+        return f"traj.{self.run_id}.{check_token('domain', domain)}"
+
+    def rewards(self, domain: str) -> str:
+        """Subject a domain's rewards are published on."""
+        return f"rewards.{self.run_id}.{check_token('domain', domain)}"
+
+    def eval(self, domain: str) -> str:
+        """Subject a domain's evaluation results are published on."""
+        return f"eval.{self.run_id}.{check_token('domain', domain)}"
+
+    def dlq(self, stage: str) -> str:
+        """Subject a stage's dead letters are published on."""
+        return f"dlq.{self.run_id}.{check_token('stage', stage)}"
+
+    def ledger(self, stage: str) -> str:
+        """Subject a stage's task-fate records are published on."""
+        return f"ledger.{self.run_id}.{check_token('stage', stage)}"
+
+    @property
+    def weights(self) -> str:
+        """Subject of WeightVersion announcements."""
+        return f"weights.{self.run_id}"
+
+    def metrics(self, role: str = "*", worker_id: str = "*") -> str:
+        """Core-NATS telemetry subject (wildcards by default)."""
+        return f"metrics.{self.run_id}.{role}.{worker_id}"
+
+    def all(self, prefix: str) -> str:
+        """Wildcard over every domain/stage of a subject family (`tasks`, `traj`, ...)."""
+        return f"{prefix}.{self.run_id}.>"
+
+    # -- streams, buckets -------------------------------------------------------
+    def stream(self, family: str) -> str:
+        """Stream name of a family: TASKS, TRAJ, REWARDS, WEIGHTS, EVAL, DLQ, LEDGER."""
+        return f"{family.upper()}_{self.run_id}"
+
+    @property
+    def kv_bucket(self) -> str:
+        """KV bucket of the run's control plane (weights.latest, learner.progress, ...)."""
+        return f"run-{self.run_id}"
+
+    @property
+    def object_bucket(self) -> str:
+        """Object store bucket of weight blobs."""
+        return f"weights-{self.run_id}"
+
+    def streams(self) -> list[StreamConfig]:
+        """Explicit configs of every stream of the run."""
+        lim = self.limits
+
+        def sc(family, subjects, retention, discard, **kw):
+            return StreamConfig(
+                name=self.stream(family),
+                subjects=subjects,
+                retention=retention,
+                discard=discard,
+                storage=StorageType.FILE,
+                num_replicas=1,
+                duplicate_window=120.0,
+                **kw,
+            )
+
+        work, limits = RetentionPolicy.WORK_QUEUE, RetentionPolicy.LIMITS
+        new, old = DiscardPolicy.NEW, DiscardPolicy.OLD
+        return [
+            sc("TASKS", [self.all("tasks")], work, new, max_msgs=lim.tasks_max_msgs, max_bytes=lim.work_max_bytes),
+            sc("TRAJ", [self.all("traj")], work, new, max_msgs=lim.traj_max_msgs, max_bytes=lim.work_max_bytes),
+            sc("REWARDS", [self.all("rewards")], limits, old, max_bytes=lim.rewards_max_bytes, max_age=lim.rewards_max_age_s),
+            sc("WEIGHTS", [self.weights], limits, old, max_msgs=lim.weights_keep),
+            sc("EVAL", [self.all("eval")], limits, old, max_age=lim.rewards_max_age_s),
+            sc("DLQ", [self.all("dlq")], limits, old, max_age=lim.dlq_max_age_s),
+            sc("LEDGER", [self.all("ledger")], limits, old, max_age=lim.rewards_max_age_s),
+        ]
+
+    # -- consumers --------------------------------------------------------------
+    def rollout_consumer(self, ack_wait_s: float = 60.0, max_ack_pending: int = 256) -> ConsumerSpec:
+        """The shared durable every rollout worker pulls tasks from."""
+        return ConsumerSpec(self.stream("TASKS"), "rollout", self.all("tasks"), ack_wait_s, 5,
+                            (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s), max_ack_pending)
+
+    def verifier_consumer(self, ack_wait_s: float = 30.0, max_ack_pending: int = 4096) -> ConsumerSpec:
+        """The shared durable every verifier worker pulls trajectories from."""
+        return ConsumerSpec(self.stream("TRAJ"), "verifier", self.all("traj"), ack_wait_s, 5,
+                            (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s), max_ack_pending)
+
+    def learner_consumer(self, ack_wait_s: float = 300.0, max_ack_pending: int = 20000) -> ConsumerSpec:
+        """The learner's durable on the REWARDS log (acks after the step that used them)."""
+        return ConsumerSpec(self.stream("REWARDS"), "learner", self.all("rewards"), ack_wait_s, 20,
+                            (), max_ack_pending)

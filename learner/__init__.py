@@ -1,0 +1,1 @@
+"""The learner: supervised warm start and policy updates."""

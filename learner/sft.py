@@ -1,0 +1,139 @@
+"""Supervised warm start: teach a small causal LM the answer format before RL.
+
+Guarantees:
+- `run_sft` trains on `prompt + completion + <eos>` sequences drawn from `demos(rng)`;
+  the loss covers only the completion tokens and the final `<eos>` (prompt and padding
+  are masked with -100). Batches are right-padded.
+- It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
+  first, and always takes at least one step.
+- AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress
+  (the larger of step fraction and time fraction), gradient clipping at 1.0.
+- The same `seed` and demos give the same sample stream; weights also depend on timing
+  when the time budget is what stops the run.
+- The trained model and tokenizer are written to `out_dir` with `save_pretrained`, and
+  the returned summary dict is also written as `out_dir/sft.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+Demos = Callable[[random.Random], tuple[str, str]]
+
+
+def make_batch(tokenizer, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids / attention_mask / labels for (prompt, completion) pairs."""
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = [p + c + [eos] for p, c in zip(prompts, answers)]
+    lengths = torch.tensor([len(r) for r in rows])
+    n_prompt = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r)
+    pos = torch.arange(width)[None, :]
+    attention_mask = (pos < lengths[:, None]).long()
+    supervised = (pos >= n_prompt[:, None]) & attention_mask.bool()
+    labels = torch.where(supervised, input_ids, torch.full_like(input_ids, -100))
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def lr_factor(progress: float, step: int, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine from 1 to 0.1 as progress goes 0 -> 1."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def run_sft(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    demos: Demos,
+    *,
+    seconds: float,
+    max_steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    threads: int = 2,
+    progress: bool = True,
+) -> dict:
+    """Supervised fine-tuning on demos until `seconds` or `max_steps`; returns a summary.
+
+    Summary keys: steps, final_loss (mean of the last 10 step losses), first_loss,
+    seconds (training wall time), samples (sequences seen), lr, batch_size.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, min(50, max_steps // 10))
+
+    bar = Progress(
+        TextColumn("[bold]sft"),
+        BarColumn(),
+        TextColumn("step {task.fields[step]}"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+    )
+    task = bar.add_task("sft", total=1.0, step=0, loss=float("nan"))
+    losses: list[float] = []
+    step, t0 = 0, time.monotonic()
+    with bar:
+        while True:
+            elapsed = time.monotonic() - t0
+            done = max(step / max_steps, elapsed / seconds) if seconds > 0 else 1.0
+            if step > 0 and done >= 1.0:
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = lr * lr_factor(done, step, warmup)
+            batch = make_batch(tokenizer, [demos(rng) for _ in range(batch_size)])
+            loss = model(**batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            losses.append(loss.item())
+            bar.update(task, completed=min(done, 1.0), step=step, loss=losses[-1])
+        bar.update(task, completed=1.0)
+    train_seconds = time.monotonic() - t0
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    tail = losses[-10:]
+    summary = {
+        "steps": step,
+        "final_loss": sum(tail) / len(tail),
+        "first_loss": losses[0],
+        "seconds": round(train_seconds, 3),
+        "samples": step * batch_size,
+        "lr": lr,
+        "batch_size": batch_size,
+    }
+    (out / "sft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,202 @@
+"""The learner process: rewards in, policy steps, weight versions out.
+
+Read it top to bottom: set up (model, reference, optimizer, resume), publish version 0,
+then loop: pull rewards -> pool into groups -> when enough groups are ready (or the
+time window closes) take one GRPO step -> ack, record task fates, publish weights every
+K steps, checkpoint every C steps.
+
+Guarantees:
+- A reward is acked only after the step that used it (or after it is filtered with a
+  recorded reason), so a learner crash redelivers everything not yet trained.
+- Each sample, identified by (group_id, sample_index), is trained at most once per
+  run: duplicates are acked and counted, never trained again (the trained set is
+  checkpointed).
+- Every task the learner touches gets a ledger record: `trained` (with the reward
+  msg_ids), `filtered` (with the reason), or `pending` at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import structlog
+
+from bus.conn import pull_subscription
+from bus.kv import LEARNER_PROGRESS, get_json, put_json
+from bus.publish import publish
+from bus.pull import decode_batch, fetch
+from learner import checkpoint
+from learner.groups import Group, GroupPool, PooledSample, split_stale
+from learner.weights import publish_version
+from rlbus.runtime import worker_session
+from schemas import Reward, TaskFate, TaskFates
+
+log = structlog.get_logger()
+
+
+def load_models(model_path: Path, lc):
+    """Policy (trainable), reference (frozen, only when beta > 0), tokenizer pad id."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(lc.threads)
+    policy = AutoModelForCausalLM.from_pretrained(model_path)
+    policy.train()
+    ref = None
+    if lc.beta > 0:
+        ref = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        ref.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return policy, ref, pad
+
+
+def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int, lc) -> dict[str, float]:
+    """One GRPO step on the given samples (runs in a worker thread)."""
+    import torch
+
+    from learner.batch import grpo_loss, pack_samples
+
+    batch = pack_samples([s.reward for s in samples], pad_id)
+    optimizer.zero_grad(set_to_none=True)
+    loss, stats, adv = grpo_loss(policy, ref, batch, beta=lc.beta, clip_low=lc.clip_low,
+                                 clip_high=lc.clip_high, normalize_std=lc.normalize_std)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), lc.grad_clip)
+    optimizer.step()
+    return {"loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl, "clip_frac": stats.clip_frac,
+            "ratio_mean": stats.ratio_mean, "ratio_max": stats.ratio_max, "tokens": stats.tokens,
+            "grad_norm": float(grad_norm), "reward_mean": float(batch["rewards"].mean()),
+            "adv_abs_mean": float(adv.abs().mean()), "samples": len(samples)}
+
+
+class Learner:
+    """State carried between steps (kept small on purpose)."""
+
+    def __init__(self, s, policy, ref, optimizer, pad_id):
+        self.s, self.policy, self.ref, self.optimizer, self.pad_id = s, policy, ref, optimizer, pad_id
+        self.lc = s.cfg.learner
+        self.pool = GroupPool(self.lc.group_deadline_s)
+        self.step, self.version, self.tasks_done, self.samples_trained = 0, 0, 0, 0
+        self.trained: set[str] = set()  # reward msg_ids trained (for exactly-once)
+        self.last_step_at = time.monotonic()
+        self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
+
+    def state(self) -> dict:
+        """What a checkpoint records besides model/optimizer."""
+        return {"step": self.step, "version": self.version, "tasks_done": self.tasks_done,
+                "samples_trained": self.samples_trained, "trained": sorted(self.trained)}
+
+    async def record(self, fates: list[TaskFate]) -> None:
+        """Publish task fates to the ledger."""
+        if fates:
+            await publish(self.s.js, self.s.reg.ledger("learner"),
+                          TaskFates(run_id=self.s.reg.run_id, stage="learner", step=self.step, fates=fates))
+
+    async def take(self, raws) -> None:
+        """Decode fetched rewards and pool them (duplicates acked and counted)."""
+        now = time.monotonic()
+        for d in await decode_batch(self.s.js, self.s.reg, "learner", raws, Reward):
+            if d.msg.trajectory.purpose != "train":
+                await d.raw.ack()
+                continue
+            if d.msg.msg_id in self.trained or not self.pool.add(PooledSample(d.msg, d.raw), now):
+                self.s.counters["duplicates"] = self.s.counters.get("duplicates", 0) + 1
+                await d.raw.ack()
+
+    def should_step(self) -> bool:
+        """Enough ready groups, or the time window closed with at least one."""
+        now = time.monotonic()
+        ready = self.pool.count_ready(now)
+        return ready >= self.lc.groups_per_step or (ready > 0 and now - self.last_step_at >= self.lc.step_window_s)
+
+    async def step_once(self) -> None:
+        """Pop ready groups, filter, train, ack, record, publish, checkpoint."""
+        now = time.monotonic()
+        ready, expired = self.pool.pop_ready(now, self.lc.groups_per_step)
+        fates = [TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="partial group with < 2 samples after deadline")
+                 for g in expired]
+        to_ack = [s.raw for g in expired for s in g.samples.values()]
+        train_groups: list[Group] = []
+        for g in ready:
+            to_ack += [s.raw for s in split_stale(g, self.version, self.lc.max_staleness)]
+            rewards = [s.reward.reward for s in g.samples.values()]
+            if len(g.samples) < 2:
+                fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="stale"))
+            elif self.lc.skip_zero_variance and max(rewards) == min(rewards):
+                fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="zero reward variance"))
+            else:
+                train_groups.append(g)
+                continue
+            to_ack += [s.raw for s in g.samples.values()]
+        samples = [s for g in train_groups for s in g.samples.values()]
+        metrics = {}
+        if samples:
+            metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id, self.lc)
+            self.step += 1
+            self.samples_trained += len(samples)
+            self.trained.update(s.reward.msg_id for s in samples)
+            fates += [TaskFate(task_msg_id=g.task_msg_id, fate="trained",
+                               reward_msg_ids=[s.reward.msg_id for s in g.samples.values()]) for g in train_groups]
+            to_ack += [s.raw for s in samples]
+        self.tasks_done += len(ready) + len(expired)
+        await self.record(fates)
+        for raw in to_ack:
+            await raw.ack()
+        self.last_step_at = time.monotonic()
+        if samples:
+            await self.after_step(metrics)
+
+    async def after_step(self, metrics: dict[str, float]) -> None:
+        """Publish weights every K steps, checkpoint every C, report progress."""
+        c = self.s.counters
+        c.update({k: v for k, v in metrics.items()})
+        c.update(step=self.step, samples_trained=self.samples_trained, tasks_done=self.tasks_done)
+        log.info("learner.step", step=self.step, version=self.version, **{k: round(v, 4) for k, v in metrics.items()})
+        if self.step % self.lc.publish_every == 0:
+            self.version += 1
+            await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step, metrics)
+            c["version"] = self.version
+        if self.step % self.lc.checkpoint_every == 0:
+            await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy,
+                                    optimizer=self.optimizer, state=self.state())
+        await self.progress()
+
+    async def progress(self) -> None:
+        """KV learner.progress: what the sampler's gate and the live view read."""
+        await put_json(self.s.js, self.s.reg, LEARNER_PROGRESS, {
+            "step": self.step, "version": self.version, "tasks_done": self.tasks_done,
+            "samples_trained": self.samples_trained, "reward_mean": self.s.counters.get("reward_mean"),
+            "updated_at": time.time()})
+
+
+async def run(cfg, ctx) -> dict[str, float]:
+    """Run the learner until stopped (or `ctx.max_messages` steps)."""
+    import torch
+
+    lc = cfg.learner
+    async with worker_session("learner", cfg, ctx) as s:
+        policy, ref, pad_id = await asyncio.to_thread(load_models, ctx.model_path, lc)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        L = Learner(s, policy, ref, optimizer, pad_id)
+        saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
+        if saved:
+            L.step, L.version, L.tasks_done = saved["step"], saved["version"], saved["tasks_done"]
+            L.samples_trained, L.trained = saved["samples_trained"], set(saved["trained"])
+            log.info("learner.resumed", step=L.step, version=L.version)
+        if (await get_json(s.js, s.reg, "weights.latest")) is None:
+            await publish_version(s.js, s.reg, policy, 0, 0, {})
+        s.counters.update(step=L.step, version=L.version)
+        await L.progress()
+        sub = await pull_subscription(s.js, s.reg.learner_consumer())
+        while not s.stop.is_set():
+            if ctx.max_messages is not None and L.step >= ctx.max_messages:
+                break
+            await L.take(await fetch(sub, 512, 0.2))
+            while L.should_step() and not s.stop.is_set():
+                await L.step_once()
+        await L.record([TaskFate(task_msg_id=g.task_msg_id, fate="pending") for g in L.pool.pending()])
+        await asyncio.to_thread(checkpoint.save, L.ckpt_path, model=policy, optimizer=optimizer, state=L.state())
+        return s.counters

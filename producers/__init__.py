@@ -1,0 +1,1 @@
+"""Task sources (domains) and the task sampler process."""

@@ -1,0 +1,1 @@
+"""rlbus: RL post-training over NATS JetStream."""

@@ -1,0 +1,244 @@
+"""Run configuration: one pydantic model per role, loaded from TOML, overridable.
+
+Guarantees:
+- Every model rejects unknown keys (a typo is an error that names the key) and every
+  field has a docstring (shown by `rlbus config-help`).
+- `load_config(path, overrides)` reads TOML (or the JSON the launcher writes), applies
+  `--set a.b=c` overrides (values parsed as TOML literals, else taken as strings) and
+  validates the result.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys rejected, field docstrings kept."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunSection(Section):
+    """Identity and limits of a run."""
+
+    run_id: str = ""
+    """Run id ([A-Za-z0-9_-]); empty = generated from the config name and time."""
+    run_dir: str = "runs"
+    """Parent folder; each run writes only under <run_dir>/<run_id>/."""
+    max_steps: int = Field(default=0, ge=0)
+    """Stop after this many learner steps (0 = no step limit)."""
+    max_minutes: float = Field(default=0.0, ge=0.0)
+    """Stop after this much wall time, set-up included (0 = no time limit)."""
+    seed: int = 0
+    """Seed for task generation, model init and sampling."""
+    nats_url: str = ""
+    """Connect to this NATS server; empty = start an embedded one."""
+    drain_seconds: float = Field(default=20.0, ge=0.0)
+    """At stop, how long the pipeline may drain after the sampler stops."""
+
+
+class ModelSection(Section):
+    """The policy model: an existing HF checkpoint or a tiny one built locally."""
+
+    path: str = ""
+    """Local HF model dir to start from; empty = build a tiny model in the run dir."""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the tiny model when building one."""
+    hidden_size: int = 128
+    """Tiny model width."""
+    num_layers: int = 4
+    """Tiny model depth."""
+    num_heads: int = 4
+    """Tiny model attention heads."""
+
+
+class SFTSection(Section):
+    """Supervised warm start before RL."""
+
+    enabled: bool = True
+    """Run SFT on the domain's demonstrations before RL."""
+    seconds: float = 75.0
+    """Wall-time budget of SFT."""
+    max_steps: int = 100_000
+    """Step cap of SFT."""
+    batch_size: int = 64
+    """Demonstrations per SFT step."""
+    lr: float = 3e-3
+    """SFT learning rate."""
+    difficulty: int = 3
+    """Difficulty of the demonstrations."""
+    threads: int = 2
+    """torch threads for SFT (nothing else runs then)."""
+
+
+class SamplerSection(Section):
+    """The task sampler."""
+
+    domain: str = "arith"
+    """Domain to sample (the curriculum over many domains comes with the scheduler)."""
+    difficulty: int = 3
+    """Difficulty level of generated tasks."""
+    group_size: int = Field(default=8, ge=1)
+    """Samples per task (G)."""
+    max_tokens: int = Field(default=8, ge=1)
+    """Generated-token budget per sample."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature of training tasks."""
+    max_inflight_tasks: int = Field(default=64, ge=1)
+    """Bound on tasks published but not yet consumed by the learner (backpressure)."""
+    publish_batch: int = Field(default=16, ge=1)
+    """Tasks published per round."""
+    poll_seconds: float = 0.1
+    """How often the gate re-reads the learner's progress when full."""
+
+
+class RolloutSection(Section):
+    """Rollout workers."""
+
+    engine: Literal["hf", "null"] = "hf"
+    """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks)."""
+    device: str = "cpu"
+    """torch device of the hf engine."""
+    threads: int = 1
+    """torch threads of this process."""
+    batch_tasks: int = Field(default=8, ge=1)
+    """Tasks fetched and generated in one batch."""
+    ack_wait_s: float = 60.0
+    """Consumer ack_wait; in_progress is sent at a third of it."""
+
+
+class VerifierSection(Section):
+    """Verifier workers."""
+
+    batch: int = Field(default=128, ge=1)
+    """Trajectories fetched per round."""
+    ack_wait_s: float = 30.0
+    """Consumer ack_wait."""
+
+
+class LearnerSection(Section):
+    """The learner (GRPO-style step)."""
+
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    beta: float = 0.0
+    """k3 KL coefficient to the frozen reference; 0 skips the reference model."""
+    clip_low: float = 0.2
+    """Lower PPO clip (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.28
+    """Upper PPO clip (ratio <= 1 + clip_high)."""
+    normalize_std: bool = True
+    """Divide group-relative advantages by the group std (GRPO)."""
+    groups_per_step: int = Field(default=8, ge=1)
+    """Complete groups that make a step."""
+    group_deadline_s: float = 30.0
+    """A group incomplete after this long is trained if it has >= 2 samples, else filtered."""
+    step_window_s: float = 5.0
+    """A step starts once this long has passed with at least one ready group."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Samples older than this many versions are filtered with a reason."""
+    publish_every: int = Field(default=1, ge=1)
+    """Publish a WeightVersion every K steps."""
+    checkpoint_every: int = Field(default=20, ge=1)
+    """Checkpoint every C steps (and at stop)."""
+    threads: int = 1
+    """torch threads of this process."""
+    skip_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no signal)."""
+
+
+class SchedulerSection(Section):
+    """The scheduler (regression evaluation for now)."""
+
+    eval_n: int = Field(default=200, ge=1)
+    """Problems in the fixed held-out eval set."""
+    eval_seed: int = 1234
+    """Seed of the eval set (fixed across runs)."""
+    eval_difficulty: int = 3
+    """Difficulty of the eval set."""
+    eval_every_versions: int = Field(default=5, ge=1)
+    """Evaluate every N-th version (the first and the last always)."""
+    threads: int = 1
+    """torch threads of this process."""
+
+
+class RunConfig(Section):
+    """A whole run: one section per role plus the run's identity."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    """Identity and limits."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    """The policy model."""
+    sft: SFTSection = Field(default_factory=SFTSection)
+    """Warm start."""
+    sampler: SamplerSection = Field(default_factory=SamplerSection)
+    """Task sampler."""
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    """Rollout workers."""
+    verifier: VerifierSection = Field(default_factory=VerifierSection)
+    """Verifier workers."""
+    learner: LearnerSection = Field(default_factory=LearnerSection)
+    """Learner."""
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    """Scheduler."""
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message says what to fix."""
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], parsed c). Values are TOML literals when they parse, else strings."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set learner.lr=1e-4")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `--set` overrides to a raw config dict (in place) and return it."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a TOML (or JSON) run config, apply overrides, validate."""
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} not found (examples live in examples/*.toml)")
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"invalid config {path or '(defaults)'}:\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: RunConfig, path: Path) -> None:
+    """Write the resolved config as JSON (what the launcher hands to each worker)."""
+    path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

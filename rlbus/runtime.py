@@ -1,0 +1,85 @@
+"""What every worker process shares: its context, bus session, stop signal, telemetry.
+
+Guarantees:
+- `worker_session` connects (unlimited reconnects), creates the run's topology
+  idempotently, starts telemetry, and turns SIGTERM/SIGINT into `session.stop` being
+  set so a worker finishes its current batch and exits cleanly. It always closes the
+  connection (flushing acks) on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from bus.conn import connect, ensure_topology
+from bus.subjects import Registry
+from bus.telemetry import report_forever
+from rlbus.config import RunConfig
+
+log = structlog.get_logger()
+
+
+@dataclass
+class WorkerContext:
+    """Where a worker runs: run id, bus URL, run folder, and test-friendly limits."""
+
+    run_id: str
+    nats_url: str
+    run_path: Path
+    max_messages: int | None = None
+    until_idle: float | None = None
+    configured_model: str = ""
+
+    @property
+    def model_path(self) -> Path:
+        """The starting checkpoint: the one the launcher prepared (after SFT) in the run
+        folder, else `model.path` from the config."""
+        prepared = self.run_path / "model" / "start"
+        if prepared.exists() or not self.configured_model:
+            return prepared
+        return Path(self.configured_model)
+
+
+@dataclass
+class Session:
+    """A live bus session of one worker."""
+
+    nc: object
+    js: object
+    reg: Registry
+    cfg: RunConfig
+    ctx: WorkerContext
+    stop: asyncio.Event
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def worker_session(role: str, cfg: RunConfig, ctx: WorkerContext):
+    """Connect, ensure topology, report telemetry, and map signals to `stop`."""
+    nc = await connect(ctx.nats_url, name=f"rlbus-{role}")
+    js = nc.jetstream(timeout=30)
+    reg = Registry(ctx.run_id)
+    await ensure_topology(js, reg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    session = Session(nc, js, reg, cfg, ctx, stop)
+    reporter = asyncio.create_task(report_forever(nc, reg, role, session.counters))
+    log.info(f"{role}.started", nats_url=ctx.nats_url)
+    try:
+        yield session
+    finally:
+        reporter.cancel()
+        with contextlib.suppress(Exception):
+            await nc.flush(timeout=5)  # acks and publishes are on the wire
+        with contextlib.suppress(Exception):
+            await nc.close()
+        log.info(f"{role}.stopped", **{k: v for k, v in session.counters.items() if isinstance(v, (int, float))})

@@ -1,0 +1,113 @@
+"""Inference engines: `HFEngine` (transformers/torch, CPU or GPU) and `NullEngine`.
+
+Guarantees:
+- `generate(prompts, n, max_new_tokens, temperature)` returns, per prompt, `n` samples,
+  each with its generated token ids, the behaviour log-prob of every generated token
+  under the sampling distribution (softmax(logits / temperature); plain softmax for
+  greedy), the decoded text up to end-of-sequence, and `stop`/`length`.
+- All prompts of a call and all G samples of a prompt are generated in ONE batched
+  `generate` call with the KV cache (left padding).
+- `load_weights(blob)` swaps weights in place between batches; no restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    """One generated completion."""
+
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    text: str
+    finish_reason: str
+
+
+class HFEngine:
+    """A causal LM from a local HF directory, generating with transformers."""
+
+    def __init__(self, model_path: str, device: str = "cpu", threads: int = 1):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path).to(self.device).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    def load_weights(self, blob: bytes) -> None:
+        """Hot-load a safetensors blob into the model."""
+        from learner.weights import load_state_bytes
+
+        load_state_bytes(self.model, blob)
+        self.model.eval()
+
+    def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float) -> list[list[Sample]]:
+        """n samples per prompt, one batched call."""
+        torch = self.torch
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        greedy = temperature <= 0
+        with torch.no_grad():
+            out = self.model.generate(
+                **enc, do_sample=not greedy, temperature=None if greedy else temperature, top_k=0, top_p=1.0,
+                max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id, output_logits=True, return_dict_in_generate=True,
+            )
+        width = enc["input_ids"].shape[1]
+        gen = out.sequences[:, width:]  # [B*n, T]
+        logits = torch.stack(out.logits, dim=1).float()  # [B*n, T, V]
+        if not greedy:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+        is_eos = gen == self.eos_id
+        has_eos = is_eos.any(dim=1)
+        first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, gen.shape[1], dtype=torch.long))
+        lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, gen.shape[1]))
+        gen_np, logp_np, len_np = gen.cpu().numpy(), logp.cpu().numpy(), lengths.cpu().numpy()
+        texts = self.tokenizer.batch_decode([row[: min(L, f)] for row, L, f in
+                                             zip(gen_np, len_np, first_eos.cpu().numpy())], skip_special_tokens=True)
+        mask = enc["attention_mask"].cpu().numpy().astype(bool)
+        ids = enc["input_ids"].cpu().numpy()
+        result: list[list[Sample]] = []
+        for p in range(len(prompts)):
+            prompt_ids = ids[p][mask[p]].astype(np.int32)
+            group = []
+            for j in range(n):
+                i = p * n + j
+                L = int(len_np[i])
+                group.append(Sample(prompt_ids, gen_np[i, :L].astype(np.int32), logp_np[i, :L].astype(np.float32),
+                                    texts[i], "stop" if bool(has_eos[i]) else "length"))
+            result.append(group)
+        return result
+
+
+class NullEngine:
+    """No model: answers `"0"` with log-prob 0 (for bus benchmarks and tests)."""
+
+    def load_weights(self, blob: bytes) -> None:
+        """Accept any blob (nothing to load)."""
+
+    def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float) -> list[list[Sample]]:
+        """n identical fixed samples per prompt."""
+        ids = np.array([ord("0"), 1], dtype=np.int32)
+        lp = np.zeros(2, dtype=np.float32)
+        return [[Sample(np.frombuffer(p.encode(), dtype=np.uint8).astype(np.int32), ids, lp, "0", "stop")
+                 for _ in range(n)] for p in prompts]
+
+
+def make_engine(kind: str, model_path: str, device: str, threads: int):
+    """Engine by config name."""
+    if kind == "null":
+        return NullEngine()
+    if kind == "hf":
+        return HFEngine(model_path, device, threads)
+    raise ValueError(f"unknown engine {kind!r} (use 'hf' or 'null'; 'vllm' needs the gpu extra)")

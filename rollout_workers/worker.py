@@ -1,0 +1,92 @@
+"""The rollout worker process: tasks in, one Trajectory per sample out.
+
+Guarantees:
+- Takes no task before a weight version is loaded; loads newer versions between
+  batches (sha256-checked), and tags every trajectory and turn with the version that
+  generated it.
+- Trajectory msg_ids derive from (task msg_id, sample index), so a redelivered task's
+  re-rollout is de-duplicated by JetStream and by the learner.
+- For each task, publishes exactly `group_size` trajectories (all of a batch in one
+  pipelined publish) and only then acks the task; a crash before the ack means the
+  task is redelivered to another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import structlog
+
+from bus.conn import pull_subscription
+from bus.publish import publish_many
+from bus.pull import Delivery, run_pull_loop
+from rlbus.runtime import worker_session
+from rollout_workers.engines import make_engine
+from rollout_workers.weights_watch import WeightWatcher
+from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
+
+log = structlog.get_logger()
+
+
+def render_prompt(task: Task) -> str:
+    """Prompt text for a model without a chat template: the messages' contents in order."""
+    return "".join(m.content for m in task.prompt)
+
+
+def build_trajectories(task: Task, samples, version: int, seconds_each: float) -> list[Trajectory]:
+    """One Trajectory per sample of a task."""
+    out = []
+    for i, s in enumerate(samples):
+        turns = [
+            Turn(role="prompt", text=render_prompt(task), token_ids=pack_i32(s.prompt_ids)),
+            Turn(role="assistant", text=s.text, token_ids=pack_i32(s.token_ids), logprobs=pack_f32(s.logprobs),
+                 trainable=True, policy_version=version),
+        ]
+        out.append(Trajectory(
+            run_id=task.run_id, msg_id=f"{task.msg_id}-{i}", task_id=task.task_id, task_msg_id=task.msg_id, domain=task.domain,
+            difficulty=task.difficulty, purpose=task.purpose, group_id=task.msg_id, group_size=task.group_size,
+            sample_index=i, turns=turns, verifier=task.verifier, verifier_params=task.verifier_params,
+            hidden_ref=task.hidden_ref, finish_reason=s.finish_reason, final_text=s.text,
+            policy_version=version, generate_seconds=seconds_each, tokens=int(len(s.token_ids)),
+        ))
+    return out
+
+
+async def run(cfg, ctx) -> dict[str, float]:
+    """Run the rollout worker until stopped (or the context's test limits)."""
+    rc = cfg.rollout
+    async with worker_session("rollout", cfg, ctx) as s:
+        engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.device, rc.threads)
+        watcher = WeightWatcher(s.js, s.reg, s.counters)
+        await watcher.start()
+        if not await watcher.wait_first(s.stop):
+            return s.counters
+        await watcher.maybe_load(engine)
+
+        async def handle(batch: list[Delivery]):
+            await watcher.maybe_load(engine)
+            by_shape: dict[tuple, list[Task]] = defaultdict(list)
+            for d in batch:
+                t = d.msg
+                by_shape[(t.group_size, t.max_tokens, t.temperature)].append(t)
+            items = []
+            for (n, max_tokens, temperature), tasks in by_shape.items():
+                t0 = time.perf_counter()
+                groups = await asyncio.to_thread(engine.generate, [render_prompt(t) for t in tasks], n,
+                                                 max_tokens, temperature)
+                each = (time.perf_counter() - t0) / max(1, n * len(tasks))
+                for task, samples in zip(tasks, groups, strict=True):
+                    for traj in build_trajectories(task, samples, watcher.version, each):
+                        items.append((s.reg.traj(task.domain), traj))
+            await publish_many(s.js, items)
+            s.counters["tasks"] = s.counters.get("tasks", 0) + len(batch)
+            s.counters["trajectories"] = s.counters.get("trajectories", 0) + len(items)
+            return [None] * len(batch)
+
+        sub = await pull_subscription(s.js, s.reg.rollout_consumer(rc.ack_wait_s))
+        await run_pull_loop(s.js, s.reg, "rollout", sub, Task, handle, batch=rc.batch_tasks,
+                            ack_wait_s=rc.ack_wait_s, max_messages=ctx.max_messages, until_idle=ctx.until_idle,
+                            stop=s.stop, counters=s.counters)
+        return s.counters

@@ -1,0 +1,1 @@
+"""Control plane: evaluation of weight versions (curriculum, gate, run store to come)."""

@@ -1,0 +1,25 @@
+"""Wire messages (MessagePack, validated on decode). See `schemas.messages`."""
+
+from schemas.messages import (  # noqa: F401
+    SCHEMA_VERSION,
+    ChatMessage,
+    DeadLetter,
+    DecodeError,
+    EvalResult,
+    Message,
+    Metric,
+    Reward,
+    Task,
+    TaskFate,
+    TaskFates,
+    Trajectory,
+    Turn,
+    WeightVersion,
+    decode,
+    encode,
+    new_msg_id,
+    pack_f32,
+    pack_i32,
+    unpack_f32,
+    unpack_i32,
+)

@@ -1,0 +1,1 @@
+"""Verifier registry, built-in verifiers and the verifier worker process."""

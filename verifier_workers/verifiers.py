@@ -1,0 +1,73 @@
+"""Built-in verifiers, registered by name.
+
+A verifier maps a trajectory to named reward components and a status; the scalar
+reward is composed from the components by weights (default: the `correct` component).
+
+Guarantees:
+- `arith` recomputes the gold answer with exact integer arithmetic from the task's
+  public expression (there is nothing hidden to leak) and scores the completion 1.0
+  iff it is exactly that integer, else 0.0; `format` says whether it was an integer.
+- `constant` (benchmarks) scores everything `ok` with reward 1.0 without looking.
+- A task whose public parameters are unusable raises `VerifierInputError`, which the
+  worker dead-letters with the reason: never a silent reward of 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from producers import arith
+from schemas import Trajectory
+
+
+class VerifierInputError(ValueError):
+    """The trajectory/task cannot be verified as given (dead-letter it)."""
+
+
+@dataclass
+class Verdict:
+    """What a verifier found."""
+
+    components: dict[str, float]
+    status: str = "ok"
+    details: str = ""
+    weights: dict[str, float] = field(default_factory=lambda: {"correct": 1.0})
+
+    @property
+    def reward(self) -> float:
+        """Scalar reward: the weighted sum of the components."""
+        return float(sum(w * self.components.get(k, 0.0) for k, w in self.weights.items()))
+
+
+def verify_arith(traj: Trajectory) -> Verdict:
+    """Exact-match integer answer to the task's expression."""
+    expression = traj.verifier_params.get("expression")
+    if not isinstance(expression, str):
+        raise VerifierInputError("arith task without a string verifier_params.expression")
+    try:
+        gold = arith.evaluate(expression)
+    except ValueError as exc:
+        raise VerifierInputError(str(exc)) from None
+    answer = arith.parse_answer(traj.final_text)
+    return Verdict({"correct": float(answer == gold), "format": float(answer is not None)},
+                   details=f"answer={answer!r}")
+
+
+def verify_constant(traj: Trajectory) -> Verdict:
+    """Reward 1.0 for anything (benchmarks of the bus itself)."""
+    return Verdict({"correct": 1.0})
+
+
+VERIFIERS: dict[str, Callable[[Trajectory], Verdict]] = {
+    "arith": verify_arith,
+    "constant": verify_constant,
+}
+
+
+def get_verifier(name: str) -> Callable[[Trajectory], Verdict]:
+    """The verifier registered as `name`, or VerifierInputError naming the known ones."""
+    try:
+        return VERIFIERS[name]
+    except KeyError:
+        raise VerifierInputError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}") from None

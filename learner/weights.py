@@ -58,10 +58,11 @@ def _is_tied_alias(model, name: str, tensors: dict) -> bool:
 
 async def publish_version(js, reg: Registry, model, version: int, step: int, metrics: dict[str, float]) -> WeightVersion:
     """Store the model's weights and announce them as `version`."""
-    blob = state_to_bytes(model)
+    blob = state_to_bytes(model) if model is not None else b"null-policy"
     uri, sha, size = await put_blob(js, reg.object_bucket, f"v{version:06d}.safetensors", blob)
     wv = WeightVersion(run_id=reg.run_id, version=version, step=step, uri=uri, sha256=sha, bytes=size,
-                       dtype=str(next(model.parameters()).dtype).replace("torch.", ""), metrics=metrics)
+                       dtype=str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "none",
+                       metrics=metrics)
     await publish(js, reg.weights, wv)
     await put_json(js, reg, WEIGHTS_LATEST, {"version": version, "msg_id": wv.msg_id, "uri": uri,
                                              "sha256": sha, "step": step, "published_at": time.time()})

@@ -55,6 +55,8 @@ def load_models(model_path: Path, lc):
 
 def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int, lc) -> dict[str, float]:
     """One GRPO step on the given samples (runs in a worker thread)."""
+    if policy is None:  # null policy: the bus benchmark measures everything but the math
+        return {"reward_mean": sum(s.reward.reward for s in samples) / len(samples), "samples": len(samples)}
     import torch
 
     from learner.batch import grpo_loss, pack_samples
@@ -159,7 +161,7 @@ class Learner:
             self.version += 1
             await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step, metrics)
             c["version"] = self.version
-        if self.step % self.lc.checkpoint_every == 0:
+        if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
             await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy,
                                     optimizer=self.optimizer, state=self.state())
         await self.progress()
@@ -174,14 +176,19 @@ class Learner:
 
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the learner until stopped (or `ctx.max_messages` steps)."""
-    import torch
-
     lc = cfg.learner
+    if lc.policy != "null":
+        import torch
     async with worker_session("learner", cfg, ctx) as s:
-        policy, ref, pad_id = await asyncio.to_thread(load_models, ctx.model_path, lc)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        if lc.policy == "null":
+            policy = ref = optimizer = pad_id = None
+        else:
+            policy, ref, pad_id = await asyncio.to_thread(load_models, ctx.model_path, lc)
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         L = Learner(s, policy, ref, optimizer, pad_id)
-        saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
+        saved = None
+        if policy is not None:
+            saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
         if saved:
             L.step, L.version, L.tasks_done = saved["step"], saved["version"], saved["tasks_done"]
             L.samples_trained, L.trained = saved["samples_trained"], set(saved["trained"])
@@ -198,5 +205,6 @@ async def run(cfg, ctx) -> dict[str, float]:
             while L.should_step() and not s.stop.is_set():
                 await L.step_once()
         await L.record([TaskFate(task_msg_id=g.task_msg_id, fate="pending") for g in L.pool.pending()])
-        await asyncio.to_thread(checkpoint.save, L.ckpt_path, model=policy, optimizer=optimizer, state=L.state())
+        if policy is not None:
+            await asyncio.to_thread(checkpoint.save, L.ckpt_path, model=policy, optimizer=optimizer, state=L.state())
         return s.counters

@@ -125,6 +125,8 @@ class VerifierSection(Section):
 class LearnerSection(Section):
     """The learner (GRPO-style step)."""
 
+    policy: Literal["hf", "null"] = "hf"
+    """`hf`: train the model; `null`: consume and account without a model (bus benchmarks)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

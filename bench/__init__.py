@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks against peers and limits (`make bench`)."""

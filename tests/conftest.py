@@ -1,0 +1,71 @@
+"""Test fixtures: ONE real nats-server per test session, on a free port.
+
+Every integration test talks to this server; nothing stands in for NATS. Each test gets
+its own run id, so runs never see each other's streams.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from bus.server import EmbeddedNats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    """A nats-server with JetStream for the whole session (stopped by PID at the end)."""
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server) -> str:
+    """URL of the session's server."""
+    return nats_server.url
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A fresh run id per test."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest_asyncio.fixture
+async def js(nats_url):
+    """A connected JetStream context (closed after the test)."""
+    from bus.conn import connect
+
+    nc = await connect(nats_url, name="pytest")
+    yield nc.jetstream(timeout=10)
+    await nc.close()
+
+
+@pytest.fixture
+def spawn_worker(tmp_path, nats_url):
+    """Start `rlbus worker ROLE` as a real OS process; all are killed after the test."""
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, run_id: str, config: Path, *extra: str, log_name: str | None = None) -> subprocess.Popen:
+        log = open(tmp_path / f"{log_name or role}-{len(procs)}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(config),
+                              "--nats-url", nats_url, "--run-id", run_id, "--run-dir", str(tmp_path / "runs"), *extra],
+                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                             start_new_session=True)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

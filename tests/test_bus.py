@@ -1,0 +1,312 @@
+"""Integration tests of `bus/` against the session's real nats-server (in-process, fast).
+
+Covers: a typed round trip through every stream via the Registry's subjects, the
+explicit stream settings, idempotent topology, Nats-Msg-Id de-duplication, every
+outcome of `run_pull_loop` (ack / Retry / Reject, returned or raised), dead-lettering
+of undecodable and foreign messages, and redelivery after ack_wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import msgpack
+import nats.errors
+import pytest
+import pytest_asyncio
+from nats.js.api import DiscardPolicy, RetentionPolicy
+from nats.js.errors import NotFoundError
+
+from bus.conn import ensure_topology, pull_subscription
+from bus.kv import get_json, put_json
+from bus.publish import publish, publish_many
+from bus.pull import Delivery, Reject, Retry, run_pull_loop
+from bus.streams import iter_stream
+from bus.subjects import DAY, ConsumerSpec, Registry
+from schemas import (
+    ChatMessage,
+    DeadLetter,
+    EvalResult,
+    Reward,
+    Task,
+    TaskFate,
+    TaskFates,
+    Trajectory,
+    Turn,
+    WeightVersion,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+)
+
+GARBAGE = b"\xc1\xc1 this is not msgpack \xff"
+
+
+# -- helpers -------------------------------------------------------------------------
+
+@pytest_asyncio.fixture(autouse=True)
+async def drop_run(js, run_id):
+    """Delete the test run's streams and buckets afterwards.
+
+    Each run's file streams reserve their max_bytes (2+2+8 GiB) against the server's
+    JetStream storage limit, so without this a session server fits only a few runs.
+    """
+    yield
+    await delete_run(js, run_id)
+
+
+async def delete_run(js, run_id: str) -> None:
+    reg = Registry(run_id)
+    for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(name)
+
+
+async def topology(js, run_id: str) -> Registry:
+    """A Registry with its streams, KV and object store created."""
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    return reg
+
+
+def make_task(run_id: str, task_id: str = "arith-1-0", **kw) -> Task:
+    return Task(run_id=run_id, task_id=task_id, domain="arith", group_size=4,
+                prompt=[ChatMessage(role="user", content="2+3=")], verifier="arith",
+                verifier_params={"expression": "2+3"}, **kw)
+
+
+def make_trajectory(run_id: str, task: Task, index: int = 0, text: str = "5") -> Trajectory:
+    turns = [Turn(role="prompt", text="2+3=", token_ids=pack_i32([50, 43, 51, 61])),
+             Turn(role="assistant", text=text, token_ids=pack_i32([53, 1]), logprobs=pack_f32([-0.5, -0.25]),
+                  trainable=True, policy_version=3)]
+    return Trajectory(run_id=run_id, msg_id=f"{task.msg_id}-{index}", task_id=task.task_id, task_msg_id=task.msg_id,
+                      domain="arith", group_id=task.msg_id, group_size=task.group_size, sample_index=index,
+                      turns=turns, verifier="arith", verifier_params=task.verifier_params, final_text=text,
+                      policy_version=3, tokens=2)
+
+
+def loop_spec(reg: Registry, durable: str, ack_wait_s: float) -> ConsumerSpec:
+    """A short-ack_wait durable on the run's tasks (explicit, no backoff)."""
+    return ConsumerSpec(reg.stream("TASKS"), durable, reg.all("tasks"), ack_wait_s, 5, (), 100)
+
+
+async def dead_letters(js, reg: Registry, stage: str) -> list[DeadLetter]:
+    return [decode(data, DeadLetter) async for _, data in iter_stream(js, reg.stream("DLQ"), reg.dlq(stage))]
+
+
+# -- round trips, stream settings, topology --------------------------------------------
+
+async def test_round_trip_through_every_stream(js, run_id):
+    reg = await topology(js, run_id)
+    task = make_task(run_id)
+    traj = make_trajectory(run_id, task)
+    reward = Reward(run_id=run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=1.0,
+                    components={"correct": 1.0, "format": 1.0}, details="answer=5", verify_seconds=0.01)
+    weights = WeightVersion(run_id=run_id, version=2, step=7, uri=f"nats-object://{reg.object_bucket}/v000002",
+                            sha256="ab" * 32, bytes=123, metrics={"loss": 0.5})
+    result = EvalResult(run_id=run_id, version=2, step=7, domain="arith", score=0.25, n=8, eval_set_sha256="cd" * 32)
+    letter = DeadLetter(run_id=run_id, stage="rollout", reason="why not", original_subject=reg.tasks("arith"),
+                        original_data=b"\x00\x01raw", original_headers={"Nats-Msg-Id": "x"}, original_msg_id="x")
+    fates = TaskFates(run_id=run_id, stage="sampler", fates=[TaskFate(task_msg_id=task.msg_id, fate="published")])
+
+    # work streams and the REWARDS log: through the registry's own durable consumers
+    for subject, msg, spec in [(reg.tasks("arith"), task, reg.rollout_consumer(ack_wait_s=5)),
+                               (reg.traj("arith"), traj, reg.verifier_consumer(ack_wait_s=5)),
+                               (reg.rewards("arith"), reward, reg.learner_consumer(ack_wait_s=5))]:
+        ack = await publish(js, subject, msg)
+        assert ack.stream == spec.stream
+        sub = await pull_subscription(js, spec)
+        [raw] = await sub.fetch(1, timeout=5)
+        assert raw.subject == subject
+        assert raw.headers["Nats-Msg-Id"] == msg.msg_id
+        got = decode(raw.data, type(msg))
+        assert got == msg
+        assert got.model_dump() == msg.model_dump()
+        await raw.ack_sync()
+        await sub.unsubscribe()
+
+    # the other streams: read back without consumers
+    for family, subject, msg in [("WEIGHTS", reg.weights, weights), ("EVAL", reg.eval("arith"), result),
+                                 ("DLQ", reg.dlq("rollout"), letter), ("LEDGER", reg.ledger("sampler"), fates)]:
+        ack = await publish(js, subject, msg)
+        assert ack.stream == reg.stream(family)
+        stored = [data async for _, data in iter_stream(js, reg.stream(family), subject)]
+        assert len(stored) == 1
+        got = decode(stored[0], type(msg))
+        assert got == msg
+
+    # acked work is gone from the WorkQueue streams; the REWARDS log keeps its message
+    for family, left in [("TASKS", 0), ("TRAJ", 0), ("REWARDS", 1)]:
+        assert (await js.stream_info(reg.stream(family))).state.messages == left, family
+
+
+async def test_stream_configs_are_explicit(js, run_id):
+    reg = await topology(js, run_id)
+    lim = reg.limits
+    cfg = {f: (await js.stream_info(reg.stream(f))).config
+           for f in ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER")}
+
+    for family, subject, cap in [("TASKS", f"tasks.{run_id}.>", lim.tasks_max_msgs),
+                                 ("TRAJ", f"traj.{run_id}.>", lim.traj_max_msgs)]:
+        c = cfg[family]
+        assert c.subjects == [subject]
+        assert c.retention == RetentionPolicy.WORK_QUEUE, family
+        assert c.discard == DiscardPolicy.NEW, family
+        assert c.max_msgs == cap and cap > 0, family
+        assert c.max_bytes == lim.work_max_bytes and lim.work_max_bytes > 0, family
+
+    assert cfg["REWARDS"].subjects == [f"rewards.{run_id}.>"]
+    assert cfg["WEIGHTS"].subjects == [f"weights.{run_id}"]
+    assert cfg["DLQ"].subjects == [f"dlq.{run_id}.>"]
+    for family in ("REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER"):
+        assert cfg[family].retention == RetentionPolicy.LIMITS, family
+    assert cfg["REWARDS"].max_bytes == lim.rewards_max_bytes > 0
+    assert cfg["REWARDS"].max_age == pytest.approx(30 * DAY)
+    assert cfg["WEIGHTS"].max_msgs == lim.weights_keep > 0
+    assert cfg["DLQ"].max_age == pytest.approx(90 * DAY)
+    for family, c in cfg.items():
+        assert c.duplicate_window == pytest.approx(120.0), family
+
+
+async def test_ensure_topology_twice_is_idempotent(js, run_id):
+    reg = await topology(js, run_id)
+    before = {c.name: (await js.stream_info(c.name)).config.as_dict() for c in reg.streams()}
+    task = make_task(run_id)
+    await publish(js, reg.tasks("arith"), task)
+    await publish(js, reg.ledger("sampler"), TaskFates(run_id=run_id, stage="sampler", fates=[]))
+    await put_json(js, reg, "status", {"phase": "rl"})
+
+    await ensure_topology(js, reg)
+
+    after = {c.name: (await js.stream_info(c.name)).config.as_dict() for c in reg.streams()}
+    assert after == before
+    assert (await js.stream_info(reg.stream("TASKS"))).state.messages == 1
+    assert (await js.stream_info(reg.stream("LEDGER"))).state.messages == 1
+    assert await get_json(js, reg, "status") == {"phase": "rl"}
+    await js.object_store(reg.object_bucket)  # still there
+
+
+async def test_same_msg_id_is_stored_once(js, run_id):
+    reg = await topology(js, run_id)
+    task, other = make_task(run_id), make_task(run_id, task_id="arith-1-1")
+    first = await publish(js, reg.tasks("arith"), task)
+    again = await publish(js, reg.tasks("arith"), task)
+    assert not first.duplicate
+    assert again.duplicate and again.seq == first.seq
+    acks = await publish_many(js, [(reg.tasks("arith"), task), (reg.tasks("arith"), other)])
+    assert [bool(a.duplicate) for a in acks] == [True, False]
+    assert (await js.stream_info(reg.stream("TASKS"))).state.messages == 2
+
+
+# -- run_pull_loop outcomes -------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["returned", "raised"])
+async def test_pull_loop_outcomes(js, run_id, mode):
+    reg = await topology(js, run_id)
+    tasks = {name: make_task(run_id, task_id=name) for name in ("ack", "retry", "reject")}
+    for t in tasks.values():
+        await publish(js, reg.tasks("arith"), t)
+    seen: list[tuple[str, int, float]] = []
+
+    def outcome(d: Delivery):
+        name = d.msg.task_id
+        seen.append((name, d.delivered, time.monotonic()))
+        if name == "retry" and d.delivered == 1:
+            return Retry(0.8, "busy")
+        if name == "reject":
+            return Reject("expression unusable: 2++", "rejected")
+        return None
+
+    async def handler(batch: list[Delivery]):
+        results = [outcome(d) for d in batch]
+        if mode == "raised" and isinstance(results[0], (Retry, Reject)):
+            raise results[0]
+        return results
+
+    # ack_wait 2 s and 3.5 s of idleness: anything not acked/termed would come back
+    sub = await pull_subscription(js, loop_spec(reg, "loop", ack_wait_s=2.0))
+    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=10 if mode == "returned" else 1,
+                                   fetch_timeout=0.3, ack_wait_s=2.0, until_idle=3.5)
+
+    by_name = {n: [(c, t) for m, c, t in seen if m == n] for n in tasks}
+    assert [c for c, _ in by_name["ack"]] == [1]
+    assert [c for c, _ in by_name["reject"]] == [1], "a rejected message must not be redelivered"
+    assert [c for c, _ in by_name["retry"]] == [1, 2]
+    gap = by_name["retry"][1][1] - by_name["retry"][0][1]
+    assert 0.6 <= gap < 1.8, f"Retry(0.8) redelivered after {gap:.2f}s (ack_wait is 2 s)"
+    assert counters.get("ack") == 2 and counters.get("retry") == 1 and counters.get("reject") == 1, counters
+
+    [letter] = await dead_letters(js, reg, "rollout")
+    assert letter.reason == "expression unusable: 2++"
+    assert letter.error_type == "rejected"
+    assert letter.stage == "rollout"
+    assert letter.original_data == encode(tasks["reject"])
+    assert letter.original_subject == reg.tasks("arith")
+    assert letter.original_msg_id == tasks["reject"].msg_id
+    assert letter.task_msg_id == tasks["reject"].msg_id
+    assert letter.delivery_count == 1
+
+    info = await js.consumer_info(reg.stream("TASKS"), "loop")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_undecodable_and_foreign_messages_are_dead_lettered(js, run_id):
+    reg = await topology(js, run_id)
+    subject = reg.tasks("arith")
+    good = make_task(run_id, task_id="good")
+    body = msgpack.unpackb(encode(make_task(run_id, task_id="future")))
+    body["schema_version"] = 99
+    wrong_version = msgpack.packb(body, use_bin_type=True)
+    foreign = make_task("someotherrun", task_id="foreign")
+    await js.publish(subject, GARBAGE)
+    await js.publish(subject, wrong_version)
+    await publish(js, subject, foreign)
+    await publish(js, subject, good)
+
+    handled: list[str] = []
+
+    async def handler(batch: list[Delivery]):
+        handled.extend(d.msg.task_id for d in batch)
+        return [None] * len(batch)
+
+    sub = await pull_subscription(js, loop_spec(reg, "decode", ack_wait_s=1.0))
+    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=2, fetch_timeout=0.3,
+                                   ack_wait_s=1.0, until_idle=2.0)
+
+    assert handled == ["good"]
+    assert counters.get("dead_lettered") == 3 and counters.get("ack") == 1, counters
+    letters = {bytes(dl.original_data): dl for dl in await dead_letters(js, reg, "rollout")}
+    assert len(letters) == 3
+    garbage, version, alien = letters[GARBAGE], letters[wrong_version], letters[encode(foreign)]
+    assert garbage.error_type == "decode_error" and "<payload>" in garbage.reason
+    assert version.error_type == "decode_error" and "schema_version" in version.reason and "99" in version.reason
+    assert alien.error_type == "foreign_run" and "someotherrun" in alien.reason
+    assert alien.original_msg_id == foreign.msg_id
+    for dl in letters.values():
+        assert dl.original_subject == subject and dl.stage == "rollout" and dl.run_id == run_id
+    info = await js.consumer_info(reg.stream("TASKS"), "decode")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert (await js.stream_info(reg.stream("TASKS"))).state.messages == 0
+
+
+async def test_unacked_message_is_redelivered_after_ack_wait(js, run_id):
+    reg = await topology(js, run_id)
+    task = make_task(run_id)
+    await publish(js, reg.tasks("arith"), task)
+    sub = await pull_subscription(js, loop_spec(reg, "slow", ack_wait_s=2.0))
+
+    [first] = await sub.fetch(1, timeout=5)
+    fetched_at = time.monotonic()
+    assert first.metadata.num_delivered == 1
+    with pytest.raises(nats.errors.TimeoutError):  # nothing to deliver before ack_wait runs out
+        await sub.fetch(1, timeout=0.5)
+    [again] = await sub.fetch(1, timeout=5)
+    assert time.monotonic() - fetched_at >= 1.7
+    assert again.metadata.num_delivered == 2
+    assert again.metadata.sequence.stream == first.metadata.sequence.stream
+    assert decode(again.data, Task) == task
+    await again.ack_sync()
+    info = await js.consumer_info(reg.stream("TASKS"), "slow")
+    assert info.num_ack_pending == 0

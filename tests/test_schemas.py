@@ -1,0 +1,202 @@
+"""Wire messages: round trips, the envelope on the wire, packed arrays, and DecodeError fields."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from schemas import (
+    SCHEMA_VERSION,
+    ChatMessage,
+    DeadLetter,
+    DecodeError,
+    EvalResult,
+    Metric,
+    Reward,
+    Task,
+    TaskFate,
+    TaskFates,
+    Trajectory,
+    Turn,
+    WeightVersion,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+    unpack_f32,
+    unpack_i32,
+)
+from schemas.messages import KINDS
+
+RUN = "r1"
+ENVELOPE = ("kind", "schema_version", "run_id", "msg_id", "created_at")
+
+
+def _traj(**kw) -> Trajectory:
+    base = dict(
+        run_id=RUN, task_id="t1", task_msg_id="m1", domain="arith", group_id="g1", group_size=2,
+        sample_index=0, verifier="arith", policy_version=3, final_text="42", tokens=2,
+        turns=[Turn(role="prompt", text="1+1=", token_ids=pack_i32([20, 15, 20, 33])),
+               Turn(role="assistant", text="2", token_ids=pack_i32([21, 1]), logprobs=pack_f32([-0.5, -1.25]),
+                    trainable=True, policy_version=3)],
+    )
+    base.update(kw)
+    return Trajectory(**base)
+
+
+def samples() -> list:
+    """One populated instance of every message kind."""
+    traj = _traj()
+    return [
+        Task(run_id=RUN, task_id="t1", domain="arith", group_size=4, verifier="arith",
+             prompt=[ChatMessage(role="user", content="1+1=")], tools=["python"], verifier_params={"answer_len": 2},
+             hidden_ref="gold://x"),
+        traj,
+        Reward(run_id=RUN, trajectory=traj, reward=1.0, components={"correct": 1.0}, details="ok"),
+        WeightVersion(run_id=RUN, version=2, step=5, uri="nats-object://b/v2", sha256="ab" * 32, bytes=10,
+                      metrics={"loss": 0.5}),
+        DeadLetter(run_id=RUN, stage="verifier", reason="bad", original_subject="traj.r1.arith",
+                   original_data=b"\x00\xffraw", original_headers={"Nats-Msg-Id": "x"}, task_msg_id="m1"),
+        Metric(run_id=RUN, role="rollout", worker_id="w1", values={"tokens": 3.0}),
+        EvalResult(run_id=RUN, version=1, step=1, domain="arith", score=0.5, n=10, eval_set_sha256="cd" * 32),
+        TaskFates(run_id=RUN, stage="learner", step=1,
+                  fates=[TaskFate(task_msg_id="m1", fate="trained", reward_msg_ids=["a", "b"])]),
+    ]
+
+
+def test_samples_cover_every_kind():
+    assert {type(m).KIND for m in samples()} == set(KINDS)
+
+
+@pytest.mark.parametrize("msg", samples(), ids=lambda m: type(m).KIND)
+def test_round_trip(msg):
+    data = encode(msg)
+    back = decode(data)
+    assert type(back) is type(msg)
+    assert back == msg
+    assert decode(data, type(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", samples(), ids=lambda m: type(m).KIND)
+def test_wire_is_one_plain_msgpack_map_with_envelope(msg):
+    body = msgpack.unpackb(encode(msg), raw=False)
+    assert isinstance(body, dict)
+    for key in ENVELOPE:
+        assert key in body, key
+    assert body["kind"] == type(msg).KIND
+    assert body["schema_version"] == SCHEMA_VERSION
+    assert body["run_id"] == RUN and body["msg_id"] == msg.msg_id
+    assert isinstance(body["created_at"], float)
+
+
+def test_token_arrays_are_msgpack_bin():
+    body = msgpack.unpackb(encode(_traj()), raw=False)
+    turn = body["turns"][1]
+    assert type(turn["token_ids"]) is bytes and type(turn["logprobs"]) is bytes
+    assert unpack_i32(turn["token_ids"]).tolist() == [21, 1]
+    assert unpack_f32(turn["logprobs"]).tolist() == [-0.5, -1.25]
+    # bin, not str: the raw msgpack type byte of a bin8 is 0xc4
+    assert b"\xc4\x08" + pack_i32([21, 1]) in encode(_traj())
+
+
+def test_pack_unpack_round_trip():
+    ids = np.array([0, 1, -5, 2**31 - 1, -(2**31)], dtype=np.int64)
+    out = unpack_i32(pack_i32(ids))
+    assert out.dtype == np.int32 and out.tolist() == ids.tolist()
+    assert len(pack_i32(ids)) == 4 * len(ids)
+    lp = np.array([-0.0, -1.5, -123.25, 3.0e-8], dtype=np.float32)
+    back = unpack_f32(pack_f32(lp.tolist()))
+    assert back.dtype == np.float32 and np.array_equal(back, lp)
+    assert pack_i32([]) == b"" and unpack_i32(b"").size == 0
+    assert pack_i32([1]) == b"\x01\x00\x00\x00"  # little endian
+
+
+def _body(msg) -> dict:
+    return msgpack.unpackb(encode(msg), raw=False)
+
+
+def _pack(body) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _field_of(data: bytes) -> str:
+    with pytest.raises(DecodeError) as ei:
+        decode(data)
+    assert ei.value.reason
+    return ei.value.field
+
+
+def test_decode_error_not_msgpack():
+    assert _field_of(b"\xc1") == "<payload>"  # 0xc1 is never used in msgpack
+    assert _field_of(b"") == "<payload>"
+
+
+def test_decode_error_not_a_map():
+    assert _field_of(_pack([1, 2, 3])) == "<payload>"
+    assert _field_of(_pack("task")) == "<payload>"
+
+
+def test_decode_error_schema_version():
+    body = _body(samples()[0])
+    body["schema_version"] = SCHEMA_VERSION + 1
+    assert _field_of(_pack(body)) == "schema_version"
+    del body["schema_version"]
+    assert _field_of(_pack(body)) == "schema_version"
+
+
+def test_decode_error_unknown_kind():
+    body = _body(samples()[0])
+    body["kind"] = "nonsense"
+    assert _field_of(_pack(body)) == "kind"
+    del body["kind"]
+    assert _field_of(_pack(body)) == "kind"
+
+
+def test_decode_error_expected_kind():
+    with pytest.raises(DecodeError) as ei:
+        decode(encode(samples()[0]), Reward)
+    assert ei.value.field == "kind"
+
+
+def test_decode_error_nested_packed_length():
+    body = _body(_traj())
+    body["turns"][0]["token_ids"] = b"\x01\x02\x03"  # 3 bytes: not a multiple of 4
+    assert _field_of(_pack(body)) == "turns.0.token_ids"
+    body = _body(_traj())
+    body["turns"][1]["logprobs"] = b"\x00" * 6
+    assert _field_of(_pack(body)) == "turns.1.logprobs"
+
+
+def test_decode_error_nested_wrong_type():
+    body = _body(samples()[2])  # reward
+    body["trajectory"]["turns"][1]["trainable"] = "maybe"
+    assert _field_of(_pack(body)) == "trajectory.turns.1.trainable"
+    body = _body(samples()[2])
+    body["trajectory"]["turns"][0]["token_ids"] = [1, 2, 3]  # a list instead of bin
+    assert _field_of(_pack(body)).startswith("trajectory.turns.0.token_ids")
+
+
+def test_decode_error_missing_required_field():
+    body = _body(samples()[0])
+    del body["verifier"]
+    assert _field_of(_pack(body)) == "verifier"
+    body = _body(samples()[0])
+    del body["run_id"]
+    assert _field_of(_pack(body)) == "run_id"
+
+
+def test_decode_error_unknown_extra_field():
+    body = _body(samples()[0])
+    body["surprise"] = 1
+    assert _field_of(_pack(body)) == "surprise"
+    body = _body(_traj())
+    body["turns"][0]["extra"] = True
+    assert _field_of(_pack(body)) == "turns.0.extra"
+
+
+def test_decode_error_is_a_value_error_with_field_in_message():
+    body = _body(samples()[0])
+    del body["domain"]
+    with pytest.raises(ValueError, match="domain"):
+        decode(_pack(body))

@@ -1,0 +1,210 @@
+"""Weight blobs and hot-loading over a real NATS server: publish_version, the object store's
+sha256 check, and a rollout engine that loads good versions and refuses a bad checksum."""
+
+from __future__ import annotations
+
+import contextlib
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+from nats.js.errors import NotFoundError
+from transformers import AutoModelForCausalLM
+
+from bus.conn import ensure_topology
+from bus.kv import WEIGHTS_LATEST, get_json
+from bus.objects import ChecksumMismatch, get_blob, put_blob, sha256_hex
+from bus.publish import publish
+from bus.subjects import Registry
+from learner.weights import load_state_bytes, publish_version, state_to_bytes
+from rlbus.tiny_model import build_tiny_model
+from rollout_workers.engines import HFEngine
+from rollout_workers.weights_watch import WeightWatcher
+from schemas import WeightVersion, decode
+
+TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def drop_run(js, run_id):
+    """Delete this test's run afterwards: each run's file streams reserve their max_bytes
+    (2+2+8 GiB) against the server's JetStream storage, so a session server fits only a few."""
+    yield
+    reg = Registry(run_id)
+    for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(name)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", **TINY)
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _perturb(model, seed: int, scale: float = 0.1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _same_params(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+# -- pure blob functions -------------------------------------------------------------
+
+def test_state_bytes_round_trip(model_dir):
+    src, dst = _load(model_dir), _load(model_dir)
+    _perturb(src, seed=1)
+    assert not _same_params(src, dst)
+    blob = state_to_bytes(src)
+    assert blob == state_to_bytes(src)  # deterministic
+    load_state_bytes(dst, blob)
+    assert _same_params(src, dst)
+    # tied embeddings stay tied and are stored once
+    assert dst.get_input_embeddings().weight.data_ptr() == dst.lm_head.weight.data_ptr()
+    from safetensors.torch import load
+
+    names = set(load(blob))
+    assert len(names) == len({t.data_ptr() for t in src.state_dict().values()})
+    assert not ({"lm_head.weight", "model.embed_tokens.weight"} <= names)
+
+
+def test_load_blob_of_other_architecture_raises(model_dir, tmp_path):
+    blob = state_to_bytes(_load(model_dir))
+    llama = _load(build_tiny_model(tmp_path / "llama", arch="llama", **TINY))  # same sizes, no qkv bias
+    before = _snapshot(llama)
+    with pytest.raises(ValueError, match="does not fit"):
+        load_state_bytes(llama, blob)
+    wider = _load(build_tiny_model(tmp_path / "wide", hidden_size=64, num_layers=1, num_heads=2))
+    with pytest.raises((ValueError, RuntimeError)):
+        load_state_bytes(wider, blob)
+    deeper = _load(build_tiny_model(tmp_path / "deep", hidden_size=32, num_layers=2, num_heads=2))
+    with pytest.raises(ValueError, match="missing"):
+        load_state_bytes(deeper, blob)
+    del before
+
+
+# -- object store ----------------------------------------------------------------------
+
+async def test_get_blob_checks_sha(js, run_id, tmp_path):
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    data = bytes(range(256)) * 1000  # several chunks
+    uri, sha, size = await put_blob(js, reg.object_bucket, "blob.bin", data)
+    assert uri == f"nats-object://{reg.object_bucket}/blob.bin" and size == len(data) and sha == sha256_hex(data)
+    assert await get_blob(js, uri, sha) == data
+    with pytest.raises(ChecksumMismatch):
+        await get_blob(js, uri, "0" * 64)
+    f = tmp_path / "w.bin"
+    f.write_bytes(data)
+    assert await get_blob(js, f.as_uri(), sha) == data
+    with pytest.raises(ChecksumMismatch):
+        await get_blob(js, f.as_uri(), sha256_hex(b"other"))
+
+
+# -- publish + hot load ---------------------------------------------------------------
+
+async def test_publish_version_announces_on_subject_and_kv(js, run_id, model_dir):
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    model = _load(model_dir)
+    wv = await publish_version(js, reg, model, version=1, step=7, metrics={"loss": 0.25})
+    assert wv.version == 1 and wv.step == 7 and wv.dtype == "float32" and wv.metrics == {"loss": 0.25}
+
+    raw = await js.get_last_msg(reg.stream("WEIGHTS"), reg.weights)
+    announced = decode(raw.data, WeightVersion)
+    assert announced == wv
+    assert raw.headers and raw.headers.get("Nats-Msg-Id") == wv.msg_id
+
+    latest = await get_json(js, reg, WEIGHTS_LATEST)
+    assert latest["version"] == 1 and latest["msg_id"] == wv.msg_id
+    assert latest["uri"] == wv.uri and latest["sha256"] == wv.sha256 and latest["step"] == 7
+
+    blob = await get_blob(js, wv.uri, wv.sha256)
+    assert blob == state_to_bytes(model) and len(blob) == wv.bytes
+
+
+async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model_dir):
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    publisher = _load(model_dir)
+    _perturb(publisher, seed=2)
+    engine = HFEngine(str(model_dir), threads=1)
+    _perturb(engine.model, seed=3)
+    assert not _same_params(engine.model, publisher)
+
+    v1 = await publish_version(js, reg, publisher, version=1, step=1, metrics={})
+    counters: dict[str, float] = {}
+    watcher = WeightWatcher(js, reg, counters)
+    await watcher.start()
+    try:
+        assert watcher.version == -1
+        assert await asyncio.wait_for(watcher.wait_first(asyncio.Event()), 10)
+        assert await watcher.maybe_load(engine)
+        assert watcher.version == 1 and counters["weight_version"] == 1 and counters["weights_loaded"] == 1
+        assert _same_params(engine.model, publisher)
+        assert not await watcher.maybe_load(engine)  # nothing newer
+
+        # an announcement whose sha256 does not match the blob: never loaded
+        good_state = _snapshot(engine.model)
+        bad = WeightVersion(run_id=run_id, version=2, step=2, uri=v1.uri, sha256="f" * 64, bytes=v1.bytes)
+        await publish(js, reg.weights, bad)
+        await _until(lambda: watcher.newest is not None and watcher.newest.version == 2)
+        assert not await watcher.maybe_load(engine)
+        assert counters["weights_rejected"] == 1
+        assert watcher.version == 1
+        assert all(torch.equal(v, good_state[k]) for k, v in engine.model.state_dict().items())
+        assert not await watcher.maybe_load(engine)  # asked again: not refetched, not recounted
+        assert counters["weights_rejected"] == 1
+
+        # a later good version still loads
+        _perturb(publisher, seed=4)
+        await publish_version(js, reg, publisher, version=3, step=3, metrics={})
+        await _until(lambda: watcher.newest.version == 3)
+        assert await watcher.maybe_load(engine)
+        assert watcher.version == 3 and counters["weights_loaded"] == 2 and counters["weights_rejected"] == 1
+        assert _same_params(engine.model, publisher)
+        # the engine still generates with the hot-loaded weights
+        out = engine.generate(["1+2="], n=2, max_new_tokens=3, temperature=1.0)
+        assert len(out) == 1 and len(out[0]) == 2
+    finally:
+        await watcher._sub.unsubscribe()
+
+
+async def test_watcher_ignores_older_announcement(js, run_id, model_dir):
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    model = _load(model_dir)
+    watcher = WeightWatcher(js, reg, {})
+    await watcher.start()
+    try:
+        await publish_version(js, reg, model, version=5, step=5, metrics={})
+        await _until(lambda: watcher.newest is not None)
+        await publish_version(js, reg, model, version=4, step=4, metrics={})
+        await publish_version(js, reg, model, version=6, step=6, metrics={})
+        await _until(lambda: watcher.newest.version == 6)
+        await publish_version(js, reg, model, version=2, step=2, metrics={})
+        await asyncio.sleep(0.2)
+        assert watcher.newest.version == 6
+    finally:
+        await watcher._sub.unsubscribe()

@@ -1,6 +1,6 @@
 """Bus benchmark: trajectories/s through the real pipeline vs raw JetStream, one run.
 
-What it measures (run with no arguments: `python bench/bus.py`, about 2-3 minutes):
+What it measures (run with no arguments: `python bench/bus.py`):
 
 - OURS: end-to-end trajectories/s of the real pipeline with no model. One embedded
   nats-server (fresh store in a temp dir); the REAL worker processes
@@ -15,8 +15,9 @@ What it measures (run with no arguments: `python bench/bus.py`, about 2-3 minute
   same time, so sampling jitter of this script does not enter). Per-stage counters
   (tasks published, trajectories, rewards) come from the workers' telemetry on
   `metrics.<run>.>` over the same window.
-- PEER: raw JetStream in ONE nats-py process on the same server, after our workers
-  stopped: a WorkQueue file stream; publish N messages of the size of a real encoded
+- PEER: raw JetStream in ONE nats-py process on the same server, run once before our
+  workers start and once after they stopped (the machine may be shared; the faster run
+  is the baseline, both are recorded): a WorkQueue file stream; publish N messages of the size of a real encoded
   `Trajectory` with `publish_async` pipelining (default `wait_stall=None`, so writes
   coalesce; all stream acks awaited, no dedup header), then a durable
   pull consumer fetches in batches and acks every message; rate = N / total time
@@ -25,6 +26,7 @@ What it measures (run with no arguments: `python bench/bus.py`, about 2-3 minute
 Writes bench/results/bus.json with ours, peer, ratio (ours/peer; the design target is
 >= 0.3) and the details, and prints a table. The machine may be shared, so absolute
 numbers are noisy; both sides run in the same invocation on the same server.
+About 2 minutes.
 """
 
 from __future__ import annotations
@@ -261,16 +263,16 @@ async def measure_ours(url: str, tmp: Path, console: Console) -> dict:
 
 
 # ---------------------------------------------------------------------------- peer
-async def measure_peer(url: str, payload_bytes: int, console: Console) -> dict:
+async def measure_peer(url: str, payload_bytes: int, console: Console, name: str) -> dict:
     nc = await nats.connect(url, name="bench-bus-peer", pending_size=64 * 1024 * 1024)
     js = nc.jetstream(timeout=30)
-    name, subject = "BENCHPEER", "benchpeer.work"
+    subject = f"{name.lower()}.work"
     await js.add_stream(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE,
                                      storage=StorageType.FILE, num_replicas=1))
     await js.add_consumer(name, ConsumerConfig(durable_name="peer", ack_policy=AckPolicy.EXPLICIT,
                                                max_ack_pending=20_000, ack_wait=60.0))
     payload = os.urandom(payload_bytes)
-    console.print(f"[bold]peer[/]: publish+fetch+ack of up to {PEER_N} x {payload_bytes} B messages ...")
+    console.print(f"[bold]peer[/] ({name}): publish+fetch+ack of up to {PEER_N} x {payload_bytes} B messages ...")
     t0 = time.perf_counter()
     deadline = t0 + PEER_MAX_S / 2
     futures, published = [], 0
@@ -316,11 +318,17 @@ async def main() -> dict:
         server = EmbeddedNats(tmp / "nats").start()
         try:
             console.print(f"nats-server at {server.url} (store {server.store_dir})")
+            peer_before = await measure_peer(server.url, payload_bytes, console, "BENCHPEER1")
             ours = await measure_ours(server.url, tmp, console)
-            peer = await measure_peer(server.url, payload_bytes, console)
+            peer_after = await measure_peer(server.url, payload_bytes, console, "BENCHPEER2")
         finally:
             server.stop()
     from importlib.metadata import version
+
+    # the machine may be shared: the peer runs before and after ours, and the faster of
+    # the two is the baseline (the conservative choice for the ratio)
+    peer = max(peer_before, peer_after, key=lambda p: p["msg_per_s"])
+    peer_mean = (peer_before["msg_per_s"] + peer_after["msg_per_s"]) / 2
 
     result = {
         "name": "bus",
@@ -335,6 +343,9 @@ async def main() -> dict:
                         "learner_groups_per_step": GROUPS_PER_STEP, "sampler_max_inflight_tasks": MAX_INFLIGHT_TASKS,
                         "sampler_publish_batch": PUBLISH_BATCH, "verifier_batch": VERIFIER_BATCH,
                         "messages_per_trajectory": "1 trajectory + 1 reward + 1/group_size task (+ ledger/KV per batch)"},
+        "ratio_vs_mean_peer": round(ours["traj_per_s"] / peer_mean, 3) if peer_mean else None,
+        "peer_runs_msg_per_s": {"before_ours": round(peer_before["msg_per_s"], 1),
+                                "after_ours": round(peer_after["msg_per_s"], 1)},
         "peer_detail": {**peer, "payload_bytes": payload_bytes, "fetch_batch": PEER_FETCH_BATCH,
                         "storage": "file", "retention": "workqueue"},
         "payload_bytes": payload_bytes,
@@ -354,7 +365,8 @@ async def main() -> dict:
     table.add_row("ours", f"{result['ours']:,.0f}", "traj/s end to end",
                   f"{ours['samples_trained_in_window']} trained in {ours['window_s']:.1f}s, G={GROUP_SIZE}")
     table.add_row("peer", f"{result['peer']:,.0f}", "msg/s publish+fetch+ack",
-                  f"{peer['n']} x {payload_bytes} B in {peer['seconds']:.1f}s")
+                  f"{peer['n']} x {payload_bytes} B in {peer['seconds']:.1f}s (faster of 2 runs: "
+                  f"{peer_before['msg_per_s']:,.0f} before, {peer_after['msg_per_s']:,.0f} after)")
     ok = result["ratio"] is not None and result["ratio"] >= 0.3
     table.add_row("ratio", f"{result['ratio']}", "ours/peer", "[green]>= 0.3 target met[/]" if ok else "[red]< 0.3 target[/]")
     for k, v in ours["stage_rates_wall"].items():

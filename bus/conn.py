@@ -12,7 +12,7 @@ from __future__ import annotations
 import nats
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from bus.subjects import ConsumerSpec, Registry
 
@@ -57,12 +57,9 @@ async def ensure_topology(js: JetStreamContext, reg: Registry) -> None:
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
-    """Create the durable, or update it to the spec's settings if it exists."""
-    try:
-        await js.add_consumer(spec.stream, config=spec.config())
-    except BadRequestError:
-        # exists with different settings: update in place (same name + filter)
-        await js.add_consumer(spec.stream, config=spec.config())
+    """Create the durable, or update it in place to the spec's settings if it exists
+    (the server applies a changed config to an existing durable of the same name)."""
+    await js.add_consumer(spec.stream, config=spec.config())
 
 
 async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):

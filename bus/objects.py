@@ -10,6 +10,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 from pathlib import Path
@@ -45,7 +46,7 @@ async def get_blob(js: JetStreamContext, uri: str, expected_sha256: str) -> byte
         await store.get(parsed.path.lstrip("/"), writeinto=buf)
         data = buf.getvalue()
     elif parsed.scheme == "file":
-        data = Path(parsed.path).read_bytes()
+        data = await asyncio.to_thread(Path(parsed.path).read_bytes)
     else:
         raise ValueError(f"unsupported weight URI scheme {parsed.scheme!r} in {uri!r}")
     actual = sha256_hex(data)

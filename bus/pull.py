@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 
 from bus.publish import publish
 from bus.subjects import Registry
-from schemas import DeadLetter, DecodeError, Message, decode
+from schemas import DeadLetter, DecodeError, Message, decode, new_msg_id
 
 log = structlog.get_logger()
 
@@ -81,8 +81,13 @@ async def dead_letter(js: JetStreamContext, reg: Registry, stage: str, raw: Msg,
     except Exception:
         delivered = 1
     headers = dict(raw.headers or {})
+    try:
+        origin = headers.get("Nats-Msg-Id") or f"seq{raw.metadata.sequence.stream}"
+    except Exception:
+        origin = headers.get("Nats-Msg-Id") or new_msg_id()
     letter = DeadLetter(
-        run_id=reg.run_id, stage=stage, reason=reason, error_type=error_type,
+        # derived id: a crash between this publish and the term cannot dead-letter twice
+        run_id=reg.run_id, msg_id=f"dlq-{stage}-{origin}-{delivered}", stage=stage, reason=reason, error_type=error_type,
         original_subject=raw.subject, original_data=raw.data or b"", original_headers=headers,
         original_msg_id=headers.get("Nats-Msg-Id"), delivery_count=delivered, task_msg_id=task_msg_id,
     )

@@ -43,8 +43,11 @@ class Limits:
 
     tasks_max_msgs: int = 100_000
     traj_max_msgs: int = 1_000_000
-    work_max_bytes: int = 2 * 1024**3
-    rewards_max_bytes: int = 8 * 1024**3
+    # nats-server reserves max_bytes of file storage per stream up front, so the work
+    # streams' byte caps stay modest (128 MiB each, ~100k trajectories) and the logs
+    # (REWARDS, DLQ, LEDGER) are bounded by age, not bytes: a Limits stream with a byte
+    # cap would discard old rewards the learner may not have read yet.
+    work_max_bytes: int = 128 * 1024**2
     rewards_max_age_s: float = 30 * DAY
     dlq_max_age_s: float = 90 * DAY
     weights_keep: int = 64
@@ -163,7 +166,7 @@ class Registry:
         return [
             sc("TASKS", [self.all("tasks")], work, new, max_msgs=lim.tasks_max_msgs, max_bytes=lim.work_max_bytes),
             sc("TRAJ", [self.all("traj")], work, new, max_msgs=lim.traj_max_msgs, max_bytes=lim.work_max_bytes),
-            sc("REWARDS", [self.all("rewards")], limits, old, max_bytes=lim.rewards_max_bytes, max_age=lim.rewards_max_age_s),
+            sc("REWARDS", [self.all("rewards")], limits, old, max_age=lim.rewards_max_age_s),
             sc("WEIGHTS", [self.weights], limits, old, max_msgs=lim.weights_keep),
             sc("EVAL", [self.all("eval")], limits, old, max_age=lim.rewards_max_age_s),
             sc("DLQ", [self.all("dlq")], limits, old, max_age=lim.dlq_max_age_s),

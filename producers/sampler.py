@@ -43,11 +43,18 @@ def make_arith_task(run_id: str, rng: random.Random, cfg, index: int, heldout: s
 
 
 async def inflight(js, reg, published: int) -> int:
-    """Tasks published and not yet consumed by the learner nor dead-lettered."""
+    """Tasks published and not yet consumed by the learner nor dead-lettered as tasks.
+
+    Dead-lettered trajectories/rewards are not subtracted: their task's other samples
+    still reach the learner as a partial group, which it trains or filters (counted in
+    `tasks_done`). Only a task whose every sample is dead-lettered keeps its slot.
+    """
     progress = await get_json(js, reg, LEARNER_PROGRESS) or {}
     done = int(progress.get("tasks_done", 0))
+    subject = reg.dlq("rollout")
     try:
-        dead = (await js.stream_info(reg.stream("DLQ"))).state.messages
+        info = await js.stream_info(reg.stream("DLQ"), subjects_filter=subject)
+        dead = int((info.state.subjects or {}).get(subject, 0))
     except Exception:
         dead = 0
     return max(0, published - done - dead)

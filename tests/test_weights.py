@@ -3,9 +3,8 @@ sha256 check, and a rollout engine that loads good versions and refuses a bad ch
 
 from __future__ import annotations
 
-import contextlib
-
 import asyncio
+import contextlib
 
 import pytest
 import pytest_asyncio

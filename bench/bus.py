@@ -17,11 +17,14 @@ What it measures (run with no arguments: `python bench/bus.py`):
   `metrics.<run>.>` over the same window.
 - PEER: raw JetStream in ONE nats-py process on the same server, run once before our
   workers start and once after they stopped (the machine may be shared; the faster run
-  is the baseline, both are recorded): a WorkQueue file stream; publish N messages of the size of a real encoded
-  `Trajectory` with `publish_async` pipelining (default `wait_stall=None`, so writes
-  coalesce; all stream acks awaited, no dedup header), then a durable
-  pull consumer fetches in batches and acks every message; rate = N / total time
-  (publish + fetch + ack). N = 50k, time-boxed.
+  is the baseline, both are recorded): a WorkQueue file stream; publish N messages of
+  the size of a real encoded `Trajectory` with `publish_async` pipelining (default
+  `wait_stall=None`, so writes coalesce; all stream acks awaited, no dedup header), then
+  a durable pull consumer fetches in batches and acks every message; rate = N / total
+  time (publish + fetch + ack). N = 50k, time-boxed.
+- CPU: user+system CPU of every worker process and of nats-server over the window
+  (from /proc), per trajectory; and of the peer process + server per peer message. This
+  is less sensitive to other load on the machine than the rates.
 
 Writes bench/results/bus.json with ours, peer, ratio (ours/peer; the design target is
 >= 0.3) and the details, and prints a table. The machine may be shared, so absolute
@@ -123,6 +126,21 @@ def trajectory_payload_bytes() -> int:
     return max(len(encode(t)) for t in trajs)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """user+system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_ms_per(before: dict[str, float | None], after: dict[str, float | None], n: int) -> dict[str, float | None]:
+    """CPU milliseconds per unit of work for each process, from two cpu_seconds readings."""
+    return {k: (round(1000 * (after[k] - before[k]) / n, 4) if n and before.get(k) is not None
+                and after.get(k) is not None else None) for k in after}
+
+
 # ---------------------------------------------------------------------------- ours
 class Workers:
     """The real worker processes, started and stopped by PID."""
@@ -191,7 +209,7 @@ class Telemetry:
         return out
 
 
-async def measure_ours(url: str, tmp: Path, console: Console) -> dict:
+async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -> dict:
     run_id = f"bench{int(time.time())}"
     config = tmp / "bench_bus.toml"
     config.write_text(CONFIG)
@@ -226,12 +244,15 @@ async def measure_ours(url: str, tmp: Path, console: Console) -> dict:
             await asyncio.sleep(0.5)
         first_trained_s = time.monotonic() - t_start
         await asyncio.sleep(SETTLE_S)
+        pids = {**{r: p.pid for r, p in workers.procs.items()}, "nats-server": server_pid}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         p0, tele0, w0 = await progress(), tele.snapshot(), time.monotonic()
         console.print(f"ours: first step after {first_trained_s:.1f}s; measuring {WINDOW_S:.0f}s window ...")
         while time.monotonic() - w0 < WINDOW_S:
             workers.check_alive()
             await asyncio.sleep(1.0)
         p1, tele1, w1 = await progress(), tele.snapshot(), time.monotonic()
+        cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         streams = {}
         for fam in ("TASKS", "TRAJ", "REWARDS", "DLQ"):
             with_state = (await js.stream_info(reg.stream(fam))).state
@@ -255,6 +276,9 @@ async def measure_ours(url: str, tmp: Path, console: Console) -> dict:
         "window_wall_s": round(wall, 3),
         "warmup_s": round(first_trained_s + SETTLE_S, 1),
         "stage_rates_wall": stages,
+        "cpu_ms_per_trajectory": cpu_ms_per(cpu0, cpu1, trained),
+        "cpu_util_in_window": {k: (round((cpu1[k] - cpu0[k]) / wall, 3) if cpu0[k] is not None and cpu1[k] is not None
+                                   else None) for k in cpu1},
         "stream_backlog_at_end": streams,
         "worker_counters_at_end": {r: {k: v for k, v in c.items() if not k.startswith("reward_")} for r, c in tele1.items()},
         "worker_exit_codes": codes,
@@ -263,7 +287,7 @@ async def measure_ours(url: str, tmp: Path, console: Console) -> dict:
 
 
 # ---------------------------------------------------------------------------- peer
-async def measure_peer(url: str, payload_bytes: int, console: Console, name: str) -> dict:
+async def measure_peer(url: str, server_pid: int, payload_bytes: int, console: Console, name: str) -> dict:
     nc = await nats.connect(url, name="bench-bus-peer", pending_size=64 * 1024 * 1024)
     js = nc.jetstream(timeout=30)
     subject = f"{name.lower()}.work"
@@ -273,6 +297,7 @@ async def measure_peer(url: str, payload_bytes: int, console: Console, name: str
                                                max_ack_pending=20_000, ack_wait=60.0))
     payload = os.urandom(payload_bytes)
     console.print(f"[bold]peer[/] ({name}): publish+fetch+ack of up to {PEER_N} x {payload_bytes} B messages ...")
+    cpu0 = {"peer": time.process_time(), "nats-server": cpu_seconds(server_pid)}
     t0 = time.perf_counter()
     deadline = t0 + PEER_MAX_S / 2
     futures, published = [], 0
@@ -299,6 +324,7 @@ async def measure_peer(url: str, payload_bytes: int, console: Console, name: str
         acked += len(msgs)
     await nc.flush(timeout=10)
     t_end = time.perf_counter()
+    cpu1 = {"peer": time.process_time(), "nats-server": cpu_seconds(server_pid)}
     left = (await js.stream_info(name)).state.messages
     await js.delete_stream(name)
     await nc.close()
@@ -306,7 +332,8 @@ async def measure_peer(url: str, payload_bytes: int, console: Console, name: str
     return {"msg_per_s": acked / total, "n": acked, "published": published, "seconds": round(total, 3),
             "publish_s": round(t_pub - t0, 3), "fetch_ack_s": round(t_end - t_pub, 3),
             "publish_msg_per_s": round(published / (t_pub - t0), 1),
-            "fetch_ack_msg_per_s": round(acked / (t_end - t_pub), 1), "left_in_stream": left}
+            "fetch_ack_msg_per_s": round(acked / (t_end - t_pub), 1), "left_in_stream": left,
+            "cpu_ms_per_message": cpu_ms_per(cpu0, cpu1, acked)}
 
 
 # ---------------------------------------------------------------------------- main
@@ -318,9 +345,9 @@ async def main() -> dict:
         server = EmbeddedNats(tmp / "nats").start()
         try:
             console.print(f"nats-server at {server.url} (store {server.store_dir})")
-            peer_before = await measure_peer(server.url, payload_bytes, console, "BENCHPEER1")
-            ours = await measure_ours(server.url, tmp, console)
-            peer_after = await measure_peer(server.url, payload_bytes, console, "BENCHPEER2")
+            peer_before = await measure_peer(server.url, server.proc.pid, payload_bytes, console, "BENCHPEER1")
+            ours = await measure_ours(server.url, server.proc.pid, tmp, console)
+            peer_after = await measure_peer(server.url, server.proc.pid, payload_bytes, console, "BENCHPEER2")
         finally:
             server.stop()
     from importlib.metadata import version
@@ -371,6 +398,13 @@ async def main() -> dict:
     table.add_row("ratio", f"{result['ratio']}", "ours/peer", "[green]>= 0.3 target met[/]" if ok else "[red]< 0.3 target[/]")
     for k, v in ours["stage_rates_wall"].items():
         table.add_row("", f"{v}", k, "")
+    cpu = ours["cpu_ms_per_trajectory"]
+    if all(v is not None for v in cpu.values()):
+        table.add_row("cpu", f"{sum(cpu.values()):.3f}", "ms CPU per trajectory (all processes)",
+                      ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()))
+        pc = peer["cpu_ms_per_message"]
+        table.add_row("cpu", f"{sum(pc.values()):.3f}", "ms CPU per peer message",
+                      ", ".join(f"{k} {v:.3f}" for k, v in pc.items()))
     console.print(table)
     console.print(f"wrote {RESULT.relative_to(ROOT)}")
     return result

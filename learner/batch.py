@@ -17,26 +17,35 @@ from schemas import unpack_f32, unpack_i32
 
 
 def pack_samples(rewards, pad_id: int) -> dict[str, torch.Tensor]:
-    """Padded `input_ids`, `attention_mask`, `loss_mask`, `behavior_logp`, `rewards`, `group_ids`."""
-    seqs, comp_lens, prompt_lens, behav = [], [], [], []
+    """Padded `input_ids`, `attention_mask`, `loss_mask`, `behavior_logp`, `rewards`, `group_ids`.
+
+    Turns are concatenated in episode order; each trainable turn's tokens are covered by
+    the loss mask and carry their behaviour log-probs, tool/prompt turns are context only.
+    """
+    seqs, spans = [], []  # spans: per sample, (offset, length, logprobs) of trainable turns
     for r in rewards:
-        prompt = np.concatenate([unpack_i32(t.token_ids) for t in r.trajectory.turns if not t.trainable])
-        comp_turns = [t for t in r.trajectory.turns if t.trainable]
-        comp = np.concatenate([unpack_i32(t.token_ids) for t in comp_turns])
-        seqs.append(np.concatenate([prompt, comp]))
-        prompt_lens.append(len(prompt))
-        comp_lens.append(len(comp))
-        behav.append(np.concatenate([unpack_f32(t.logprobs) for t in comp_turns]))
+        parts, sample_spans, offset = [], [], 0
+        for t in r.trajectory.turns:
+            ids = unpack_i32(t.token_ids)
+            if t.trainable and len(ids):
+                sample_spans.append((offset, len(ids), unpack_f32(t.logprobs)))
+            parts.append(ids)
+            offset += len(ids)
+        if not sample_spans or sample_spans[0][0] == 0:
+            raise ValueError(f"reward {r.msg_id}: a trajectory needs context tokens before its first trainable turn")
+        seqs.append(np.concatenate(parts))
+        spans.append(sample_spans)
     B, L = len(seqs), max(len(s) for s in seqs)
     ids = np.full((B, L), pad_id, dtype=np.int64)
     attn = np.zeros((B, L), dtype=np.int64)
     loss_mask = np.zeros((B, L - 1), dtype=np.float32)
     behavior = np.zeros((B, L - 1), dtype=np.float32)
-    for i, (s, p, c, b) in enumerate(zip(seqs, prompt_lens, comp_lens, behav)):
+    for i, (s, sample_spans) in enumerate(zip(seqs, spans)):
         ids[i, : len(s)] = s
         attn[i, : len(s)] = 1
-        loss_mask[i, p - 1 : p - 1 + c] = 1.0
-        behavior[i, p - 1 : p - 1 + c] = b
+        for off, n, lp in sample_spans:  # position t scores token t+1
+            loss_mask[i, off - 1 : off - 1 + n] = 1.0
+            behavior[i, off - 1 : off - 1 + n] = lp
     group_index = {g: k for k, g in enumerate(dict.fromkeys(r.trajectory.group_id for r in rewards))}
     return {
         "input_ids": torch.from_numpy(ids),

@@ -32,8 +32,8 @@ DOMAIN = "arith"
 
 @pytest_asyncio.fixture(autouse=True)
 async def drop_run(js, run_id):
-    """Delete this test's run afterwards: each run's file streams reserve their max_bytes
-    (2+2+8 GiB) against the server's JetStream storage, so a session server fits only a few."""
+    """Delete this test's run afterwards: file streams reserve their max_bytes against the
+    session server's JetStream storage, so leftover runs could starve later tests."""
     yield
     reg = Registry(run_id)
     for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:

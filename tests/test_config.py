@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -27,17 +28,20 @@ def test_every_example_loads(path):
     assert isinstance(cfg, RunConfig)
 
 
-def test_example_values_are_applied():
-    demo = ROOT / "examples" / "demo.toml"
-    if not demo.exists():
-        pytest.skip("examples/demo.toml not present")
+def _assert_applied(model, raw: dict, where: str = "") -> None:
+    for key, value in raw.items():
+        got = getattr(model, key)
+        if isinstance(value, dict) and isinstance(got, BaseModel):
+            _assert_applied(got, value, f"{where}{key}.")
+        else:
+            assert got == value, f"{where}{key}: file says {value!r}, config has {got!r}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_values_are_applied(path):
     import tomllib
 
-    raw = tomllib.loads(demo.read_text())
-    cfg = load_config(demo)
-    for section, values in raw.items():
-        for key, value in values.items():
-            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+    _assert_applied(load_config(path), tomllib.loads(path.read_text()))
 
 
 def test_unknown_key_rejected_naming_it(tmp_path):
@@ -107,13 +111,23 @@ def test_missing_file_raises_config_error(tmp_path):
         load_config(tmp_path / "nope.toml")
 
 
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """Pydantic model classes inside an annotation (`X`, `X | None`, `dict[str, X]`, `list[X]`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
 def _sections(model: type[BaseModel], prefix: str = ""):
     """(dotted name, model class) for RunConfig and every nested section."""
     yield prefix or "<root>", model
     for name, f in model.model_fields.items():
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            yield from _sections(ann, f"{prefix}{name}.")
+        for sub in _models_in(f.annotation):
+            yield from _sections(sub, f"{prefix}{name}.")
+
+
+def _all_subclasses(cls) -> set[type]:
+    return {c for sub in cls.__subclasses__() for c in {sub} | _all_subclasses(sub)}
 
 
 def test_every_field_is_documented():
@@ -131,7 +145,7 @@ def test_every_field_is_documented():
 
 def test_every_section_subclass_is_reachable_from_run_config():
     reachable = {m for _, m in _sections(RunConfig)}
-    missing = [c.__name__ for c in Section.__subclasses__() if c not in reachable]
+    missing = [c.__name__ for c in _all_subclasses(Section) if c not in reachable]
     assert not missing, f"Section subclasses not in RunConfig: {missing}"
 
 

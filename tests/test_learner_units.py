@@ -4,7 +4,6 @@ rollout engine and the learner (ratio == 1)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -28,8 +28,8 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
 
 @pytest_asyncio.fixture(autouse=True)
 async def drop_run(js, run_id):
-    """Delete this test's run afterwards: each run's file streams reserve their max_bytes
-    (2+2+8 GiB) against the server's JetStream storage, so a session server fits only a few."""
+    """Delete this test's run afterwards: file streams reserve their max_bytes against the
+    session server's JetStream storage, so leftover runs could starve later tests."""
     yield
     reg = Registry(run_id)
     for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
@@ -91,7 +91,6 @@ def test_state_bytes_round_trip(model_dir):
 def test_load_blob_of_other_architecture_raises(model_dir, tmp_path):
     blob = state_to_bytes(_load(model_dir))
     llama = _load(build_tiny_model(tmp_path / "llama", arch="llama", **TINY))  # same sizes, no qkv bias
-    before = _snapshot(llama)
     with pytest.raises(ValueError, match="does not fit"):
         load_state_bytes(llama, blob)
     wider = _load(build_tiny_model(tmp_path / "wide", hidden_size=64, num_layers=1, num_heads=2))
@@ -100,7 +99,6 @@ def test_load_blob_of_other_architecture_raises(model_dir, tmp_path):
     deeper = _load(build_tiny_model(tmp_path / "deep", hidden_size=32, num_layers=2, num_heads=2))
     with pytest.raises(ValueError, match="missing"):
         load_state_bytes(deeper, blob)
-    del before
 
 
 # -- object store ----------------------------------------------------------------------

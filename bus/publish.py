@@ -30,6 +30,11 @@ async def publish_many(js: JetStreamContext, items: list[tuple[str, Message]], t
     """Publish (subject, message) pairs pipelined; return their acks in order."""
     if not items:
         return []
-    futures = [await js.publish_async(subject, encode(msg), headers=headers_for(msg), wait_stall=timeout)
-               for subject, msg in items]
-    return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
+
+    async def send_all():
+        # No wait_stall: with one, nats-py awaits the semaphore through wait_for on every
+        # message, which yields to the flusher and costs one socket write per message.
+        futures = [await js.publish_async(subject, encode(msg), headers=headers_for(msg)) for subject, msg in items]
+        return list(await asyncio.gather(*futures))
+
+    return await asyncio.wait_for(send_all(), timeout)

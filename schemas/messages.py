@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 SCHEMA_VERSION = 1
 
@@ -90,6 +90,9 @@ class Message(BaseModel):
     """Unique id, sent as Nats-Msg-Id for JetStream de-duplication."""
     created_at: float = Field(default_factory=time.time)
     """Unix time the message was created."""
+    _wire: dict | None = PrivateAttr(default=None)
+    # for a decoded Trajectory (frozen): the validated map it was decoded from, so a
+    # Reward can embed it without dumping it again; None for messages built in code
 
 
 class ChatMessage(BaseModel):
@@ -135,9 +138,9 @@ class Task(Message):
 
 
 class Turn(BaseModel):
-    """One turn of an episode."""
+    """One turn of an episode (immutable)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
     role: Literal["prompt", "assistant", "tool"]
     """`prompt` = context fed in, `assistant` = model-generated, `tool` = environment output."""
     text: str
@@ -153,9 +156,17 @@ class Turn(BaseModel):
 
 
 class Trajectory(Message):
-    """One sampled episode for one task."""
+    """One sampled episode for one task (immutable once built)."""
 
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
     KIND: ClassVar[str] = "trajectory"
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when the fields are (the cached wire map does not count)."""
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
     task_id: str
     """The task's `task_id`."""
     task_msg_id: str
@@ -320,7 +331,12 @@ KINDS: dict[str, type[Message]] = {
 
 def encode(msg: Message) -> bytes:
     """MessagePack bytes of a message: one map with `kind` and the envelope fields."""
-    body = msg.model_dump(mode="python")
+    if isinstance(msg, Reward) and msg.trajectory._wire is not None:
+        # a decoded (frozen) trajectory is embedded as the map it arrived as: no re-dump
+        body = msg.model_dump(mode="python", exclude={"trajectory"})
+        body["trajectory"] = msg.trajectory._wire
+    else:
+        body = msg.model_dump(mode="python")
     body["kind"] = msg.KIND
     return msgpack.packb(body, use_bin_type=True)
 
@@ -343,8 +359,11 @@ def decode(data: bytes, expect: type[Message] | None = None) -> Message:
     if expect is not None and cls is not expect:
         raise DecodeError("kind", f"expected {expect.KIND!r}, got {kind!r}")
     try:
-        return cls.model_validate(body)
+        msg = cls.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "<payload>"
         raise DecodeError(field, err["msg"]) from None
+    if isinstance(msg, Trajectory):
+        msg._wire = body
+    return msg

@@ -190,3 +190,21 @@ def test_learner_logprobs_equal_engine_behaviour_logprobs(engine):
     # the check has teeth: shifting the behaviour log-probs by one position breaks it
     shifted = torch.roll(batch["behavior_logp"], 1, dims=1)
     assert not torch.allclose(new[mask], shifted[mask], atol=1e-4)
+
+
+def test_pack_samples_keeps_multi_turn_order():
+    """prompt [1,2] -> assistant [3] -> tool [4,5] -> assistant [6]: tokens stay in episode
+    order and only the two assistant turns are in the loss, with their own log-probs."""
+    turns = [
+        Turn(role="prompt", text="p", token_ids=pack_i32([1, 2])),
+        Turn(role="assistant", text="a", token_ids=pack_i32([3]), logprobs=pack_f32([-0.5]), trainable=True, policy_version=0),
+        Turn(role="tool", text="t", token_ids=pack_i32([4, 5])),
+        Turn(role="assistant", text="b", token_ids=pack_i32([6]), logprobs=pack_f32([-0.25]), trainable=True, policy_version=0),
+    ]
+    traj = Trajectory(run_id="r", task_id="t", task_msg_id="m", domain="arith", group_id="g", group_size=1,
+                      sample_index=0, turns=turns, verifier="arith", policy_version=0)
+    b = pack_samples([Reward(run_id="r", trajectory=traj, reward=1.0)], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
+    # position t scores token t+1: token 3 is scored at 1, token 6 at 4
+    assert b["loss_mask"].tolist() == [[0.0, 1.0, 0.0, 0.0, 1.0]]
+    assert b["behavior_logp"].tolist() == [[0.0, -0.5, 0.0, 0.0, -0.25]]

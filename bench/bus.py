@@ -101,6 +101,7 @@ batch = {VERIFIER_BATCH}
 policy = "null"
 groups_per_step = {GROUPS_PER_STEP}
 step_window_s = 0.5
+publish_every = 8
 group_deadline_s = 30.0
 max_staleness = 1000000
 checkpoint_every = 1000000

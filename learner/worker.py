@@ -86,10 +86,25 @@ class Learner:
         self.last_step_at = time.monotonic()
         self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
 
-    def state(self) -> dict:
-        """What a checkpoint records besides model/optimizer."""
+    def state(self, rewards_ack_floor: int = 0) -> dict:
+        """What a checkpoint records besides model/optimizer: counters, the trained set,
+        and the position in the REWARDS log (the learner consumer's ack floor)."""
         return {"step": self.step, "version": self.version, "tasks_done": self.tasks_done,
-                "samples_trained": self.samples_trained, "trained": sorted(self.trained)}
+                "samples_trained": self.samples_trained, "trained": sorted(self.trained),
+                "rewards_ack_floor": rewards_ack_floor}
+
+    async def rewards_position(self) -> int:
+        """Stream sequence below which every reward is acked (0 if unknown)."""
+        try:
+            info = await self.s.js.consumer_info(self.s.reg.stream("REWARDS"), "learner")
+            return info.ack_floor.stream_seq if info.ack_floor else 0
+        except Exception:
+            return 0
+
+    async def save_checkpoint(self) -> None:
+        """Write model, optimizer, RNG and state atomically."""
+        state = self.state(await self.rewards_position())
+        await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy, optimizer=self.optimizer, state=state)
 
     async def record(self, fates: list[TaskFate]) -> None:
         """Publish task fates to the ledger."""
@@ -162,8 +177,7 @@ class Learner:
             await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step, metrics)
             c["version"] = self.version
         if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
-            await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy,
-                                    optimizer=self.optimizer, state=self.state())
+            await self.save_checkpoint()
         await self.progress()
 
     async def progress(self) -> None:
@@ -206,5 +220,5 @@ async def run(cfg, ctx) -> dict[str, float]:
                 await L.step_once()
         await L.record([TaskFate(task_msg_id=g.task_msg_id, fate="pending") for g in L.pool.pending()])
         if policy is not None:
-            await asyncio.to_thread(checkpoint.save, L.ckpt_path, model=policy, optimizer=optimizer, state=L.state())
+            await L.save_checkpoint()
         return s.counters

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -106,6 +107,10 @@ def _worker(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the command."""
     args = _parser().parse_args(argv)
+    # models load from local paths only; transformers' own progress bars are noise here
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.command == "worker":
         return _worker(args)
     if args.command == "up":

@@ -1,0 +1,95 @@
+"""`rlbus up` end to end: every role its own process, a worker killed mid-run is
+restarted, the run still exits 0, and every published task is accounted for."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """
+[run]
+max_steps = 25
+max_minutes = 6
+drain_seconds = 8
+[model]
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+[sft]
+max_steps = 30
+seconds = 30
+threads = 1
+[sampler]
+group_size = 4
+max_tokens = 4
+max_inflight_tasks = 16
+[rollout]
+batch_tasks = 4
+[learner]
+lr = 1e-4
+groups_per_step = 4
+step_window_s = 1.0
+[scheduler]
+eval_n = 20
+eval_every_versions = 10
+"""
+
+
+def _worker_pids(run_id: str, role: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"rlbus.cli worker {role} .*--run-id {run_id}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(CONFIG)
+    run_id = f"up{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
+                             "--run-id", run_id], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    run_path = tmp_path / "runs" / run_id
+    try:
+        # wait for the learner to have stepped, then kill a rollout worker hard
+        deadline = time.monotonic() + 240
+        killed = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            summary = run_path / "summary.json"
+            if summary.exists():
+                try:
+                    steps = json.loads(summary.read_text())["steps"]
+                except (json.JSONDecodeError, KeyError):
+                    steps = 0
+                if steps >= 3 and not killed:
+                    pids = _worker_pids(run_id, "rollout")
+                    assert pids, "no rollout worker process found"
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed = True
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode(errors="replace")
+    assert killed, text[-3000:]
+    assert proc.returncode == 0, text[-3000:]
+    s = json.loads((run_path / "summary.json").read_text())
+    assert s["final"] is True
+    assert s["steps"] >= 25
+    assert s["worker_restarts"].get("rollout", 0) >= 1
+    assert s["lost"] == 0 and s["trained_twice"] == 0, s
+    assert s["tasks_published"] > 0 and s["trained_samples"] > 0
+    fates = s["task_fates"]
+    assert sum(fates.values()) == s["tasks_published"]
+    ev = s["eval"]["arith"]
+    assert ev["n"] == 20 and 0.0 <= ev["baseline"] <= 1.0 and 0.0 <= ev["final"] <= 1.0
+    assert ev["final_version"] >= 25
+    assert (run_path / "reward_curve.png").stat().st_size > 1000
+    # nothing of the run lives directly in the run dir
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_id]

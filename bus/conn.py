@@ -66,3 +66,13 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
     """Ensure the durable exists, then bind a pull subscription to it."""
     await ensure_consumer(js, spec)
     return await js.pull_subscribe_bind(spec.durable, stream=spec.stream)
+
+
+async def delete_run(js: JetStreamContext, reg: Registry) -> None:
+    """Delete every stream and bucket of a run (missing ones are skipped)."""
+    names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]
+    for name in names:
+        try:
+            await js.delete_stream(name)
+        except NotFoundError:
+            pass

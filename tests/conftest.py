@@ -69,3 +69,14 @@ def spawn_worker(tmp_path, nats_url):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+@pytest_asyncio.fixture
+async def drop_run(js, run_id):
+    """Delete the test's run after it (and after its workers are killed): file streams
+    reserve their byte caps against the session server's JetStream storage."""
+    yield
+    from bus.conn import delete_run
+    from bus.subjects import Registry
+
+    await delete_run(js, Registry(run_id))

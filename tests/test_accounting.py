@@ -3,10 +3,8 @@ fate from positive evidence, a task with none is `lost`, and a reward trained tw
 
 from __future__ import annotations
 
-import contextlib
 
-import pytest_asyncio
-from nats.js.errors import NotFoundError
+import pytest
 
 from bus.conn import ensure_consumer, ensure_topology
 from bus.publish import publish
@@ -27,18 +25,11 @@ from schemas import (
     pack_i32,
 )
 
+pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
+
 DOMAIN = "arith"
 
 
-@pytest_asyncio.fixture(autouse=True)
-async def drop_run(js, run_id):
-    """Delete this test's run afterwards: file streams reserve their max_bytes against the
-    session server's JetStream storage, so leftover runs could starve later tests."""
-    yield
-    reg = Registry(run_id)
-    for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
-        with contextlib.suppress(NotFoundError):
-            await js.delete_stream(name)
 
 
 def _task(run_id: str) -> Task:

@@ -8,15 +8,12 @@ of undecodable and foreign messages, and redelivery after ack_wait.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import msgpack
 import nats.errors
 import pytest
-import pytest_asyncio
 from nats.js.api import DiscardPolicy, RetentionPolicy
-from nats.js.errors import NotFoundError
 
 from bus.conn import ensure_topology, pull_subscription
 from bus.kv import get_json, put_json
@@ -46,22 +43,7 @@ GARBAGE = b"\xc1\xc1 this is not msgpack \xff"
 
 # -- helpers -------------------------------------------------------------------------
 
-@pytest_asyncio.fixture(autouse=True)
-async def drop_run(js, run_id):
-    """Delete the test run's streams and buckets afterwards.
-
-    Each run's file streams reserve their max_bytes (2+2+8 GiB) against the server's
-    JetStream storage limit, so without this a session server fits only a few runs.
-    """
-    yield
-    await delete_run(js, run_id)
-
-
-async def delete_run(js, run_id: str) -> None:
-    reg = Registry(run_id)
-    for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
-        with contextlib.suppress(NotFoundError):
-            await js.delete_stream(name)
+pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
 
 async def topology(js, run_id: str) -> Registry:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import msgpack
-import pytest_asyncio
+import pytest
 from nats.js.errors import NotFoundError
 
 from bus.conn import ensure_topology
@@ -27,6 +27,8 @@ from learner.weights import publish_version
 from rollout_workers.engines import NullEngine
 from rollout_workers.worker import build_trajectories
 from schemas import ChatMessage, DeadLetter, Reward, Task, TaskFates, Trajectory, WeightVersion, decode, encode
+
+pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
 GARBAGE = b"\xc1\xc1 this is not msgpack \xff"
 GROUP_SIZE = 4
@@ -53,15 +55,6 @@ step_window_s = 0.5
 
 # -- helpers -------------------------------------------------------------------------
 
-@pytest_asyncio.fixture(autouse=True)
-async def drop_run(js, run_id):
-    """Delete the run's streams and buckets after the test (after its workers are killed):
-    each run's file streams reserve 12 GiB against the server's storage limit."""
-    yield
-    reg = Registry(run_id)
-    for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
-        with contextlib.suppress(NotFoundError):
-            await js.delete_stream(name)
 
 
 def write_config(tmp_path: Path) -> Path:

@@ -4,12 +4,9 @@ sha256 check, and a rollout engine that loads good versions and refuses a bad ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
-import pytest_asyncio
 import torch
-from nats.js.errors import NotFoundError
 from transformers import AutoModelForCausalLM
 
 from bus.conn import ensure_topology
@@ -23,18 +20,11 @@ from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode
 
+pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
+
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
 
 
-@pytest_asyncio.fixture(autouse=True)
-async def drop_run(js, run_id):
-    """Delete this test's run afterwards: file streams reserve their max_bytes against the
-    session server's JetStream storage, so leftover runs could starve later tests."""
-    yield
-    reg = Registry(run_id)
-    for name in [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]:
-        with contextlib.suppress(NotFoundError):
-            await js.delete_stream(name)
 
 
 @pytest.fixture(scope="module")

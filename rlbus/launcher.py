@@ -109,6 +109,15 @@ class Supervisor:
         self.procs[role] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, env=env)
         logf.close()
+        self.write_state()
+
+    def write_state(self) -> None:
+        """Record the server URL and every pid in `<run>/run.json` (for `rlbus dlq`, status, resume)."""
+        state = {"run_id": self.run_id, "nats_url": self.nats_url, "launcher_pid": os.getpid(),
+                 "workers": {role: p.pid for role, p in self.procs.items()}, "updated_at": time.time()}
+        tmp = self.run_path / "run.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.run_path / "run.json")
 
     def poll(self) -> str | None:
         """Restart crashed workers; return a failure reason when one crash-loops."""

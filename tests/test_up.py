@@ -91,5 +91,7 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path):
     assert ev["n"] == 20 and 0.0 <= ev["baseline"] <= 1.0 and 0.0 <= ev["final"] <= 1.0
     assert ev["final_version"] >= 25
     assert (run_path / "reward_curve.png").stat().st_size > 1000
+    state = json.loads((run_path / "run.json").read_text())
+    assert state["nats_url"].startswith("nats://") and set(state["workers"]) >= {"sampler", "rollout", "learner"}
     # nothing of the run lives directly in the run dir
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_id]

@@ -233,7 +233,7 @@ class Curriculum:
         }
 
     @classmethod
-    def restore(cls, snap: dict) -> "Curriculum":
+    def restore(cls, snap: dict) -> Curriculum:
         """Rebuild a curriculum from `snapshot()` output."""
         if snap.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"curriculum snapshot version {snap.get('version')!r} != {SNAPSHOT_VERSION}")

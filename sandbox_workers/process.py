@@ -1,0 +1,486 @@
+"""`process` backend: bubblewrap namespaces + rlimits (+ a cgroup v2 where delegated).
+
+Guarantees (on top of those in `sandbox_workers.base`):
+
+- With bwrap (`isolation="bwrap"`): every namespace unshared (no network: the host's
+  loopback is unreachable), no capabilities, a new session (no TTY injection), nested
+  user namespaces disabled, a read-only root holding only read-only system dirs
+  (/usr, /bin, /lib*, and the few /etc files the system `python3` needs), a sized tmpfs
+  `/tmp` (fresh per `execute`), and the per-sandbox host work dir bound read-write at
+  `/work`, the cwd. The command runs in its own pid namespace whose init is bwrap's, so
+  when the command ends or is killed, every process it started (double-forked daemons
+  included) dies with it; `--die-with-parent` ties that namespace to the host side.
+- When the host side runs as root, the command runs as a dedicated unprivileged host
+  uid/gid (one per sandbox, from a high range no account uses), dropped in the child
+  before bwrap is exec'd, so RLIMIT_NPROC binds and the sandbox owns only its work dir.
+- rlimits on every execute: address space (memory_mb), CPU, file size, nofile, nproc
+  (pids), no core dumps. A cgroup v2 with pids.max/memory.max is added when a writable,
+  delegated one exists (`RLBUS_SANDBOX_CGROUP` or our own cgroup with pids+memory in
+  its subtree_control); otherwise it is skipped with a debug log.
+- On timeout: SIGKILL to the process group, the cgroup (cgroup.kill) and every process
+  owned by the sandbox uid; `execute` returns only after they are gone.
+- Commands find the system interpreter: PATH is /usr/local/bin:/usr/bin:/bin and the
+  environment is cleared, so the project's venv is never used inside.
+- Where bwrap is missing or cannot create namespaces, the sandbox degrades to
+  uid drop + rlimits only, reports `isolation="degraded"` and logs
+  `sandbox.degraded` as a warning. Degraded mode has no network or filesystem isolation.
+
+Blocking API: call `execute` from a thread in async code (e.g. `asyncio.to_thread`)
+that lives as long as the sandbox (bwrap's --die-with-parent follows the thread).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import os
+import resource
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import structlog
+
+from sandbox_workers.base import (
+    MIB,
+    WORK_DIR,
+    ExecResult,
+    HeadTailBuffer,
+    Isolation,
+    Limits,
+    Sandbox,
+    decode_output,
+)
+
+log = structlog.get_logger()
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+MARKER_ENV = "RLBUS_SANDBOX_ID"
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+INNER_UID = 65534
+UID_RANGE = (2_000_000, 3_000_000)
+KILL_GRACE_S = 2.0
+EXIT_GRACE_S = 0.2
+MAX_READ_FILE = 256 * MIB
+OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
+             "passwd", "group", "nsswitch.conf", "mime.types")
+
+_bwrap_probe: dict[bool, tuple[bool, str]] = {}
+
+
+def bwrap_path() -> str | None:
+    """Where bwrap is, or None."""
+    return shutil.which("bwrap")
+
+
+def _system_binds() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = f"/{name}"
+        if os.path.islink(host):
+            args += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            args += ["--ro-bind", host, host]
+    etc = [f"/etc/{n}" for n in ETC_FILES] + sorted(glob.glob("/etc/python3*"))
+    for path in etc:
+        args += ["--ro-bind-try", path, path]
+    return args
+
+
+def _bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str,
+                argv: list[str], inner_uid: int) -> list[str]:
+    return [
+        bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--uid", str(inner_uid), "--gid", str(inner_uid),
+        *_system_binds(),
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp",
+        "--bind", workdir, WORK_DIR, "--remount-ro", "/", "--chdir", WORK_DIR,
+        "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORK_DIR,
+        "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
+        "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", MARKER_ENV, marker,
+        "--", *argv,
+    ]
+
+
+def _count_uid_procs(uid: int) -> int:
+    n = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                n += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def _uid_pids(uid: int) -> list[int]:
+    """Live (non-zombie) pids whose /proc entry the uid owns."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _find_cgroup_parent() -> Path | None:
+    """A writable cgroup v2 dir whose children get pids+memory controllers, or None."""
+    root = Path("/sys/fs/cgroup")
+    explicit = os.environ.get("RLBUS_SANDBOX_CGROUP")
+    try:
+        if explicit:
+            parent = Path(explicit)
+        elif (root / "cgroup.controllers").exists():
+            rel = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                       if line.startswith("0::"))
+            parent = root / rel.strip().lstrip("/")
+        else:
+            return None
+        ctl = (parent / "cgroup.subtree_control").read_text().split()
+        if {"pids", "memory"} <= set(ctl) and os.access(parent, os.W_OK):
+            return parent
+    except (OSError, StopIteration):
+        pass
+    return None
+
+
+class ProcessSandbox(Sandbox):
+    """A sandbox made of a host work dir, a dedicated uid, bwrap and rlimits."""
+
+    def __init__(self, isolation: str = "auto", base_dir: str | None = None) -> None:
+        """isolation: "auto" (bwrap if it works, else degraded), "bwrap" (required), "degraded"."""
+        self.requested = isolation
+        self.base_dir = base_dir
+        self.id = uuid.uuid4().hex[:12]
+        self.marker = f"rlbus-sbx-{self.id}"
+        self.limits = Limits()
+        self.default_timeout = 30.0
+        self.isolation: Isolation = "degraded"
+        self.workdir: str | None = None
+        self.cgroup: Path | None = None
+        self.is_root = os.geteuid() == 0
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self._bwrap: str | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self, image: str | None = None, limits: Limits | None = None,
+              timeout: float = 30.0) -> None:
+        """Create the work dir and pick the isolation; `image` is ignored (host system)."""
+        self.limits = limits or Limits()
+        self.default_timeout = timeout
+        if self.is_root:
+            self.uid = self.gid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+        self.workdir = tempfile.mkdtemp(prefix=f"{self.marker}-", dir=self.base_dir)
+        self._prepare_workdir()
+        self.isolation = self._choose_isolation()
+        self._make_cgroup()
+        log.debug("sandbox.started", sandbox=self.id, isolation=self.isolation,
+                  uid=self.uid, cgroup=str(self.cgroup) if self.cgroup else None)
+
+    def _prepare_workdir(self) -> None:
+        os.chmod(self.workdir, 0o700)
+        if self.is_root:
+            os.chown(self.workdir, self.uid, self.gid)
+
+    def _choose_isolation(self) -> Isolation:
+        if self.requested == "degraded":
+            return "degraded"
+        self._bwrap = bwrap_path()
+        ok, why = self._probe_bwrap()
+        if ok:
+            return "bwrap"
+        if self.requested == "bwrap":
+            raise RuntimeError(f"bwrap required but unusable: {why}")
+        log.warning("sandbox.degraded", sandbox=self.id, reason=why,
+                    fix="apt-get install -y bubblewrap (and allow user namespaces)")
+        return "degraded"
+
+    def _probe_bwrap(self) -> tuple[bool, str]:
+        if self._bwrap is None:
+            return False, "bwrap not found on PATH"
+        if self.is_root not in _bwrap_probe:
+            argv = _bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker,
+                               ["/usr/bin/true"], INNER_UID)
+            try:
+                p = subprocess.run(argv, capture_output=True, timeout=10, env={},
+                                   preexec_fn=self._preexec, start_new_session=True)
+                ok, why = p.returncode == 0, p.stderr.decode(errors="replace").strip()
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                ok, why = False, repr(exc)
+            _bwrap_probe[self.is_root] = (ok, why or f"exit {p.returncode}")
+        return _bwrap_probe[self.is_root]
+
+    def _make_cgroup(self) -> None:
+        parent = _find_cgroup_parent()
+        if parent is None:
+            log.debug("sandbox.no_cgroup", sandbox=self.id)
+            return
+        cg = parent / self.marker
+        try:
+            cg.mkdir()
+            (cg / "pids.max").write_text(str(self.limits.pids))
+            (cg / "memory.max").write_text(str(self.limits.memory_mb * MIB))
+            try:
+                (cg / "memory.swap.max").write_text("0")
+            except OSError:
+                pass
+            self.cgroup = cg
+        except OSError as exc:
+            log.debug("sandbox.no_cgroup", sandbox=self.id, error=repr(exc))
+
+    def close(self) -> None:
+        """Kill every sandbox process, remove the work dir and the cgroup (idempotent)."""
+        if self.workdir is None:
+            return
+        self._kill_everything(None)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir = None
+        if self.cgroup is not None:
+            try:
+                self.cgroup.rmdir()
+            except OSError:
+                pass
+            self.cgroup = None
+
+    def reset(self) -> None:
+        """No process left, an empty work dir (same path)."""
+        self._require_started()
+        self._kill_everything(None)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        os.mkdir(self.workdir, 0o700)
+        self._prepare_workdir()
+
+    def _require_started(self) -> None:
+        if self.workdir is None:
+            raise RuntimeError("sandbox not started (or closed)")
+
+    # -- execute -------------------------------------------------------------------
+    def _preexec(self) -> None:
+        """In the child, before exec: cgroup, rlimits, then drop to the sandbox uid."""
+        if self.cgroup is not None:
+            fd = os.open(str(self.cgroup / "cgroup.procs"), os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        lim = self.limits
+        nproc = lim.pids
+        if not self.is_root:  # our own uid's processes count too
+            nproc += _count_uid_procs(self.uid)
+        for res, value in (
+            (resource.RLIMIT_AS, lim.memory_mb * MIB),
+            (resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds + 1)),
+            (resource.RLIMIT_FSIZE, lim.file_size_mb * MIB),
+            (resource.RLIMIT_NOFILE, lim.nofile),
+            (resource.RLIMIT_NPROC, nproc),
+            (resource.RLIMIT_CORE, 0),
+        ):
+            soft, hard = value if isinstance(value, tuple) else (value, value)
+            resource.setrlimit(res, (soft, hard))
+        if self.is_root:
+            os.setgroups([])
+            os.setresgid(self.gid, self.gid, self.gid)
+            os.setresuid(self.uid, self.uid, self.uid)
+
+    def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
+        """Run `cmd` in the sandbox; see the module docstring for the guarantees."""
+        self._require_started()
+        timeout = self.default_timeout if timeout is None else timeout
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", MARKER_ENV: self.marker}
+        if self.isolation == "bwrap":
+            argv = _bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv,
+                               INNER_UID)
+            cwd = "/"
+        else:
+            env.update(HOME=self.workdir, TMPDIR=self.workdir, PYTHONDONTWRITEBYTECODE="1")
+            cwd = self.workdir
+        oom_before = self._oom_kills()
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=cwd, env=env,
+                                    preexec_fn=self._preexec, start_new_session=True)
+        except OSError as exc:  # e.g. command not found in degraded mode
+            return ExecResult(127, "", f"{exc}\n", duration_ms=0.0, isolation=self.isolation)
+        out, err, timed_out = self._drain(proc, t0 + timeout)
+        self._kill_everything(proc)
+        rc = proc.wait()
+        duration_ms = (time.monotonic() - t0) * 1000
+        exit_code = 128 - rc if rc < 0 else rc
+        oom = self._oom_kills() > oom_before or any(
+            h in err.head or h in err.tail for h in OOM_HINTS
+        ) or (exit_code == 128 + signal.SIGKILL and not timed_out)
+        return ExecResult(
+            exit_code=exit_code, stdout=decode_output(out.getvalue()),
+            stderr=decode_output(err.getvalue()), timed_out=timed_out, oom=oom,
+            truncated=out.truncated or err.truncated, duration_ms=round(duration_ms, 3),
+            isolation=self.isolation,
+        )
+
+    def _drain(self, proc: subprocess.Popen, deadline: float
+               ) -> tuple[HeadTailBuffer, HeadTailBuffer, bool]:
+        """Read both pipes until EOF, the deadline, or a short grace after exit."""
+        cap = self.limits.output_cap_bytes
+        bufs = {proc.stdout.fileno(): HeadTailBuffer(cap), proc.stderr.fileno(): HeadTailBuffer(cap)}
+        sel = selectors.DefaultSelector()
+        for fd in bufs:
+            try:
+                fcntl.fcntl(fd, 1031, MIB)  # F_SETPIPE_SZ: fewer wake-ups on floods
+            except OSError:
+                pass
+            sel.register(fd, selectors.EVENT_READ)
+        timed_out, exited_at = False, None
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if now >= deadline:
+                    timed_out = proc.poll() is None or exited_at is None
+                    break
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                if exited_at is not None and now - exited_at > EXIT_GRACE_S:
+                    break  # something outside the namespace holds the pipes (degraded)
+                for key, _ in sel.select(min(deadline - now, 0.1)):
+                    chunk = os.read(key.fd, MIB)
+                    if chunk:
+                        bufs[key.fd].feed(chunk)
+                    else:
+                        sel.unregister(key.fd)
+        finally:
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+        if timed_out:
+            log.info("sandbox.timeout", sandbox=self.id, pid=proc.pid)
+        out, err = bufs.values()
+        return out, err, timed_out
+
+    def _kill_everything(self, proc: subprocess.Popen | None) -> None:
+        """SIGKILL the group, the cgroup and the sandbox uid's processes; wait till gone."""
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.cgroup is not None:
+            try:
+                (self.cgroup / "cgroup.kill").write_text("1")
+            except OSError:
+                pass
+        if not self.is_root:
+            return  # not a dedicated uid: the pid namespace / group is all we can kill
+        end = time.monotonic() + KILL_GRACE_S
+        while pids := _uid_pids(self.uid):
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > end:
+                log.error("sandbox.kill_incomplete", sandbox=self.id, pids=pids)
+                break
+            time.sleep(0.005)
+
+    def _oom_kills(self) -> int:
+        if self.cgroup is None:
+            return 0
+        try:
+            for line in (self.cgroup / "memory.events").read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    # -- files ---------------------------------------------------------------------
+    def _parts(self, path: str) -> list[str]:
+        if path.startswith(WORK_DIR + "/"):
+            path = path[len(WORK_DIR) + 1:]
+        elif path.startswith("/"):
+            raise ValueError(f"path outside {WORK_DIR}: {path!r}")
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise ValueError(f"bad sandbox path: {path!r}")
+        return parts
+
+    def _open_parent(self, parts: list[str], create: bool) -> int:
+        """An fd of the directory holding parts[-1], walked without following symlinks."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        fd = os.open(self.workdir, flags)
+        try:
+            for name in parts[:-1]:
+                if create:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                        if self.is_root:
+                            os.chown(name, self.uid, self.gid, dir_fd=fd, follow_symlinks=False)
+                    except FileExistsError:
+                        pass
+                nfd = os.open(name, flags, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _check_owned(self, fd: int, path: str) -> os.stat_result:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"not a regular file: {path!r}")
+        if self.is_root and st.st_uid != self.uid:
+            raise PermissionError(errno.EPERM, f"not the sandbox's file: {path!r}")
+        return st
+
+    def read_file(self, path: str) -> bytes:
+        """Bytes of a regular file the sandbox owns, under the work dir (no symlinks)."""
+        self._require_started()
+        parts = self._parts(path)
+        dfd = self._open_parent(parts, create=False)
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            st = self._check_owned(fd, path)
+            if st.st_size > MAX_READ_FILE:
+                raise OSError(errno.EFBIG, f"file too large: {path!r} ({st.st_size} bytes)")
+            return f.read(MAX_READ_FILE)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """Create or replace a file under the work dir, owned by the sandbox uid."""
+        self._require_started()
+        parts = self._parts(path)
+        dfd = self._open_parent(parts, create=True)
+        try:
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         0o644, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "wb") as f:
+            if self.is_root:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_nlink == 1:
+                    os.fchown(fd, self.uid, self.gid)  # we just created it
+            self._check_owned(fd, path)
+            os.ftruncate(fd, 0)
+            f.write(data)

@@ -1,0 +1,375 @@
+"""The run store: SQL tables that record a run, on SQLite (default) or PostgreSQL.
+
+Guarantees:
+- `open_store(url, run_path)` opens `<run_path>/run.db` (SQLite, WAL, busy timeout)
+  unless a SQLAlchemy URL is given, or the env var `RLBUS_DB_URL` names one. A bare
+  `postgresql://` URL uses the psycopg (v3) driver. Tables are created if missing;
+  opening twice changes nothing.
+- Every message-derived row is keyed on the message's `msg_id`, and every write is
+  insert-or-ignore (`ON CONFLICT DO NOTHING` on SQLite and PostgreSQL; a per-row
+  savepoint on other dialects). JetStream delivers at least once, so the same message
+  written twice, or by two recorders, still gives exactly one row.
+- Writes are batched: one statement and one transaction per call, committed before the
+  call returns (callers ack messages only after that).
+- Rows that are not messages are upserts with a natural key: `CostRow` on
+  (run_id, stage) holds cumulative totals, `DomainStatRow` on
+  (run_id, domain, window_s, window_start) is recomputed from `RewardRow` by `domain_stats`.
+- Times are Unix seconds (float), as in the wire messages, so window arithmetic is
+  the same on every database.
+"""
+
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import JSON, Column, Field, Session, SQLModel, func, select
+
+DB_URL_ENV = "RLBUS_DB_URL"
+
+
+class RunRow(SQLModel, table=True):
+    """One run: its config and status."""
+
+    __tablename__ = "runs"
+    run_id: str = Field(primary_key=True)
+    config: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    started_at: float = Field(default_factory=time.time)
+    status: str = "running"
+
+
+class WeightVersionRow(SQLModel, table=True):
+    """A published policy version (from `WeightVersion`)."""
+
+    __tablename__ = "weight_versions"
+    msg_id: str = Field(primary_key=True)
+    run_id: str = Field(index=True)
+    version: int
+    step: int
+    sha256: str
+    uri: str = ""
+    created_at: float
+    metrics: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    bytes: int = 0
+
+
+class EvalResultRow(SQLModel, table=True):
+    """An evaluation of one version on one domain, with the run's cumulative cost then."""
+
+    __tablename__ = "eval_results"
+    msg_id: str = Field(primary_key=True)
+    run_id: str = Field(index=True)
+    version: int
+    step: int
+    domain: str
+    score: float
+    n: int
+    eval_set_sha256: str
+    created_at: float = Field(default_factory=time.time)
+    cost_cpu_seconds: float | None = None
+    cost_gpu_seconds: float | None = None
+    cost_tokens: int | None = None
+
+
+class DomainStatRow(SQLModel, table=True):
+    """Training reward statistics of one domain over one time window."""
+
+    __tablename__ = "domain_stats"
+    run_id: str = Field(primary_key=True)
+    domain: str = Field(primary_key=True)
+    window_s: float = Field(primary_key=True)
+    window_start: float = Field(primary_key=True)
+    n: int
+    reward_mean: float
+    success_rate: float
+
+
+class DeadLetterRow(SQLModel, table=True):
+    """A dead-lettered message (the original bytes stay in the DLQ stream)."""
+
+    __tablename__ = "dead_letters"
+    msg_id: str = Field(primary_key=True)
+    run_id: str = Field(index=True)
+    stage: str
+    reason: str
+    error_type: str
+    original_subject: str
+    original_msg_id: str | None = None
+    delivery_count: int
+    task_msg_id: str | None = None
+    created_at: float
+
+
+class CurriculumUpdateRow(SQLModel, table=True):
+    """One curriculum update: domain weights and difficulty levels."""
+
+    __tablename__ = "curriculum_updates"
+    msg_id: str = Field(primary_key=True)
+    run_id: str = Field(index=True)
+    weights: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    levels: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    reason: str = ""
+    created_at: float = Field(default_factory=time.time)
+
+
+class CostRow(SQLModel, table=True):
+    """Cumulative cost of one stage of a run."""
+
+    __tablename__ = "costs"
+    run_id: str = Field(primary_key=True)
+    stage: str = Field(primary_key=True)
+    cpu_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    tokens: int = 0
+    updated_at: float = Field(default_factory=time.time)
+
+
+class RewardRow(SQLModel, table=True):
+    """One scored sample (from `Reward`), the raw material of per-domain statistics."""
+
+    __tablename__ = "rewards"
+    msg_id: str = Field(primary_key=True)
+    run_id: str = Field(index=True)
+    domain: str
+    difficulty: int
+    purpose: str = "train"
+    reward: float
+    status: str
+    policy_version: int
+    task_msg_id: str = ""
+    created_at: float
+
+
+TABLES: tuple[type[SQLModel], ...] = (RunRow, WeightVersionRow, EvalResultRow, DomainStatRow, DeadLetterRow,
+                                      CurriculumUpdateRow, CostRow, RewardRow)
+
+
+def resolve_url(url: str | None, run_path: Path) -> str:
+    """The database URL: `url`, else `$RLBUS_DB_URL`, else SQLite `<run_path>/run.db`."""
+    url = url or os.environ.get(DB_URL_ENV) or None
+    if url is None:
+        Path(run_path).mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{Path(run_path).resolve() / 'run.db'}"
+    for bare in ("postgresql://", "postgres://"):
+        if url.startswith(bare):
+            return "postgresql+psycopg://" + url[len(bare):]
+    return url
+
+
+def _make_engine(url: str) -> sa.Engine:
+    if not url.startswith("sqlite"):
+        return sa.create_engine(url, pool_pre_ping=True)
+    engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn, _record):
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    return engine
+
+
+class Store:
+    """The run's SQL tables behind idempotent, batched writes."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+        SQLModel.metadata.create_all(engine, tables=[t.__table__ for t in TABLES])
+
+    @property
+    def dialect(self) -> str:
+        """`sqlite`, `postgresql`, ..."""
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self.engine.dispose()
+
+    # -- generic writes -----------------------------------------------------------------
+    def _insert(self, model: type[SQLModel]):
+        table = model.__table__
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert
+        elif self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            return None
+        return insert(table)
+
+    def insert_ignore(self, model: type[SQLModel], rows: Sequence[dict[str, Any]]) -> int:
+        """Insert rows in one transaction, skipping any whose primary key exists.
+        Returns how many were new (exact on SQLite and PostgreSQL)."""
+        if not rows:
+            return 0
+        stmt = self._insert(model)
+        with self.engine.begin() as conn:
+            if stmt is not None:
+                # RETURNING lists only the rows actually inserted (executemany rowcount
+                # is not reliable across drivers)
+                key = next(iter(model.__table__.primary_key.columns))
+                result = conn.execute(stmt.on_conflict_do_nothing().returning(key), list(rows))
+                return len(result.all())
+            new = 0
+            for row in rows:  # portable fallback: a savepoint per row
+                try:
+                    with conn.begin_nested():
+                        conn.execute(model.__table__.insert(), row)
+                    new += 1
+                except IntegrityError:
+                    pass
+            return new
+
+    def upsert(self, model: type[SQLModel], rows: Sequence[dict[str, Any]]) -> None:
+        """Insert rows, replacing the non-key columns of rows whose primary key exists."""
+        if not rows:
+            return
+        table = model.__table__
+        keys = [c.name for c in table.primary_key.columns]
+        stmt = self._insert(model)
+        with self.engine.begin() as conn:
+            if stmt is not None:
+                cols = {c: getattr(stmt.excluded, c) for c in rows[0] if c not in keys}
+                conn.execute(stmt.on_conflict_do_update(index_elements=keys, set_=cols), list(rows))
+                return
+            for row in rows:
+                where = sa.and_(*(table.c[k] == row[k] for k in keys))
+                if conn.execute(table.update().where(where).values(**row)).rowcount == 0:
+                    conn.execute(table.insert(), row)
+
+    # -- message writes -----------------------------------------------------------------
+    def ensure_run(self, run_id: str, config: dict | None = None, status: str = "running") -> bool:
+        """Create the run's row if it does not exist; True if it was created."""
+        return self.insert_ignore(RunRow, [{"run_id": run_id, "config": config or {}, "started_at": time.time(),
+                                            "status": status}]) > 0
+
+    def set_run_status(self, run_id: str, status: str) -> None:
+        """Set the run's status (`running`, `finished`, `failed`, ...)."""
+        with self.engine.begin() as conn:
+            conn.execute(sa.update(RunRow.__table__).where(RunRow.__table__.c.run_id == run_id).values(status=status))
+
+    def record_rewards(self, rewards: Iterable) -> int:
+        """Rows for `Reward` messages; returns how many were new."""
+        return self.insert_ignore(RewardRow, [{
+            "msg_id": r.msg_id, "run_id": r.run_id, "domain": r.trajectory.domain,
+            "difficulty": r.trajectory.difficulty, "purpose": r.trajectory.purpose, "reward": float(r.reward),
+            "status": r.status, "policy_version": r.trajectory.policy_version,
+            "task_msg_id": r.trajectory.task_msg_id, "created_at": r.created_at} for r in rewards])
+
+    def record_weights(self, versions: Iterable) -> int:
+        """Rows for `WeightVersion` messages; returns how many were new."""
+        return self.insert_ignore(WeightVersionRow, [{
+            "msg_id": w.msg_id, "run_id": w.run_id, "version": w.version, "step": w.step, "sha256": w.sha256,
+            "uri": w.uri, "bytes": w.bytes, "created_at": w.created_at, "metrics": dict(w.metrics)} for w in versions])
+
+    def record_evals(self, results: Iterable) -> int:
+        """Rows for `EvalResult` messages, with the run's cumulative cost at recording
+        time (None when no cost was recorded yet); returns how many were new."""
+        results = list(results)
+        costs = {run_id: self.cost_totals(run_id) for run_id in {e.run_id for e in results}}
+        return self.insert_ignore(EvalResultRow, [{
+            "msg_id": e.msg_id, "run_id": e.run_id, "version": e.version, "step": e.step, "domain": e.domain,
+            "score": e.score, "n": e.n, "eval_set_sha256": e.eval_set_sha256, "created_at": e.created_at,
+            **_cost_columns(costs[e.run_id])} for e in results])
+
+    def record_dead_letters(self, letters: Iterable) -> int:
+        """Rows for `DeadLetter` messages; returns how many were new."""
+        return self.insert_ignore(DeadLetterRow, [{
+            "msg_id": d.msg_id, "run_id": d.run_id, "stage": d.stage, "reason": d.reason, "error_type": d.error_type,
+            "original_subject": d.original_subject, "original_msg_id": d.original_msg_id,
+            "delivery_count": d.delivery_count, "task_msg_id": d.task_msg_id, "created_at": d.created_at}
+            for d in letters])
+
+    def record_curriculum_update(self, run_id: str, msg_id: str, weights: dict[str, float],
+                                 levels: dict[str, int], reason: str = "", created_at: float | None = None) -> bool:
+        """One curriculum update (idempotent on `msg_id`); True if it was new."""
+        return self.insert_ignore(CurriculumUpdateRow, [{
+            "msg_id": msg_id, "run_id": run_id, "weights": dict(weights), "levels": dict(levels), "reason": reason,
+            "created_at": time.time() if created_at is None else created_at}]) > 0
+
+    def set_cost(self, run_id: str, stage: str, *, cpu_seconds: float, gpu_seconds: float = 0.0,
+                 tokens: int = 0) -> None:
+        """Set a stage's cumulative cost totals (idempotent: the totals replace the old ones)."""
+        self.upsert(CostRow, [{"run_id": run_id, "stage": stage, "cpu_seconds": float(cpu_seconds),
+                               "gpu_seconds": float(gpu_seconds), "tokens": int(tokens), "updated_at": time.time()}])
+
+    # -- reads --------------------------------------------------------------------------
+    def rows(self, model: type[SQLModel], run_id: str | None = None, order_by: str | None = None) -> list:
+        """All rows of a table (of one run), optionally ordered by a column."""
+        with Session(self.engine) as s:
+            q = select(model)
+            if run_id is not None:
+                q = q.where(model.run_id == run_id)
+            if order_by:
+                q = q.order_by(getattr(model, order_by))
+            return list(s.exec(q).all())
+
+    def count(self, model: type[SQLModel], run_id: str | None = None) -> int:
+        """Number of rows of a table (of one run)."""
+        with Session(self.engine) as s:
+            q = select(func.count()).select_from(model)
+            if run_id is not None:
+                q = q.where(model.run_id == run_id)
+            return int(s.exec(q).one())
+
+    def cost_totals(self, run_id: str) -> dict[str, float] | None:
+        """Summed cost over every stage of a run, or None if none is recorded."""
+        t = CostRow.__table__.c
+        with self.engine.connect() as conn:
+            n, cpu, gpu, tokens = conn.execute(
+                sa.select(func.count(), func.sum(t.cpu_seconds), func.sum(t.gpu_seconds), func.sum(t.tokens))
+                .where(t.run_id == run_id)).one()
+        if not n:
+            return None
+        return {"cpu_seconds": float(cpu or 0), "gpu_seconds": float(gpu or 0), "tokens": int(tokens or 0)}
+
+    def delete_run(self, run_id: str) -> None:
+        """Delete every row of a run, in every table."""
+        with self.engine.begin() as conn:
+            for model in TABLES:
+                conn.execute(sa.delete(model.__table__).where(model.__table__.c.run_id == run_id))
+
+
+def _cost_columns(cost: dict[str, float] | None) -> dict[str, Any]:
+    if cost is None:
+        return {"cost_cpu_seconds": None, "cost_gpu_seconds": None, "cost_tokens": None}
+    return {"cost_cpu_seconds": cost["cpu_seconds"], "cost_gpu_seconds": cost["gpu_seconds"],
+            "cost_tokens": cost["tokens"]}
+
+
+def open_store(url: str | None, run_path: Path) -> Store:
+    """Open (creating tables if needed) the run store; see `resolve_url`."""
+    return Store(_make_engine(resolve_url(url, run_path)))
+
+
+def domain_stats(store: Store, run_id: str, window_s: float, *, success_threshold: float = 0.5,
+                 since: float | None = None) -> list[DomainStatRow]:
+    """Per-domain statistics of training rewards (purpose `train`, status `ok`) over
+    windows of `window_s` seconds aligned to the Unix epoch; a sample succeeds when its
+    reward is at least `success_threshold`. The rows are upserted into `domain_stats`
+    (recomputing is idempotent) and returned ordered by (window_start, domain)."""
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    t = RewardRow.__table__.c
+    bucket = t.created_at / window_s
+    # floor() on PostgreSQL; SQLite truncates a positive REAL cast to INTEGER (= floor)
+    index = func.floor(bucket) if store.dialect == "postgresql" else sa.cast(bucket, sa.Integer)
+    success = sa.case((t.reward >= success_threshold, 1.0), else_=0.0)
+    q = (sa.select(t.domain, index.label("w"), func.count(), func.avg(t.reward), func.avg(success))
+         .where(t.run_id == run_id, t.purpose == "train", t.status == "ok")
+         .group_by(t.domain, index))
+    if since is not None:
+        q = q.where(t.created_at >= since)
+    with store.engine.connect() as conn:
+        found = conn.execute(q).all()
+    rows = [{"run_id": run_id, "domain": d, "window_start": math.floor(w) * window_s, "window_s": float(window_s),
+             "n": int(n), "reward_mean": float(mean), "success_rate": float(rate)} for d, w, n, mean, rate in found]
+    rows.sort(key=lambda r: (r["window_start"], r["domain"]))
+    store.upsert(DomainStatRow, rows)
+    return [DomainStatRow(**r) for r in rows]

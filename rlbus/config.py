@@ -172,6 +172,8 @@ class SchedulerSection(Section):
     """Evaluate every N-th version (the first and the last always)."""
     threads: int = 1
     """torch threads of this process."""
+    db_url: str = ""
+    """Run store URL (SQLAlchemy, e.g. postgresql://user@host/db); empty = $RLBUS_DB_URL, else SQLite <run>/run.db."""
 
 
 class RunConfig(Section):

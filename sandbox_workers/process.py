@@ -31,8 +31,10 @@ that lives as long as the sandbox (bwrap's --die-with-parent follows the thread)
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import glob
 import os
 import resource
@@ -71,10 +73,13 @@ KILL_GRACE_S = 2.0
 EXIT_GRACE_S = 0.2
 MAX_READ_FILE = 256 * MIB
 OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
-ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
-             "passwd", "group", "nsswitch.conf", "mime.types")
+ETC_FILES = ("ld.so.cache", "alternatives", "localtime", "passwd", "group")
 
 _bwrap_probe: dict[bool, tuple[bool, str]] = {}
+_SETPRIV = shutil.which("setpriv")
+_PRLIMIT = shutil.which("prlimit")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+PR_SET_NO_NEW_PRIVS = 38
 
 
 def bwrap_path() -> str | None:
@@ -82,7 +87,8 @@ def bwrap_path() -> str | None:
     return shutil.which("bwrap")
 
 
-def _system_binds() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _system_binds() -> tuple[str, ...]:
     args = ["--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = f"/{name}"
@@ -92,14 +98,15 @@ def _system_binds() -> list[str]:
             args += ["--ro-bind", host, host]
     etc = [f"/etc/{n}" for n in ETC_FILES] + sorted(glob.glob("/etc/python3*"))
     for path in etc:
-        args += ["--ro-bind-try", path, path]
-    return args
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    return tuple(args)
 
 
 def _bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str,
                 argv: list[str], inner_uid: int) -> list[str]:
     return [
-        bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+        bwrap, "--as-pid-1", "--unshare-all", "--unshare-user", "--disable-userns",
         "--die-with-parent", "--new-session", "--cap-drop", "ALL",
         "--uid", str(inner_uid), "--gid", str(inner_uid),
         *_system_binds(),
@@ -140,6 +147,14 @@ def _uid_pids(uid: int) -> list[int]:
         if state not in (b"Z", b"X"):
             pids.append(int(entry.name))
     return pids
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
 
 
 def _find_cgroup_parent() -> Path | None:
@@ -222,12 +237,13 @@ class ProcessSandbox(Sandbox):
             argv = _bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker,
                                ["/usr/bin/true"], INNER_UID)
             try:
-                p = subprocess.run(argv, capture_output=True, timeout=10, env={},
-                                   preexec_fn=self._preexec, start_new_session=True)
-                ok, why = p.returncode == 0, p.stderr.decode(errors="replace").strip()
+                p = self._spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                env={})
+                _, err = p.communicate(timeout=10)
+                ok, why = p.returncode == 0, err.decode(errors="replace").strip()
             except (OSError, subprocess.TimeoutExpired) as exc:
                 ok, why = False, repr(exc)
-            _bwrap_probe[self.is_root] = (ok, why or f"exit {p.returncode}")
+            _bwrap_probe[self.is_root] = (ok, why or "bwrap probe failed")
         return _bwrap_probe[self.is_root]
 
     def _make_cgroup(self) -> None:
@@ -275,30 +291,51 @@ class ProcessSandbox(Sandbox):
             raise RuntimeError("sandbox not started (or closed)")
 
     # -- execute -------------------------------------------------------------------
-    def _preexec(self) -> None:
-        """In the child, before exec: cgroup, rlimits, then drop to the sandbox uid."""
-        if self.cgroup is not None:
-            fd = os.open(str(self.cgroup / "cgroup.procs"), os.O_WRONLY)
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
+    def _rlimits(self) -> list[tuple[int, int, int, str]]:
+        """(resource, soft, hard, prlimit option) for every limit we set."""
         lim = self.limits
         nproc = lim.pids
-        if not self.is_root:  # our own uid's processes count too
+        if not self.is_root:  # no dedicated uid: our own processes count too
             nproc += _count_uid_procs(self.uid)
-        for res, value in (
-            (resource.RLIMIT_AS, lim.memory_mb * MIB),
-            (resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds + 1)),
-            (resource.RLIMIT_FSIZE, lim.file_size_mb * MIB),
-            (resource.RLIMIT_NOFILE, lim.nofile),
-            (resource.RLIMIT_NPROC, nproc),
-            (resource.RLIMIT_CORE, 0),
-        ):
-            soft, hard = value if isinstance(value, tuple) else (value, value)
-            resource.setrlimit(res, (soft, hard))
-        if self.is_root:
-            os.setgroups([])
-            os.setresgid(self.gid, self.gid, self.gid)
-            os.setresuid(self.uid, self.uid, self.uid)
+        return [
+            (resource.RLIMIT_AS, lim.memory_mb * MIB, lim.memory_mb * MIB, "--as"),
+            (resource.RLIMIT_CPU, lim.cpu_seconds, lim.cpu_seconds + 1, "--cpu"),
+            (resource.RLIMIT_FSIZE, lim.file_size_mb * MIB, lim.file_size_mb * MIB, "--fsize"),
+            (resource.RLIMIT_NOFILE, lim.nofile, lim.nofile, "--nofile"),
+            (resource.RLIMIT_NPROC, nproc, nproc, "--nproc"),
+            (resource.RLIMIT_CORE, 0, 0, "--core"),
+        ]
+
+    def _spawn(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Start argv in a new session with the rlimits, as the sandbox uid.
+
+        Fast path (no cgroup to join): `setpriv` + `prlimit` exec'd in front, which lets
+        Python vfork. Otherwise a preexec_fn does the same work in the child.
+        """
+        rlimits = self._rlimits()
+        if self.cgroup is None and _PRLIMIT and (_SETPRIV or not self.is_root):
+            prefix = []
+            if self.is_root:
+                prefix = [_SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}",
+                          "--clear-groups", "--no-new-privs"]
+            prefix += [_PRLIMIT, *(f"{opt}={soft}:{hard}" for _, soft, hard, opt in rlimits),
+                       "--"]
+            return subprocess.Popen(prefix + argv, start_new_session=True, **kw)
+
+        def preexec() -> None:
+            if self.cgroup is not None:
+                fd = os.open(str(self.cgroup / "cgroup.procs"), os.O_WRONLY)
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+            for res, soft, hard, _ in rlimits:
+                resource.setrlimit(res, (soft, hard))
+            _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            if self.is_root:
+                os.setgroups([])
+                os.setresgid(self.gid, self.gid, self.gid)
+                os.setresuid(self.uid, self.uid, self.uid)
+
+        return subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, **kw)
 
     def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
         """Run `cmd` in the sandbox; see the module docstring for the guarantees."""
@@ -316,9 +353,8 @@ class ProcessSandbox(Sandbox):
         oom_before = self._oom_kills()
         t0 = time.monotonic()
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=cwd, env=env,
-                                    preexec_fn=self._preexec, start_new_session=True)
+            proc = self._spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=cwd, env=env)
         except OSError as exc:  # e.g. command not found in degraded mode
             return ExecResult(127, "", f"{exc}\n", duration_ms=0.0, isolation=self.isolation)
         out, err, timed_out = self._drain(proc, t0 + timeout)
@@ -353,7 +389,7 @@ class ProcessSandbox(Sandbox):
             while sel.get_map():
                 now = time.monotonic()
                 if now >= deadline:
-                    timed_out = proc.poll() is None or exited_at is None
+                    timed_out = proc.poll() is None
                     break
                 if exited_at is None and proc.poll() is not None:
                     exited_at = now
@@ -375,7 +411,22 @@ class ProcessSandbox(Sandbox):
         return out, err, timed_out
 
     def _kill_everything(self, proc: subprocess.Popen | None) -> None:
-        """SIGKILL the group, the cgroup and the sandbox uid's processes; wait till gone."""
+        """SIGKILL the group, the cgroup and the sandbox uid's processes; wait till gone.
+
+        bwrap's children (the namespace's pid 1) are killed first so that bwrap itself
+        reaps them: an orphan would otherwise wait on the host's init, which in some
+        containers never reaps, and its zombie would count against RLIMIT_NPROC.
+        """
+        if proc is not None and proc.poll() is None and self.isolation == "bwrap":
+            for pid in _children(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
         if proc is not None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -471,16 +522,19 @@ class ProcessSandbox(Sandbox):
         self._require_started()
         parts = self._parts(path)
         dfd = self._open_parent(parts, create=True)
+        base = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        created = True
         try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
-                         0o644, dir_fd=dfd)
+            try:
+                fd = os.open(parts[-1], base | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            except FileExistsError:
+                created = False
+                fd = os.open(parts[-1], base, dir_fd=dfd)
         finally:
             os.close(dfd)
         with os.fdopen(fd, "wb") as f:
-            if self.is_root:
-                st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_nlink == 1:
-                    os.fchown(fd, self.uid, self.gid)  # we just created it
+            if created and self.is_root:
+                os.fchown(fd, self.uid, self.gid)
             self._check_owned(fd, path)
             os.ftruncate(fd, 0)
             f.write(data)

@@ -35,9 +35,10 @@ import asyncio
 import json
 import time
 
+import nats.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import APIError, KeyNotFoundError, NotFoundError
 
 from bus.publish import publish
 from bus.streams import iter_stream
@@ -146,7 +147,7 @@ async def capture_max_deliveries(js: JetStreamContext, reg: Registry, stop: asyn
 async def _max_deliver(js: JetStreamContext, stream: str, consumer: str) -> int | None:
     try:
         info = await js.consumer_info(stream, consumer)
-    except NotFoundError:  # the consumer was deleted since: the advisory's count stands in
+    except (APIError, nats.errors.TimeoutError):  # e.g. the consumer was deleted since: the advisory's count stands in
         return None
     return info.config.max_deliver
 

@@ -1,11 +1,15 @@
-"""The scheduler process. So far: regression evaluation of weight versions.
+"""The scheduler process. So far: regression evaluation of weight versions, and the
+recorder that writes the run's streams into the SQL run store.
 
 Guarantees:
-- Version 0 (the starting checkpoint) is always evaluated: it is the baseline.
+- Version 0 (the starting checkpoint) is always evaluated first, from the checkpoint
+  files themselves: it is the baseline, even if the learner has moved on already.
 - Afterwards every `eval_every_versions`-th version is evaluated as it appears, and on
   stop the newest version is evaluated if it was not yet, so `final` is always the
   score of the last version.
 - Each evaluation is published as an `EvalResult` on `eval.<run>.<domain>`.
+- The recorder (`scheduler.recorder`) runs alongside and stops only after the final
+  evaluation, so the run store holds every reward, version, eval and dead letter.
 """
 
 from __future__ import annotations
@@ -14,39 +18,58 @@ import asyncio
 
 import structlog
 
+from bus.kv import get_json, put_json
 from bus.publish import publish
 from rlbus.runtime import worker_session
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import EvalResult
 from scheduler.evaluation import eval_set, greedy_accuracy
+from scheduler.recorder import record
+from scheduler.store import open_store
 
 log = structlog.get_logger()
+BASELINE_KEY = "eval.baseline"
 
 
 async def run(cfg, ctx) -> dict[str, float]:
     """Evaluate versions until stopped."""
     ec = cfg.scheduler
     async with worker_session("scheduler", cfg, ctx) as s:
+        store = await asyncio.to_thread(open_store, ec.db_url or None, ctx.run_path)
+        await asyncio.to_thread(store.ensure_run, s.reg.run_id, cfg.model_dump(mode="json"))
+        recorder_stop = asyncio.Event()
+        recorder = asyncio.create_task(record(s.js, s.reg, store, stop=recorder_stop))
         problems, digest = eval_set(ec.eval_seed, ec.eval_n, ec.eval_difficulty)
         engine = await asyncio.to_thread(HFEngine, str(ctx.model_path), "cpu", ec.threads)
         watcher = WeightWatcher(s.js, s.reg, s.counters)
         await watcher.start()
         last_eval = -1
 
-        async def evaluate() -> None:
+        async def publish_eval(version: int, step: int) -> None:
             nonlocal last_eval
-            await watcher.maybe_load(engine)
-            v = watcher.loaded
             score = await asyncio.to_thread(greedy_accuracy, engine, problems, cfg.sampler.max_tokens)
             await publish(s.js, s.reg.eval("arith"), EvalResult(
-                run_id=s.reg.run_id, version=v.version, step=v.step, domain="arith", score=score,
+                run_id=s.reg.run_id, version=version, step=step, domain="arith", score=score,
                 n=len(problems), eval_set_sha256=digest))
-            last_eval = v.version
-            s.counters.update(eval_version=v.version, eval_score=score, evals=s.counters.get("evals", 0) + 1)
-            log.info("scheduler.eval", version=v.version, score=score, n=len(problems))
+            last_eval = version
+            s.counters.update(eval_version=version, eval_score=score, evals=s.counters.get("evals", 0) + 1)
+            log.info("scheduler.eval", version=version, score=score, n=len(problems))
+
+        async def evaluate() -> None:
+            await watcher.maybe_load(engine)
+            await publish_eval(watcher.loaded.version, watcher.loaded.step)
+
+        if await get_json(s.js, s.reg, BASELINE_KEY) is None:
+            # The baseline is the starting checkpoint exactly as the learner publishes it as
+            # version 0 (same files), evaluated before any blob is loaded: however late the
+            # scheduler starts, the baseline is never a later version.
+            await publish_eval(0, 0)
+            await put_json(s.js, s.reg, BASELINE_KEY, {"version": 0, "score": s.counters["eval_score"]})
 
         if not await watcher.wait_first(s.stop):
+            recorder_stop.set()
+            await recorder
             return s.counters
         while not s.stop.is_set():
             newest = watcher.newest
@@ -60,4 +83,10 @@ async def run(cfg, ctx) -> dict[str, float]:
                 pass
         if watcher.newest and watcher.newest.version != last_eval:
             await evaluate()
+        recorder_stop.set()
+        counts = await recorder
+        # one last pass until the streams are idle, so the final eval and rewards are in
+        tail = await record(s.js, s.reg, store, stop=asyncio.Event(), until_idle=1.0)
+        s.counters.update({f"recorded_{k}": v + tail.get(k, 0) for k, v in counts.items()})
+        await asyncio.to_thread(store.set_run_status, s.reg.run_id, "stopped")
         return s.counters

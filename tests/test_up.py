@@ -91,6 +91,13 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path):
     assert ev["n"] == 20 and 0.0 <= ev["baseline"] <= 1.0 and 0.0 <= ev["final"] <= 1.0
     assert ev["final_version"] >= 25
     assert (run_path / "reward_curve.png").stat().st_size > 1000
+    # the scheduler's recorder wrote the run store (SQLite in the run folder by default)
+    import sqlite3
+
+    db = sqlite3.connect(run_path / "run.db")
+    assert db.execute("select count(*) from rewards").fetchone()[0] == s["rewards"]
+    assert db.execute("select count(*) from eval_results").fetchone()[0] == len(ev["curve"])
+    assert db.execute("select status from runs").fetchone()[0] == "stopped"
     state = json.loads((run_path / "run.json").read_text())
     assert state["nats_url"].startswith("nats://") and set(state["workers"]) >= {"sampler", "rollout", "learner"}
     # nothing of the run lives directly in the run dir

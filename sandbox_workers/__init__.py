@@ -1,0 +1,1 @@
+"""Sandboxes: the Sandbox interface (base) and its backends (process/bwrap, docker)."""

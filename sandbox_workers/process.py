@@ -75,6 +75,10 @@ MAX_READ_FILE = 256 * MIB
 OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
 ETC_FILES = ("ld.so.cache", "alternatives", "localtime", "passwd", "group")
 
+# pid 1 of the sandbox: the command runs as its child, so it keeps normal signal
+# semantics (a pid-1 process ignores SIGTERM, SIGXCPU and its own SIGKILL), and
+# `--as-pid-1` makes the host-side bwrap wait on (reap) pid 1 itself.
+INIT_SHIM = ("/bin/sh", "-c", '"$@" & wait $! 2>/dev/null', "rlbus-init")
 _bwrap_probe: dict[bool, tuple[bool, str]] = {}
 _SETPRIV = shutil.which("setpriv")
 _PRLIMIT = shutil.which("prlimit")
@@ -116,7 +120,7 @@ def _bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str,
         "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORK_DIR,
         "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", MARKER_ENV, marker,
-        "--", *argv,
+        "--", *INIT_SHIM, *argv,
     ]
 
 
@@ -364,7 +368,7 @@ class ProcessSandbox(Sandbox):
         exit_code = 128 - rc if rc < 0 else rc
         oom = self._oom_kills() > oom_before or any(
             h in err.head or h in err.tail for h in OOM_HINTS
-        ) or (exit_code == 128 + signal.SIGKILL and not timed_out)
+        )
         return ExecResult(
             exit_code=exit_code, stdout=decode_output(out.getvalue()),
             stderr=decode_output(err.getvalue()), timed_out=timed_out, oom=oom,

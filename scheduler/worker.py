@@ -8,6 +8,8 @@ Guarantees:
   stop the newest version is evaluated if it was not yet, so `final` is always the
   score of the last version.
 - Each evaluation is published as an `EvalResult` on `eval.<run>.<domain>`.
+- MAX_DELIVERIES advisories of the work streams are turned into dead letters
+  (`scheduler.dlq`) while it runs.
 - The recorder (`scheduler.recorder`) runs alongside and stops only after the final
   evaluation, so the run store holds every reward, version, eval and dead letter.
 """
@@ -24,6 +26,7 @@ from rlbus.runtime import worker_session
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import EvalResult
+from scheduler.dlq import capture_max_deliveries
 from scheduler.evaluation import eval_set, greedy_accuracy
 from scheduler.recorder import record
 from scheduler.store import open_store
@@ -40,6 +43,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         await asyncio.to_thread(store.ensure_run, s.reg.run_id, cfg.model_dump(mode="json"))
         recorder_stop = asyncio.Event()
         recorder = asyncio.create_task(record(s.js, s.reg, store, stop=recorder_stop))
+        dead_letterer = asyncio.create_task(capture_max_deliveries(s.js, s.reg, s.stop))
         problems, digest = eval_set(ec.eval_seed, ec.eval_n, ec.eval_difficulty)
         engine = await asyncio.to_thread(HFEngine, str(ctx.model_path), "cpu", ec.threads)
         watcher = WeightWatcher(s.js, s.reg, s.counters)
@@ -70,6 +74,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         if not await watcher.wait_first(s.stop):
             recorder_stop.set()
             await recorder
+            await dead_letterer
             return s.counters
         while not s.stop.is_set():
             newest = watcher.newest
@@ -83,6 +88,7 @@ async def run(cfg, ctx) -> dict[str, float]:
                 pass
         if watcher.newest and watcher.newest.version != last_eval:
             await evaluate()
+        s.counters["max_deliveries_dead_lettered"] = await dead_letterer
         recorder_stop.set()
         counts = await recorder
         # one last pass until the streams are idle, so the final eval and rewards are in

@@ -291,3 +291,39 @@ def test_no_zombies_left_for_sandbox_uid(bsbx):
             except OSError:
                 pass
     assert owned == []
+
+
+def test_signals_and_cpu_limit(sbx):
+    """The command is not pid 1: it dies of its own signals; RLIMIT_CPU ends it."""
+    r = sbx.execute("kill -9 $$; echo alive", timeout=5)
+    assert r.exit_code == 137 and "alive" not in r.stdout and not r.oom, r
+    r = sbx.execute(py("import os, signal; os.kill(os.getpid(), signal.SIGTERM)"), timeout=5)
+    assert r.exit_code == 143, r
+    box = ProcessSandbox(isolation=sbx.isolation)
+    box.start(limits=Limits(cpu_seconds=1), timeout=10)
+    try:
+        r = box.execute(py("while True: pass"))
+        assert r.exit_code == 128 + 24 and not r.timed_out and not r.oom, r  # SIGXCPU
+    finally:
+        box.close()
+
+
+def test_missing_bwrap_degrades_with_warning(monkeypatch):
+    from structlog.testing import capture_logs
+
+    import sandbox_workers.process as proc_mod
+
+    monkeypatch.setattr(proc_mod, "bwrap_path", lambda: None)
+    with capture_logs() as logs:
+        box = ProcessSandbox(isolation="auto")
+        box.start()
+    try:
+        assert box.isolation == "degraded"
+        assert any(e["event"] == "sandbox.degraded" and e["log_level"] == "warning"
+                   for e in logs)
+        r = box.execute("echo ok")
+        assert r.stdout == "ok\n" and r.isolation == "degraded"
+    finally:
+        box.close()
+    with pytest.raises(RuntimeError, match="bwrap required"):
+        ProcessSandbox(isolation="bwrap").start()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, Self
 
 Isolation = Literal["bwrap", "degraded", "docker"]
 
@@ -96,7 +96,7 @@ class Sandbox(abc.ABC):
     def close(self) -> None:
         """Release everything; idempotent."""
 
-    def __enter__(self) -> Sandbox:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

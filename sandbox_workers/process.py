@@ -208,11 +208,18 @@ class ProcessSandbox(Sandbox):
         self.limits = limits or Limits()
         self.default_timeout = timeout
         if self.is_root:
-            self.uid = self.gid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+            while True:  # a uid no live process holds (the kill sweep is per uid)
+                self.uid = self.gid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+                if not _uid_pids(self.uid):
+                    break
         self.workdir = tempfile.mkdtemp(prefix=f"{self.marker}-", dir=self.base_dir)
-        self._prepare_workdir()
-        self.isolation = self._choose_isolation()
-        self._make_cgroup()
+        try:
+            self._prepare_workdir()
+            self.isolation = self._choose_isolation()
+            self._make_cgroup()
+        except BaseException:
+            self.close()
+            raise
         log.debug("sandbox.started", sandbox=self.id, isolation=self.isolation,
                   uid=self.uid, cgroup=str(self.cgroup) if self.cgroup else None)
 
@@ -240,6 +247,7 @@ class ProcessSandbox(Sandbox):
         if self.is_root not in _bwrap_probe:
             argv = _bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker,
                                ["/usr/bin/true"], INNER_UID)
+            p = None
             try:
                 p = self._spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 env={})
@@ -247,6 +255,9 @@ class ProcessSandbox(Sandbox):
                 ok, why = p.returncode == 0, err.decode(errors="replace").strip()
             except (OSError, subprocess.TimeoutExpired) as exc:
                 ok, why = False, repr(exc)
+                if p is not None:
+                    self._kill_everything(p)
+                    p.wait()
             _bwrap_probe[self.is_root] = (ok, why or "bwrap probe failed")
         return _bwrap_probe[self.is_root]
 
@@ -339,7 +350,8 @@ class ProcessSandbox(Sandbox):
                 os.setresgid(self.gid, self.gid, self.gid)
                 os.setresuid(self.uid, self.uid, self.uid)
 
-        return subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, **kw)
+        # only syscalls run in the child; used only when a cgroup must be joined first
+        return subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, **kw)  # noqa: PLW1509
 
     def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
         """Run `cmd` in the sandbox; see the module docstring for the guarantees."""

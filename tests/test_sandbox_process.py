@@ -157,11 +157,13 @@ def test_stdout_flood_is_capped(sbx):
 
 
 def test_write_outside_workdir_fails(sbx):
-    before = open("/etc/passwd", "rb").read()
+    with open("/etc/passwd", "rb") as f:
+        before = f.read()
     for cmd in ("echo x >> /etc/passwd", "touch /etc/rlbus-sbx-test", "touch /usr/rlbus-x"):
         r = sbx.execute(cmd)
         assert r.exit_code != 0, (cmd, r)
-    assert open("/etc/passwd", "rb").read() == before
+    with open("/etc/passwd", "rb") as f:
+        assert f.read() == before
     assert not os.path.exists("/etc/rlbus-sbx-test")
 
 

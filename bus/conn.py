@@ -23,7 +23,7 @@ async def connect(url: str, name: str = "rlbus") -> nats.NATS:
     """Connect with unlimited reconnects."""
 
     async def on_disconnect():
-        log.warning("bus.disconnected", url=url)
+        log.info("bus.disconnected", url=url)  # also fires on a deliberate close
 
     async def on_reconnect():
         log.info("bus.reconnected", url=url)

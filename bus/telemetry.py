@@ -1,4 +1,4 @@
-"""Periodic worker telemetry on core NATS (`metrics.<run>.<role>.<id>`).
+"""Periodic worker telemetry and heartbeats on core NATS (`metrics.<run>.<role>.<id>`).
 
 Guarantees: publishing telemetry never blocks or fails the work; a failed publish is
 logged and skipped. Values are the live `counters` dict of the worker.
@@ -30,7 +30,8 @@ async def report_forever(nc, reg: Registry, role: str, counters: dict[str, float
     subject = reg.metrics(role, wid)
     while True:
         try:
-            await nc.publish(subject, encode(Metric(run_id=reg.run_id, role=role, worker_id=wid, values=dict(counters))))
+            await nc.publish(subject, encode(Metric(run_id=reg.run_id, role=role, worker_id=wid, values=dict(counters),
+                                                    host=socket.gethostname(), pid=os.getpid())))
         except Exception as exc:  # telemetry must never take the worker down
             log.warning("telemetry.publish_failed", error=str(exc))
         await asyncio.sleep(every)

@@ -86,6 +86,15 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--threads", type=int, default=2)
     sft.add_argument("--seed", type=int, default=0)
 
+    st = sub.add_parser("status", help="where a run stands: step, version, stage rates and depths, workers",
+                        description="Read a run's state from the bus (consumes nothing). Without --run-id: the single "
+                                    "active run under --run-dir, or the single run on the server.")
+    st.add_argument("--run-dir", help="parent folder of runs, as with `up` (finds the server URL in run.json)")
+    st.add_argument("--nats-url", help="NATS server URL")
+    st.add_argument("--run-id", help="run id")
+    st.add_argument("--json", action="store_true", help="print exactly one JSON line")
+    st.add_argument("--listen", type=float, default=2.5, help="seconds to listen for heartbeats and rates")
+
     t = sub.add_parser("tail", help="print decoded messages live from a subject wildcard (consumes nothing)")
     t.add_argument("subject", help="subject or wildcard, e.g. 'rewards.>' or 'traj.<run>.arith'")
     t.add_argument("--nats-url", default="nats://127.0.0.1:4222")
@@ -234,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.command not in ("worker", "up"):
+        from rlbus.log import configure_logging
+
+        # one-shot commands: stdout holds only their answer, warnings go to stderr
+        configure_logging(args.command, level="WARNING")
     if args.command == "worker":
         return _worker(args)
     if args.command == "dlq":
@@ -273,6 +287,26 @@ def main(argv: list[str] | None = None) -> int:
         stats = run_sft(Path(args.model), Path(args.out), demo, seconds=args.seconds, max_steps=args.max_steps,
                         batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads, progress=True)
         print(stats)
+        return 0
+    if args.command == "status":
+        import json as _json
+
+        from rich.console import Console
+
+        from rlbus.status import StatusError, collect, find_run, render
+
+        try:
+            run_id, url = find_run(Path(args.run_dir) if args.run_dir else None, args.run_id, args.nats_url)
+            if not url:
+                raise StatusError("pass --nats-url, or --run-dir to read it from the run's run.json")
+            status = asyncio.run(collect(url, run_id, args.listen))
+        except StatusError as exc:
+            sys.exit(f"rlbus status: {exc}")
+        if args.json:
+            print(_json.dumps(status))
+        else:
+            for table in render(status):
+                Console().print(table)
         return 0
     if args.command == "tail":
         from bus.tail import tail

@@ -277,6 +277,10 @@ class Metric(Message):
     """Process-unique worker id."""
     values: dict[str, float] = Field(default_factory=dict)
     """Counters and gauges."""
+    host: str = ""
+    """Host the worker runs on (a Metric doubles as the worker's heartbeat)."""
+    pid: int = 0
+    """Process id of the worker on that host."""
 
 
 class EvalResult(Message):

@@ -1,7 +1,9 @@
-"""Built-in verifiers, registered by name.
+"""The verifier contract (`Verdict`, `VerifierInputError`) and the `arith`/`constant` built-ins.
 
 A verifier maps a trajectory to named reward components and a status; the scalar
-reward is composed from the components by weights (default: the `correct` component).
+reward is composed from the components by weights (default: the `correct` component,
+see `registry.compose`). Verifiers are looked up by name in `verifier_workers.registry`
+(built-ins, then `rlbus.verifiers` entry points); `get_verifier` delegates to it.
 
 Guarantees:
 - `arith` recomputes the gold answer with exact integer arithmetic from the task's
@@ -37,7 +39,9 @@ class Verdict:
     @property
     def reward(self) -> float:
         """Scalar reward: the weighted sum of the components."""
-        return float(sum(w * self.components.get(k, 0.0) for k, w in self.weights.items()))
+        from verifier_workers.registry import compose
+
+        return compose(self.components, self.weights)
 
 
 def verify_arith(traj: Trajectory) -> Verdict:
@@ -63,11 +67,11 @@ VERIFIERS: dict[str, Callable[[Trajectory], Verdict]] = {
     "arith": verify_arith,
     "constant": verify_constant,
 }
+"""The built-ins defined in this module (the registry lists every verifier)."""
 
 
 def get_verifier(name: str) -> Callable[[Trajectory], Verdict]:
     """The verifier registered as `name`, or VerifierInputError naming the known ones."""
-    try:
-        return VERIFIERS[name]
-    except KeyError:
-        raise VerifierInputError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}") from None
+    from verifier_workers.registry import get
+
+    return get(name)

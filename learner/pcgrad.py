@@ -1,0 +1,121 @@
+"""PCGrad: projecting conflicting per-domain gradients (optional, off by default).
+
+Source: Yu et al. 2020, "Gradient Surgery for Multi-Task Learning",
+arXiv:2001.06782, Algorithm 1. For each task ``i`` start from
+``g_i^PC = g_i``; for every other task ``j``: if ``g_i^PC . g_j < 0`` (a
+conflict), project ``g_i^PC`` onto the normal plane of ``g_j``::
+
+    g_i^PC <- g_i^PC - (g_i^PC . g_j) / ||g_j||^2 * g_j
+
+The update is ``sum_i g_i^PC``. Projections are always against the
+*original* ``g_j`` (as in Algorithm 1), while the dot product uses the
+running ``g_i^PC``.
+
+Deviation, for determinism: the paper visits the other tasks in random
+order; here they are visited in fixed index order ``j = 0, 1, ..., K-1``
+(skipping ``i``). With two tasks the order does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["pcgrad"]
+
+GradLike = torch.Tensor | Sequence[torch.Tensor | None]
+
+
+def _project(flat: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    k = len(flat)
+    sq_norms = [float(torch.dot(g, g)) for g in flat]
+    total = torch.zeros_like(flat[0])
+    n_conflicts = 0
+    for i in range(k):
+        gi = flat[i].clone()
+        for j in range(k):
+            if j == i or sq_norms[j] == 0.0:
+                continue
+            dot = torch.dot(gi, flat[j])
+            if float(dot) < 0.0:
+                gi = gi - (dot / sq_norms[j]) * flat[j]
+                n_conflicts += 1
+        total = total + gi
+    return total, n_conflicts
+
+
+def pcgrad(grads: Sequence[GradLike]) -> tuple[GradLike, int]:
+    """Combine per-task (per-domain) gradients with PCGrad.
+
+    Args:
+        grads: one entry per task, either
+
+            * a tensor (any shape, the same for all tasks; treated as one flat
+              vector), or
+            * a list of per-parameter tensors (same length and shapes across
+              tasks; ``None`` = no gradient for that parameter in that task,
+              read as zeros; a parameter that is ``None`` in every task stays
+              ``None``).
+
+    Returns:
+        ``(combined, n_conflicts)``: ``combined`` has the input's form (a
+        tensor of the common shape, or a list of per-parameter tensors);
+        ``n_conflicts`` counts the projections applied, i.e. ordered pairs
+        ``(i, j)`` where the running ``g_i^PC`` had a negative dot product
+        with ``g_j`` (two mutually conflicting tasks give 2). Inputs are not
+        modified; nothing is differentiated (computed under ``no_grad``).
+    """
+    if len(grads) == 0:
+        raise ValueError("pcgrad needs at least one task gradient")
+    with torch.no_grad():
+        if all(isinstance(g, torch.Tensor) for g in grads):
+            shape = grads[0].shape
+            for g in grads:
+                if g.shape != shape:
+                    raise ValueError(
+                        f"task gradients differ in shape: {tuple(g.shape)} vs {tuple(shape)}"
+                    )
+            combined, n = _project([g.detach().reshape(-1) for g in grads])
+            return combined.reshape(shape), n
+        if any(isinstance(g, torch.Tensor) for g in grads):
+            raise ValueError(
+                "mix of tensors and per-parameter lists; use one form for all tasks"
+            )
+
+        n_params = len(grads[0])
+        if any(len(g) != n_params for g in grads):
+            raise ValueError("task gradient lists differ in length")
+        templates: list[torch.Tensor | None] = []
+        for p in range(n_params):
+            present = [g[p] for g in grads if g[p] is not None]
+            for x in present[1:]:
+                if x.shape != present[0].shape:
+                    raise ValueError(
+                        f"parameter {p}: shapes differ across tasks: "
+                        f"{tuple(x.shape)} vs {tuple(present[0].shape)}"
+                    )
+            templates.append(present[0] if present else None)
+        live = [p for p in range(n_params) if templates[p] is not None]
+        if not live:
+            return [None] * n_params, 0
+        flat = []
+        for g in grads:
+            parts = []
+            for p in live:
+                x = g[p]
+                t = templates[p]
+                assert t is not None
+                parts.append(
+                    (x if x is not None else torch.zeros_like(t)).detach().reshape(-1)
+                )
+            flat.append(torch.cat(parts))
+        combined, n = _project(flat)
+        out: list[torch.Tensor | None] = [None] * n_params
+        offset = 0
+        for p in live:
+            t = templates[p]
+            assert t is not None
+            out[p] = combined[offset : offset + t.numel()].reshape(t.shape)
+            offset += t.numel()
+        return out, n

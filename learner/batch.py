@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from learner.losses import group_advantages, policy_loss
+from learner.objectives import compute_advantages, objective_loss
 from schemas import unpack_f32, unpack_i32
 
 
@@ -64,14 +65,25 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 
 def grpo_loss(model, ref_model, batch: dict[str, torch.Tensor], *, beta: float, clip_low: float,
-              clip_high: float, normalize_std: bool):
-    """Group-relative advantages + clipped ratio + optional k3 KL; returns (loss, stats, advantages)."""
-    adv = group_advantages(batch["rewards"], batch["group_ids"], normalize_std=normalize_std)
+              clip_high: float, normalize_std: bool, objective: str = "grpo", kl: str = "k3"):
+    """Group-relative advantages + clipped ratio + optional KL; returns (loss, stats, advantages).
+
+    `objective` picks the GRPO-family member (`learner.objectives`): `grpo` (advantages
+    std-normalised when `normalize_std`), `dr_grpo`, `dapo`, `gspo`; `kl` the estimator.
+    """
+    if objective == "grpo":
+        adv = group_advantages(batch["rewards"], batch["group_ids"], normalize_std=normalize_std)
+    else:
+        adv = compute_advantages(objective, batch["rewards"], batch["group_ids"])
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
     logp_ref = None
     if beta > 0:
         with torch.no_grad():
             logp_ref = token_logprobs(ref_model, batch["input_ids"], batch["attention_mask"])
-    loss, stats = policy_loss(logp, batch["behavior_logp"], adv, batch["loss_mask"], clip_low=clip_low,
-                              clip_high=clip_high, beta=beta, logp_ref=logp_ref)
+    if objective == "grpo" and kl == "k3":
+        loss, stats = policy_loss(logp, batch["behavior_logp"], adv, batch["loss_mask"], clip_low=clip_low,
+                                  clip_high=clip_high, beta=beta, logp_ref=logp_ref)
+    else:
+        loss, stats = objective_loss(objective, logp, batch["behavior_logp"], adv, batch["loss_mask"],
+                                     clip_low=clip_low, clip_high=clip_high, beta=beta, kl=kl, logp_ref=logp_ref)
     return loss, stats, adv

@@ -64,7 +64,8 @@ def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int,
     batch = pack_samples([s.reward for s in samples], pad_id)
     optimizer.zero_grad(set_to_none=True)
     loss, stats, adv = grpo_loss(policy, ref, batch, beta=lc.beta, clip_low=lc.clip_low,
-                                 clip_high=lc.clip_high, normalize_std=lc.normalize_std)
+                                 clip_high=lc.clip_high, normalize_std=lc.normalize_std,
+                                 objective=lc.objective, kl=lc.kl_estimator)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), lc.grad_clip)
     optimizer.step()

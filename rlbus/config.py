@@ -141,6 +141,10 @@ class LearnerSection(Section):
     """Upper PPO clip (ratio <= 1 + clip_high)."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group std (GRPO)."""
+    objective: Literal["grpo", "dr_grpo", "dapo", "gspo"] = "grpo"
+    """GRPO-family objective (learner/objectives.py): aggregation, advantages, ratio level."""
+    kl_estimator: Literal["k3", "k1"] = "k3"
+    """KL estimator to the reference when beta > 0."""
     groups_per_step: int = Field(default=8, ge=1)
     """Complete groups that make a step."""
     group_deadline_s: float = 30.0

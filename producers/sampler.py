@@ -9,6 +9,12 @@ Guarantees:
   accounting starts from these records.
 - Problems of the held-out evaluation set are never used for training.
 - The published count survives restarts (KV `sampler.progress`).
+- Each task's domain is drawn by the curriculum weights (KV `curriculum`, written by the
+  scheduler: {"weights": {...}, "levels": {...}, "version": n}) and its `difficulty` is
+  that domain's curriculum level; before the first update (or when the KV value names
+  none of the configured domains) the static `sampler.domains.<d>.weight`s and
+  `start_level`s apply. Weights of unknown domains are ignored and levels are clamped
+  to the domain's [min_level, max_level].
 """
 
 from __future__ import annotations
@@ -21,25 +27,65 @@ import structlog
 from bus.kv import LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.publish import publish, publish_many
 from producers import arith
+from producers.math_source import make_math_task
 from rlbus.runtime import worker_session
+from scheduler.curriculum_service import CURRICULUM_KEY
 from schemas import ChatMessage, Task, TaskFate, TaskFates
 
 log = structlog.get_logger()
 
 
-def make_arith_task(run_id: str, rng: random.Random, cfg, index: int, heldout: set[str]) -> Task:
-    """One arith training task (never a held-out problem)."""
+BUILTIN_DOMAINS = ("arith", "math")
+
+
+def make_arith_task(run_id: str, rng: random.Random, cfg, index: int, heldout: set[str],
+                    level: int | None = None) -> Task:
+    """One arith training task at `level` (default: sampler.difficulty), never a held-out problem."""
     sc = cfg.sampler
+    level = sc.difficulty if level is None else level
+    dc = sc.domains.get("arith")
     while True:
-        problem = arith.generate(rng, sc.difficulty)
+        problem = arith.generate(rng, level)
         if problem.expression not in heldout:
             break
     return Task(
-        run_id=run_id, task_id=f"arith-{sc.difficulty}-{index}", domain="arith", difficulty=sc.difficulty,
+        run_id=run_id, task_id=f"arith-{level}-{index}", domain="arith", difficulty=level,
         group_size=sc.group_size, prompt=[ChatMessage(role="user", content=problem.prompt)],
-        max_tokens=sc.max_tokens, temperature=sc.temperature, verifier="arith",
+        max_tokens=(dc.max_tokens if dc else None) or sc.max_tokens, temperature=sc.temperature, verifier="arith",
         verifier_params={"expression": problem.expression},
     )
+
+
+def plan(domains: dict, curriculum: dict | None) -> tuple[dict[str, float], dict[str, int]]:
+    """(weights, levels) to sample with: the curriculum's where it has them, else static."""
+    static_w = {d: c.weight for d, c in domains.items()}
+    levels = {d: c.initial_level for d, c in domains.items()}
+    weights = static_w
+    if curriculum:
+        cw = {d: float(w) for d, w in (curriculum.get("weights") or {}).items() if d in domains}
+        if cw and sum(max(0.0, w) for w in cw.values()) > 0:
+            weights = {d: max(0.0, cw.get(d, 0.0)) for d in domains}
+        for d, lvl in (curriculum.get("levels") or {}).items():
+            if d in domains:
+                levels[d] = min(max(int(lvl), domains[d].min_level), domains[d].max_level)
+    if sum(weights.values()) <= 0:
+        weights = {d: 1.0 for d in domains}
+    return weights, levels
+
+
+def choose(rng: random.Random, weights: dict[str, float]) -> str:
+    """A domain drawn in proportion to `weights` (positive total)."""
+    names = list(weights)
+    return rng.choices(names, weights=[weights[d] for d in names])[0]
+
+
+def make_task(run_id: str, rng: random.Random, cfg, index: int, heldout: set[str],
+              weights: dict[str, float], levels: dict[str, int]) -> Task:
+    """One training task of a domain drawn by `weights`, at its level."""
+    domain = choose(rng, weights)
+    if domain == "arith":
+        return make_arith_task(run_id, rng, cfg, index, heldout, levels[domain])
+    return make_math_task(run_id, rng, cfg, cfg.sampler.domains[domain], levels[domain], index, domain)
 
 
 async def inflight(js, reg, published: int) -> int:
@@ -63,8 +109,9 @@ async def inflight(js, reg, published: int) -> int:
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the sampler until stopped (or `ctx.max_messages` tasks published)."""
     sc = cfg.sampler
-    if sc.domain != "arith":
-        raise ValueError(f"sampler.domain {sc.domain!r}: only 'arith' is built in so far")
+    unknown = [d for d in sc.domains if d not in BUILTIN_DOMAINS]
+    if unknown:
+        raise ValueError(f"sampler.domains {unknown}: built-in domains are {list(BUILTIN_DOMAINS)}")
     async with worker_session("sampler", cfg, ctx) as s:
         ev = cfg.scheduler
         heldout = {p.expression for p in arith.heldout_set(ev.eval_seed, ev.eval_n, ev.eval_difficulty)}
@@ -83,7 +130,8 @@ async def run(cfg, ctx) -> dict[str, float]:
             n = min(room, sc.publish_batch)
             if ctx.max_messages is not None:
                 n = min(n, ctx.max_messages - published)
-            tasks = [make_arith_task(s.reg.run_id, rng, cfg, published + i, heldout) for i in range(n)]
+            weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM_KEY))
+            tasks = [make_task(s.reg.run_id, rng, cfg, published + i, heldout, weights, levels) for i in range(n)]
             await publish_many(s.js, [(s.reg.tasks(t.domain), t) for t in tasks])
             await publish(s.js, s.reg.ledger("sampler"), TaskFates(
                 run_id=s.reg.run_id, stage="sampler", fates=[TaskFate(task_msg_id=t.msg_id, fate="published") for t in tasks]))

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, overrides)
         except ConfigError as exc:
             sys.exit(str(exc))
-        configure_logging("launcher", cfg.run.run_id or None)
+        configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
         return up(cfg, args.config)
     if args.command == "init-model":
         from rlbus.tiny_model import build_tiny_model

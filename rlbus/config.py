@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -77,13 +77,66 @@ class SFTSection(Section):
     """torch threads for SFT (nothing else runs then)."""
 
 
+class DomainConfig(Section):
+    """One sampled domain: curriculum settings and, for file-backed domains, its data."""
+
+    target_reward: float = 0.8
+    """Reward the domain should reach; the gap to it drives its sampling share."""
+    floor_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Minimum sampling share, so the domain never starves."""
+    min_level: int = 1
+    """Lowest difficulty level."""
+    max_level: int = 1
+    """Highest difficulty level."""
+    start_level: int | None = None
+    """Level before any curriculum update (default: min_level)."""
+    weight: float = Field(default=1.0, ge=0.0)
+    """Static sampling weight, used until the scheduler publishes the first curriculum update."""
+    data: str = ""
+    """JSONL file of problems for file-backed domains (`math`; empty = examples/data/math.jsonl)."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Generated-token budget of this domain's tasks (default: sampler.max_tokens)."""
+
+    @model_validator(mode="after")
+    def _levels_ordered(self):
+        if self.min_level > self.max_level:
+            raise ValueError(f"min_level {self.min_level} > max_level {self.max_level}")
+        if self.start_level is not None and not self.min_level <= self.start_level <= self.max_level:
+            raise ValueError(f"start_level {self.start_level} outside [{self.min_level}, {self.max_level}]")
+        return self
+
+    @property
+    def initial_level(self) -> int:
+        """start_level, else min_level."""
+        return self.min_level if self.start_level is None else self.start_level
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to another DomainConfig with the same fields, or to a mapping that validates to one
+        (so a raw TOML table compares equal to the section it configures)."""
+        if isinstance(other, dict):
+            try:
+                other = DomainConfig.model_validate(other)
+            except ValidationError:
+                return False
+        return BaseModel.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def default_domains(domain: str = "arith", difficulty: int = 3) -> dict[str, DomainConfig]:
+    """The single domain the legacy `sampler.domain`/`sampler.difficulty` fields describe."""
+    return {domain: DomainConfig(min_level=1, max_level=max(6, difficulty), start_level=difficulty)}
+
+
 class SamplerSection(Section):
     """The task sampler."""
 
     domain: str = "arith"
-    """Domain to sample (the curriculum over many domains comes with the scheduler)."""
+    """Domain to sample when `domains` is not given (legacy single-domain setting)."""
     difficulty: int = 3
-    """Difficulty level of generated tasks."""
+    """Starting difficulty when `domains` is not given (legacy single-domain setting)."""
+    domains: dict[str, DomainConfig] = Field(default_factory=default_domains)
+    """Domains to sample, by name (`arith`, `math`); default: `domain` at levels 1..6 starting at `difficulty`."""
     group_size: int = Field(default=8, ge=1)
     """Samples per task (G)."""
     max_tokens: int = Field(default=8, ge=1)
@@ -96,6 +149,22 @@ class SamplerSection(Section):
     """Tasks published per round."""
     poll_seconds: float = 0.1
     """How often the gate re-reads the learner's progress when full."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_domains(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "domains" not in data:
+            domain, difficulty = data.get("domain", "arith"), data.get("difficulty", 3)
+            if isinstance(domain, str) and isinstance(difficulty, int):
+                data = {**data, "domains": {domain: {"min_level": 1, "max_level": max(6, difficulty),
+                                                     "start_level": difficulty}}}
+        return data
+
+    @model_validator(mode="after")
+    def _some_domain(self):
+        if not self.domains:
+            raise ValueError("sampler.domains must name at least one domain")
+        return self
 
 
 class RolloutSection(Section):
@@ -178,6 +247,20 @@ class SchedulerSection(Section):
     """torch threads of this process."""
     db_url: str = ""
     """Run store URL (SQLAlchemy, e.g. postgresql://user@host/db); empty = $RLBUS_DB_URL, else SQLite <run>/run.db."""
+    curriculum: bool = True
+    """Run the curriculum (domain weights and difficulty levels from the rewards)."""
+    curriculum_temperature: float = Field(default=0.1, gt=0.0)
+    """Softmax temperature over the domains' reward gaps."""
+    curriculum_every_s: float = Field(default=5.0, gt=0.0)
+    """How often a changed curriculum is published to KV `curriculum` and recorded."""
+    curriculum_ema_alpha: float = Field(default=0.1, gt=0.0, le=1.0)
+    """EMA factor of each domain's reward (per sample)."""
+    curriculum_promote_at: float = 0.8
+    """Promote a domain's level when its recent success rate is at least this."""
+    curriculum_demote_at: float = 0.2
+    """Demote a domain's level when its recent success rate is at most this."""
+    curriculum_window: int = Field(default=64, ge=1)
+    """Samples per level behind the success rate (also the minimum between level changes)."""
 
 
 class RunConfig(Section):

@@ -1,0 +1,185 @@
+"""The curriculum service: turns the run's rewards into domain weights and levels.
+
+`run_curriculum` runs inside the scheduler process, next to the recorder.
+
+Guarantees:
+- It reads REWARDS with its own durable pull consumer `curriculum` (explicit settings,
+  unlimited deliveries); it shares no durable with the learner or the recorder.
+- Rewards are grouped per trajectory group (`group_id`); a group is observed once, as
+  (domain, difficulty, rewards), when all `group_size` samples are in, or as a partial
+  group after `learner.group_deadline_s` (the rest may be dead-lettered). Rewards of
+  `purpose != "train"`, of domains not in `sampler.domains`, or of other runs are acked
+  and counted, never observed. Redelivered rewards (same msg_id) are not counted twice.
+- Messages are acked only after the curriculum state that includes them is published,
+  so a crash re-observes them against the last published state. Messages of groups
+  still incomplete stay unacked (`in_progress` keeps them).
+- Every `scheduler.curriculum_every_s`, if anything was observed since the last
+  publish, the state is published to the run's KV under `curriculum` as
+  {"version": n, "weights": {...}, "levels": {...}, "updates": u, "snapshot": {...}} and,
+  when a store is given, recorded with `record_curriculum_update` under the msg_id
+  `curriculum-<run>-<n>` (deterministic: a repeated record is ignored). Before the first
+  publish the sampler uses the static weights.
+- On start the state is restored from KV `curriculum` when its snapshot has exactly the
+  configured domains (otherwise it starts fresh, keeping the version counter).
+- On stop: observed state is published one last time, then the consumer is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus.kv import get_json, put_json
+from bus.pull import fetch
+from scheduler.curriculum import Curriculum, DomainSpec
+from schemas import DecodeError, Reward, decode
+
+log = structlog.get_logger()
+
+CURRICULUM_KEY = "curriculum"
+DURABLE = "curriculum"
+SEEN_MAX = 100_000
+
+
+def build(cfg) -> Curriculum:
+    """A fresh curriculum from the run config."""
+    ec = cfg.scheduler
+    domains = {name: DomainSpec(target_reward=d.target_reward, floor_share=d.floor_share,
+                                levels=(d.min_level, d.max_level), start_level=d.initial_level)
+               for name, d in cfg.sampler.domains.items()}
+    return Curriculum(domains, temperature=ec.curriculum_temperature, ema_alpha=ec.curriculum_ema_alpha,
+                      promote_at=ec.curriculum_promote_at, demote_at=ec.curriculum_demote_at,
+                      window=ec.curriculum_window)
+
+
+def consumer_config(reg, *, ack_wait_s: float = 120.0, max_ack_pending: int = 16384) -> ConsumerConfig:
+    """The explicit config of the `curriculum` durable."""
+    return ConsumerConfig(
+        durable_name=DURABLE, name=DURABLE, filter_subject=reg.all("rewards"), ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1, max_ack_pending=max_ack_pending)
+
+
+def kv_value(cur: Curriculum, version: int) -> dict:
+    """What goes under KV `curriculum`."""
+    snap = cur.snapshot()
+    return {"version": version, "weights": snap["weights"],
+            "levels": {d: cur.level(d) for d in cur.domains}, "updates": cur.updates, "snapshot": snap}
+
+
+async def restore(js, reg, cfg) -> tuple[Curriculum, int]:
+    """(curriculum, last published version) from KV, or a fresh one."""
+    fresh = build(cfg)
+    prev = await get_json(js, reg, CURRICULUM_KEY) or {}
+    version = int(prev.get("version", 0))
+    snap = prev.get("snapshot")
+    if snap and set(snap.get("domains", {})) == set(fresh.domains):
+        try:
+            return Curriculum.restore(snap), version
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("curriculum.restore_failed", error=repr(exc))
+    elif snap:
+        log.warning("curriculum.domains_changed", was=sorted(snap.get("domains", {})), now=sorted(fresh.domains))
+    return fresh, version
+
+
+async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch: int = 256,
+                         fetch_timeout: float = 0.5) -> dict[str, float]:
+    """Observe rewards and publish the curriculum until `stop`; returns counters."""
+    every = cfg.scheduler.curriculum_every_s
+    deadline = cfg.learner.group_deadline_s
+    cur, version = await restore(js, reg, cfg)
+    counters: dict[str, float] = {"curriculum_version": version}
+    stream = reg.stream("REWARDS")
+    await js.add_consumer(stream, config=consumer_config(reg))
+    sub = await js.pull_subscribe_bind(DURABLE, stream=stream)
+    groups: dict[str, dict] = {}  # group_id -> {domain, level, size, rewards, raws, first}
+    to_ack: list = []
+    seen: OrderedDict[str, None] = OrderedDict()
+    observed_since = 0
+    last_publish = time.monotonic()
+    last_progress = time.monotonic()
+
+    def count(key: str, n: int = 1) -> None:
+        counters[key] = counters.get(key, 0) + n
+
+    def observe(gid: str) -> None:
+        nonlocal observed_since
+        g = groups.pop(gid)
+        change = cur.observe(g["domain"], g["level"], g["rewards"])
+        to_ack.extend(g["raws"])
+        observed_since += 1
+        count("curriculum_groups")
+        if change is not None:
+            count(f"curriculum_{change.kind}s")
+            g["changes"].append(f"{change.kind} {change.domain} {change.old_level}->{change.new_level}")
+            reasons.append(g["changes"][-1])
+            log.info("curriculum.level", domain=change.domain, old=change.old_level, new=change.new_level,
+                     success_rate=round(change.success_rate, 3))
+
+    reasons: list[str] = []
+
+    async def publish() -> None:
+        nonlocal version, observed_since, to_ack, reasons
+        version += 1
+        value = kv_value(cur, version)
+        await put_json(js, reg, CURRICULUM_KEY, value)
+        if store is not None:
+            await asyncio.to_thread(store.record_curriculum_update, reg.run_id, f"curriculum-{reg.run_id}-{version}",
+                                    value["weights"], value["levels"], "; ".join(reasons) or "periodic")
+        for raw in to_ack:
+            await raw.ack()
+        log.info("curriculum.published", version=version, weights={d: round(w, 3) for d, w in value["weights"].items()},
+                 levels=value["levels"], groups=observed_since)
+        to_ack, reasons, observed_since = [], [], 0
+        counters["curriculum_version"] = version
+
+    try:
+        while not stop.is_set():
+            raws = await fetch(sub, batch, fetch_timeout)
+            now = time.monotonic()
+            for raw in raws:
+                try:
+                    msg = decode(raw.data, Reward)
+                except DecodeError:
+                    count("curriculum_undecodable")
+                    await raw.ack()
+                    continue
+                t = msg.trajectory
+                if msg.run_id != reg.run_id or t.purpose != "train" or t.domain not in cur.domains:
+                    count("curriculum_skipped")
+                    await raw.ack()
+                    continue
+                if msg.msg_id in seen:
+                    count("curriculum_duplicates")
+                    to_ack.append(raw)
+                    continue
+                seen[msg.msg_id] = None
+                if len(seen) > SEEN_MAX:
+                    seen.popitem(last=False)
+                g = groups.setdefault(t.group_id, {"domain": t.domain, "level": t.difficulty, "size": t.group_size,
+                                                   "rewards": [], "raws": [], "first": now, "changes": []})
+                g["rewards"].append(msg.reward)
+                g["raws"].append(raw)
+                if len(g["rewards"]) >= g["size"]:
+                    observe(t.group_id)
+            for gid in [gid for gid, g in groups.items() if now - g["first"] >= deadline]:
+                count("curriculum_partial_groups")
+                observe(gid)
+            if groups and now - last_progress >= 20.0:  # keep incomplete groups' messages from redelivery
+                for g in groups.values():
+                    for raw in g["raws"]:
+                        await raw.in_progress()
+                last_progress = now
+            if observed_since and now - last_publish >= every:
+                await publish()
+                last_publish = now
+        if observed_since:
+            await publish()
+    finally:
+        await sub.unsubscribe()
+    log.info("curriculum.stopped", **counters)
+    return counters

@@ -18,6 +18,7 @@ WEIGHTS_LATEST = "weights.latest"
 LEARNER_PROGRESS = "learner.progress"
 SAMPLER_PROGRESS = "sampler.progress"
 STATUS = "status"
+CURRICULUM = "curriculum"  # domain weights and levels, written by the scheduler, read by the sampler
 
 
 async def put_json(js: JetStreamContext, reg: Registry, key: str, value: Any) -> None:

@@ -86,7 +86,7 @@ def make_math_task(run_id: str, rng: random.Random, cfg, domain_cfg, level: int,
     sc = cfg.sampler
     q = pick(load(str(resolve_path(domain_cfg.data))), rng, level)
     return Task(
-        run_id=run_id, task_id=f"{domain}-{q.id}-{index}", domain=domain, difficulty=level,
+        run_id=run_id, task_id=f"{domain}-{level}-{index}", domain=domain, difficulty=level,
         group_size=sc.group_size, prompt=[ChatMessage(role="user", content=q.prompt)],
         max_tokens=domain_cfg.max_tokens or sc.max_tokens, temperature=sc.temperature, verifier="math",
         verifier_params={"gold": q.answer, "problem_id": q.id},

@@ -24,12 +24,11 @@ import random
 
 import structlog
 
-from bus.kv import LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
+from bus.kv import CURRICULUM, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.publish import publish, publish_many
 from producers import arith
 from producers.math_source import make_math_task
 from rlbus.runtime import worker_session
-from scheduler.curriculum_service import CURRICULUM_KEY
 from schemas import ChatMessage, Task, TaskFate, TaskFates
 
 log = structlog.get_logger()
@@ -130,7 +129,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             n = min(room, sc.publish_batch)
             if ctx.max_messages is not None:
                 n = min(n, ctx.max_messages - published)
-            weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM_KEY))
+            weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
             tasks = [make_task(s.reg.run_id, rng, cfg, published + i, heldout, weights, levels) for i in range(n)]
             await publish_many(s.js, [(s.reg.tasks(t.domain), t) for t in tasks])
             await publish(s.js, s.reg.ledger("sampler"), TaskFates(

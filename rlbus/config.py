@@ -110,18 +110,6 @@ class DomainConfig(Section):
         """start_level, else min_level."""
         return self.min_level if self.start_level is None else self.start_level
 
-    def __eq__(self, other: object) -> bool:
-        """Equal to another DomainConfig with the same fields, or to a mapping that validates to one
-        (so a raw TOML table compares equal to the section it configures)."""
-        if isinstance(other, dict):
-            try:
-                other = DomainConfig.model_validate(other)
-            except ValidationError:
-                return False
-        return BaseModel.__eq__(self, other)
-
-    __hash__ = None  # type: ignore[assignment]
-
 
 def default_domains(domain: str = "arith", difficulty: int = 3) -> dict[str, DomainConfig]:
     """The single domain the legacy `sampler.domain`/`sampler.difficulty` fields describe."""

@@ -33,14 +33,13 @@ from collections import OrderedDict
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.kv import get_json, put_json
+from bus.kv import CURRICULUM, get_json, put_json
 from bus.pull import fetch
 from scheduler.curriculum import Curriculum, DomainSpec
 from schemas import DecodeError, Reward, decode
 
 log = structlog.get_logger()
 
-CURRICULUM_KEY = "curriculum"
 DURABLE = "curriculum"
 SEEN_MAX = 100_000
 
@@ -73,7 +72,7 @@ def kv_value(cur: Curriculum, version: int) -> dict:
 async def restore(js, reg, cfg) -> tuple[Curriculum, int]:
     """(curriculum, last published version) from KV, or a fresh one."""
     fresh = build(cfg)
-    prev = await get_json(js, reg, CURRICULUM_KEY) or {}
+    prev = await get_json(js, reg, CURRICULUM) or {}
     version = int(prev.get("version", 0))
     snap = prev.get("snapshot")
     if snap and set(snap.get("domains", {})) == set(fresh.domains):
@@ -100,6 +99,7 @@ async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch
     to_ack: list = []
     seen: OrderedDict[str, None] = OrderedDict()
     observed_since = 0
+    reasons: list[str] = []
     last_publish = time.monotonic()
     last_progress = time.monotonic()
 
@@ -115,18 +115,15 @@ async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch
         count("curriculum_groups")
         if change is not None:
             count(f"curriculum_{change.kind}s")
-            g["changes"].append(f"{change.kind} {change.domain} {change.old_level}->{change.new_level}")
-            reasons.append(g["changes"][-1])
+            reasons.append(f"{change.kind} {change.domain} {change.old_level}->{change.new_level}")
             log.info("curriculum.level", domain=change.domain, old=change.old_level, new=change.new_level,
                      success_rate=round(change.success_rate, 3))
-
-    reasons: list[str] = []
 
     async def publish() -> None:
         nonlocal version, observed_since, to_ack, reasons
         version += 1
         value = kv_value(cur, version)
-        await put_json(js, reg, CURRICULUM_KEY, value)
+        await put_json(js, reg, CURRICULUM, value)
         if store is not None:
             await asyncio.to_thread(store.record_curriculum_update, reg.run_id, f"curriculum-{reg.run_id}-{version}",
                                     value["weights"], value["levels"], "; ".join(reasons) or "periodic")
@@ -155,13 +152,13 @@ async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch
                     continue
                 if msg.msg_id in seen:
                     count("curriculum_duplicates")
-                    to_ack.append(raw)
+                    await raw.ack()
                     continue
                 seen[msg.msg_id] = None
                 if len(seen) > SEEN_MAX:
                     seen.popitem(last=False)
                 g = groups.setdefault(t.group_id, {"domain": t.domain, "level": t.difficulty, "size": t.group_size,
-                                                   "rewards": [], "raws": [], "first": now, "changes": []})
+                                                   "rewards": [], "raws": [], "first": now})
                 g["rewards"].append(msg.reward)
                 g["raws"].append(raw)
                 if len(g["rewards"]) >= g["size"]:

@@ -12,6 +12,9 @@ Guarantees:
   (`scheduler.dlq`) while it runs.
 - The recorder (`scheduler.recorder`) runs alongside and stops only after the final
   evaluation, so the run store holds every reward, version, eval and dead letter.
+- With `scheduler.curriculum` on, the curriculum service (`scheduler.curriculum_service`)
+  runs alongside too: domain weights and levels from the rewards, published to KV
+  `curriculum` for the sampler and recorded in the run store; stopped at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rlbus.runtime import worker_session
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import EvalResult
+from scheduler.curriculum_service import run_curriculum
 from scheduler.dlq import capture_max_deliveries
 from scheduler.evaluation import eval_set, greedy_accuracy
 from scheduler.recorder import record
@@ -44,6 +48,14 @@ async def run(cfg, ctx) -> dict[str, float]:
         recorder_stop = asyncio.Event()
         recorder = asyncio.create_task(record(s.js, s.reg, store, stop=recorder_stop))
         dead_letterer = asyncio.create_task(capture_max_deliveries(s.js, s.reg, s.stop))
+        curriculum_stop = asyncio.Event()
+        curriculum = (asyncio.create_task(run_curriculum(s.js, s.reg, cfg, curriculum_stop, store))
+                      if ec.curriculum else None)
+
+        async def stop_curriculum() -> None:
+            curriculum_stop.set()
+            if curriculum is not None:
+                s.counters.update(await curriculum)
         problems, digest = eval_set(ec.eval_seed, ec.eval_n, ec.eval_difficulty)
         engine = await asyncio.to_thread(HFEngine, str(ctx.model_path), "cpu", ec.threads)
         watcher = WeightWatcher(s.js, s.reg, s.counters)
@@ -72,6 +84,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             await put_json(s.js, s.reg, BASELINE_KEY, {"version": 0, "score": s.counters["eval_score"]})
 
         if not await watcher.wait_first(s.stop):
+            await stop_curriculum()
             recorder_stop.set()
             await recorder
             await dead_letterer
@@ -89,6 +102,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         if watcher.newest and watcher.newest.version != last_eval:
             await evaluate()
         s.counters["max_deliveries_dead_lettered"] = await dead_letterer
+        await stop_curriculum()
         recorder_stop.set()
         counts = await recorder
         # one last pass until the streams are idle, so the final eval and rewards are in

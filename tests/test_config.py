@@ -33,6 +33,10 @@ def _assert_applied(model, raw: dict, where: str = "") -> None:
         got = getattr(model, key)
         if isinstance(value, dict) and isinstance(got, BaseModel):
             _assert_applied(got, value, f"{where}{key}.")
+        elif isinstance(value, dict) and isinstance(got, dict):  # a table of sections, e.g. sampler.domains
+            assert set(got) == set(value), f"{where}{key}: file has {sorted(value)}, config has {sorted(got)}"
+            for name, sub in value.items():
+                _assert_applied(got[name], sub, f"{where}{key}.{name}.")
         else:
             assert got == value, f"{where}{key}: file says {value!r}, config has {got!r}"
 

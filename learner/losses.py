@@ -137,6 +137,42 @@ class LossStats:
     tokens: int
 
 
+def check_loss_inputs(logp_new, logp_behavior, advantages, mask, *, clip_low: float, clip_high: float,
+                      beta: float, logp_ref) -> bool:
+    """Validate the shared inputs of the policy losses; return whether the KL term is on."""
+    shape = logp_new.shape
+    if logp_behavior.shape != shape:
+        raise ValueError(
+            f"logp_behavior shape {tuple(logp_behavior.shape)} != logp_new shape {tuple(shape)}"
+        )
+    if mask.shape != shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != logp_new shape {tuple(shape)}")
+    if advantages.shape != shape[:1]:
+        raise ValueError(
+            f"advantages must be [B] = [{shape[0]}], got shape {tuple(advantages.shape)}"
+        )
+    if not logp_new.is_floating_point():
+        raise ValueError(f"logp_new must be a floating tensor, got {logp_new.dtype}")
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if beta < 0.0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    use_kl = beta > 0.0
+    if use_kl:
+        if logp_ref is None:
+            raise ValueError(
+                f"beta={beta} > 0 needs logp_ref (reference-policy log-probs, "
+                "shape [B, T]); pass logp_ref or set beta=0"
+            )
+        if logp_ref.shape != shape:
+            raise ValueError(
+                f"logp_ref shape {tuple(logp_ref.shape)} != logp_new shape {tuple(shape)}"
+            )
+    return use_kl
+
+
 def policy_loss(
     logp_new: torch.Tensor,
     logp_behavior: torch.Tensor,
@@ -181,36 +217,8 @@ def policy_loss(
     """
     if logp_new.dim() != 2:
         raise ValueError(f"logp_new must be [B, T], got shape {tuple(logp_new.shape)}")
-    shape = logp_new.shape
-    if logp_behavior.shape != shape:
-        raise ValueError(
-            f"logp_behavior shape {tuple(logp_behavior.shape)} != logp_new shape {tuple(shape)}"
-        )
-    if mask.shape != shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} != logp_new shape {tuple(shape)}")
-    if advantages.shape != shape[:1]:
-        raise ValueError(
-            f"advantages must be [B] = [{shape[0]}], got shape {tuple(advantages.shape)}"
-        )
-    if not logp_new.is_floating_point():
-        raise ValueError(f"logp_new must be a floating tensor, got {logp_new.dtype}")
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if beta < 0.0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
-    use_kl = beta > 0.0
-    if use_kl:
-        if logp_ref is None:
-            raise ValueError(
-                f"beta={beta} > 0 needs logp_ref (reference-policy log-probs, "
-                "shape [B, T]); pass logp_ref or set beta=0"
-            )
-        if logp_ref.shape != shape:
-            raise ValueError(
-                f"logp_ref shape {tuple(logp_ref.shape)} != logp_new shape {tuple(shape)}"
-            )
+    use_kl = check_loss_inputs(logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                               beta=beta, logp_ref=logp_ref)
 
     dtype = logp_new.dtype
     m = mask != 0  # bool [B, T]

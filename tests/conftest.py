@@ -80,3 +80,20 @@ async def drop_run(js, run_id):
     from bus.subjects import Registry
 
     await delete_run(js, Registry(run_id))
+
+
+async def settled_consumer(js, stream: str, durable: str, timeout: float = 5.0):
+    """Consumer info once nothing is pending or un-acked (or the last info at the time-out).
+
+    The server applies acks asynchronously, so an info request right after an ack can
+    still count it as pending; tests assert on the settled state instead.
+    """
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await js.consumer_info(stream, durable)
+        if (info.num_ack_pending == 0 and info.num_pending == 0) or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.05)

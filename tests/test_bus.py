@@ -37,6 +37,7 @@ from schemas import (
     pack_f32,
     pack_i32,
 )
+from tests.conftest import settled_consumer
 
 GARBAGE = b"\xc1\xc1 this is not msgpack \xff"
 
@@ -231,7 +232,7 @@ async def test_pull_loop_outcomes(js, run_id, mode):
     assert letter.task_msg_id == tasks["reject"].msg_id
     assert letter.delivery_count == 1
 
-    info = await js.consumer_info(reg.stream("TASKS"), "loop")
+    info = await settled_consumer(js, reg.stream("TASKS"), "loop")
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
@@ -269,7 +270,7 @@ async def test_undecodable_and_foreign_messages_are_dead_lettered(js, run_id):
     assert alien.original_msg_id == foreign.msg_id
     for dl in letters.values():
         assert dl.original_subject == subject and dl.stage == "rollout" and dl.run_id == run_id
-    info = await js.consumer_info(reg.stream("TASKS"), "decode")
+    info = await settled_consumer(js, reg.stream("TASKS"), "decode")
     assert info.num_ack_pending == 0 and info.num_pending == 0
     assert (await js.stream_info(reg.stream("TASKS"))).state.messages == 0
 
@@ -291,5 +292,5 @@ async def test_unacked_message_is_redelivered_after_ack_wait(js, run_id):
     assert again.metadata.sequence.stream == first.metadata.sequence.stream
     assert decode(again.data, Task) == task
     await again.ack_sync()
-    info = await js.consumer_info(reg.stream("TASKS"), "slow")
+    info = await settled_consumer(js, reg.stream("TASKS"), "slow")
     assert info.num_ack_pending == 0

@@ -125,8 +125,11 @@ async def test_curriculum_service_shifts_weights_and_promotes(js, run_id, tmp_pa
     assert w["math"] > 0.9 > w["arith"], w
     assert value["levels"] == {"arith": 2, "math": 1}, value
     assert counters["curriculum_groups"] == 16 and counters.get("curriculum_promotes") == 1
-    info = await js.consumer_info(reg.stream("REWARDS"), DURABLE)
-    assert info.num_ack_pending == 0 and info.num_pending == 0
+    async def all_acked():  # the server applies acks asynchronously: poll briefly
+        info = await js.consumer_info(reg.stream("REWARDS"), DURABLE)
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await eventually(all_acked, 5, "every observed reward to be acked", tmp_path)
     rows = await asyncio.to_thread(store.rows, CurriculumUpdateRow, run_id, "created_at")
     assert rows and {r.msg_id for r in rows} == {f"curriculum-{run_id}-{n}" for n in range(1, value["version"] + 1)}
     assert rows[-1].weights == w and rows[-1].levels == value["levels"]

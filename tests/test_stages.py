@@ -26,7 +26,18 @@ from bus.subjects import Registry
 from learner.weights import publish_version
 from rollout_workers.engines import NullEngine
 from rollout_workers.worker import build_trajectories
-from schemas import ChatMessage, DeadLetter, Reward, Task, TaskFates, Trajectory, WeightVersion, decode, encode
+from schemas import (
+    ChatMessage,
+    DeadLetter,
+    Reward,
+    Task,
+    TaskFates,
+    Trajectory,
+    WeightVersion,
+    decode,
+    encode,
+)
+from tests.conftest import settled_consumer
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
@@ -209,7 +220,7 @@ async def test_learner_dead_letters_bad_rewards_and_steps_on_good_ones(js, run_i
     assert sorted(trained[0].reward_msg_ids) == sorted(r.msg_id for r in rewards)
     versions = [w.version for w in await stored(js, reg, "WEIGHTS", reg.weights, WeightVersion)]
     assert versions == [0, 1]
-    info = await js.consumer_info(reg.stream("REWARDS"), "learner")
+    info = await settled_consumer(js, reg.stream("REWARDS"), "learner")
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
@@ -257,7 +268,7 @@ async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path
     assert len(trajs) == GROUP_SIZE
     assert {t.task_msg_id for t in trajs} == {task.msg_id}
     assert {t.policy_version for t in trajs} == {2}, "trajectories must come from B (A never loaded v2)"
-    info = await js.consumer_info(reg.stream("TASKS"), "rollout")
+    info = await settled_consumer(js, reg.stream("TASKS"), "rollout")
     assert info.delivered.stream_seq == 1, "only one task was ever published"
     assert info.delivered.consumer_seq == 2, "the task must have been delivered exactly twice"
     assert info.num_ack_pending == 0 and info.num_pending == 0

@@ -30,6 +30,7 @@ from scheduler.store import (
     resolve_url,
 )
 from schemas import DeadLetter, EvalResult, Reward, Trajectory, Turn, WeightVersion
+from tests.conftest import settled_consumer
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
@@ -218,7 +219,7 @@ async def test_recorder_copies_streams_once(js, run_id, store):
     assert store.count(RunRow, run_id) == 1
     assert {r.msg_id for r in store.rows(RewardRow, run_id)} == {r.msg_id for r in rewards}
     for feed in FEEDS:  # every message acked after the commit: nothing pending
-        info = await js.consumer_info(reg.stream(feed.family), feed.durable)
+        info = await settled_consumer(js, reg.stream(feed.family), feed.durable)
         assert info.num_pending == 0 and info.num_ack_pending == 0, feed.durable
 
     # a redelivery of everything: recreate the durables, so the whole streams replay

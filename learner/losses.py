@@ -136,6 +136,22 @@ class LossStats:
     ratio_max: float
     tokens: int
 
+    @classmethod
+    def collect(cls, loss, pg_loss, kl: float, ratio, selected, clipped, tokens: int) -> "LossStats":
+        """Detached stats: ratio mean/min/max and the clipped fraction over `selected`
+        positions (NaN ratios and 0 clipped when none are selected)."""
+        with torch.no_grad():
+            n = int(selected.sum().item())
+            if n > 0:
+                r = ratio.detach()[selected]
+                mean, low, high = float(r.mean()), float(r.min()), float(r.max())
+                clip_frac = float(clipped.sum().item()) / n
+            else:
+                mean = low = high = float("nan")
+                clip_frac = 0.0
+            return cls(loss=float(loss.detach()), pg_loss=float(pg_loss.detach()), kl=kl, clip_frac=clip_frac,
+                       ratio_mean=mean, ratio_min=low, ratio_max=high, tokens=tokens)
+
 
 def check_loss_inputs(logp_new, logp_behavior, advantages, mask, *, clip_low: float, clip_high: float,
                       beta: float, logp_ref) -> bool:
@@ -259,25 +275,5 @@ def policy_loss(
         loss = pg_loss
         kl_val = 0.0
 
-    with torch.no_grad():
-        tokens = int(m.sum().item())
-        if tokens > 0:
-            r = ratio.detach()[m]
-            ratio_mean = float(r.mean())
-            ratio_min = float(r.min())
-            ratio_max = float(r.max())
-            clip_frac = float(is_clipped.sum().item()) / tokens
-        else:
-            ratio_mean = ratio_min = ratio_max = float("nan")
-            clip_frac = 0.0
-        stats = LossStats(
-            loss=float(loss.detach()),
-            pg_loss=float(pg_loss.detach()),
-            kl=kl_val,
-            clip_frac=clip_frac,
-            ratio_mean=ratio_mean,
-            ratio_min=ratio_min,
-            ratio_max=ratio_max,
-            tokens=tokens,
-        )
+    stats = LossStats.collect(loss, pg_loss, kl_val, ratio, m, is_clipped, tokens=int(m.sum().item()))
     return loss, stats

@@ -338,27 +338,5 @@ def objective_loss(
         loss = pg_loss
         kl_val = 0.0
 
-    with torch.no_grad():
-        n_stat = int(stat_sel.sum().item())
-        if n_stat > 0:
-            r = ratio.detach()[stat_sel]
-            ratio_mean, ratio_min, ratio_max = (
-                float(r.mean()),
-                float(r.min()),
-                float(r.max()),
-            )
-            clip_frac = float(is_clipped.sum().item()) / n_stat
-        else:
-            ratio_mean = ratio_min = ratio_max = float("nan")
-            clip_frac = 0.0
-        stats = LossStats(
-            loss=float(loss.detach()),
-            pg_loss=float(pg_loss.detach()),
-            kl=kl_val,
-            clip_frac=clip_frac,
-            ratio_mean=ratio_mean,
-            ratio_min=ratio_min,
-            ratio_max=ratio_max,
-            tokens=int(m.sum().item()),
-        )
+    stats = LossStats.collect(loss, pg_loss, kl_val, ratio, stat_sel, is_clipped, tokens=int(m.sum().item()))
     return loss, stats

@@ -97,3 +97,23 @@ async def settled_consumer(js, stream: str, durable: str, timeout: float = 5.0):
         if (info.num_ack_pending == 0 and info.num_pending == 0) or time.monotonic() > deadline:
             return info
         await asyncio.sleep(0.05)
+
+
+def logs(tmp_path: Path) -> str:
+    """The tail of every worker log in `tmp_path` (for failure messages)."""
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+
+async def eventually(check, timeout: float, what: str, tmp_path: Path, every: float = 0.1):
+    """Poll async `check()` until it returns a truthy value; fail with the workers' logs."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs(tmp_path)}")
+        await asyncio.sleep(every)

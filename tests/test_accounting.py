@@ -3,7 +3,6 @@ fate from positive evidence, a task with none is `lost`, and a reward trained tw
 
 from __future__ import annotations
 
-
 import pytest
 
 from bus.conn import ensure_consumer, ensure_topology

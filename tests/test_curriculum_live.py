@@ -10,7 +10,6 @@ KV levels, with the math domain's gold for the `math` verifier.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from rlbus.config import load_config
 from scheduler.curriculum_service import DURABLE, run_curriculum
 from scheduler.store import CurriculumUpdateRow, open_store
 from schemas import Reward, Task, TaskFates, Trajectory, Turn, decode
+from tests.conftest import eventually, logs
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
@@ -64,21 +64,6 @@ def config(tmp_path: Path) -> Path:
     path = tmp_path / "two_domains.toml"
     path.write_text(TWO_DOMAINS)
     return path
-
-
-def logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
-
-
-async def eventually(check, timeout: float, what: str, tmp_path: Path, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs(tmp_path)}")
-        await asyncio.sleep(every)
 
 
 def group_rewards(run_id: str, domain: str, level: int, group: str, values: list[float]) -> list[Reward]:

@@ -37,7 +37,7 @@ from schemas import (
     decode,
     encode,
 )
-from tests.conftest import settled_consumer
+from tests.conftest import eventually, logs, settled_consumer
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
@@ -78,22 +78,6 @@ async def topology(js, run_id: str) -> Registry:
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     return reg
-
-
-def logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
-
-
-async def eventually(check, timeout: float, what: str, tmp_path: Path, every: float = 0.1):
-    """Poll async `check()` until it returns a truthy value; fail with the workers' logs."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs(tmp_path)}")
-        await asyncio.sleep(every)
 
 
 async def wait_exit(proc, timeout: float, tmp_path: Path) -> None:

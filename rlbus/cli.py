@@ -40,6 +40,20 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 """
 
 
+# Commands that live with their subsystem: each module defines `register(sub)`, which adds
+# its parser and sets `func=callable(args) -> int` as the parser default.
+COMMAND_MODULES = ("sandbox_workers.cli", "verifier_workers.cli", "rlbus.top", "rlbus.export", "rlbus.report")
+
+
+def _register_command_modules(sub) -> None:
+    import importlib
+    import importlib.util
+
+    for name in COMMAND_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(sub)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlbus", description="RLVR post-training where every role is a process on NATS JetStream.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     dlq.add_argument("--nats-url", help="NATS server URL (default: the one recorded in <run-dir>/<run_id>/run.json)")
     dlq.add_argument("--run-dir", help="parent folder of runs, as with `up` (to find the recorded server URL)")
     dlq.add_argument("--json", action="store_true", help="machine-readable output (one JSON object per line)")
+    _register_command_modules(sub)
     return p
 
 
@@ -226,10 +241,8 @@ def _worker(args) -> int:
     ctx = WorkerContext(run_id=run_id, nats_url=args.nats_url or cfg.run.nats_url or "nats://127.0.0.1:4222",
                         run_path=run_dir / run_id, max_messages=args.max_messages, until_idle=args.until_idle,
                         configured_model=cfg.model.path)
-    if args.role == "sandbox":
-        sys.exit("the sandbox service role is not built yet (issue #3); arith needs no sandbox")
     module = {"sampler": "producers.sampler", "rollout": "rollout_workers.worker", "verifier": "verifier_workers.worker",
-              "learner": "learner.worker", "scheduler": "scheduler.worker"}[args.role]
+              "learner": "learner.worker", "scheduler": "scheduler.worker", "sandbox": "sandbox_workers.service"}[args.role]
     import importlib
 
     asyncio.run(importlib.import_module(module).run(cfg, ctx))
@@ -248,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # one-shot commands: stdout holds only their answer, warnings go to stderr
         configure_logging(args.command, level="WARNING")
+    if getattr(args, "func", None) is not None:
+        return int(args.func(args) or 0)
     if args.command == "worker":
         return _worker(args)
     if args.command == "dlq":

@@ -170,6 +170,31 @@ class RolloutSection(Section):
     """Consumer ack_wait; in_progress is sent at a third of it."""
 
 
+class SandboxSection(Section):
+    """Sandboxes for tool calls (rollout) and tests (verifiers), and the sandbox service."""
+
+    backend: Literal["process", "docker", "auto"] = "process"
+    """`process`: bubblewrap + rlimits; `docker`: containers from `image`; `auto`: docker when an engine answers."""
+    image: str = "rlbus-sandbox:latest"
+    """Docker image (build it with `rlbus sandbox build-image`)."""
+    remote: bool = False
+    """Rollout workers use the sandbox service over NATS (`rlbus worker sandbox`) instead of a local backend."""
+    pool: str = "default"
+    """Sandbox service pool name (subjects `sandbox.<pool>.*`)."""
+    memory_mb: int = Field(default=256, ge=16)
+    """Memory limit per sandbox."""
+    pids: int = Field(default=64, ge=4)
+    """Process limit per sandbox."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Default wall-clock limit per command."""
+    warm_pool: int = Field(default=2, ge=0)
+    """Docker: containers kept started and clean, ready to hand out."""
+    session_ttl_s: float = Field(default=120.0, gt=0)
+    """Service: a session idle this long (its client died) is closed and reaped."""
+    max_sessions: int = Field(default=16, ge=1)
+    """Service: most sessions one sandbox worker holds at once."""
+
+
 class VerifierSection(Section):
     """Verifier workers."""
 
@@ -264,6 +289,8 @@ class RunConfig(Section):
     """Task sampler."""
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     """Rollout workers."""
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    """Sandboxes and the sandbox service."""
     verifier: VerifierSection = Field(default_factory=VerifierSection)
     """Verifier workers."""
     learner: LearnerSection = Field(default_factory=LearnerSection)

@@ -1,0 +1,54 @@
+"""Open a sandbox by backend name: the one place rollout workers and verifiers get one.
+
+Guarantees:
+- `open_sandbox(backend, image=..., limits=..., timeout=...)` returns a started
+  `Sandbox` (see `sandbox_workers.base`) that is fresh: an empty work dir and no
+  process left from any earlier user.
+- `backend="auto"` picks `docker` when an engine answers, else `process`.
+- Heavy imports (the docker SDK) happen only when that backend is asked for.
+"""
+
+from __future__ import annotations
+
+from sandbox_workers.base import Limits, Sandbox
+
+BACKENDS = ("process", "docker", "auto")
+
+
+def docker_available() -> bool:
+    """True when a Docker engine answers a ping (from DOCKER_HOST or the default socket)."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure means "no engine here"
+        return False
+
+
+def resolve_backend(backend: str) -> str:
+    """The concrete backend name for `backend` (resolves `auto`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "docker" if docker_available() else "process"
+    return backend
+
+
+def open_sandbox(backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
+                 timeout: float = 30.0) -> Sandbox:
+    """A started, fresh sandbox of the given backend (close it, or use it as a context manager)."""
+    name = resolve_backend(backend)
+    if name == "docker":
+        from sandbox_workers.docker_backend import DockerSandbox
+
+        sb: Sandbox = DockerSandbox()
+    else:
+        from sandbox_workers.process import ProcessSandbox
+
+        sb = ProcessSandbox()
+    sb.start(image=image, limits=limits, timeout=timeout)
+    return sb

@@ -110,7 +110,7 @@ checkpoint_every = 1000000
 
 def trajectory_payload_bytes() -> int:
     """Size of a real encoded Trajectory as the null rollout worker builds it."""
-    from producers.sampler import make_arith_task
+    from producers.domains import make_source
     from rlbus.config import load_config
     from rollout_workers.engines import NullEngine
     from rollout_workers.worker import build_trajectories, render_prompt
@@ -121,7 +121,7 @@ def trajectory_payload_bytes() -> int:
         cfg = load_config(f.name)
     finally:
         os.unlink(f.name)
-    task = make_arith_task("benchrun", random.Random(0), cfg, 0, set())
+    task = make_source("benchrun", "arith", cfg).make_task(random.Random(0), 3, 0).task
     samples = NullEngine().generate([render_prompt(task)], GROUP_SIZE, task.max_tokens, task.temperature)[0]
     trajs = build_trajectories(task, samples, 0, 1e-6)
     return max(len(encode(t)) for t in trajs)

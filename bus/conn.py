@@ -51,6 +51,10 @@ async def ensure_topology(js: JetStreamContext, reg: Registry) -> None:
     except Exception:
         await js.create_key_value(bucket=reg.kv_bucket, history=16)
     try:
+        await js.key_value(reg.hidden_bucket)
+    except Exception:
+        await js.create_key_value(bucket=reg.hidden_bucket, history=1)
+    try:
         await js.object_store(reg.object_bucket)
     except Exception:
         await js.create_object_store(bucket=reg.object_bucket)
@@ -70,7 +74,8 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
-    names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"OBJ_{reg.object_bucket}"]
+    names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}",
+                                       f"OBJ_{reg.object_bucket}"]
     for name in names:
         try:
             await js.delete_stream(name)

@@ -145,6 +145,11 @@ class Registry:
         """Object store bucket of weight blobs."""
         return f"weights-{self.run_id}"
 
+    @property
+    def hidden_bucket(self) -> str:
+        """KV bucket of verifier-only task data (gold answers, tests): never read by the policy side."""
+        return f"hidden-{self.run_id}"
+
     def streams(self) -> list[StreamConfig]:
         """Explicit configs of every stream of the run."""
         lim = self.limits

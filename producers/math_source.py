@@ -5,9 +5,8 @@ Each line is `{"id": ..., "problem": ..., "answer": ...}` (optionally `"level"`:
 Guarantees:
 - The prompt asks for the final answer in `\\boxed{}`; the task is scored by the `math`
   verifier (answer equivalence with math-verify).
-- Gold goes in `verifier_params["gold"]` for now. TODO(hidden data): once the
-  verifier-only store lands, gold moves behind `Task.hidden_ref` and leaves the public
-  params (the public/dev set here is fine to expose meanwhile).
+- Gold never travels with the task: `MathDomain` returns it as the hidden payload
+  `{"gold": ...}` stored under `Task.hidden_ref`, which only verifiers resolve.
 - A task's level is the curriculum level asked for; problems that carry a `level` are
   drawn from that level when it has any, otherwise from the whole file.
 - Problems are drawn with the sampler's seeded RNG (deterministic per run/position).
@@ -21,8 +20,12 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas import ChatMessage, Task
+
+if TYPE_CHECKING:
+    from producers.domains import DomainContext, Drawn
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "examples" / "data" / "math.jsonl"
@@ -80,14 +83,19 @@ def pick(problems: tuple[MathProblem, ...], rng: random.Random, level: int) -> M
     return rng.choice(at_level or problems)
 
 
-def make_math_task(run_id: str, rng: random.Random, cfg, domain_cfg, level: int, index: int,
-                   domain: str = "math") -> Task:
-    """One math training task at `level` (see module docstring for where gold goes)."""
-    sc = cfg.sampler
-    q = pick(load(str(resolve_path(domain_cfg.data))), rng, level)
-    return Task(
-        run_id=run_id, task_id=f"{domain}-{level}-{index}", domain=domain, difficulty=level,
-        group_size=sc.group_size, prompt=[ChatMessage(role="user", content=q.prompt)],
-        max_tokens=domain_cfg.max_tokens or sc.max_tokens, temperature=sc.temperature, verifier="math",
-        verifier_params={"gold": q.answer, "problem_id": q.id},
-    )
+@dataclass
+class MathDomain:
+    """Task source of one `math` config domain (gold hidden behind `hidden_ref`)."""
+
+    ctx: "DomainContext"
+
+    def make_task(self, rng: random.Random, level: int, index: int) -> "Drawn":
+        from bus.hidden import hidden_ref_for
+        from producers.domains import Drawn, finish_task
+
+        q = pick(load(str(resolve_path(self.ctx.dc.data))), rng, level)
+        ref = hidden_ref_for(self.ctx.name, q.id)
+        task = finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
+                           prompt=[ChatMessage(role="user", content=q.prompt)], verifier="math",
+                           verifier_params={"problem_id": q.id}, hidden_ref=ref)
+        return Drawn(task, {"gold": q.answer})

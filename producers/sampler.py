@@ -8,6 +8,9 @@ Guarantees:
   publish is acknowledged by the stream, keyed by the task's msg_id; the run's
   accounting starts from these records.
 - Problems of the held-out evaluation set are never used for training.
+- Tasks come from the domain registry (`producers.domains`); a task's hidden payload
+  (gold, tests) is stored in the run's hidden bucket under `task.hidden_ref` before the
+  task is published, so a verifier can always resolve it.
 - The published count survives restarts (KV `sampler.progress`).
 - Each task's domain is drawn by the curriculum weights (KV `curriculum`, written by the
   scheduler: {"weights": {...}, "levels": {...}, "version": n}) and its `difficulty` is
@@ -26,33 +29,12 @@ import structlog
 
 from bus.kv import CURRICULUM, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.publish import publish, publish_many
-from producers import arith
-from producers.math_source import make_math_task
+from bus.hidden import put_hidden
+from producers.domains import Drawn, make_source
 from rlbus.runtime import worker_session
 from schemas import ChatMessage, Task, TaskFate, TaskFates
 
 log = structlog.get_logger()
-
-
-BUILTIN_DOMAINS = ("arith", "math")
-
-
-def make_arith_task(run_id: str, rng: random.Random, cfg, index: int, heldout: set[str],
-                    level: int | None = None) -> Task:
-    """One arith training task at `level` (default: sampler.difficulty), never a held-out problem."""
-    sc = cfg.sampler
-    level = sc.difficulty if level is None else level
-    dc = sc.domains.get("arith")
-    while True:
-        problem = arith.generate(rng, level)
-        if problem.expression not in heldout:
-            break
-    return Task(
-        run_id=run_id, task_id=f"arith-{level}-{index}", domain="arith", difficulty=level,
-        group_size=sc.group_size, prompt=[ChatMessage(role="user", content=problem.prompt)],
-        max_tokens=(dc.max_tokens if dc else None) or sc.max_tokens, temperature=sc.temperature, verifier="arith",
-        verifier_params={"expression": problem.expression},
-    )
 
 
 def plan(domains: dict, curriculum: dict | None) -> tuple[dict[str, float], dict[str, int]]:
@@ -78,13 +60,14 @@ def choose(rng: random.Random, weights: dict[str, float]) -> str:
     return rng.choices(names, weights=[weights[d] for d in names])[0]
 
 
-def make_task(run_id: str, rng: random.Random, cfg, index: int, heldout: set[str],
-              weights: dict[str, float], levels: dict[str, int]) -> Task:
-    """One training task of a domain drawn by `weights`, at its level."""
-    domain = choose(rng, weights)
-    if domain == "arith":
-        return make_arith_task(run_id, rng, cfg, index, heldout, levels[domain])
-    return make_math_task(run_id, rng, cfg, cfg.sampler.domains[domain], levels[domain], index, domain)
+def make_tasks(sources: dict, rng: random.Random, start: int, n: int, weights: dict[str, float],
+               levels: dict[str, int]) -> list[Drawn]:
+    """`n` training tasks, each of a domain drawn by `weights`, at that domain's level."""
+    out = []
+    for i in range(n):
+        domain = choose(rng, weights)
+        out.append(sources[domain].make_task(rng, levels[domain], start + i))
+    return out
 
 
 async def inflight(js, reg, published: int) -> int:
@@ -108,12 +91,9 @@ async def inflight(js, reg, published: int) -> int:
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the sampler until stopped (or `ctx.max_messages` tasks published)."""
     sc = cfg.sampler
-    unknown = [d for d in sc.domains if d not in BUILTIN_DOMAINS]
-    if unknown:
-        raise ValueError(f"sampler.domains {unknown}: built-in domains are {list(BUILTIN_DOMAINS)}")
     async with worker_session("sampler", cfg, ctx) as s:
-        ev = cfg.scheduler
-        heldout = {p.expression for p in arith.heldout_set(ev.eval_seed, ev.eval_n, ev.eval_difficulty)}
+        sources = {name: make_source(s.reg.run_id, name, cfg) for name in sc.domains}
+        hidden_stored: set[str] = set()
         published = int((await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}).get("published", 0))
         rng = random.Random(f"sampler-{cfg.run.seed}-{published}")
         s.counters["published"] = published
@@ -130,7 +110,12 @@ async def run(cfg, ctx) -> dict[str, float]:
             if ctx.max_messages is not None:
                 n = min(n, ctx.max_messages - published)
             weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
-            tasks = [make_task(s.reg.run_id, rng, cfg, published + i, heldout, weights, levels) for i in range(n)]
+            drawn = make_tasks(sources, rng, published, n, weights, levels)
+            for d in drawn:
+                if d.hidden is not None and d.task.hidden_ref not in hidden_stored:
+                    await put_hidden(s.js, s.reg, d.task.hidden_ref, d.hidden)
+                    hidden_stored.add(d.task.hidden_ref)
+            tasks = [d.task for d in drawn]
             await publish_many(s.js, [(s.reg.tasks(t.domain), t) for t in tasks])
             await publish(s.js, s.reg.ledger("sampler"), TaskFates(
                 run_id=s.reg.run_id, stage="sampler", fates=[TaskFate(task_msg_id=t.msg_id, fate="published") for t in tasks]))

@@ -96,6 +96,17 @@ class DomainConfig(Section):
     """JSONL file of problems for file-backed domains (`math`; empty = examples/data/math.jsonl)."""
     max_tokens: int | None = Field(default=None, ge=1)
     """Generated-token budget of this domain's tasks (default: sampler.max_tokens)."""
+    kind: str = ""
+    """Registered domain that makes the tasks (default: the domain's own name; `math` for
+    unregistered names with a `data` file). Lets two config entries share one kind."""
+    verifier: str = ""
+    """Verifier override (e.g. `jsonl` tasks paired with any registered verifier)."""
+    reward_weights: dict[str, float] = Field(default_factory=dict)
+    """Weights of the verifier's named components in the scalar reward (empty: the verifier's default)."""
+    max_turns: int = Field(default=1, ge=1)
+    """Model turns per episode (more than 1 for tool-using domains)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Domain-specific options (see the domain's docstring)."""
 
     @model_validator(mode="after")
     def _levels_ordered(self):

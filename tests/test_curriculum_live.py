@@ -168,8 +168,15 @@ async def test_sampler_follows_kv_curriculum(js, run_id, tmp_path, spawn_worker)
     assert {t.difficulty for t in tasks if t.domain == "arith"} == {3}
     math_tasks = [t for t in tasks if t.domain == "math"]
     assert {t.difficulty for t in math_tasks} == {2}
-    assert all(t.verifier == "math" and t.verifier_params["gold"] and "\\boxed{}" in t.prompt[0].content
+    assert all(t.verifier == "math" and "gold" not in t.verifier_params and "\\boxed{}" in t.prompt[0].content
                for t in math_tasks)
+    # gold lives only in the hidden bucket, under each task's hidden_ref
+    from bus.hidden import get_hidden
+    from producers.math_source import load, resolve_path
+
+    answers = {q.id: q.answer for q in load(str(resolve_path("")))}
+    for t in math_tasks[:5]:
+        assert (await get_hidden(js, reg, t.hidden_ref))["gold"] == answers[t.verifier_params["problem_id"]]
     fates = [f for tf in [decode(d, TaskFates) async for _, d in iter_stream(js, reg.stream("LEDGER"), reg.ledger("sampler"))]
              for f in tf.fates]
     assert sorted(f.task_msg_id for f in fates) == sorted(t.msg_id for t in tasks)

@@ -3,8 +3,8 @@
 Guarantees:
 - The answer is the last JSON object in `final_text`: a ```json (or bare ```) fenced
   block if there is one, else the last `{...}` that parses as a JSON object.
-- Gold is the dict `verifier_params["gold"]` (TODO(hidden data): resolved from
-  `traj.hidden_ref` once the verifier-only store lands). A missing or non-dict gold, or an
+- Gold is the dict under `gold` in the hidden payload (resolved from `traj.hidden_ref`),
+  or `verifier_params["gold"]` for public/dev tasks. A missing or non-dict gold, or an
   empty one, raises `VerifierInputError` (dead letter).
 - Per gold field a component `field_<name>` of 1.0/0.0: strings match after strip and
   casefold (and internal whitespace runs collapsed); numbers match numerically (1 == 1.0,
@@ -95,9 +95,9 @@ def values_match(gold: Any, got: Any) -> bool:
     return gold == got
 
 
-def verify_extract(traj: Trajectory) -> Verdict:
+def verify_extract(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     """Per-field match of the answer's JSON object against the gold dict."""
-    gold = traj.verifier_params.get("gold")
+    gold = (hidden or {}).get("gold", traj.verifier_params.get("gold"))
     if not isinstance(gold, dict) or not gold:
         raise VerifierInputError("extract task without a non-empty dict verifier_params.gold")
     obj = find_json_object(traj.final_text or "")

@@ -4,9 +4,9 @@ Guarantees:
 - The answer is the content of the last `\\boxed{...}` (or `\\fbox{...}`) in
   `final_text`, braces matched; failing that, the text after the last "answer is" /
   "answer:" on its line; failing that, the last number in the text.
-- Gold comes from `verifier_params["gold"]` (a LaTeX string such as "\\frac{1}{2}", or a
-  number). TODO(hidden data): gold will be resolved from `traj.hidden_ref` through the
-  verifier-only store once that lands; `verifier_params["gold"]` is for public/dev sets.
+- Gold (a LaTeX string such as "\\frac{1}{2}", or a number) comes from the task's hidden
+  payload `{"gold": ...}` (resolved from `traj.hidden_ref` by the verifier worker); a
+  public/dev task may carry it in `verifier_params["gold"]` instead.
 - The scalar is exactly 1.0 if the answer is mathematically equivalent to gold
   (`math_verify.verify`, e.g. 0.5 == \\frac{1}{2}, \\sqrt{18} == 3\\sqrt{2}) else 0.0.
   Components: `correct` (same as the scalar) and `format` (1.0 iff a boxed or final answer
@@ -103,11 +103,12 @@ def parse_gold(gold: object) -> list:
     return parsed
 
 
-def verify_math(traj: Trajectory) -> Verdict:
+def verify_math(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     """1.0 iff the final answer is equivalent to gold (math-verify), else 0.0."""
     from math_verify import verify
 
-    gold = parse_gold(traj.verifier_params.get("gold"))
+    raw_gold = (hidden or {}).get("gold", traj.verifier_params.get("gold"))
+    gold = parse_gold(raw_gold)
     answer, format_ok = extract_answer(traj.final_text or "")
     correct = False
     if answer is not None and len(answer) <= _MAX_ANSWER_CHARS:
@@ -116,4 +117,4 @@ def verify_math(traj: Trajectory) -> Verdict:
             _, verify_timeout = _timeouts()
             correct = bool(verify(gold, parsed, timeout_seconds=verify_timeout))
     return Verdict({"correct": float(correct), "format": float(format_ok)},
-                   details=f"answer={answer!r} gold={traj.verifier_params.get('gold')!r}")
+                   details=f"answer={answer!r}")

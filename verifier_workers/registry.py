@@ -1,6 +1,8 @@
 """Verifiers by name: built-ins first, then plugins from Python entry points.
 
-A verifier is a callable `fn(traj: Trajectory) -> Verdict` (see `verifiers.Verdict`).
+A verifier is a callable `fn(traj: Trajectory, hidden: dict | None = None) -> Verdict`
+(see `verifiers.Verdict`); `hidden` is the task's verifier-only payload when it has a
+`hidden_ref` (resolved by the worker through `bus.hidden`), else None.
 
 Guarantees:
 - Lookup order: names added with `register()`, then the built-ins (`arith`, `constant`,
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from schemas import Trajectory
     from verifier_workers.verifiers import Verdict
 
-Verifier = Callable[["Trajectory"], "Verdict"]
+Verifier = Callable[..., "Verdict"]
 
 GROUP = "rlbus.verifiers"
 

@@ -1,6 +1,7 @@
 """The verifier contract (`Verdict`, `VerifierInputError`) and the `arith`/`constant` built-ins.
 
-A verifier maps a trajectory to named reward components and a status; the scalar
+A verifier `fn(traj, hidden=None)` maps a trajectory (and, for tasks with a
+`hidden_ref`, the resolved verifier-only payload) to named reward components and a status; the scalar
 reward is composed from the components by weights (default: the `correct` component,
 see `registry.compose`). Verifiers are looked up by name in `verifier_workers.registry`
 (built-ins, then `rlbus.verifiers` entry points); `get_verifier` delegates to it.
@@ -44,7 +45,7 @@ class Verdict:
         return compose(self.components, self.weights)
 
 
-def verify_arith(traj: Trajectory) -> Verdict:
+def verify_arith(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     """Exact-match integer answer to the task's expression."""
     expression = traj.verifier_params.get("expression")
     if not isinstance(expression, str):
@@ -58,7 +59,7 @@ def verify_arith(traj: Trajectory) -> Verdict:
                    details=f"answer={answer!r}")
 
 
-def verify_constant(traj: Trajectory) -> Verdict:
+def verify_constant(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     """Reward 1.0 for anything (benchmarks of the bus itself)."""
     return Verdict({"correct": 1.0})
 

@@ -15,8 +15,9 @@ import time
 import structlog
 
 from bus.conn import pull_subscription
+from bus.hidden import HiddenCache, HiddenDataMissing
 from bus.publish import publish_many
-from bus.pull import Delivery, Reject, run_pull_loop
+from bus.pull import Delivery, Reject, Retry, run_pull_loop
 from rlbus.runtime import worker_session
 from schemas import Reward, Trajectory
 from verifier_workers.verifiers import VerifierInputError, get_verifier
@@ -24,10 +25,11 @@ from verifier_workers.verifiers import VerifierInputError, get_verifier
 log = structlog.get_logger()
 
 
-def score(traj: Trajectory) -> Reward:
+def score(traj: Trajectory, hidden: dict | None = None) -> Reward:
     """Run the trajectory's verifier and compose its Reward (raises VerifierInputError)."""
     t0 = time.perf_counter()
-    verdict = get_verifier(traj.verifier)(traj)
+    fn = get_verifier(traj.verifier)
+    verdict = fn(traj, hidden) if traj.hidden_ref else fn(traj)
     return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=verdict.reward, components=verdict.components,
                   status=verdict.status, details=verdict.details[:2000], verify_seconds=time.perf_counter() - t0)
 
@@ -36,14 +38,20 @@ async def run(cfg, ctx) -> dict[str, float]:
     """Run the verifier worker until stopped (or the context's test limits)."""
     vc = cfg.verifier
     async with worker_session("verifier", cfg, ctx) as s:
+        hidden = HiddenCache(s.js, s.reg)
 
         async def handle(batch: list[Delivery]):
             outcomes, items = [], []
             for d in batch:
                 try:
-                    reward = score(d.msg)
+                    payload = await hidden.get(d.msg.hidden_ref) if d.msg.hidden_ref else None
+                    reward = score(d.msg, payload)
                 except VerifierInputError as exc:
                     outcomes.append(Reject(f"verifier input: {exc}"))
+                    continue
+                except HiddenDataMissing as exc:  # infrastructure, not the policy: retry, never score 0
+                    log.warning("verifier.hidden_missing", error=str(exc))
+                    outcomes.append(Retry(delay=2.0, reason=str(exc)))
                     continue
                 items.append((s.reg.rewards(d.msg.domain), reward))
                 outcomes.append(None)

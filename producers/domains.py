@@ -1,0 +1,151 @@
+"""Task domains by name: built-ins first, then plugins from the `rlbus.domains` entry points.
+
+A domain kind is a factory `make(ctx: DomainContext) -> DomainSource`; a source makes
+tasks with `make_task(rng, level, index) -> Drawn`. A `Drawn` carries the public `Task`
+and, separately, its `hidden` payload (gold answers, unit tests) that the sampler puts in
+the run's hidden bucket under `task.hidden_ref` (see `bus.hidden`); the task itself
+never carries hidden content.
+
+Guarantees:
+- A config domain's kind is `DomainConfig.kind`, else its name when registered, else
+  `math` when it has a `data` file; anything else is a `ValueError` listing the kinds.
+- Built-ins are imported on first use; an entry point may not shadow a built-in.
+- `finish_task` applies the per-domain config every kind shares: verifier override,
+  reward weights, token and turn budgets, group size and temperature.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+import structlog
+
+from schemas import Task
+
+log = structlog.get_logger()
+
+GROUP = "rlbus.domains"
+
+BUILTINS: dict[str, str] = {
+    "arith": "producers.arith_domain:ArithDomain",
+    "math": "producers.math_source:MathDomain",
+    "tool_calc": "producers.tool_calc:ToolCalcDomain",
+    "code": "producers.humaneval_source:CodeDomain",
+    "extract": "producers.jsonl_source:ExtractDomain",
+    "files": "producers.files_domain:FilesDomain",
+    "jsonl": "producers.jsonl_source:JsonlDomain",
+    "judge": "producers.jsonl_source:JudgeDomain",
+}
+"""Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
+
+
+@dataclass(frozen=True)
+class DomainContext:
+    """What a domain source is built from."""
+
+    run_id: str
+    name: str
+    """The config key (the task's `domain`)."""
+    cfg: Any
+    """The whole RunConfig."""
+    dc: Any
+    """This domain's DomainConfig."""
+
+
+@dataclass
+class Drawn:
+    """A task plus its verifier-only payload."""
+
+    task: Task
+    hidden: dict[str, Any] | None = None
+
+
+class DomainSource(Protocol):
+    def make_task(self, rng: random.Random, level: int, index: int) -> Drawn: ...
+
+
+Factory = Callable[[DomainContext], DomainSource]
+
+
+def _entry_points() -> dict[str, Any]:
+    found = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in BUILTINS:
+            log.warning("domain plugin ignored: shadows a built-in", name=ep.name, value=ep.value)
+        else:
+            found.setdefault(ep.name, ep)
+    return found
+
+
+def kinds() -> list[str]:
+    """Every known domain kind."""
+    return sorted(set(BUILTINS) | set(_entry_points()))
+
+
+def kind_of(name: str, dc) -> str:
+    """The kind a config domain resolves to (see the module docstring)."""
+    if dc.kind:
+        return dc.kind
+    if name in BUILTINS or name in _entry_points():
+        return name
+    if dc.data:
+        return "math"
+    raise ValueError(f"domain {name!r} is not a registered kind; set sampler.domains.{name}.kind "
+                     f"to one of {kinds()}")
+
+
+def get_factory(kind: str) -> Factory:
+    """The factory of `kind` (ValueError naming the known kinds when unknown or broken)."""
+    ref = BUILTINS.get(kind)
+    try:
+        if ref is not None:
+            module, _, attr = ref.partition(":")
+            return getattr(importlib.import_module(module), attr)
+        eps = _entry_points()
+        if kind in eps:
+            return eps[kind].load()
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"domain kind {kind!r} failed to load: {exc}") from exc
+    raise ValueError(f"unknown domain kind {kind!r}; known: {kinds()}")
+
+
+def make_source(run_id: str, name: str, cfg) -> DomainSource:
+    """The task source of config domain `name`."""
+    dc = cfg.sampler.domains[name]
+    return get_factory(kind_of(name, dc))(DomainContext(run_id=run_id, name=name, cfg=cfg, dc=dc))
+
+
+def finish_task(ctx: DomainContext, **fields: Any) -> Task:
+    """A Task with the shared per-domain settings applied (fields given explicitly win)."""
+    sc, dc = ctx.cfg.sampler, ctx.dc
+    base: dict[str, Any] = dict(
+        run_id=ctx.run_id, domain=ctx.name, group_size=sc.group_size, temperature=sc.temperature,
+        max_tokens=dc.max_tokens or sc.max_tokens, max_turns=dc.max_turns,
+    )
+    base.update(fields)
+    if dc.verifier:
+        base["verifier"] = dc.verifier
+    if dc.reward_weights:
+        base["verifier_params"] = {**base.get("verifier_params", {}), "reward_weights": dict(dc.reward_weights)}
+    return Task(**base)
+
+
+@dataclass
+class StaticSource:
+    """A source over a fixed list of (task fields, hidden) pairs, drawn by level (helper for file domains)."""
+
+    ctx: DomainContext
+    items: list[tuple[dict[str, Any], dict[str, Any] | None, int | None]] = field(default_factory=list)
+
+    def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
+        at_level = [it for it in self.items if it[2] == level] or self.items
+        fields, hidden, _ = rng.choice(at_level)
+        fields = dict(fields)
+        fields.setdefault("task_id", f"{self.ctx.name}-{index}")
+        fields.setdefault("difficulty", level)
+        return Drawn(finish_task(self.ctx, **fields), hidden)

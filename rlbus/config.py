@@ -213,6 +213,8 @@ class VerifierSection(Section):
     """Trajectories fetched per round."""
     ack_wait_s: float = 30.0
     """Consumer ack_wait."""
+    concurrency: int = Field(default=4, ge=1)
+    """Verifications run at once per worker (threads; sandboxed verifiers are I/O bound)."""
 
 
 class LearnerSection(Section):

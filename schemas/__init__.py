@@ -12,6 +12,7 @@ from schemas.messages import (  # noqa: F401
     Task,
     TaskFate,
     TaskFates,
+    ToolCall,
     Trajectory,
     Turn,
     WeightVersion,

@@ -155,6 +155,30 @@ class Turn(BaseModel):
     """Weight version that produced this turn (-1 for non-model turns)."""
 
 
+class ToolCall(BaseModel):
+    """One tool call of an episode and what its execution returned (immutable)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    turn: int
+    """Index in `Trajectory.turns` of the assistant turn that made the call."""
+    tool: str
+    """Tool name (`python`, `run_tests`, ...)."""
+    code: str
+    """The call's argument as the model wrote it (e.g. the program text)."""
+    exec_id: str = ""
+    """Id of the recorded execution on the sandbox side (tool-result integrity)."""
+    exit_code: int = 0
+    """Exit code of the execution."""
+    timed_out: bool = False
+    """The execution hit its time limit."""
+    oom: bool = False
+    """The execution ran out of memory."""
+    truncated: bool = False
+    """Output was capped."""
+    duration_ms: float = 0.0
+    """Wall time of the execution."""
+
+
 class Trajectory(Message):
     """One sampled episode for one task (immutable once built)."""
 
@@ -201,6 +225,10 @@ class Trajectory(Message):
     """Wall time spent generating (shared batch time / samples)."""
     tokens: int = 0
     """Generated tokens in this episode."""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Every tool call of the episode with its execution result, in order."""
+    artifacts: dict[str, bytes] = Field(default_factory=dict)
+    """Final files exported from the episode's sandbox (path -> bytes), for verifiers such as `files`."""
 
 
 class Reward(Message):

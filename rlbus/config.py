@@ -256,6 +256,37 @@ class LearnerSection(Section):
     """torch threads of this process."""
     skip_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no signal)."""
+    off_policy: Literal["none", "tis", "decoupled"] = "none"
+    """Correction for stale samples (learner/offpolicy.py): `none` clips the ratio against the behaviour
+    log-probs; `tis` truncated importance sampling; `decoupled` PPO with a proximal policy (AReaL)."""
+    tis_cap: float = Field(default=2.0, gt=0.0)
+    """Truncation cap C of the behaviour->proximal importance weight (tis and decoupled)."""
+    replay_share: float = Field(default=0.0, ge=0.0)
+    """Coefficient of the NLL loss on a replay batch added to each step (0 = off; learner/replay.py)."""
+    replay_data: str = ""
+    """JSONL of general text/demonstrations for replay ({"prompt","completion"} or {"text"})."""
+    replay_batch_size: int = Field(default=8, ge=1)
+    """Replay examples per step."""
+    pcgrad: bool = False
+    """Project conflicting per-domain gradients (PCGrad) before the optimizer step."""
+    micro_batch_tokens: int = Field(default=0, ge=0)
+    """Max padded tokens (rows x width) per micro-batch, gradients accumulated; 0 = no token cap."""
+    micro_batch_size: int = Field(default=0, ge=0)
+    """Max sequences per micro-batch; 0 = no cap (with micro_batch_tokens 0 too: one batch)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward (model.gradient_checkpointing_enable)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype: bf16 runs forward passes under torch.autocast (fp32 master weights)."""
+    lora_rank: int = Field(default=0, ge=0)
+    """LoRA rank (peft); 0 = full fine-tuning. With LoRA only adapter weights are published."""
+    lora_alpha: float = Field(default=16.0, gt=0.0)
+    """LoRA alpha (scaling alpha / rank)."""
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """LoRA dropout."""
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get LoRA adapters."""
+    weight_store: str = "nats"
+    """Where weight blobs go: `nats` (run object store), `file:///dir`, or `s3://bucket/prefix` (boto3)."""
 
 
 class SchedulerSection(Section):

@@ -135,6 +135,12 @@ class LossStats:
     ratio_min: float
     ratio_max: float
     tokens: int
+    is_weight_mean: float = float("nan")
+    """Off-policy correction only (learner/offpolicy.py): mean untruncated importance weight."""
+    is_weight_max: float = float("nan")
+    """Off-policy correction only: max untruncated importance weight."""
+    is_truncated_frac: float = 0.0
+    """Off-policy correction only: fraction of masked tokens whose weight hit the cap."""
 
     @classmethod
     def collect(cls, loss, pg_loss, kl: float, ratio, selected, clipped, tokens: int) -> "LossStats":

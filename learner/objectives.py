@@ -48,6 +48,7 @@ from learner.losses import LossStats, check_loss_inputs, group_advantages, kl_k3
 __all__ = [
     "KINDS",
     "KL_ESTIMATORS",
+    "aggregate_tokens",
     "LossStats",
     "compute_advantages",
     "dr_grpo_advantages",
@@ -189,6 +190,27 @@ def overlong_penalty(
 
 
 # ------------------------------------------------------------------ objectives
+
+
+def aggregate_tokens(kind: Kind, tok: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """Reduce per-token values ``[B, T]`` (0 outside ``mask``) to a scalar as ``kind`` does.
+
+    ``grpo`` / ``gspo`` (its KL term): mean over each sequence's masked tokens, then mean
+    over sequences with >= 1 token; ``dr_grpo``: sum / (``B * max_len``, ``max_len``
+    defaulting to ``T``); ``dapo``: sum / number of masked tokens. Zero masked tokens
+    give a graph-connected 0.
+    """
+    _check_kind(kind)
+    m = (mask != 0).to(tok.dtype)
+    if kind == "dr_grpo":
+        const = float(tok.shape[0] * (max_len or tok.shape[1])) if tok.shape[0] > 0 else 1.0
+        return tok.sum() / const
+    if kind == "dapo":
+        return tok.sum() / m.sum().clamp_min(1.0)
+    n_tok = m.sum(dim=1)
+    has_tok = n_tok > 0
+    seq = tok.sum(dim=1) / n_tok.clamp_min(1.0)
+    return torch.where(has_tok, seq, torch.zeros_like(seq)).sum() / has_tok.to(tok.dtype).sum().clamp_min(1.0)
 
 
 def _check_kind(kind: str) -> None:

@@ -1,9 +1,11 @@
 """Supervised warm start: teach a small causal LM the answer format before RL.
 
 Guarantees:
-- `run_sft` trains on `prompt + completion + <eos>` sequences drawn from `demos(rng)`;
-  the loss covers only the completion tokens and the final `<eos>` (prompt and padding
-  are masked with -100). Batches are right-padded.
+- `run_sft` trains on sequences drawn from `demos(rng)`: a `(prompt, completion)` pair
+  (the loss covers the completion), or, for multi-turn episodes, a list of
+  `(text, trainable)` segments (the loss covers the trainable ones: the model's own
+  turns, never prompts or tool observations). Every sequence ends with a supervised
+  `<eos>`; prompt, context and padding are masked with -100. Batches are right-padded.
 - It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
   first, and always takes at least one step.
 - AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress
@@ -27,24 +29,36 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-Demos = Callable[[random.Random], tuple[str, str]]
+Segments = list[tuple[str, bool]]
+Demos = Callable[[random.Random], "tuple[str, str] | Segments"]
 
 
-def make_batch(tokenizer, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids / attention_mask / labels for (prompt, completion) pairs."""
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-    answers = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+def as_segments(demo) -> Segments:
+    """A demo as (text, trainable) segments: a (prompt, completion) pair becomes two."""
+    if isinstance(demo, tuple) and len(demo) == 2 and isinstance(demo[1], str):
+        return [(demo[0], False), (demo[1], True)]
+    return list(demo)
+
+
+def make_batch(tokenizer, demos: list) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids / attention_mask / labels for demos (pairs or segment lists)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    rows = [p + c + [eos] for p, c in zip(prompts, answers)]
-    lengths = torch.tensor([len(r) for r in rows])
-    n_prompt = torch.tensor([len(p) for p in prompts])
-    width = int(lengths.max())
+    rows, masks = [], []
+    for demo in demos:
+        segments = as_segments(demo)
+        encoded = tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
+        ids = [i for part in encoded for i in part] + [eos]
+        sup = [bool(train) for part, (_, train) in zip(encoded, segments) for _ in part] + [True]
+        rows.append(ids)
+        masks.append(sup)
+    width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
+    supervised = torch.zeros((len(rows), width), dtype=torch.bool)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, masks)):
         input_ids[i, : len(r)] = torch.tensor(r)
-    pos = torch.arange(width)[None, :]
-    attention_mask = (pos < lengths[:, None]).long()
-    supervised = (pos >= n_prompt[:, None]) & attention_mask.bool()
+        supervised[i, : len(m)] = torch.tensor(m)
+        attention_mask[i, : len(r)] = 1
     labels = torch.where(supervised, input_ids, torch.full_like(input_ids, -100))
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 

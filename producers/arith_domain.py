@@ -33,3 +33,10 @@ class ArithDomain:
         return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
                                  prompt=[ChatMessage(role="user", content=problem.prompt)], verifier="arith",
                                  verifier_params={"expression": problem.expression}))
+
+    def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
+        """SFT segments of one problem at `level` (never a held-out one)."""
+        while True:
+            p = arith.generate(rng, level)
+            if p.expression not in self.heldout:
+                return [(p.prompt, False), (p.completion, True)]

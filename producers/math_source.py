@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from schemas import ChatMessage, Task
+from schemas import ChatMessage
 
 if TYPE_CHECKING:
     from producers.domains import DomainContext, Drawn

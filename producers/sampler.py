@@ -32,7 +32,7 @@ from bus.publish import publish, publish_many
 from bus.hidden import put_hidden
 from producers.domains import Drawn, make_source
 from rlbus.runtime import worker_session
-from schemas import ChatMessage, Task, TaskFate, TaskFates
+from schemas import TaskFate, TaskFates
 
 log = structlog.get_logger()
 

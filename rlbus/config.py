@@ -169,8 +169,8 @@ class SamplerSection(Section):
 class RolloutSection(Section):
     """Rollout workers."""
 
-    engine: Literal["hf", "null"] = "hf"
-    """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks)."""
+    engine: Literal["hf", "null", "vllm"] = "hf"
+    """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks); `vllm`: GPU (the gpu extra)."""
     device: str = "cpu"
     """torch device of the hf engine."""
     threads: int = 1
@@ -179,6 +179,8 @@ class RolloutSection(Section):
     """Tasks fetched and generated in one batch."""
     ack_wait_s: float = 60.0
     """Consumer ack_wait; in_progress is sent at a third of it."""
+    sandbox_slots: int = Field(default=8, ge=1)
+    """Tool calls run at once by one rollout worker (each in its episode's own sandbox)."""
 
 
 class SandboxSection(Section):

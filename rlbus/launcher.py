@@ -52,11 +52,33 @@ def new_run_id(config_path: str) -> str:
     return f"{Path(config_path).stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
 
+def sft_demos(cfg: RunConfig):
+    """Demonstrations mixing every configured domain that can demonstrate itself, by static
+    weight; arith at `sft.difficulty`, the others at their starting level. Held-out eval
+    problems are never demonstrated."""
+    import random as _random
+
+    from producers.domains import make_source
+
+    sources, weights, levels = [], [], []
+    for name, dc in cfg.sampler.domains.items():
+        src = make_source("sft", name, cfg)
+        if hasattr(src, "demonstration"):
+            sources.append(src)
+            weights.append(max(dc.weight, 1e-6))
+            levels.append(cfg.sft.difficulty if name == "arith" else dc.initial_level)
+    if not sources:
+        raise ValueError("sft.enabled but no configured domain has demonstrations; set sft.enabled=false")
+
+    def demo(rng: _random.Random):
+        k = rng.choices(range(len(sources)), weights=weights)[0]
+        return sources[k].demonstration(rng, levels[k])
+
+    return demo
+
+
 def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
     """Build (or take) the base model, warm-start it with SFT, leave it at <run>/model/start."""
-    from producers import arith
-    from scheduler.evaluation import eval_set
-
     start = run_path / "model" / "start"
     if start.exists():
         return start
@@ -72,15 +94,7 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
         return start
     from learner.sft import run_sft
 
-    ev = cfg.scheduler
-    heldout = {p.expression for p in eval_set(ev.eval_seed, ev.eval_n, ev.eval_difficulty)[0]}
-
-    def demo(rng):
-        while True:
-            p = arith.generate(rng, cfg.sft.difficulty)
-            if p.expression not in heldout:
-                return p.prompt, p.completion
-
+    demo = sft_demos(cfg)
     console.print(f"SFT warm start for up to {cfg.sft.seconds:.0f}s ...")
     stats = run_sft(base, start, demo, seconds=cfg.sft.seconds, max_steps=cfg.sft.max_steps,
                     batch_size=cfg.sft.batch_size, lr=cfg.sft.lr, seed=cfg.run.seed, threads=cfg.sft.threads,

@@ -51,10 +51,34 @@ class HFEngine:
         load_state_bytes(self.model, blob)
         self.model.eval()
 
-    def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float) -> list[list[Sample]]:
-        """n samples per prompt, one batched call."""
+    def encode_batch(self, prompts: list[str] | list[list[int]]) -> dict:
+        """Left-padded input_ids/attention_mask for text prompts, or for token-id prompts as given
+        (multi-turn contexts pass ids, so earlier turns are never re-tokenized differently)."""
         torch = self.torch
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        if prompts and not isinstance(prompts[0], str):
+            width = max(len(p) for p in prompts)
+            ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(prompts), width), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                if len(p):
+                    ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+                    mask[i, width - len(p):] = 1
+            return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        return self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (no special tokens), as int32."""
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        """Text of token ids (special tokens skipped)."""
+        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
+                 temperature: float) -> list[list[Sample]]:
+        """n samples per prompt (text, or token ids), one batched call."""
+        torch = self.torch
+        enc = self.encode_batch(prompts)
         greedy = temperature <= 0
         with torch.no_grad():
             out = self.model.generate(
@@ -91,16 +115,24 @@ class HFEngine:
 
 
 class NullEngine:
-    """No model: answers `"0"` with log-prob 0 (for bus benchmarks and tests)."""
+    """No model: answers `"0"` with log-prob 0 (for bus benchmarks and tests). Its
+    "tokenizer" maps each byte to its value (ids < 256)."""
 
     def load_weights(self, blob: bytes) -> None:
         """Accept any blob (nothing to load)."""
 
-    def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float) -> list[list[Sample]]:
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 < int(i) < 256).decode(errors="replace")
+
+    def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
+                 temperature: float) -> list[list[Sample]]:
         """n identical fixed samples per prompt."""
         ids = np.array([ord("0"), 1], dtype=np.int32)
         lp = np.zeros(2, dtype=np.float32)
-        return [[Sample(np.frombuffer(p.encode(), dtype=np.uint8).astype(np.int32), ids, lp, "0", "stop")
+        return [[Sample(self.encode(p) if isinstance(p, str) else np.asarray(p, dtype=np.int32), ids, lp, "0", "stop")
                  for _ in range(n)] for p in prompts]
 
 
@@ -110,4 +142,8 @@ def make_engine(kind: str, model_path: str, device: str, threads: int):
         return NullEngine()
     if kind == "hf":
         return HFEngine(model_path, device, threads)
-    raise ValueError(f"unknown engine {kind!r} (use 'hf' or 'null'; 'vllm' needs the gpu extra)")
+    if kind == "vllm":
+        from rollout_workers.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path)
+    raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', or 'vllm' with the gpu extra: pip install -e '.[gpu]')")

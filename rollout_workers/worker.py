@@ -9,6 +9,10 @@ Guarantees:
 - For each task, publishes exactly `group_size` trajectories (all of a batch in one
   pipelined publish) and only then acks the task; a crash before the ack means the
   task is redelivered to another worker.
+- Tasks that offer tools run as multi-turn agent episodes (`rollout_workers.agent`) in
+  sandboxes from the `sandbox` config section: local (`backend`), or sessions of the
+  sandbox service when `sandbox.remote`. When the sandbox itself fails, the batch's tool
+  tasks are retried (nak with delay), never published as low-reward trajectories.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import structlog
 
 from bus.conn import pull_subscription
 from bus.publish import publish_many
-from bus.pull import Delivery, run_pull_loop
+from bus.pull import Delivery, Retry, run_pull_loop
 from rlbus.runtime import worker_session
+from rollout_workers.agent import SandboxUnavailable, run_episodes, to_trajectory
 from rollout_workers.engines import make_engine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
@@ -54,6 +59,25 @@ def build_trajectories(task: Task, samples, version: int, seconds_each: float) -
     return out
 
 
+async def sandbox_opener(cfg, ctx, s):
+    """A zero-argument coroutine function opening one episode sandbox (local or remote).
+
+    A local sandbox records its executions with the run's tool-result secret, so
+    verifiers can check every observation (see `sandbox_workers.integrity`)."""
+    from sandbox_workers.async_sandbox import open_async_sandbox
+
+    recorder = None
+    if not cfg.sandbox.remote:
+        from sandbox_workers.integrity import LocalRecorder
+
+        recorder = LocalRecorder.for_run(s.js, s.reg, ctx.run_path)
+
+    async def open_one():
+        return await open_async_sandbox(cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder)
+
+    return open_one
+
+
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the rollout worker until stopped (or the context's test limits)."""
     rc = cfg.rollout
@@ -65,14 +89,29 @@ async def run(cfg, ctx) -> dict[str, float]:
             return s.counters
         await watcher.maybe_load(engine)
 
+        open_sandbox = await sandbox_opener(cfg, ctx, s)
+
+        async def run_tool_tasks(tasks: list[Task]) -> list:
+            episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
+                                          before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
+                                          tool_timeout=cfg.sandbox.timeout_s)
+            return [(s.reg.traj(ep.task.domain), to_trajectory(ep)) for ep in episodes]
+
         async def handle(batch: list[Delivery]):
             await watcher.maybe_load(engine)
             by_shape: dict[tuple, list[Task]] = defaultdict(list)
             for d in batch:
                 t = d.msg
-                by_shape[(t.group_size, t.max_tokens, t.temperature)].append(t)
+                by_shape[(bool(t.tools), t.group_size, t.max_tokens, t.temperature)].append(t)
             items = []
-            for (n, max_tokens, temperature), tasks in by_shape.items():
+            for (tools, n, max_tokens, temperature), tasks in by_shape.items():
+                if tools:
+                    try:
+                        items += await run_tool_tasks(tasks)
+                    except SandboxUnavailable as exc:
+                        log.warning("rollout.sandbox_unavailable", error=str(exc))
+                        raise Retry(delay=5.0, reason=str(exc)) from exc
+                    continue
                 t0 = time.perf_counter()
                 groups = await asyncio.to_thread(engine.generate, [render_prompt(t) for t in tasks], n,
                                                  max_tokens, temperature)

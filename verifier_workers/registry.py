@@ -6,7 +6,7 @@ A verifier is a callable `fn(traj: Trajectory, hidden: dict | None = None) -> Ve
 
 Guarantees:
 - Lookup order: names added with `register()`, then the built-ins (`arith`, `constant`,
-  `math`, `extract`), then the entry points of group `rlbus.verifiers`. A plugin can
+  `math`, `extract`, `files`, `model`, ...: see BUILTINS), then the entry points of group `rlbus.verifiers`. A plugin can
   never shadow a built-in (it is ignored, with a warning), and `register()` refuses to
   replace an existing name unless asked to.
 - Built-ins are imported on first use, so `get("arith")` never pulls in sympy.
@@ -15,6 +15,9 @@ Guarantees:
   that is not callable raises `VerifierInputError` naming the entry point.
 - An unknown name raises `VerifierInputError` listing every known name, which the
   verifier worker dead-letters with that reason.
+- A verifier that cannot run for reasons outside the task (sandbox, model, network)
+  raises `errors.VerifierInfraError` (re-exported here): the worker retries it and never
+  turns it into a reward.
 - `compose()` turns named components into the scalar reward: a weighted sum, by default
   just the `correct` component.
 """
@@ -30,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from verifier_workers.errors import VerifierInfraError  # noqa: F401  (re-exported)
+
 if TYPE_CHECKING:
     from schemas import Trajectory
     from verifier_workers.verifiers import Verdict
@@ -43,6 +48,9 @@ BUILTINS: dict[str, str] = {
     "constant": "verifier_workers.verifiers:verify_constant",
     "math": "verifier_workers.math_verifier:verify_math",
     "extract": "verifier_workers.extract_verifier:verify_extract",
+    "tool_calc": "verifier_workers.tool_calc_verifier:verify_tool_calc",
+    "files": "verifier_workers.files_verifier:verify_files",
+    "model": "verifier_workers.model_verifier:verify_model",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

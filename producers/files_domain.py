@@ -1,0 +1,37 @@
+"""The `files` domain kind: the policy writes a file (JSON, CSV, SVG) that must meet requirements.
+
+Task file: the JSONL format of `producers.jsonl_source`, where each line's `params` name
+the file (`path`, `format`: json|csv|svg) and `hidden` holds the requirements the
+`files` verifier checks (schema, gold values, required SVG elements). The prompt says
+what to write; the gold values stay hidden.
+
+Guarantees:
+- Default data examples/data/files.jsonl; default verifier `files`.
+- Every line must give a `path` and a known `format` (ValueError naming the line's id).
+- Tasks carry `DomainConfig.params["tools"]` (default none) so multi-turn configs can
+  let the policy write the file in its sandbox (the rollout worker exports it as an
+  artifact); single-turn episodes answer with the file in a fenced block instead.
+- Hidden requirements travel behind `hidden_ref` only (see `jsonl_source`).
+"""
+
+from __future__ import annotations
+
+from producers.domains import DomainContext, StaticSource
+from producers.jsonl_source import DATA, load, resolve, items
+
+FORMATS = ("json", "csv", "svg")
+
+
+def FilesDomain(ctx: DomainContext) -> StaticSource:
+    """Task source of one `files` config domain."""
+    path = resolve(ctx.dc.data, DATA / "files.jsonl")
+    tasks = load(str(path))
+    for t in tasks:
+        if not isinstance(t.params.get("path"), str) or t.params.get("format") not in FORMATS:
+            raise ValueError(f"{path}: task {t.id!r} needs params.path and params.format in {FORMATS}")
+    source = StaticSource(ctx, items(ctx, tasks, "files"))
+    tools = list(ctx.dc.params.get("tools") or [])
+    if tools:
+        for fields, _, _ in source.items:
+            fields["tools"] = tools
+    return source

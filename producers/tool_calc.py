@@ -1,0 +1,112 @@
+"""The `tool_calc` domain: products too large for a tiny model to compute in its head.
+
+The model must call the python tool and copy the printed result into its answer:
+
+    prompt     417*382=?
+    assistant  <py>print(417*382)</py>            (a tool call; generation stops at </py>)
+    tool       \\n<obs exit=0>\\n159294\\n</obs>\\n   (the sandbox's recorded observation)
+    assistant  =159294<eos>                        (the final answer)
+
+Guarantees:
+- Level L multiplies two numbers of L+2 digits each (level 1: 3x3 digits, ...), so the
+  answer is out of reach without the tool; the gold is recomputed by the verifier from
+  the public expression (nothing hidden to leak).
+- `heldout_set(seed, n, level)` is a fixed seeded eval set; training never draws it.
+- `demonstration(rng, level)` returns the SFT segments above, with only the model's own
+  text trainable (prompt and observation are context), built with the same observation
+  renderer the sandbox side uses.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from producers.domains import DomainContext, Drawn, finish_task
+from schemas import ChatMessage
+from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, tool_turn_text
+
+TOOL = "python"
+_ANSWER = re.compile(r"^\s*=?\s*(-?\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    @property
+    def expression(self) -> str:
+        return f"{self.a}*{self.b}"
+
+    @property
+    def answer(self) -> int:
+        return self.a * self.b
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.expression}=?"
+
+
+def generate(rng: random.Random, level: int) -> Problem:
+    """A problem at `level` (two factors of level+2 digits)."""
+    digits = max(1, level) + 2
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    return Problem(rng.randint(lo, hi), rng.randint(lo, hi))
+
+
+def heldout_set(seed: int, n: int, level: int) -> list[Problem]:
+    """The fixed evaluation problems of a run."""
+    rng = random.Random(f"tool_calc-heldout-{seed}-{level}")
+    seen: dict[str, Problem] = {}
+    while len(seen) < n:
+        p = generate(rng, level)
+        seen.setdefault(p.expression, p)
+    return list(seen.values())
+
+
+def parse_answer(text: str) -> int | None:
+    """The integer of a final answer `=123` / `123`, else None."""
+    m = _ANSWER.match(text or "")
+    return int(m.group(1)) if m else None
+
+
+def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset()) -> list[tuple[str, bool]]:
+    """SFT segments (text, trainable) of one worked episode."""
+    from sandbox_workers.base import ExecResult
+    from sandbox_workers.integrity import render_observation
+
+    while True:
+        p = generate(rng, level)
+        if p.expression not in heldout:
+            break
+    obs = render_observation(ExecResult(exit_code=0, stdout=f"{p.answer}\n", stderr=""))
+    return [(p.prompt, False), (f"{CALL_OPEN}print({p.expression}){CALL_CLOSE}", True),
+            (tool_turn_text(obs), False), (f"={p.answer}", True)]
+
+
+@dataclass
+class ToolCalcDomain:
+    """Task source of one `tool_calc` config domain."""
+
+    ctx: DomainContext
+    heldout: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        ev = self.ctx.cfg.scheduler
+        levels = range(self.ctx.dc.min_level, self.ctx.dc.max_level + 1)
+        self.heldout = frozenset(p.expression for lvl in levels for p in heldout_set(ev.eval_seed, ev.eval_n, lvl))
+
+    def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
+        while True:
+            p = generate(rng, level)
+            if p.expression not in self.heldout:
+                break
+        return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
+                                 prompt=[ChatMessage(role="user", content=p.prompt)], tools=[TOOL],
+                                 max_turns=max(2, self.ctx.dc.max_turns), verifier="tool_calc",
+                                 verifier_params={"expression": p.expression}))
+
+    def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
+        return demonstration(rng, level, self.heldout)

@@ -1,0 +1,208 @@
+"""Multi-turn agent episodes: generate, run tool calls in the episode's sandbox, repeat.
+
+One call runs every sample of a batch of tasks together, turn by turn:
+
+1. generate the next model turn for every live episode in ONE batched engine call
+   (turn 1 shares each task's prompt across its G samples);
+2. parse each turn for a tool call (`schemas.tool_protocol`: `<py>...</py>`); the turn's
+   tokens are cut just after `</py>`, with their behaviour log-probs;
+3. run the calls concurrently, each in its own episode's sandbox (opened on the
+   episode's first call, closed when the episode ends), and append the recorded
+   observation as a tool turn;
+4. repeat until a turn without a call (the final answer), `max_turns`, or the context
+   budget.
+
+Guarantees:
+- A trajectory holds every turn's tokens in order; only model tokens are `trainable`
+  (the learner's loss mask), prompt and tool tokens are context.
+- Each model turn carries the policy version that generated it: `before_turn` may
+  hot-load new weights between turns.
+- Every tool call is listed with its execution result and exec_id (the integrity
+  record when the sandbox side records), and files named in
+  `verifier_params["export"]` are read from the sandbox as artifacts before it closes.
+- Contexts are passed to the engine as token ids, never re-tokenized text.
+- A sandbox that cannot be opened or dies raises `SandboxUnavailable` (the rollout
+  worker retries the task); a command that fails, hangs or floods is an observation.
+- Every sandbox opened is closed, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from schemas import Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
+from schemas.tool_protocol import CALL_CLOSE, TOOL_NAMES, find_call, tool_turn_text
+
+log = structlog.get_logger()
+
+MAX_CONTEXT_TOKENS = 4096
+PROGRAM_FILE = "main.py"
+
+
+class SandboxUnavailable(RuntimeError):
+    """The episode's sandbox could not be opened or stopped answering (retry the task)."""
+
+
+@dataclass
+class Episode:
+    """One sample of one task, as it unfolds."""
+
+    task: Task
+    sample_index: int
+    turns: list[Turn]
+    context: list[int]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    sandbox: object | None = None
+    done: bool = False
+    finish_reason: str = "stop"
+    final_text: str = ""
+    tokens: int = 0
+    generate_seconds: float = 0.0
+    artifacts: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def model_turns(self) -> int:
+        return sum(t.role == "assistant" for t in self.turns)
+
+
+def cut_at_call(engine, sample) -> tuple[np.ndarray, np.ndarray, str, bool]:
+    """(ids, logprobs, text, has_call): the turn cut just after its first complete tool call."""
+    call = find_call(sample.text)
+    if call is None:
+        return sample.token_ids, sample.logprobs, sample.text, False
+    ids = sample.token_ids
+    for k in range(1, len(ids) + 1):  # the shortest prefix whose text holds the whole call
+        text = engine.decode(ids[:k])
+        if CALL_CLOSE in text:
+            return ids[:k], sample.logprobs[:k], text, True
+    return ids, sample.logprobs, sample.text, True
+
+
+def new_episodes(engine, tasks: list[Task], groups) -> list[Episode]:
+    """Episodes of turn 1 from the engine's samples (one list of G samples per task)."""
+    out = []
+    for task, samples in zip(tasks, groups, strict=True):
+        for i, s in enumerate(samples):
+            out.append(Episode(task=task, sample_index=i, context=[int(x) for x in s.prompt_ids],
+                               turns=[Turn(role="prompt", text="".join(m.content for m in task.prompt),
+                                           token_ids=pack_i32(s.prompt_ids))]))
+    return out
+
+
+def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float) -> str | None:
+    """Append a generated turn; returns the program to run, or None when the episode ended."""
+    ids, logprobs, text, has_call = cut_at_call(engine, sample)
+    ep.turns.append(Turn(role="assistant", text=text, token_ids=pack_i32(ids), logprobs=pack_f32(logprobs),
+                         trainable=True, policy_version=version))
+    ep.context.extend(int(x) for x in ids)
+    ep.tokens += len(ids)
+    ep.generate_seconds += seconds
+    ep.final_text = text
+    wants_tool = has_call and bool(TOOL_NAMES & set(ep.task.tools))
+    if not wants_tool:
+        ep.done, ep.finish_reason = True, sample.finish_reason
+        return None
+    if ep.model_turns >= ep.task.max_turns:
+        ep.done, ep.finish_reason = True, "max_turns"
+        return None
+    if len(ep.context) + ep.task.max_tokens >= MAX_CONTEXT_TOKENS:
+        ep.done, ep.finish_reason = True, "length"
+        return None
+    return find_call(text)[0]
+
+
+async def run_call(engine, ep: Episode, program: str, open_sandbox, slots: asyncio.Semaphore,
+                   timeout: float | None) -> None:
+    """Run one tool call in the episode's sandbox and append the observation turn."""
+    async with slots:
+        try:
+            if ep.sandbox is None:
+                ep.sandbox = await open_sandbox()
+            await ep.sandbox.write_file(PROGRAM_FILE, program.encode())
+            obs = await ep.sandbox.observe(["python3", PROGRAM_FILE], timeout)
+        except Exception as exc:  # the sandbox edge: infrastructure, never a policy outcome
+            raise SandboxUnavailable(f"sandbox failed for task {ep.task.task_id}: {type(exc).__name__}: {exc}") from exc
+    r = obs.result
+    ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool="python", code=program, exec_id=obs.exec_id or "",
+                                  exit_code=r.exit_code, timed_out=r.timed_out, oom=r.oom, truncated=r.truncated,
+                                  duration_ms=r.duration_ms))
+    text = tool_turn_text(obs.text)
+    ids = engine.encode(text)
+    ep.turns.append(Turn(role="tool", text=text, token_ids=pack_i32(ids)))
+    ep.context.extend(int(x) for x in ids)
+
+
+async def finish(ep: Episode) -> None:
+    """Export the requested artifacts and close the episode's sandbox (always)."""
+    sb, ep.sandbox = ep.sandbox, None
+    if sb is None:
+        return
+    try:
+        for path in ep.task.verifier_params.get("export", []) or []:
+            try:
+                ep.artifacts[str(path)] = await sb.read_file(str(path))
+            except (FileNotFoundError, ValueError, IsADirectoryError):
+                pass  # a missing export is the policy's outcome; the verifier scores it
+    finally:
+        await sb.close()
+
+
+async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
+                       open_sandbox: Callable[[], Awaitable[object]], before_turn: Callable[[], Awaitable] | None = None,
+                       slots: int = 8, tool_timeout: float | None = None) -> list[Episode]:
+    """Every sample of `tasks` (which share group size, max_tokens and temperature) to the end."""
+    t = tasks[0]
+    n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
+    sem = asyncio.Semaphore(slots)
+    episodes: list[Episode] = []
+    try:
+        if before_turn:
+            await before_turn()
+        t0 = time.perf_counter()
+        groups = await asyncio.to_thread(engine.generate, [ep_prompt(x) for x in tasks], n, max_tokens, temperature)
+        episodes = new_episodes(engine, tasks, groups)
+        each = (time.perf_counter() - t0) / max(1, len(episodes))
+        samples = [s for g in groups for s in g]
+        live = episodes
+        while live:
+            v = version()
+            calls = [(ep, add_model_turn(engine, ep, s, v, each)) for ep, s in zip(live, samples, strict=True)]
+            calls = [(ep, prog) for ep, prog in calls if prog is not None]
+            await asyncio.gather(*(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout) for ep, prog in calls))
+            live = [ep for ep, _ in calls]
+            if not live:
+                break
+            if before_turn:
+                await before_turn()
+            t0 = time.perf_counter()
+            nxt = await asyncio.to_thread(engine.generate, [ep.context for ep in live], 1, max_tokens, temperature)
+            each = (time.perf_counter() - t0) / len(live)
+            samples = [g[0] for g in nxt]
+    finally:
+        await asyncio.gather(*(finish(ep) for ep in episodes), return_exceptions=True)
+    return episodes
+
+
+def ep_prompt(task: Task) -> str:
+    """The text prompt of a task (chat contents in order; a model without a chat template)."""
+    return "".join(m.content for m in task.prompt)
+
+
+def to_trajectory(ep: Episode) -> Trajectory:
+    """The Trajectory of a finished episode (msg_id derived from the task's and the sample index)."""
+    task = ep.task
+    versions = [x.policy_version for x in ep.turns if x.role == "assistant"]
+    return Trajectory(
+        run_id=task.run_id, msg_id=f"{task.msg_id}-{ep.sample_index}", task_id=task.task_id, task_msg_id=task.msg_id,
+        domain=task.domain, difficulty=task.difficulty, purpose=task.purpose, group_id=task.msg_id,
+        group_size=task.group_size, sample_index=ep.sample_index, turns=ep.turns, verifier=task.verifier,
+        verifier_params=task.verifier_params, hidden_ref=task.hidden_ref, finish_reason=ep.finish_reason,
+        final_text=ep.final_text, policy_version=versions[-1] if versions else -1,
+        generate_seconds=ep.generate_seconds, tokens=ep.tokens, tool_calls=ep.tool_calls, artifacts=ep.artifacts,
+    )

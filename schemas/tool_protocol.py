@@ -1,0 +1,29 @@
+"""How a policy calls a tool in its text, shared by rollout (parsing), SFT demos and verifiers.
+
+    <py>PROGRAM</py>     run PROGRAM with the sandbox's python3; generation stops at </py>
+
+After a call the environment appends a tool turn: a newline, the sandbox's observation
+block (`sandbox_workers.integrity.render_observation`: `<obs exit=N ...>...</obs>`), and
+a newline. An assistant turn without a call is the final answer.
+"""
+
+from __future__ import annotations
+
+CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
+TOOL_NAMES = {"python"}
+
+
+def find_call(text: str) -> tuple[str, int] | None:
+    """(program, end offset just past `</py>`) of the first complete call in `text`, else None."""
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return None
+    end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
+    if end < 0:
+        return None
+    return text[start + len(CALL_OPEN):end], end + len(CALL_CLOSE)
+
+
+def tool_turn_text(observation: str) -> str:
+    """The context appended after a tool call."""
+    return f"\n{observation}\n"

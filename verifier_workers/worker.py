@@ -1,8 +1,28 @@
 """The verifier worker process: trajectories in, Rewards out.
 
+Reward composition. A verifier returns named components; the worker adds the process
+components every trajectory gets, `turns_used` (assistant turns) and, when the episode
+used tools, `tool_success_rate` (see `tool_success_rate`). The scalar is the weighted
+sum of the components (`registry.compose`) with the domain's weights, which travel in
+`verifier_params["reward_weights"]` (set by `producers.domains.finish_task` from
+`DomainConfig.reward_weights`); without them the verifier's own default applies (usually
+`correct` alone), so process components are reported but not weighted in. Weights that
+are not finite numbers or that name a component the trajectory does not have raise
+`VerifierInputError` (dead letter), naming the components there are.
+
 Guarantees:
 - Every trajectory either yields exactly one published `Reward` before its ack, or is
-  dead-lettered with the verifier's reason (unknown verifier, unusable parameters).
+  dead-lettered with the reason: at once for unusable input (unknown verifier, bad
+  parameters or weights), after retries for infrastructure failures.
+- Infrastructure failures are never rewards: a `VerifierInfraError` (sandbox down, model
+  missing, ...), `HiddenDataMissing`, or any unexpected exception a verifier raises (a
+  crash) naks the trajectory with a delay that doubles with JetStream's delivery count
+  (`retry_base_s` x 2^(n-1), capped at `retry_max_s`); on the consumer's last delivery
+  (`max_deliver`) it is dead-lettered with error_type `infra_error` and the reason.
+  No Reward, least of all one of 0, is published for it.
+- Verifiers run off the event loop in worker threads, at most `verifier.concurrency` at
+  once (default 4; 0 runs them inline on the loop thread, where math-verify's SIGALRM
+  time-outs work), so a slow verifier (code, model) never stalls acks and in_progress.
 - A Reward's msg_id derives from its trajectory's, so re-verifying a redelivered
   trajectory cannot create a second reward for the same sample.
 - Rewards of a fetched batch are published pipelined, then the batch is acked.
@@ -10,7 +30,12 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
+import math
+import re
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import structlog
 
@@ -20,47 +45,185 @@ from bus.publish import publish_many
 from bus.pull import Delivery, Reject, Retry, run_pull_loop
 from rlbus.runtime import worker_session
 from schemas import Reward, Trajectory
-from verifier_workers.verifiers import VerifierInputError, get_verifier
+from verifier_workers.errors import VerifierCrash, VerifierInfraError
+from verifier_workers.registry import compose
+from verifier_workers.verifiers import Verdict, VerifierInputError, get_verifier
 
 log = structlog.get_logger()
 
+DEFAULT_CONCURRENCY = 4
+DEFAULT_RETRY_BASE_S = 1.0
+DEFAULT_RETRY_MAX_S = 60.0
+_EXIT = re.compile(r"<obs\b[^>]*?\bexit\s*=\s*(-?\d+)", re.IGNORECASE)
+
+
+# -- reward composition ----------------------------------------------------------------
+
+def tool_success_rate(traj: Trajectory) -> float | None:
+    """Fraction of tool executions that exited 0, or None when the episode used no tools.
+
+    The structured `traj.tool_calls` are used when present; otherwise each `tool` turn
+    counts, succeeding iff it holds at least one `<obs exit=N ...>` tag and every such
+    tag says exit=0 (a tool turn without one, e.g. a refused call, is a failure).
+    """
+    if traj.tool_calls:
+        return sum(c.exit_code == 0 for c in traj.tool_calls) / len(traj.tool_calls)
+    tool_turns = [t.text for t in traj.turns if t.role == "tool"]
+    if not tool_turns:
+        return None
+    ok = 0
+    for text in tool_turns:
+        codes = _EXIT.findall(text)
+        ok += bool(codes) and all(int(c) == 0 for c in codes)
+    return ok / len(tool_turns)
+
+
+def process_components(traj: Trajectory) -> dict[str, float]:
+    """Components every trajectory gets: `turns_used`, and `tool_success_rate` when tools ran."""
+    out = {"turns_used": float(sum(t.role == "assistant" for t in traj.turns))}
+    rate = tool_success_rate(traj)
+    if rate is not None:
+        out["tool_success_rate"] = rate
+    return out
+
+
+def configured_weights(traj: Trajectory) -> dict[str, float] | None:
+    """The domain's `reward_weights` from the task's public params (None: verifier default)."""
+    raw = traj.verifier_params.get("reward_weights")
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, Mapping):
+        raise VerifierInputError(f"reward_weights must be a table of component -> weight, got {raw!r}")
+    out: dict[str, float] = {}
+    for name, w in raw.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise VerifierInputError(f"reward_weights[{name!r}] = {w!r} is not a finite number")
+        out[str(name)] = float(w)
+    return out
+
+
+def compose_reward(traj: Trajectory, verdict: Verdict) -> tuple[float, dict[str, float]]:
+    """(scalar, components): the verdict's components plus process ones, weighted."""
+    components = {**process_components(traj), **verdict.components}
+    weights = configured_weights(traj)
+    if weights is not None:
+        unknown = sorted(set(weights) - set(components))
+        if unknown:
+            raise VerifierInputError(f"reward_weights name unknown components {unknown}; verifier "
+                                     f"{traj.verifier!r} gave {sorted(components)}")
+    else:
+        weights = dict(verdict.weights)
+    try:
+        return compose(components, weights), components
+    except ValueError as exc:  # a non-finite component: the verifier's bug, not the policy's
+        raise VerifierCrash(f"verifier {traj.verifier!r}: {exc}") from exc
+
+
+def run_verifier(traj: Trajectory, hidden: dict | None) -> Verdict:
+    """Call the trajectory's verifier; anything unexpected it raises becomes a VerifierCrash."""
+    fn = get_verifier(traj.verifier)
+    try:
+        return fn(traj, hidden) if traj.hidden_ref else fn(traj)
+    except (VerifierInputError, VerifierInfraError):
+        raise
+    except Exception as exc:
+        raise VerifierCrash(f"verifier {traj.verifier!r} crashed: {type(exc).__name__}: {exc}") from exc
+
 
 def score(traj: Trajectory, hidden: dict | None = None) -> Reward:
-    """Run the trajectory's verifier and compose its Reward (raises VerifierInputError)."""
+    """Verify one trajectory and compose its Reward.
+
+    Raises VerifierInputError (unusable task) or VerifierInfraError (retry later).
+    """
     t0 = time.perf_counter()
-    fn = get_verifier(traj.verifier)
-    verdict = fn(traj, hidden) if traj.hidden_ref else fn(traj)
-    return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=verdict.reward, components=verdict.components,
-                  status=verdict.status, details=verdict.details[:2000], verify_seconds=time.perf_counter() - t0)
+    verdict = run_verifier(traj, hidden)
+    reward, components = compose_reward(traj, verdict)
+    return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=reward,
+                  components=components, status=verdict.status, details=verdict.details[:2000],
+                  verify_seconds=time.perf_counter() - t0)
+
+
+# -- retries -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How infrastructure failures are retried: delays by delivery count, then the DLQ."""
+
+    max_deliver: int
+    base_s: float = DEFAULT_RETRY_BASE_S
+    max_s: float = DEFAULT_RETRY_MAX_S
+
+    def delay(self, delivered: int) -> float:
+        """Nak delay after delivery `delivered` (1-based): base x 2^(n-1), capped."""
+        return min(self.max_s, self.base_s * 2 ** max(0, delivered - 1))
+
+    def outcome(self, delivered: int, exc: Exception) -> Retry | Reject:
+        """Retry with backoff, or dead-letter on the consumer's last delivery."""
+        reason = f"infra_error: {type(exc).__name__}: {exc}"
+        if delivered >= self.max_deliver:
+            return Reject(f"{reason} (gave up after {delivered} deliveries)", error_type="infra_error")
+        return Retry(delay=self.delay(delivered), reason=reason)
+
+
+def retry_policy(vc, max_deliver: int) -> RetryPolicy:
+    """The policy of a verifier config section (fields read with defaults)."""
+    return RetryPolicy(max_deliver, float(getattr(vc, "retry_base_s", DEFAULT_RETRY_BASE_S)),
+                       float(getattr(vc, "retry_max_s", DEFAULT_RETRY_MAX_S)))
+
+
+# -- the worker --------------------------------------------------------------------------
+
+class Scorer:
+    """Scores deliveries concurrently (bounded), mapping failures to pull-loop outcomes."""
+
+    def __init__(self, hidden: HiddenCache, policy: RetryPolicy, concurrency: int) -> None:
+        self.hidden, self.policy, self.concurrency = hidden, policy, concurrency
+        self.slots = asyncio.Semaphore(max(1, concurrency))
+
+    async def _score(self, traj: Trajectory, payload: dict | None) -> Reward:
+        if self.concurrency <= 0:
+            return score(traj, payload)
+        async with self.slots:
+            return await asyncio.to_thread(score, traj, payload)
+
+    async def one(self, d: Delivery) -> Reward | Retry | Reject:
+        """A Reward, or the outcome that replaces it."""
+        traj: Trajectory = d.msg
+        try:
+            payload = await self.hidden.get(traj.hidden_ref) if traj.hidden_ref else None
+            return await self._score(traj, payload)
+        except VerifierInputError as exc:
+            return Reject(f"verifier input: {exc}")
+        except (VerifierInfraError, HiddenDataMissing) as exc:
+            outcome = self.policy.outcome(d.delivered, exc)
+            log.warning("verifier.infra_error", error=str(exc)[:500], delivered=d.delivered,
+                        verifier=traj.verifier, outcome=type(outcome).__name__.lower())
+            return outcome
+
+    async def batch(self, batch: list[Delivery]) -> list[Reward | Retry | Reject]:
+        return list(await asyncio.gather(*(self.one(d) for d in batch)))
 
 
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the verifier worker until stopped (or the context's test limits)."""
     vc = cfg.verifier
     async with worker_session("verifier", cfg, ctx) as s:
-        hidden = HiddenCache(s.js, s.reg)
+        spec = s.reg.verifier_consumer(vc.ack_wait_s)
+        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec.max_deliver),
+                        int(getattr(vc, "concurrency", DEFAULT_CONCURRENCY)))
 
         async def handle(batch: list[Delivery]):
-            outcomes, items = [], []
-            for d in batch:
-                try:
-                    payload = await hidden.get(d.msg.hidden_ref) if d.msg.hidden_ref else None
-                    reward = score(d.msg, payload)
-                except VerifierInputError as exc:
-                    outcomes.append(Reject(f"verifier input: {exc}"))
-                    continue
-                except HiddenDataMissing as exc:  # infrastructure, not the policy: retry, never score 0
-                    log.warning("verifier.hidden_missing", error=str(exc))
-                    outcomes.append(Retry(delay=2.0, reason=str(exc)))
-                    continue
-                items.append((s.reg.rewards(d.msg.domain), reward))
-                outcomes.append(None)
+            results = await scorer.batch(batch)
+            items = [(s.reg.rewards(d.msg.domain), r) for d, r in zip(batch, results) if isinstance(r, Reward)]
             await publish_many(s.js, items)
-            s.counters["rewards"] = s.counters.get("rewards", 0) + len(items)
-            s.counters["reward_sum"] = s.counters.get("reward_sum", 0) + sum(r.reward for _, r in items)
-            return outcomes
+            c = s.counters
+            c["rewards"] = c.get("rewards", 0) + len(items)
+            c["reward_sum"] = c.get("reward_sum", 0) + sum(r.reward for _, r in items)
+            c["infra_errors"] = c.get("infra_errors", 0) + sum(
+                isinstance(r, Retry) or (isinstance(r, Reject) and r.error_type == "infra_error") for r in results)
+            return [None if isinstance(r, Reward) else r for r in results]
 
-        sub = await pull_subscription(s.js, s.reg.verifier_consumer(vc.ack_wait_s))
+        sub = await pull_subscription(s.js, spec)
         await run_pull_loop(s.js, s.reg, "verifier", sub, Trajectory, handle, batch=vc.batch,
                             ack_wait_s=vc.ack_wait_s, max_messages=ctx.max_messages, until_idle=ctx.until_idle,
                             stop=s.stop, counters=s.counters)

@@ -1,0 +1,881 @@
+"""`docker` backend: one container per sandbox, handed out from a warm pool.
+
+Guarantees (on top of those in `sandbox_workers.base`):
+
+- Isolation: `network_mode=none` (no interface but loopback: the host is unreachable),
+  read-only root, tmpfs `/work` (the cwd, owned by the sandbox user) and `/tmp`, no
+  `/dev/shm` (`ipc_mode=none`), `mem_limit == memswap_limit` (no swap), `pids_limit`,
+  a CPU quota (`nano_cpus`), nofile/fsize/cpu/core ulimits, every capability dropped,
+  `no-new-privileges`, Docker's default seccomp profile, no logs kept (`log_config
+  none`). Commands run as uid/gid 65534; the container's init (`docker-init`, pid 1)
+  and its only child `sleep infinity` run as 65532, so a command can neither signal
+  nor ptrace them, and `kill -9 -1` as 65534 kills every sandbox process and nothing
+  else.
+- `execute` is one exec through the Engine API. A wrapper shell (as 65534) runs the
+  command under `setsid -w timeout -s KILL <t>` (its own session and process group),
+  then `kill -9 -1` (every process the command started, double-forked daemons
+  included), then reports the command's status and the memory cgroup's `oom_kill`
+  delta on a last stderr line and exits 0. That line is trusted only when the exec
+  itself exited 0, which the command cannot fake (killing the wrapper makes it
+  nonzero); otherwise the host sweeps with a second exec. stdout and stderr are
+  drained concurrently from the multiplexed socket, each into a `HeadTailBuffer`.
+- Hard deadline: if the exec still runs `KILL_GRACE_S` after the timeout, the host
+  kills every sandbox process with a second exec; if that cannot run (e.g. the pids
+  limit is exhausted) or does not end the exec, the container is killed and replaced
+  by a fresh one (the work dir is lost; logged as `sandbox.replaced`).
+- `oom` is set when the memory cgroup counted an OOM kill during the command, or
+  stderr shows an allocation failure (MemoryError, ...). `timed_out` when the command
+  was killed by the timeout. `exit_code` is 128+N for signal N.
+- Fresh on hand-out: a sandbox gets either a container that was never used, or a
+  returned one that passed `_CLEAN_SCRIPT` (every 65534 process killed, `/work`,
+  `/tmp`, POSIX and SysV IPC wiped) and was then *proven* clean: the only pids are
+  docker-init and `sleep`, and the wiped dirs are empty. A container that fails the
+  proof, or was used `MAX_USES` times, is removed instead. `reset()` swaps in such a
+  fresh container (the old one is cleaned or removed in the background).
+- Warm pool: one pool per (image, limits, cpus) per process (module level, shared by
+  every `DockerSandbox` of the process; `shutdown_pools()` and an `atexit` hook remove
+  its containers). It keeps `warm_pool` containers ready (argument, else env
+  `RLBUS_SANDBOX_WARM_POOL`, else 2 = `SandboxSection.warm_pool`), refilled and cleaned
+  by a background thread pool of `REFILL_WORKERS` threads (bounded concurrency).
+  With `warm_pool=0` containers are created on demand and removed on `close`.
+- One `DockerClient` per process; its HTTP connection pool (`max_pool_size`) is sized
+  to the largest `concurrency` asked for (argument, else env
+  `RLBUS_SANDBOX_CONCURRENCY`, else 8) plus the refill threads, so concurrent
+  sandboxes never queue on, or throw away, connections.
+- Every container is labelled `rlbus.sandbox=1` with its owner
+  (`rlbus.sandbox.owner=<host>:<pid>:<start time>`). `reap()` removes, in any state
+  (`Created` included), labelled containers whose owner process is gone, and this
+  process's containers that no pool tracks; `reap(all_owners=True)` removes them all.
+  The first pool of a process reaps at start, then every `REAP_INTERVAL_S`.
+- Files: `read_file`/`write_file` go through an exec (tar archives cannot reach a
+  tmpfs nor a read-only root). Paths are relative to `/work` (or absolute under it);
+  no component may be a symlink, like the process backend.
+- A missing image raises `SandboxImageMissing`, which names the command that builds
+  it: `rlbus sandbox build-image`.
+
+Blocking API (like the process backend): call it from a thread in async code. The
+methods of one sandbox are serialized by a lock; use one sandbox per concurrent task.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import errno
+import os
+import posixpath
+import select
+import socket
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from sandbox_workers.base import (
+    MIB,
+    WORK_DIR,
+    ExecResult,
+    HeadTailBuffer,
+    Limits,
+    Sandbox,
+    decode_output,
+)
+
+if TYPE_CHECKING:  # the SDK is imported lazily: this module imports without an engine
+    import docker
+
+log = structlog.get_logger()
+
+DEFAULT_IMAGE = "rlbus-sandbox:latest"
+BUILD_HINT = "rlbus sandbox build-image"
+LABEL = "rlbus.sandbox"
+OWNER_LABEL = "rlbus.sandbox.owner"
+RUN_USER = "65534:65534"
+HOLDER_USER = "65532:65532"
+PID_HEADROOM = 4  # docker-init, sleep, wrapper sh, timeout (setsid forks only if it leads a group)
+KILL_GRACE_S = 1.5
+INSPECT_WAIT_S = 2.0
+MAX_USES = 100
+REFILL_WORKERS = 2
+REAP_INTERVAL_S = 60.0
+REAP_MIN_AGE_S = 60.0
+MAX_READ_FILE = 256 * MIB
+DEFAULT_CONCURRENCY = 8
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+EXIT_MARK = b"\x1erlbus-exit "
+_MARK_HOLD = 64  # stderr bytes held back until EOF, to find and strip the exit line
+
+# $0 = name, $1 = timeout seconds, $2... = argv. See the module docstring.
+_WRAPPER = r"""
+f=/sys/fs/cgroup/memory/memory.oom_control
+[ -r "$f" ] || f=/sys/fs/cgroup/memory.events
+oom() { n=0; if [ -r "$f" ]; then while read -r k v; do [ "$k" = oom_kill ] && n=$v; done < "$f"; fi; }
+oom; before=$n
+t=$1; shift
+setsid -w timeout -s KILL "$t" "$@" </dev/null
+rc=$?
+kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+oom
+printf '\036rlbus-exit %d %d\n' "$rc" "$((n - before))" >&2
+exit 0
+"""
+
+_SWEEP = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; exit 0"
+
+# Wipes and then proves: prints `pid <pid> <comm>` for every other process and
+# `left <path>` for anything left in the wiped dirs, then `clean-done`.
+_CLEAN_SCRIPT = r"""
+kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+chmod 0700 /work 2>/dev/null
+chmod -R u+rwX /work /tmp 2>/dev/null
+rm -rf /work/* /work/.[!.]* /work/..?* /tmp/* /tmp/.[!.]* /tmp/..?* /dev/mqueue/* 2>/dev/null
+ipcrm -a 2>/dev/null
+i=0
+while [ $i -lt 400 ]; do
+  n=0
+  for p in /proc/[0-9]*; do [ "${p#/proc/}" = "$$" ] || n=$((n + 1)); done
+  [ $n -le 2 ] && break
+  i=$((i + 1)); sleep 0.005
+done
+for p in /proc/[0-9]*; do
+  [ "${p#/proc/}" = "$$" ] && continue
+  c=?; read -r c < "$p/comm" 2>/dev/null
+  echo "pid ${p#/proc/} $c"
+done
+for e in /work/* /work/.[!.]* /work/..?* /tmp/* /tmp/.[!.]* /tmp/..?* /dev/mqueue/*; do
+  if [ -e "$e" ] || [ -L "$e" ]; then echo "left $e"; fi
+done
+echo clean-done
+"""
+
+_READ_SCRIPT = r"""
+p=$1
+[ -e "$p" ] || [ -L "$p" ] || exit 2
+r=$(realpath -e -- "$p") || exit 2
+[ "$r" = "$p" ] || exit 3
+[ -f "$p" ] || exit 4
+s=$(stat -c %s -- "$p") || exit 4
+[ "$s" -le "$2" ] || exit 5
+exec cat -- "$p"
+"""
+
+_WRITE_SCRIPT = r"""
+d=$1; t=$1/$2
+r=$(realpath -m -- "$d") || exit 3
+[ "$r" = "$d" ] || exit 3
+mkdir -p -- "$d" || exit 6
+[ -L "$t" ] && exit 3
+if [ -e "$t" ] && [ ! -f "$t" ]; then exit 4; fi
+exec cat > "$t"
+"""
+
+_FILE_ERRORS = {
+    2: (FileNotFoundError, errno.ENOENT, "no such file"),
+    3: (OSError, errno.ELOOP, "a symlink on the path (symlinks are never followed)"),
+    4: (OSError, errno.EINVAL, "not a regular file"),
+    5: (OSError, errno.EFBIG, "file too large"),
+    6: (OSError, errno.ENOTDIR, "cannot create the parent directory"),
+}
+
+
+class SandboxImageMissing(RuntimeError):
+    """The sandbox image is not on the engine; the message says how to build it."""
+
+
+class ContainerUnusable(RuntimeError):
+    """A container could not be proven clean or could not run an exec."""
+
+
+# -- the client ---------------------------------------------------------------------
+
+_client_lock = threading.Lock()
+_client: docker.DockerClient | None = None
+_client_pool_size = 0
+
+
+def _import_docker():
+    try:
+        import docker
+    except ImportError as exc:  # pragma: no cover - dependency of the project
+        raise RuntimeError("the docker backend needs the `docker` package: pip install docker") from exc
+    return docker
+
+
+def get_client(concurrency: int | None = None) -> docker.DockerClient:
+    """The process's DockerClient, its connection pool sized for `concurrency` workers."""
+    global _client, _client_pool_size
+    want = _concurrency(concurrency) + REFILL_WORKERS + 2  # +2: reaper, one-off calls
+    with _client_lock:
+        if _client is None or _client_pool_size < want:
+            docker = _import_docker()
+            try:
+                client = docker.from_env(max_pool_size=want, timeout=60)
+                client.ping()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"no Docker engine answers ({exc}); start one, set DOCKER_HOST, "
+                    "or use the process backend (--backend process)") from exc
+            _client, _client_pool_size = client, want
+        return _client
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _concurrency(value: int | None) -> int:
+    return max(1, value if value is not None else _env_int("RLBUS_SANDBOX_CONCURRENCY", DEFAULT_CONCURRENCY))
+
+
+# -- owners and the reaper ------------------------------------------------------------
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+OWNER = f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _owner_alive(owner: str | None) -> bool | None:
+    """True/False for an owner on this host; None when it lives elsewhere (unknown)."""
+    if not owner or owner.count(":") != 2:
+        return False
+    host, pid, start = owner.split(":")
+    if host != socket.gethostname():
+        return None
+    return pid.isdigit() and _start_time(int(pid)) == start
+
+
+def reap(all_owners: bool = False, client: docker.DockerClient | None = None) -> list[str]:
+    """Remove labelled sandbox containers in any state; returns the removed ids.
+
+    Default: those whose owner process is gone (or unlabelled), and this process's own
+    containers that no pool tracks and are older than `REAP_MIN_AGE_S`. Containers of
+    live owners elsewhere are kept. `all_owners=True`: every labelled container.
+    """
+    client = client or get_client()
+    tracked = _tracked_ids()
+    removed = []
+    for c in client.api.containers(all=True, filters={"label": f"{LABEL}=1"}):
+        owner = (c.get("Labels") or {}).get(OWNER_LABEL)
+        if not all_owners:
+            if owner == OWNER:
+                if c["Id"] in tracked or time.time() - c.get("Created", 0) < REAP_MIN_AGE_S:
+                    continue
+            elif _owner_alive(owner) is not False:
+                continue
+        if _remove(client, c["Id"]):
+            removed.append(c["Id"])
+    if removed:
+        log.info("sandbox.reaped", count=len(removed), all_owners=all_owners)
+    return removed
+
+
+def _remove(client, cid: str) -> bool:
+    docker = _import_docker()
+    try:
+        client.api.remove_container(cid, force=True, v=True)
+        return True
+    except docker.errors.NotFound:
+        return False
+    except docker.errors.APIError as exc:
+        if exc.status_code == 409:  # removal already in progress
+            return False
+        log.warning("sandbox.remove_failed", container=cid[:12], error=str(exc))
+        return False
+
+
+_reaper_started = False
+
+
+def _start_reaper(client) -> None:
+    """Reap once now, then every REAP_INTERVAL_S in a daemon thread (once per process)."""
+    global _reaper_started
+    with _client_lock:
+        if _reaper_started:
+            return
+        _reaper_started = True
+    try:
+        reap(client=client)
+    except Exception as exc:  # noqa: BLE001 - a failed sweep must not block sandboxes
+        log.warning("sandbox.reap_failed", error=repr(exc))
+
+    def loop() -> None:
+        while True:
+            time.sleep(REAP_INTERVAL_S)
+            try:
+                reap(client=client)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sandbox.reap_failed", error=repr(exc))
+
+    threading.Thread(target=loop, name="rlbus-sbx-reaper", daemon=True).start()
+
+
+# -- exec over the multiplexed socket ---------------------------------------------------
+
+class _StderrHold:
+    """Feeds stderr to a HeadTailBuffer, holding back the last bytes (the exit line)."""
+
+    def __init__(self, buf: HeadTailBuffer) -> None:
+        self.buf = buf
+        self.hold = bytearray()
+
+    def feed(self, chunk: bytes) -> None:
+        self.hold += chunk
+        extra = len(self.hold) - _MARK_HOLD
+        if extra > 0:
+            self.buf.feed(bytes(self.hold[:extra]))
+            del self.hold[:extra]
+
+    def finish(self) -> tuple[int, int] | None:
+        """Strip the wrapper's exit line; returns (status, oom kills) if it was there."""
+        found = None
+        at = self.hold.rfind(EXIT_MARK)
+        if at >= 0 and self.hold.endswith(b"\n"):
+            try:
+                rc, oom = self.hold[at + len(EXIT_MARK):].split()
+                found = (int(rc), int(oom))
+                del self.hold[at:]
+            except ValueError:
+                found = None
+        self.buf.feed(bytes(self.hold))
+        self.hold.clear()
+        return found
+
+
+class _Exec:
+    """One running exec: its id and hijacked socket, read frame by frame."""
+
+    def __init__(self, api, cid: str, argv: list[str], *, user: str, stdin: bool = False) -> None:
+        self.api = api
+        self.id = api.exec_create(cid, argv, user=user, workdir=WORK_DIR, stdin=stdin)["Id"]
+        self.resp = api.exec_start(self.id, socket=True)
+        self.sock: socket.socket = getattr(self.resp, "_sock", self.resp)
+        self.header = bytearray()
+        self.stream = 0
+        self.remaining = 0
+
+    def send_stdin(self, data: bytes) -> None:
+        """Write all of `data` to the command's stdin, then close it."""
+        self.sock.sendall(data)
+        self.sock.shutdown(socket.SHUT_WR)
+
+    def pump(self, sinks: dict[int, Any], deadline: float) -> bool:
+        """Feed frames to sinks[1] (stdout) / sinks[2] (stderr) until EOF (True) or deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([self.sock], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            if not self._read_once(sinks):
+                return True
+
+    def _read_once(self, sinks: dict[int, Any]) -> bool:
+        if self.remaining == 0:
+            chunk = self.sock.recv(8 - len(self.header))
+            if not chunk:
+                return False
+            self.header += chunk
+            if len(self.header) == 8:
+                self.stream = self.header[0]
+                self.remaining = int.from_bytes(self.header[4:8], "big")
+                self.header.clear()
+            return True
+        chunk = self.sock.recv(min(self.remaining, MIB))
+        if not chunk:
+            return False
+        self.remaining -= len(chunk)
+        sink = sinks.get(self.stream)
+        if sink is not None:
+            sink.feed(chunk)
+        return True
+
+    def exit_code(self, wait_s: float = INSPECT_WAIT_S) -> int | None:
+        """The exec's exit code once the engine has recorded it (None if still running)."""
+        end = time.monotonic() + wait_s
+        while True:
+            info = self.api.exec_inspect(self.id)
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return int(info["ExitCode"])
+            if time.monotonic() > end:
+                return None
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        for thing in (self.sock, self.resp):
+            try:
+                thing.close()
+            except OSError:
+                pass
+
+
+class _Bytes:
+    """An uncapped sink (file reads), refusing more than `limit` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.data = bytearray()
+        self.limit = limit
+
+    def feed(self, chunk: bytes) -> None:
+        if len(self.data) + len(chunk) > self.limit:
+            raise OSError(errno.EFBIG, f"more than {self.limit} bytes")
+        self.data += chunk
+
+
+# -- containers and the warm pool --------------------------------------------------------
+
+class _Box:
+    """A container the pool owns."""
+
+    __slots__ = ("id", "uses")
+
+    def __init__(self, cid: str) -> None:
+        self.id = cid
+        self.uses = 0
+
+
+def container_kwargs(image: str, limits: Limits, cpus: float) -> dict:
+    """Keyword arguments of `APIClient.create_container` for one sandbox container."""
+    from docker.types import LogConfig, Ulimit
+
+    tmpfs_opts = f"rw,nosuid,nodev,size={limits.tmp_mb}m"
+    host_config = dict(
+        init=True,
+        network_mode="none",
+        read_only=True,
+        ipc_mode="none",
+        tmpfs={WORK_DIR: f"{tmpfs_opts},exec,uid=65534,gid=65534,mode=0700",
+               "/tmp": f"{tmpfs_opts},noexec,mode=1777"},
+        mem_limit=limits.memory_mb * MIB,
+        memswap_limit=limits.memory_mb * MIB,
+        pids_limit=limits.pids + PID_HEADROOM,
+        nano_cpus=int(cpus * 1e9),
+        ulimits=[Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
+                 Ulimit(name="fsize", soft=limits.file_size_mb * MIB, hard=limits.file_size_mb * MIB),
+                 Ulimit(name="cpu", soft=limits.cpu_seconds, hard=limits.cpu_seconds + 1),
+                 Ulimit(name="core", soft=0, hard=0)],
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        log_config=LogConfig(type="none"),
+    )
+    return dict(
+        image=image, command=["sleep", "infinity"], user=HOLDER_USER, working_dir=WORK_DIR,
+        hostname="sandbox", network_disabled=True, labels={LABEL: "1", OWNER_LABEL: OWNER},
+        environment={"PATH": SANDBOX_PATH, "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                     "PYTHONDONTWRITEBYTECODE": "1"},
+        host_config=host_config,
+    )
+
+
+class WarmPool:
+    """Clean containers of one (image, limits, cpus), kept ready and refilled in the background."""
+
+    def __init__(self, client, image: str, limits: Limits, cpus: float, size: int) -> None:
+        self.client = client
+        self.api = client.api
+        self.image = image
+        self.limits = limits
+        self.cpus = cpus
+        self.size = size
+        self.idle: collections.deque[_Box] = collections.deque()
+        self.boxes: dict[str, _Box] = {}
+        self.pending = 0  # creations and cleanings in flight that may end in `idle`
+        self.broken: str | None = None  # why background creation stopped (e.g. no image)
+        self.cond = threading.Condition()
+        self.closed = False
+        self.workers = concurrent.futures.ThreadPoolExecutor(REFILL_WORKERS, thread_name_prefix="rlbus-sbx-pool")
+
+    # -- creating and removing --------------------------------------------------------
+    def create(self) -> _Box:
+        """A new started container (blocking); SandboxImageMissing if the image is absent."""
+        docker = _import_docker()
+        kwargs = container_kwargs(self.image, self.limits, self.cpus)
+        kwargs["host_config"] = self.api.create_host_config(**kwargs["host_config"])
+        try:
+            cid = self.api.create_container(**kwargs)["Id"]
+        except docker.errors.ImageNotFound:
+            raise SandboxImageMissing(_missing_image_message(self.image)) from None
+        box = _Box(cid)
+        with self.cond:
+            self.boxes[cid] = box
+        try:
+            self.api.start(cid)
+        except BaseException:
+            self.remove(box)
+            raise
+        return box
+
+    def remove(self, box: _Box) -> None:
+        with self.cond:
+            self.boxes.pop(box.id, None)
+        _remove(self.client, box.id)
+
+    # -- hand-out and return ----------------------------------------------------------
+    def acquire(self) -> _Box:
+        """A fresh container: an idle one, one finishing its clean-up, or a new one."""
+        with self.cond:
+            while not self.idle and self.pending and not self.closed and self.broken is None:
+                if not self.cond.wait(timeout=10):
+                    break
+            box = self.idle.popleft() if self.idle else None
+            self._refill_locked()
+        if box is None:
+            box = self.create()
+            with self.cond:
+                self.broken = None  # creation works (again): background refills may resume
+        box.uses += 1
+        return box
+
+    def release(self, box: _Box) -> None:
+        """Take back a used container: cleaned and proven clean for reuse, or removed.
+
+        Recycling (one exec) is much cheaper than creating, so a returned container is
+        always cleaned while the pool is open; if the pool is full by the time it is
+        clean, it is removed then.
+        """
+        with self.cond:
+            keep = not self.closed and self.size > 0 and box.uses < MAX_USES
+            if keep:
+                self.pending += 1
+        if keep:
+            self._submit(self._recycle, box)
+        elif self.size == 0 or self.closed:
+            self.remove(box)  # no pool to return to: remove now, in the caller
+        else:
+            self._submit(self.remove, box)
+
+    def discard(self, box: _Box) -> None:
+        """Kill and remove a container in the background (it could not be stopped)."""
+        self._submit(self.remove, box)
+
+    def _submit(self, fn, box: _Box) -> None:
+        try:
+            self.workers.submit(fn, box)
+        except RuntimeError:  # shut down: do it here
+            fn(box)
+
+    def _refill_locked(self) -> None:
+        if self.closed or self.broken is not None:
+            return
+        for _ in range(self.size - len(self.idle) - self.pending):
+            self.pending += 1
+            self.workers.submit(self._fill)
+
+    def _fill(self) -> None:
+        box = None
+        try:
+            box = self.create()
+        except Exception as exc:  # noqa: BLE001 - recorded; acquire() raises it in the caller
+            with self.cond:
+                self.broken = str(exc)
+            log.warning("sandbox.pool_refill_failed", image=self.image, error=str(exc))
+        self._settle(box)
+
+    def _recycle(self, box: _Box) -> None:
+        try:
+            clean_container(self.api, box.id)
+        except Exception as exc:  # noqa: BLE001 - an unclean container is never reused
+            log.info("sandbox.recycle_failed", container=box.id[:12], error=str(exc))
+            self.remove(box)
+            box = None
+        self._settle(box)
+
+    def _settle(self, box: _Box | None) -> None:
+        with self.cond:
+            self.pending -= 1
+            if box is not None and not self.closed and len(self.idle) < self.size:
+                self.idle.append(box)
+                box = None
+            self._refill_locked()
+            self.cond.notify_all()
+        if box is not None:
+            self.remove(box)
+
+    def shutdown(self) -> None:
+        """Stop refilling and remove every container of this pool (idle and in use)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.workers.shutdown(wait=True, cancel_futures=True)
+        with self.cond:
+            boxes = list(self.boxes.values())
+            self.idle.clear()
+        for box in boxes:
+            self.remove(box)
+
+
+def clean_container(api, cid: str) -> None:
+    """Wipe a used container and prove it clean; ContainerUnusable if it is not."""
+    ex = _Exec(api, cid, ["/bin/sh", "-c", _CLEAN_SCRIPT, "rlbus-clean"], user=RUN_USER)
+    out = HeadTailBuffer(64 * 1024)
+    try:
+        if not ex.pump({1: out, 2: HeadTailBuffer(4096)}, time.monotonic() + 10):
+            raise ContainerUnusable("clean-up did not finish in 10 s")
+        rc = ex.exit_code()
+    finally:
+        ex.close()
+    lines = out.getvalue().decode(errors="replace").splitlines()
+    procs = sorted(line.split(maxsplit=2)[-1] for line in lines if line.startswith("pid "))
+    left = [line for line in lines if line.startswith("left ")]
+    if rc != 0 or lines[-1:] != ["clean-done"] or procs != ["docker-init", "sleep"] or left:
+        raise ContainerUnusable(f"not clean: rc={rc} procs={procs} left={left[:5]}")
+
+
+def _missing_image_message(image: str) -> str:
+    tag = "" if image == DEFAULT_IMAGE else f" --tag {image}"
+    return (f"sandbox image {image!r} is not on this Docker engine; build it with: "
+            f"{BUILD_HINT}{tag}")
+
+
+_pools: dict[tuple, WarmPool] = {}
+_pools_lock = threading.Lock()
+
+
+def _tracked_ids() -> set[str]:
+    with _pools_lock:
+        pools = list(_pools.values())
+    ids: set[str] = set()
+    for pool in pools:
+        with pool.cond:
+            ids.update(pool.boxes)
+    return ids
+
+
+def get_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> WarmPool:
+    """The process's pool for (image, limits, cpus); its size grows to the largest asked."""
+    client = get_client(concurrency)
+    key = (image, limits, cpus)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None or pool.closed:
+            pool = _pools[key] = WarmPool(client, image, limits, cpus, size)
+        else:
+            with pool.cond:
+                pool.size = max(pool.size, size)
+    _start_reaper(client)
+    return pool
+
+
+def shutdown_pools() -> None:
+    """Remove every container of every pool of this process (also run at exit)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown()
+
+
+atexit.register(shutdown_pools)
+
+
+# -- the sandbox ------------------------------------------------------------------------
+
+def _sandbox_path(path: str) -> tuple[str, str]:
+    """(parent dir, name) of a path under /work, lexically normalized; ValueError outside."""
+    if path.startswith(WORK_DIR + "/"):
+        path = path[len(WORK_DIR) + 1:]
+    elif path.startswith("/"):
+        raise ValueError(f"path outside {WORK_DIR}: {path!r}")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"bad sandbox path: {path!r}")
+    return posixpath.join(WORK_DIR, *parts[:-1]), parts[-1]
+
+
+class DockerSandbox(Sandbox):
+    """A sandbox backed by one container from the process's warm pool."""
+
+    def __init__(self, warm_pool: int | None = None, concurrency: int | None = None,
+                 cpus: float = 1.0) -> None:
+        """warm_pool: containers kept ready (None: env RLBUS_SANDBOX_WARM_POOL, else 2);
+        concurrency: sandboxes used at once by this process (sizes the HTTP pool);
+        cpus: CPU quota per container."""
+        self.warm_pool = warm_pool if warm_pool is not None else _env_int("RLBUS_SANDBOX_WARM_POOL", 2)
+        self.concurrency = concurrency
+        self.cpus = cpus
+        self.id = uuid.uuid4().hex[:12]
+        self.isolation = "docker"
+        self.limits = Limits()
+        self.default_timeout = 30.0
+        self.image = DEFAULT_IMAGE
+        self._pool: WarmPool | None = None
+        self._box: _Box | None = None
+        self._lock = threading.RLock()
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self, image: str | None = None, limits: Limits | None = None,
+              timeout: float = 30.0) -> None:
+        """Take a fresh container (image default `rlbus-sandbox:latest`)."""
+        self.image = image or DEFAULT_IMAGE
+        self.limits = limits or Limits()
+        self.default_timeout = timeout
+        with self._lock:
+            self._pool = get_pool(self.image, self.limits, self.cpus, self.warm_pool, self.concurrency)
+            self._box = self._pool.acquire()
+        log.debug("sandbox.started", sandbox=self.id, container=self._box.id[:12], image=self.image)
+
+    @property
+    def container_id(self) -> str | None:
+        """The id of the container behind this sandbox now (changes on reset)."""
+        return self._box.id if self._box else None
+
+    def reset(self) -> None:
+        """Swap in a fresh container; the used one is cleaned (or removed) in the background."""
+        with self._lock:
+            box = self._require()
+            self._box = None
+            self._pool.release(box)
+            self._box = self._pool.acquire()
+
+    def close(self) -> None:
+        """Give the container back (cleaned for reuse, or removed); idempotent."""
+        with self._lock:
+            if self._box is None:
+                return
+            box, self._box = self._box, None
+            self._pool.release(box)
+
+    def _require(self) -> _Box:
+        if self._box is None:
+            raise RuntimeError("sandbox not started (or closed)")
+        return self._box
+
+    def _replace(self, why: str) -> None:
+        """Kill the container (its processes could not be stopped) and take a fresh one."""
+        box = self._require()
+        log.warning("sandbox.replaced", sandbox=self.id, container=box.id[:12], reason=why)
+        self._box = None
+        with self._pool.cond:
+            self._pool.boxes.pop(box.id, None)
+        try:
+            self._pool.api.kill(box.id)
+        except Exception:  # noqa: BLE001 - removal below forces it anyway
+            pass
+        self._pool.workers.submit(_remove, self._pool.client, box.id)
+        self._box = self._pool.acquire()
+
+    # -- execute ---------------------------------------------------------------------
+    def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
+        """Run `cmd` in the container; see the module docstring for the guarantees."""
+        timeout = self.default_timeout if timeout is None else float(timeout)
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        with self._lock:
+            box = self._require()
+            cap = self.limits.output_cap_bytes
+            out, err = HeadTailBuffer(cap), HeadTailBuffer(cap)
+            hold = _StderrHold(err)
+            t0 = time.monotonic()
+            ex = _Exec(self._pool.api, box.id,
+                       ["/bin/sh", "-c", _WRAPPER, "rlbus-exec", f"{timeout:.3f}", *argv], user=RUN_USER)
+            try:
+                finished = ex.pump({1: out, 2: hold}, t0 + timeout + KILL_GRACE_S)
+                if not finished:
+                    finished = self._stop_stuck(ex, out, hold)
+                mark = hold.finish()
+                wrapper_rc = ex.exit_code() if finished else None
+            finally:
+                ex.close()
+            elapsed = time.monotonic() - t0
+            if wrapper_rc != 0 or mark is None:
+                rc, oom_kills = self._after_broken_wrapper(finished, wrapper_rc)
+            else:
+                rc, oom_kills = mark
+        timed_out = not finished or (rc == 137 and elapsed >= timeout)
+        oom = oom_kills > 0 or any(h in err.head or h in err.tail for h in OOM_HINTS)
+        return ExecResult(
+            exit_code=rc, stdout=decode_output(out.getvalue()), stderr=decode_output(err.getvalue()),
+            timed_out=timed_out, oom=oom, truncated=out.truncated or err.truncated,
+            duration_ms=round(elapsed * 1000, 3), isolation="docker")
+
+    def _stop_stuck(self, ex: _Exec, out: HeadTailBuffer, hold: _StderrHold) -> bool:
+        """Past the deadline: kill every sandbox process from outside; True if the exec ended."""
+        log.info("sandbox.timeout_kill", sandbox=self.id, container=self._box.id[:12])
+        if self._sweep() and ex.pump({1: out, 2: hold}, time.monotonic() + KILL_GRACE_S):
+            return True
+        self._replace("command still running after the host-side kill")
+        return False
+
+    def _after_broken_wrapper(self, finished: bool, wrapper_rc: int | None) -> tuple[int, int]:
+        """The wrapper did not report (it was killed, or the exec hung): sweep, keep its status."""
+        if finished and not self._sweep():
+            self._replace("could not sweep after the wrapper died")
+        if wrapper_rc is None:
+            return 137, 0
+        return wrapper_rc, 0
+
+    def _sweep(self) -> bool:
+        """`kill -9 -1` as the sandbox user in a new exec; False if that cannot run."""
+        try:
+            ex = _Exec(self._pool.api, self._box.id, ["/bin/sh", "-c", _SWEEP], user=RUN_USER)
+        except Exception as exc:  # noqa: BLE001 - e.g. the pids limit is exhausted
+            log.info("sandbox.sweep_failed", sandbox=self.id, error=str(exc))
+            return False
+        try:
+            return ex.pump({}, time.monotonic() + KILL_GRACE_S) and ex.exit_code() == 0
+        finally:
+            ex.close()
+
+    def processes(self) -> list[tuple[int, str]]:
+        """(pid, command name) of every process in the container, the listing one excluded."""
+        script = ('for p in /proc/[0-9]*; do [ "${p#/proc/}" = "$$" ] && continue; '
+                  'c=?; read -r c < "$p/comm" 2>/dev/null; echo "${p#/proc/} $c"; done')
+        out = self._run_simple(["/bin/sh", "-c", script], b"", 10.0)[1]
+        return [(int(pid), name) for pid, name in (line.split(maxsplit=1) for line in out.decode().splitlines())]
+
+    # -- files -----------------------------------------------------------------------
+    def _run_simple(self, argv: list[str], stdin: bytes | None, timeout: float,
+                    limit: int = 16 * MIB) -> tuple[int, bytes, bytes]:
+        """Run a helper exec as the sandbox user: (exit code, stdout, stderr)."""
+        with self._lock:
+            box = self._require()
+            ex = _Exec(self._pool.api, box.id, argv, user=RUN_USER, stdin=stdin is not None)
+            out, err = _Bytes(limit), _Bytes(64 * 1024)
+            try:
+                if stdin is not None:
+                    ex.send_stdin(stdin)
+                if not ex.pump({1: out, 2: err}, time.monotonic() + timeout):
+                    raise TimeoutError(f"sandbox file operation took more than {timeout} s")
+                rc = ex.exit_code()
+            finally:
+                ex.close()
+        return (-1 if rc is None else rc), bytes(out.data), bytes(err.data)
+
+    def read_file(self, path: str) -> bytes:
+        """Bytes of a regular file under /work (no symlink anywhere on the path)."""
+        parent, name = _sandbox_path(path)
+        full = posixpath.join(parent, name)
+        rc, data, err = self._run_simple(["/bin/sh", "-c", _READ_SCRIPT, "rlbus-read", full, str(MAX_READ_FILE)],
+                                         None, 60.0, limit=MAX_READ_FILE)
+        _raise_file_error(rc, path, err)
+        return data
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """Create or replace a file under /work (parents created; no symlinks followed)."""
+        parent, name = _sandbox_path(path)
+        rc, _, err = self._run_simple(["/bin/sh", "-c", _WRITE_SCRIPT, "rlbus-write", parent, name],
+                                      bytes(data), 60.0)
+        _raise_file_error(rc, path, err)
+
+
+def _raise_file_error(rc: int, path: str, err: bytes) -> None:
+    if rc == 0:
+        return
+    kind, code, what = _FILE_ERRORS.get(rc, (OSError, errno.EIO, f"failed (exit {rc})"))
+    detail = err.decode(errors="replace").strip()
+    raise kind(code, f"{what}: {path!r}" + (f" ({detail})" if detail else ""))

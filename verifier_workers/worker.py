@@ -16,8 +16,9 @@ Guarantees:
   parameters or weights), after retries for infrastructure failures.
 - Infrastructure failures are never rewards: a `VerifierInfraError` (sandbox down, model
   missing, ...), `HiddenDataMissing`, or any unexpected exception a verifier raises (a
-  crash) naks the trajectory with a delay that doubles with JetStream's delivery count
-  (`retry_base_s` x 2^(n-1), capped at `retry_max_s`); on the consumer's last delivery
+  crash) naks the trajectory with a wait that doubles with JetStream's delivery count
+  (`retry_base_s` x 2^(n-1), capped at `retry_max_s`, never below the consumer's own
+  backoff: see `RetryPolicy`); on the consumer's last delivery
   (`max_deliver`) it is dead-lettered with error_type `infra_error` and the reason.
   No Reward, least of all one of 0, is published for it.
 - Verifiers run off the event loop in worker threads, at most `verifier.concurrency` at
@@ -54,6 +55,7 @@ log = structlog.get_logger()
 DEFAULT_CONCURRENCY = 4
 DEFAULT_RETRY_BASE_S = 1.0
 DEFAULT_RETRY_MAX_S = 60.0
+MIN_NAK_S = 0.01
 _EXIT = re.compile(r"<obs\b[^>]*?\bexit\s*=\s*(-?\d+)", re.IGNORECASE)
 
 
@@ -147,28 +149,46 @@ def score(traj: Trajectory, hidden: dict | None = None) -> Reward:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How infrastructure failures are retried: delays by delivery count, then the DLQ."""
+    """How infrastructure failures are retried: delays by delivery count, then the DLQ.
+
+    JetStream quirk: on a consumer with `backoff`, a nak's delay is added to
+    (backoff[n-1] - ack_wait) for delivery n. The nak delay subtracts that, so the wait
+    is the policy's delay whenever it exceeds the consumer's own backoff, else the latter.
+    """
 
     max_deliver: int
     base_s: float = DEFAULT_RETRY_BASE_S
     max_s: float = DEFAULT_RETRY_MAX_S
+    ack_wait_s: float = 0.0
+    backoff_s: tuple[float, ...] = ()
 
     def delay(self, delivered: int) -> float:
-        """Nak delay after delivery `delivered` (1-based): base x 2^(n-1), capped."""
+        """Wanted wait after delivery `delivered` (1-based): base x 2^(n-1), capped."""
         return min(self.max_s, self.base_s * 2 ** max(0, delivered - 1))
+
+    def server_extra(self, delivered: int) -> float:
+        """What the consumer's backoff adds to a nak delay after delivery `delivered`."""
+        if not self.backoff_s:
+            return 0.0
+        return max(0.0, self.backoff_s[min(delivered, len(self.backoff_s)) - 1] - self.ack_wait_s)
+
+    def nak_delay(self, delivered: int) -> float:
+        """The delay to nak with so the redelivery comes after `delay(delivered)` (or the server's floor)."""
+        return max(MIN_NAK_S, self.delay(delivered) - self.server_extra(delivered))
 
     def outcome(self, delivered: int, exc: Exception) -> Retry | Reject:
         """Retry with backoff, or dead-letter on the consumer's last delivery."""
         reason = f"infra_error: {type(exc).__name__}: {exc}"
         if delivered >= self.max_deliver:
             return Reject(f"{reason} (gave up after {delivered} deliveries)", error_type="infra_error")
-        return Retry(delay=self.delay(delivered), reason=reason)
+        return Retry(delay=self.nak_delay(delivered), reason=reason)
 
 
-def retry_policy(vc, max_deliver: int) -> RetryPolicy:
-    """The policy of a verifier config section (fields read with defaults)."""
-    return RetryPolicy(max_deliver, float(getattr(vc, "retry_base_s", DEFAULT_RETRY_BASE_S)),
-                       float(getattr(vc, "retry_max_s", DEFAULT_RETRY_MAX_S)))
+def retry_policy(vc, spec) -> RetryPolicy:
+    """The policy of a verifier config section (fields read with defaults) on consumer `spec`."""
+    return RetryPolicy(spec.max_deliver, float(getattr(vc, "retry_base_s", DEFAULT_RETRY_BASE_S)),
+                       float(getattr(vc, "retry_max_s", DEFAULT_RETRY_MAX_S)), spec.ack_wait_s,
+                       tuple(spec.backoff_s))
 
 
 # -- the worker --------------------------------------------------------------------------
@@ -209,7 +229,7 @@ async def run(cfg, ctx) -> dict[str, float]:
     vc = cfg.verifier
     async with worker_session("verifier", cfg, ctx) as s:
         spec = s.reg.verifier_consumer(vc.ack_wait_s)
-        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec.max_deliver),
+        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec),
                         int(getattr(vc, "concurrency", DEFAULT_CONCURRENCY)))
 
         async def handle(batch: list[Delivery]):

@@ -1,0 +1,115 @@
+"""Infrastructure failures are not rewards: the verifier worker, in-process on the real
+session nats-server, retries a crashing verifier, a verifier reporting an infra error
+and a trajectory whose hidden data is missing with growing backoff, dead-letters each on
+the consumer's last delivery with the reason, and never publishes a Reward for them,
+while the good trajectories of the same batches are scored (off the event loop)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bus.conn import ensure_topology
+from bus.publish import publish_many
+from bus.pull import Reject, Retry
+from bus.streams import iter_stream
+from bus.subjects import Registry
+from rlbus.config import RunConfig, VerifierSection
+from rlbus.runtime import WorkerContext
+from schemas import DeadLetter, Reward, Trajectory, Turn, decode
+from tests.conftest import settled_consumer
+from verifier_workers import registry
+from verifier_workers.errors import VerifierInfraError
+from verifier_workers.verifiers import Verdict, verify_arith
+from verifier_workers.worker import RetryPolicy, run
+
+pytestmark = pytest.mark.usefixtures("drop_run")
+
+
+class FastRetryVerifier(VerifierSection):
+    """The verifier section with test-sized retry delays (the worker reads them with defaults)."""
+
+    retry_base_s: float = 0.05
+    retry_max_s: float = 0.2
+    concurrency: int = 2
+
+
+def test_retry_policy_backoff_grows_then_dead_letters():
+    p = RetryPolicy(max_deliver=5, base_s=1.0, max_s=6.0)
+    assert [p.delay(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 6.0, 6.0]
+    exc = VerifierInfraError("sandbox pool down")
+    for n in range(1, 5):
+        out = p.outcome(n, exc)
+        assert isinstance(out, Retry) and out.delay == p.delay(n) and "sandbox pool down" in out.reason
+    # a consumer with backoff adds (backoff[n-1] - ack_wait) to a nak delay; the policy subtracts it
+    q = RetryPolicy(max_deliver=5, base_s=1.0, max_s=100.0, ack_wait_s=10.0, backoff_s=(10.0, 20.0, 40.0))
+    assert [q.server_extra(n) for n in range(1, 6)] == [0.0, 10.0, 30.0, 30.0, 30.0]
+    assert [q.nak_delay(n) for n in range(1, 5)] == [1.0, 0.01, 0.01, 0.01]
+    assert q.nak_delay(6) == 2.0  # 32 s wanted, the server adds 30
+    last = p.outcome(5, exc)
+    assert isinstance(last, Reject) and last.error_type == "infra_error"
+    assert "VerifierInfraError: sandbox pool down" in last.reason and "5 deliveries" in last.reason
+
+
+def make_traj(run_id: str, i: int, verifier: str, hidden_ref: str | None = None) -> Trajectory:
+    return Trajectory(run_id=run_id, msg_id=f"tr-{verifier}-{i}", task_id=f"t{i}", task_msg_id=f"task-{i}",
+                      domain="arith", group_id=f"g{i}", group_size=1, sample_index=0,
+                      turns=[Turn(role="assistant", text="5")], verifier=verifier,
+                      verifier_params={"expression": "2+3"}, hidden_ref=hidden_ref, policy_version=0,
+                      final_text="5")
+
+
+@pytest.fixture
+def test_verifiers():
+    threads: list[str] = []
+
+    def crash(traj, hidden=None):
+        raise ZeroDivisionError("verifier bug mid-run")
+
+    def infra(traj, hidden=None):
+        raise VerifierInfraError("sandbox service unreachable")
+
+    def good(traj, hidden=None):
+        threads.append(threading.current_thread().name)
+        return verify_arith(traj)
+
+    names = {"t_crash": crash, "t_infra": infra, "t_good": good}
+    for name, fn in names.items():
+        registry.register(name, fn, replace=True)
+    yield threads
+    for name in names:
+        registry.unregister(name)
+
+
+async def test_infra_failures_retry_then_dead_letter_never_zero(js, run_id, tmp_path, test_verifiers):
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    good = [make_traj(run_id, i, "t_good") for i in range(3)]
+    bad = {"t_crash": make_traj(run_id, 10, "t_crash"), "t_infra": make_traj(run_id, 11, "t_infra"),
+           "hidden": make_traj(run_id, 12, "t_good", hidden_ref="arith.missing.000000000000")}
+    await publish_many(js, [(reg.traj("arith"), t) for t in [*good, *bad.values()]])
+
+    cfg = RunConfig(verifier=FastRetryVerifier(ack_wait_s=1.0, batch=16))
+    counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
+                                            run_path=tmp_path, until_idle=6.0))
+
+    rewards = [decode(d, Reward) async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))]
+    assert sorted(r.trajectory.msg_id for r in rewards) == sorted(t.msg_id for t in good)
+    assert all(r.reward == 1.0 and r.status == "ok" for r in rewards)
+    assert all(name != threading.main_thread().name for name in test_verifiers), "verifiers ran on the loop thread"
+
+    letters = [decode(d, DeadLetter) async for _, d in iter_stream(js, reg.stream("DLQ"), reg.dlq("verifier"))]
+    by_traj = {decode(dl.original_data, Trajectory).msg_id: dl for dl in letters}
+    assert set(by_traj) == {t.msg_id for t in bad.values()}
+    max_deliver = reg.verifier_consumer().max_deliver
+    for dl in by_traj.values():
+        assert dl.error_type == "infra_error" and dl.delivery_count == max_deliver and dl.stage == "verifier"
+        assert dl.reason.startswith("infra_error: ") and f"after {max_deliver} deliveries" in dl.reason
+    assert "ZeroDivisionError: verifier bug mid-run" in by_traj[bad["t_crash"].msg_id].reason
+    assert "sandbox service unreachable" in by_traj[bad["t_infra"].msg_id].reason
+    assert "HiddenDataMissing" in by_traj[bad["hidden"].msg_id].reason
+
+    assert counters["infra_errors"] == len(bad) * max_deliver and counters["retry"] == len(bad) * (max_deliver - 1)
+    info = await settled_consumer(js, reg.stream("TRAJ"), "verifier")
+    assert info.num_pending == 0 and info.num_ack_pending == 0

@@ -109,18 +109,22 @@ OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out
 EXIT_MARK = b"\x1erlbus-exit "
 _MARK_HOLD = 64  # stderr bytes held back until EOF, to find and strip the exit line
 
-# $0 = name, $1 = timeout seconds, $2... = argv. See the module docstring.
+# $0 = name, $1 = timeout seconds, $2... = argv. See the module docstring. The shell's
+# own messages (e.g. "Killed") go to /dev/null; the command's stderr is fd 3. The
+# subshell execs (no extra process): the redirections must not be in effect while
+# this shell waits, or dash would print job status to fd 3.
 _WRAPPER = r"""
+exec 3>&2 2>/dev/null
 f=/sys/fs/cgroup/memory/memory.oom_control
 [ -r "$f" ] || f=/sys/fs/cgroup/memory.events
 oom() { n=0; if [ -r "$f" ]; then while read -r k v; do [ "$k" = oom_kill ] && n=$v; done < "$f"; fi; }
 oom; before=$n
 t=$1; shift
-setsid -w timeout -s KILL "$t" "$@" </dev/null
+(exec setsid -w timeout -s KILL "$t" "$@" </dev/null 2>&3 3>&-)
 rc=$?
-kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+kill -9 -1; kill -9 -1
 oom
-printf '\036rlbus-exit %d %d\n' "$rc" "$((n - before))" >&2
+printf '\036rlbus-exit %d %d\n' "$rc" "$((n - before))" >&3
 exit 0
 """
 
@@ -560,8 +564,12 @@ class WarmPool:
         else:
             self._submit(self.remove, box)
 
-    def discard(self, box: _Box) -> None:
-        """Kill and remove a container in the background (it could not be stopped)."""
+    def kill(self, box: _Box) -> None:
+        """Kill a container now (its processes could not be stopped); remove it in the background."""
+        try:
+            self.api.kill(box.id)
+        except Exception:  # noqa: BLE001 - the forced removal below kills it anyway
+            pass
         self._submit(self.remove, box)
 
     def _submit(self, fn, box: _Box) -> None:
@@ -574,8 +582,11 @@ class WarmPool:
         if self.closed or self.broken is not None:
             return
         for _ in range(self.size - len(self.idle) - self.pending):
+            try:
+                self.workers.submit(self._fill)
+            except RuntimeError:  # interpreter shutting down
+                return
             self.pending += 1
-            self.workers.submit(self._fill)
 
     def _fill(self) -> None:
         box = None
@@ -761,13 +772,7 @@ class DockerSandbox(Sandbox):
         box = self._require()
         log.warning("sandbox.replaced", sandbox=self.id, container=box.id[:12], reason=why)
         self._box = None
-        with self._pool.cond:
-            self._pool.boxes.pop(box.id, None)
-        try:
-            self._pool.api.kill(box.id)
-        except Exception:  # noqa: BLE001 - removal below forces it anyway
-            pass
-        self._pool.workers.submit(_remove, self._pool.client, box.id)
+        self._pool.kill(box)
         self._box = self._pool.acquire()
 
     # -- execute ---------------------------------------------------------------------
@@ -776,13 +781,11 @@ class DockerSandbox(Sandbox):
         timeout = self.default_timeout if timeout is None else float(timeout)
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         with self._lock:
-            box = self._require()
             cap = self.limits.output_cap_bytes
             out, err = HeadTailBuffer(cap), HeadTailBuffer(cap)
             hold = _StderrHold(err)
             t0 = time.monotonic()
-            ex = _Exec(self._pool.api, box.id,
-                       ["/bin/sh", "-c", _WRAPPER, "rlbus-exec", f"{timeout:.3f}", *argv], user=RUN_USER)
+            ex = self._start_exec(["/bin/sh", "-c", _WRAPPER, "rlbus-exec", f"{timeout:.3f}", *argv])
             try:
                 finished = ex.pump({1: out, 2: hold}, t0 + timeout + KILL_GRACE_S)
                 if not finished:
@@ -802,6 +805,15 @@ class DockerSandbox(Sandbox):
             exit_code=rc, stdout=decode_output(out.getvalue()), stderr=decode_output(err.getvalue()),
             timed_out=timed_out, oom=oom, truncated=out.truncated or err.truncated,
             duration_ms=round(elapsed * 1000, 3), isolation="docker")
+
+    def _start_exec(self, argv: list[str]) -> _Exec:
+        """Start the wrapper exec; a container that cannot run one is replaced, once."""
+        docker = _import_docker()
+        try:
+            return _Exec(self._pool.api, self._require().id, argv, user=RUN_USER)
+        except docker.errors.APIError as exc:
+            self._replace(f"exec failed: {exc}")
+        return _Exec(self._pool.api, self._require().id, argv, user=RUN_USER)
 
     def _stop_stuck(self, ex: _Exec, out: HeadTailBuffer, hold: _StderrHold) -> bool:
         """Past the deadline: kill every sandbox process from outside; True if the exec ended."""

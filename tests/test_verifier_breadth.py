@@ -132,7 +132,7 @@ def test_files_svg_right_wrong_malformed():
 # ---------------------------------------------------------------- model verifier
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory, monkeypatch_module=None):
+def tiny_models(tmp_path_factory):
     """A tiny sequence classifier and a tiny causal judge, built locally from configs."""
     import os
 

@@ -1,0 +1,144 @@
+"""`rlbus verify`: score one answer locally with a built-in (or plugin) verifier; no NATS.
+
+    rlbus verify --domain D [--task-id ID] [--gold G] --answer-file F [--backend docker|process]
+
+Guarantees:
+- Prints exactly ONE JSON line on stdout: `{"reward", "components", "status", "details",
+  "backend"}` and exits 0 whenever the verifier produced a verdict (whatever the reward).
+  Exits 2 with the reason on stderr when the inputs are unusable (unknown problem id,
+  missing --gold, a VerifierInputError), 3 when the sandbox failed (`SandboxInfraError`).
+- The verdict is exactly what a verifier worker would publish for the same trajectory and
+  hidden payload: the same registry function is called with `(traj, hidden)`.
+- `--domain` picks the verifier (`code`, `math`, `arith`, `extract`, or any registered
+  name; a config-style domain name works when it equals the verifier's name).
+- `--backend` matters only for sandboxed verifiers (`code`); default: docker when an
+  engine answers and the docker backend exists, else process. `backend` in the output is
+  the one used (`none` for verifiers that run no sandbox).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EPILOG = """how each verifier reads its inputs:
+  code     F holds the candidate program (complete function definitions; a ```python
+           fence or a body-only completion is accepted too); --task-id is a HumanEval id
+           (HumanEval/0 .. HumanEval/163) whose hidden tests are used.
+  math     F holds the model's answer (\\boxed{...} or a final number); --gold is the
+           gold answer (e.g. '\\frac{1}{2}').
+  arith    F holds the answer; --task-id (or --gold) is the expression, e.g. '12*7+3'.
+  extract  F holds the answer text with a JSON object; --gold is the gold JSON object.
+
+examples:
+  rlbus verify --domain code --task-id HumanEval/0 --answer-file solution.py
+  rlbus verify --domain code --task-id HumanEval/0 --answer-file solution.py --backend process
+  rlbus verify --domain math --gold '\\frac{1}{2}' --answer-file answer.txt
+  rlbus verify --domain arith --task-id '12*7+3' --answer-file answer.txt
+  rlbus verify --domain extract --gold '{"name": "Ada", "year": 1843}' --answer-file reply.txt
+
+output (one JSON line):
+  {"reward": 1.0, "components": {"correct": 1.0, "compiles": 1.0, "pass_rate": 1.0},
+   "status": "ok", "details": "pass: 7/7 assertions; ...", "backend": "process"}
+exit status: 0 verdict printed, 2 unusable input, 3 sandbox failure.
+"""
+
+
+def register(sub) -> None:
+    """Add `verify` to the `rlbus` subcommands."""
+    p = sub.add_parser("verify", help="score one answer locally with a verifier (no NATS)",
+                       description="Verify one answer file with a built-in verifier, locally, without NATS, "
+                                   "and print one JSON line with the reward.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--domain", required=True, help="verifier / domain: code, math, arith, extract (or a plugin)")
+    p.add_argument("--task-id", help="problem id: a HumanEval id for code, the expression for arith")
+    p.add_argument("--gold", help="gold answer: text for math, a JSON object for extract, the expression for arith")
+    p.add_argument("--answer-file", required=True, help="file with the answer to score ('-' reads stdin)")
+    p.add_argument("--backend", choices=("docker", "process"), help="sandbox for code (default: docker if reachable)")
+    p.add_argument("--timeout", type=float, help="code: seconds the candidate may run (default 10)")
+    p.set_defaults(func=main)
+
+
+class InputProblem(ValueError):
+    """The command's inputs cannot be verified."""
+
+
+def _trajectory(domain: str, answer: str, params: dict, hidden_ref: str | None):
+    from schemas import Trajectory
+
+    return Trajectory(run_id="cli", task_id=params.get("problem_id", "cli"), task_msg_id="cli", domain=domain,
+                      group_id="cli", group_size=1, sample_index=0, turns=[], verifier=domain, verifier_params=params,
+                      hidden_ref=hidden_ref, policy_version=0, final_text=answer)
+
+
+def _inputs(args) -> tuple[dict, dict | None]:
+    """(verifier_params, hidden payload) for the chosen verifier."""
+    d = args.domain
+    if d == "code":
+        if not args.task_id:
+            raise InputProblem("--domain code needs --task-id, e.g. --task-id HumanEval/0")
+        from producers import humaneval_source as he
+
+        try:
+            p = he.get(args.task_id)
+        except KeyError as exc:
+            raise InputProblem(str(exc.args[0])) from None
+        params = {"entry_point": p.entry_point, "problem_id": p.task_id}
+        if args.timeout:
+            params["timeout_s"] = args.timeout
+        return params, p.hidden
+    if d == "arith":
+        expr = args.task_id or args.gold
+        if not expr:
+            raise InputProblem("--domain arith needs the expression as --task-id (or --gold)")
+        return {"expression": expr}, None
+    if d == "extract":
+        if args.gold is None:
+            raise InputProblem("--domain extract needs --gold with a JSON object")
+        try:
+            gold = json.loads(args.gold)
+        except json.JSONDecodeError as exc:
+            raise InputProblem(f"--gold is not JSON: {exc}") from None
+        return {}, {"gold": gold}
+    if args.gold is None:
+        raise InputProblem(f"--domain {d} needs --gold")
+    return {}, {"gold": args.gold}
+
+
+def main(args) -> int:
+    """Run `rlbus verify`."""
+    from verifier_workers import registry
+    from verifier_workers.verifiers import VerifierInputError
+
+    try:
+        answer = sys.stdin.read() if args.answer_file == "-" else Path(args.answer_file).read_text()
+    except OSError as exc:
+        print(f"rlbus verify: cannot read --answer-file: {exc}", file=sys.stderr)
+        return 2
+    try:
+        params, hidden = _inputs(args)
+        fn = registry.get(args.domain)
+        traj = _trajectory(args.domain, answer, params, "cli" if hidden is not None else None)
+        backend = "none"
+        if args.domain == "code":
+            from verifier_workers.code_verifier import resolve_backend, verify_code
+
+            backend = resolve_backend(args.backend)
+            verdict = verify_code(traj, hidden, backend=backend)
+        else:
+            verdict = fn(traj, hidden) if hidden is not None else fn(traj)
+    except (InputProblem, VerifierInputError) as exc:
+        print(f"rlbus verify: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from verifier_workers.code_verifier import SandboxInfraError
+
+        if isinstance(exc, SandboxInfraError):
+            print(f"rlbus verify: sandbox failure: {exc}", file=sys.stderr)
+            return 3
+        raise
+    print(json.dumps({"reward": verdict.reward, "components": verdict.components, "status": verdict.status,
+                      "details": verdict.details, "backend": backend}))
+    return 0

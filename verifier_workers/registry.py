@@ -48,6 +48,7 @@ BUILTINS: dict[str, str] = {
     "constant": "verifier_workers.verifiers:verify_constant",
     "math": "verifier_workers.math_verifier:verify_math",
     "extract": "verifier_workers.extract_verifier:verify_extract",
+    "code": "verifier_workers.code_verifier:verify_code",
     "tool_calc": "verifier_workers.tool_calc_verifier:verify_tool_calc",
     "files": "verifier_workers.files_verifier:verify_files",
     "model": "verifier_workers.model_verifier:verify_model",

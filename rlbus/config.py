@@ -215,8 +215,12 @@ class VerifierSection(Section):
     """Trajectories fetched per round."""
     ack_wait_s: float = 30.0
     """Consumer ack_wait."""
-    concurrency: int = Field(default=4, ge=1)
-    """Verifications run at once per worker (threads; sandboxed verifiers are I/O bound)."""
+    concurrency: int = Field(default=4, ge=0)
+    """Verifications run at once per worker (threads; sandboxed verifiers are I/O bound); 0 runs them inline."""
+    retry_base_s: float = Field(default=1.0, gt=0)
+    """First retry delay of an infrastructure failure (doubles per delivery)."""
+    retry_max_s: float = Field(default=60.0, gt=0)
+    """Longest retry delay of an infrastructure failure."""
 
 
 class LearnerSection(Section):

@@ -77,7 +77,7 @@ def build_tiny_model(
     num_layers: int = 4,
     num_heads: int = 4,
     intermediate_size: int | None = None,
-    max_position_embeddings: int = 64,
+    max_position_embeddings: int = 512,
     seed: int = 0,
 ) -> Path:
     """Build, save and return the directory of a randomly initialised tiny causal LM.

@@ -36,7 +36,10 @@ def _assert_applied(model, raw: dict, where: str = "") -> None:
         elif isinstance(value, dict) and isinstance(got, dict):  # a table of sections, e.g. sampler.domains
             assert set(got) == set(value), f"{where}{key}: file has {sorted(value)}, config has {sorted(got)}"
             for name, sub in value.items():
-                _assert_applied(got[name], sub, f"{where}{key}.{name}.")
+                if isinstance(got[name], BaseModel):
+                    _assert_applied(got[name], sub, f"{where}{key}.{name}.")
+                else:  # a plain mapping of values, e.g. reward_weights
+                    assert got[name] == sub, f"{where}{key}.{name}: file says {sub!r}, config has {got[name]!r}"
         else:
             assert got == value, f"{where}{key}: file says {value!r}, config has {got!r}"
 

@@ -41,12 +41,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
 
-from sandbox_workers import docker_backend, images  # noqa: E402
-from sandbox_workers.process import ProcessSandbox  # noqa: E402
+from sandbox_workers import docker_backend, images
+from sandbox_workers.process import ProcessSandbox
 
 CMD = ["python3", "-c", "pass"]
 OUT = ROOT / "bench" / "results" / "sandbox.json"

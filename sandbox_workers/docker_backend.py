@@ -459,32 +459,32 @@ def container_kwargs(image: str, limits: Limits, cpus: float) -> dict:
     from docker.types import LogConfig, Ulimit
 
     tmpfs_opts = f"rw,nosuid,nodev,size={limits.tmp_mb}m"
-    host_config = dict(
-        init=True,
-        network_mode="none",
-        read_only=True,
-        ipc_mode="none",
-        tmpfs={WORK_DIR: f"{tmpfs_opts},exec,uid=65534,gid=65534,mode=0700",
-               "/tmp": f"{tmpfs_opts},noexec,mode=1777"},
-        mem_limit=limits.memory_mb * MIB,
-        memswap_limit=limits.memory_mb * MIB,
-        pids_limit=limits.pids + PID_HEADROOM,
-        nano_cpus=int(cpus * 1e9),
-        ulimits=[Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
-                 Ulimit(name="fsize", soft=limits.file_size_mb * MIB, hard=limits.file_size_mb * MIB),
-                 Ulimit(name="cpu", soft=limits.cpu_seconds, hard=limits.cpu_seconds + 1),
-                 Ulimit(name="core", soft=0, hard=0)],
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges"],
-        log_config=LogConfig(type="none"),
-    )
-    return dict(
-        image=image, command=["sleep", "infinity"], user=HOLDER_USER, working_dir=WORK_DIR,
-        hostname="sandbox", network_disabled=True, labels={LABEL: "1", OWNER_LABEL: OWNER},
-        environment={"PATH": SANDBOX_PATH, "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                     "PYTHONDONTWRITEBYTECODE": "1"},
-        host_config=host_config,
-    )
+    host_config = {
+        "init": True,
+        "network_mode": "none",
+        "read_only": True,
+        "ipc_mode": "none",
+        "tmpfs": {WORK_DIR: f"{tmpfs_opts},exec,uid=65534,gid=65534,mode=0700",
+                  "/tmp": f"{tmpfs_opts},noexec,mode=1777"},
+        "mem_limit": limits.memory_mb * MIB,
+        "memswap_limit": limits.memory_mb * MIB,
+        "pids_limit": limits.pids + PID_HEADROOM,
+        "nano_cpus": int(cpus * 1e9),
+        "ulimits": [Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
+                    Ulimit(name="fsize", soft=limits.file_size_mb * MIB, hard=limits.file_size_mb * MIB),
+                    Ulimit(name="cpu", soft=limits.cpu_seconds, hard=limits.cpu_seconds + 1),
+                    Ulimit(name="core", soft=0, hard=0)],
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "log_config": LogConfig(type="none"),
+    }
+    return {
+        "image": image, "command": ["sleep", "infinity"], "user": HOLDER_USER, "working_dir": WORK_DIR,
+        "hostname": "sandbox", "network_disabled": True, "labels": {LABEL: "1", OWNER_LABEL: OWNER},
+        "environment": {"PATH": SANDBOX_PATH, "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                        "PYTHONDONTWRITEBYTECODE": "1"},
+        "host_config": host_config,
+    }
 
 
 class WarmPool:
@@ -500,6 +500,7 @@ class WarmPool:
         self.idle: collections.deque[_Box] = collections.deque()
         self.boxes: dict[str, _Box] = {}
         self.pending = 0  # creations and cleanings in flight that may end in `idle`
+        self.waiting = 0  # acquire() calls waiting for one of those
         self.broken: str | None = None  # why background creation stopped (e.g. no image)
         self.cond = threading.Condition()
         self.closed = False
@@ -534,9 +535,13 @@ class WarmPool:
     def acquire(self) -> _Box:
         """A fresh container: an idle one, one finishing its clean-up, or a new one."""
         with self.cond:
-            while not self.idle and self.pending and not self.closed and self.broken is None:
-                if not self.cond.wait(timeout=10):
-                    break
+            # wait only for containers nobody waiting before us will take
+            if not self.idle and self.pending > self.waiting and not self.closed and self.broken is None:
+                self.waiting += 1
+                try:
+                    self.cond.wait_for(lambda: self.idle or not self.pending or self.closed, timeout=10)
+                finally:
+                    self.waiting -= 1
             box = self.idle.popleft() if self.idle else None
             self._refill_locked()
         if box is None:
@@ -568,7 +573,7 @@ class WarmPool:
         """Kill a container now (its processes could not be stopped); remove it in the background."""
         try:
             self.api.kill(box.id)
-        except Exception:  # noqa: BLE001 - the forced removal below kills it anyway
+        except Exception:  # noqa: BLE001, S110 - the forced removal below kills it anyway
             pass
         self._submit(self.remove, box)
 

@@ -16,7 +16,6 @@ import pytest
 from sandbox_workers.factory import docker_available
 from sandbox_workers.process import ProcessSandbox
 
-
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"exit_code", "stdout", "stderr", "timed_out", "oom", "truncated", "duration_ms", "isolation"}
 
@@ -37,7 +36,7 @@ needs_docker = pytest.mark.skipif(not docker_available(),
 
 
 def rlbus(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlbus.cli", "sandbox", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "rlbus.cli", "sandbox", *args], cwd=ROOT, check=False,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -235,6 +235,25 @@ def test_warm_pool_hands_out_only_fresh_containers(backend):
     assert len(set(seen)) < len(seen), f"no container was recycled: {seen}"
 
 
+def test_concurrent_sandboxes_share_the_pool(backend):
+    """Threads acquire, run and return at once; none sees another's files or container."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def worker(i: int) -> list[str]:
+        seen = []
+        for j in range(3):
+            with backend.DockerSandbox(warm_pool=2, concurrency=4) as box:
+                box.start(limits=Limits(tmp_mb=56), timeout=10)
+                r = box.execute(f"ls -A; echo {i}-{j} > mine; cat mine")
+                assert r.exit_code == 0 and r.stdout == f"{i}-{j}\n", r
+                seen.append(box.container_id)
+        return seen
+
+    with ThreadPoolExecutor(4) as ex:
+        runs = list(ex.map(worker, range(4)))
+    assert sum(map(len, runs)) == 12  # every sandbox started empty (`ls -A` printed nothing)
+
+
 def test_unclean_container_is_never_reused(backend):
     """A process the sandbox user cannot kill (here: root's) fails the proof."""
     pool = backend.get_pool(backend.DEFAULT_IMAGE, Limits(tmp_mb=40), 1.0, 0, None)

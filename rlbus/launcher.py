@@ -187,7 +187,8 @@ class Monitor:
         self.workers: dict[str, dict[str, float]] = {}  # worker_id -> counters
         self.roles: dict[str, str] = {}
         self.step_rewards: dict[int, float] = {}
-        self.evals: dict[int, EvalResult] = {}
+        self.evals: dict[int, EvalResult] = {}  # first domain's curve (the live view's headline)
+        self.domain_evals: dict[str, dict[int, EvalResult]] = {}
         self._last_totals: dict[str, float] = {}
         self._last_t = time.monotonic()
 
@@ -217,7 +218,10 @@ class Monitor:
             ev = decode(raw.data, EvalResult)
         except DecodeError:
             return
-        self.evals[ev.version] = ev
+        per = self.domain_evals.setdefault(ev.domain, {})
+        per[ev.version] = ev
+        if ev.domain == next(iter(self.domain_evals)):
+            self.evals[ev.version] = ev
 
     def totals(self) -> dict[str, float]:
         """Sum of each stage's main counter over its workers."""
@@ -260,11 +264,11 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
     """The run's summary.json (accounting fields are null until the run stops)."""
     counts = acc.counts() if acc else {}
     evals = {}
-    if mon.evals:
-        first, last = mon.evals.get(0), mon.evals[max(mon.evals)]
-        evals["arith"] = {"baseline": first.score if first else None, "final": last.score, "n": last.n,
-                          "baseline_version": 0 if first else None, "final_version": last.version,
-                          "curve": {str(v): e.score for v, e in sorted(mon.evals.items())}}
+    for domain, per in mon.domain_evals.items():
+        first, last = per.get(0), per[max(per)]
+        evals[domain] = {"baseline": first.score if first else None, "final": last.score, "n": last.n,
+                         "baseline_version": 0 if first else None, "final_version": last.version,
+                         "curve": {str(v): e.score for v, e in sorted(per.items())}}
     out = {
         "run_id": snap.run_id, "steps": snap.step, "weight_versions": snap.version + 1,
         "tasks_published": len(acc.published) if acc else int(snap.totals.get("sampler", 0)),
@@ -287,6 +291,9 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     await ensure_topology(js, reg)
     config_file = run_path / "config.json"
     dump_config(cfg, config_file)
+    from sandbox_workers.integrity import load_or_create_secret
+
+    load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
     sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir)
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
@@ -345,7 +352,7 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
         summary = summary_dict(snap, mon, acc, {"stop_reason": stop_reason, "failure": failure})
         summary_path.write_text(json.dumps(summary, indent=2))
         steps = sorted(mon.step_rewards.items())
-        evals = [(e.step, e.score) for e in mon.evals.values()]
+        evals = {d: [(e.step, e.score) for e in per.values()] for d, per in mon.domain_evals.items()}
         reward_curve(run_path / "reward_curve.png", steps, evals, f"rlbus {reg.run_id}")
         if live:
             live.update(render(snap))

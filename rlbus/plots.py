@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def reward_curve(path: Path, steps: list[tuple[int, float]], evals: list[tuple[int, float]], title: str) -> Path:
-    """Training reward per learner step and greedy eval score per evaluated step, one PNG."""
+def reward_curve(path: Path, steps: list[tuple[int, float]], evals, title: str) -> Path:
+    """Training reward per learner step and greedy eval score per evaluated step, one PNG.
+
+    `evals` is a list of (step, score), or a dict domain -> such a list (one line each)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,9 +21,11 @@ def reward_curve(path: Path, steps: list[tuple[int, float]], evals: list[tuple[i
         k = max(1, len(ys) // 20)
         smooth = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
         ax.plot(xs, smooth, lw=2, label=f"train reward (moving avg {k})")
-    if evals:
-        ex, ey = zip(*sorted(evals))
-        ax.plot(ex, ey, "o-", color="black", label="held-out greedy accuracy")
+    per_domain = evals if isinstance(evals, dict) else {"": evals}
+    for (domain, points), marker in zip(per_domain.items(), "osd^v"):
+        if points:
+            ex, ey = zip(*sorted(points))
+            ax.plot(ex, ey, f"{marker}-", label=f"held-out greedy accuracy {domain}".rstrip())
     ax.set_xlabel("learner step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)

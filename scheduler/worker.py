@@ -1,5 +1,6 @@
-"""The scheduler process. So far: regression evaluation of weight versions, and the
-recorder that writes the run's streams into the SQL run store.
+"""The scheduler process: regression evaluation of weight versions (every domain with an
+evaluator: arith, tool_calc), the recorder that writes the run's streams into the SQL
+run store, dead-letter capture and the curriculum.
 
 Guarantees:
 - Version 0 (the starting checkpoint) is always evaluated first, from the checkpoint
@@ -31,7 +32,7 @@ from rollout_workers.weights_watch import WeightWatcher
 from schemas import EvalResult
 from scheduler.curriculum_service import run_curriculum
 from scheduler.dlq import capture_max_deliveries
-from scheduler.evaluation import eval_set, greedy_accuracy
+from scheduler.evaluation import EvalSuite
 from scheduler.recorder import record
 from scheduler.store import open_store
 
@@ -56,21 +57,34 @@ async def run(cfg, ctx) -> dict[str, float]:
             curriculum_stop.set()
             if curriculum is not None:
                 s.counters.update(await curriculum)
-        problems, digest = eval_set(ec.eval_seed, ec.eval_n, ec.eval_difficulty)
+        suite = EvalSuite.from_config(cfg)
+        if suite.skipped:
+            log.info("scheduler.eval_skipped", domains=suite.skipped, why="no evaluator for their kind yet")
         engine = await asyncio.to_thread(HFEngine, str(ctx.model_path), "cpu", ec.threads)
+
+        async def open_eval_sandbox():
+            # eval episodes run on the controlled side, in local sandboxes of the configured backend
+            from sandbox_workers.async_sandbox import LocalAsyncSandbox, limits_from
+
+            sc = cfg.sandbox
+            return await LocalAsyncSandbox.open("process" if sc.remote else sc.backend, image=sc.image,
+                                                limits=limits_from(sc), timeout=sc.timeout_s)
         watcher = WeightWatcher(s.js, s.reg, s.counters)
         await watcher.start()
         last_eval = -1
 
         async def publish_eval(version: int, step: int) -> None:
             nonlocal last_eval
-            score = await asyncio.to_thread(greedy_accuracy, engine, problems, cfg.sampler.max_tokens)
-            await publish(s.js, s.reg.eval("arith"), EvalResult(
-                run_id=s.reg.run_id, version=version, step=step, domain="arith", score=score,
-                n=len(problems), eval_set_sha256=digest))
+            scores = await suite.evaluate(engine, open_eval_sandbox)
+            for domain, (score, n, digest) in scores.items():
+                await publish(s.js, s.reg.eval(domain), EvalResult(
+                    run_id=s.reg.run_id, version=version, step=step, domain=domain, score=score,
+                    n=n, eval_set_sha256=digest))
+                s.counters[f"eval_{domain}"] = score
+                log.info("scheduler.eval", version=version, domain=domain, score=score, n=n)
             last_eval = version
-            s.counters.update(eval_version=version, eval_score=score, evals=s.counters.get("evals", 0) + 1)
-            log.info("scheduler.eval", version=version, score=score, n=len(problems))
+            first = next(iter(scores.values()), (0.0, 0, ""))[0]
+            s.counters.update(eval_version=version, eval_score=first, evals=s.counters.get("evals", 0) + 1)
 
         async def evaluate() -> None:
             await watcher.maybe_load(engine)

@@ -24,6 +24,10 @@ Guarantees:
 - Verifiers run off the event loop in worker threads, at most `verifier.concurrency` at
   once (default 4; 0 runs them inline on the loop thread, where math-verify's SIGALRM
   time-outs work), so a slow verifier (code, model) never stalls acks and in_progress.
+- Tool-result integrity: every observation block in a trajectory's tool and model turns
+  must match a recorded execution (`sandbox_workers.integrity`, checked with the run's
+  tool secret); a trajectory with a forged block scores 0 with status `tamper` and a
+  `forged_observations` component, without running its verifier.
 - A Reward's msg_id derives from its trajectory's, so re-verifying a redelivered
   trajectory cannot create a second reward for the same sample.
 - Rewards of a fetched batch are published pipelined, then the batch is acked.
@@ -193,12 +197,50 @@ def retry_policy(vc, spec) -> RetryPolicy:
 
 # -- the worker --------------------------------------------------------------------------
 
+def observation_turns(traj: Trajectory) -> list:
+    """Every text the policy side produced or relayed, as integrity inputs: tool turns with
+    the exec_id of the call before them, model turns as plain text (no execution behind)."""
+    from sandbox_workers.integrity import ToolTurn
+
+    exec_of_turn = {c.turn + 1: c.exec_id or None for c in traj.tool_calls}
+    out = []
+    for i, t in enumerate(traj.turns):
+        if t.role == "tool":
+            out.append(ToolTurn(exec_of_turn.get(i), t.text))
+        elif t.role == "assistant":
+            out.append(ToolTurn(None, t.text))
+    return out
+
+
+def tamper_reward(traj: Trajectory, forged: list) -> Reward:
+    """The Reward of a trajectory carrying forged tool observations: 0, status `tamper`."""
+    reasons = sorted({f.reason for f in forged})
+    return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=0.0,
+                  components={"correct": 0.0, "forged_observations": float(len(forged)), **process_components(traj)},
+                  status="tamper", details=f"forged tool observations: {reasons}"[:2000])
+
+
 class Scorer:
     """Scores deliveries concurrently (bounded), mapping failures to pull-loop outcomes."""
 
-    def __init__(self, hidden: HiddenCache, policy: RetryPolicy, concurrency: int) -> None:
+    def __init__(self, hidden: HiddenCache, policy: RetryPolicy, concurrency: int,
+                 js=None, reg=None, secret: bytes | None = None) -> None:
         self.hidden, self.policy, self.concurrency = hidden, policy, concurrency
         self.slots = asyncio.Semaphore(max(1, concurrency))
+        self.js, self.reg, self.secret = js, reg, secret
+
+    async def forged(self, traj: Trajectory) -> list:
+        """Observation blocks of `traj` that no recorded execution vouches for."""
+        from sandbox_workers.integrity import find_observations, verify_observations
+
+        turns = observation_turns(traj)
+        if not any(find_observations(t.text) for t in turns):
+            return []
+        if self.secret is None:
+            raise VerifierInfraError("trajectory has tool observations but this verifier has no tool secret "
+                                     "(set RLBUS_TOOL_SECRET or RLBUS_TOOL_SECRET_FILE as for the sandbox side)")
+        _, forged = await verify_observations(self.js, self.reg, self.secret, turns)
+        return forged
 
     async def _score(self, traj: Trajectory, payload: dict | None) -> Reward:
         if self.concurrency <= 0:
@@ -210,6 +252,9 @@ class Scorer:
         """A Reward, or the outcome that replaces it."""
         traj: Trajectory = d.msg
         try:
+            forged = await self.forged(traj) if self.js is not None else []
+            if forged:
+                return tamper_reward(traj, forged)
             payload = await self.hidden.get(traj.hidden_ref) if traj.hidden_ref else None
             return await self._score(traj, payload)
         except VerifierInputError as exc:
@@ -229,8 +274,11 @@ async def run(cfg, ctx) -> dict[str, float]:
     vc = cfg.verifier
     async with worker_session("verifier", cfg, ctx) as s:
         spec = s.reg.verifier_consumer(vc.ack_wait_s)
+        from sandbox_workers.integrity import load_or_create_secret, load_secret
+
+        secret = load_secret() or load_or_create_secret(ctx.run_path)
         scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec),
-                        int(getattr(vc, "concurrency", DEFAULT_CONCURRENCY)))
+                        int(getattr(vc, "concurrency", DEFAULT_CONCURRENCY)), s.js, s.reg, secret)
 
         async def handle(batch: list[Delivery]):
             results = await scorer.batch(batch)

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Trajectory
+from verifier_workers.errors import VerifierInfraError
 from verifier_workers.verifiers import Verdict, VerifierInputError
 
 HARNESS_PATH = Path(__file__).with_name("harness.py")
@@ -78,8 +79,8 @@ PASS_LIKE = re.compile(r"(?im)^[\s\W]*(?:all\s+tests?\s+passed|tests?\s+passed|p
 """Lines in the candidate's own output that imitate a test runner's success report."""
 
 
-class SandboxInfraError(RuntimeError):
-    """The sandbox (not the candidate) failed: retry with backoff, then dead-letter; never score 0."""
+class SandboxInfraError(VerifierInfraError):
+    """The sandbox (not the candidate) failed: the worker naks with backoff, then dead-letters; never a 0."""
 
 
 # ---------------------------------------------------------------- candidate extraction

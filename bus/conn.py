@@ -66,6 +66,17 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
     await js.add_consumer(spec.stream, config=spec.config())
 
 
+async def ensure_consumer_from(js: JetStreamContext, spec: ConsumerSpec, start_seq: int) -> None:
+    """Create the durable so that it delivers from stream sequence `start_seq` (a replay)."""
+    from nats.js.api import DeliverPolicy
+
+    config = spec.config()
+    if start_seq > 1:
+        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = start_seq
+    await js.add_consumer(spec.stream, config=config)
+
+
 async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
     """Ensure the durable exists, then bind a pull subscription to it."""
     await ensure_consumer(js, spec)

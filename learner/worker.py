@@ -13,21 +13,30 @@ Guarantees:
   checkpointed).
 - Every task the learner touches gets a ledger record: `trained` (with the reward
   msg_ids), `filtered` (with the reason), or `pending` at stop.
+- Exact resume: a checkpoint holds model, optimizer, RNG, step, the REWARDS position
+  (the consumer's ack floor) and the trained set. A learner that starts on a run whose
+  learner consumer already made progress restores the checkpoint (or the start model if
+  there is none), publishes a ledger rollback marker (records after the checkpoint are
+  superseded), and re-reads REWARDS from the checkpoint's position, skipping what the
+  checkpoint already trained: every reward ends up trained exactly once in the model's
+  lineage. Weight version numbers stay monotonic across restarts.
+- At most one learner per run trains at a time: it must hold the KV lease `learner.lease`
+  (see `learner.lease`); a second one waits, and one that loses its lease stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import structlog
 
-from bus.conn import pull_subscription
+from bus.conn import ensure_consumer, ensure_consumer_from
 from bus.kv import LEARNER_PROGRESS, get_json, put_json
 from bus.publish import publish
 from bus.pull import decode_batch, fetch
 from learner import checkpoint
+from learner.lease import LearnerLease
 from learner.groups import Group, GroupPool, PooledSample, split_stale
 from learner.step import load_models, train_step
 from learner.weights import publish_version
@@ -48,13 +57,14 @@ class Learner:
         self.trained: set[str] = set()  # reward msg_ids trained (for exactly-once)
         self.last_step_at = time.monotonic()
         self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
+        self.ledger_seq = 0  # LEDGER sequence of this learner's last record (checkpointed)
 
     def state(self, rewards_ack_floor: int = 0) -> dict:
         """What a checkpoint records besides model/optimizer: counters, the trained set,
         and the position in the REWARDS log (the learner consumer's ack floor)."""
         return {"step": self.step, "version": self.version, "tasks_done": self.tasks_done,
                 "samples_trained": self.samples_trained, "trained": sorted(self.trained),
-                "rewards_ack_floor": rewards_ack_floor}
+                "rewards_ack_floor": rewards_ack_floor, "ledger_seq": self.ledger_seq}
 
     async def rewards_position(self) -> int:
         """Stream sequence below which every reward is acked (0 if unknown)."""
@@ -69,11 +79,39 @@ class Learner:
         state = self.state(await self.rewards_position())
         await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy, optimizer=self.optimizer, state=state)
 
-    async def record(self, fates: list[TaskFate]) -> None:
-        """Publish task fates to the ledger."""
-        if fates:
-            await publish(self.s.js, self.s.reg.ledger("learner"),
-                          TaskFates(run_id=self.s.reg.run_id, stage="learner", step=self.step, fates=fates))
+    async def record(self, fates: list[TaskFate], rollback_after_seq: int | None = None) -> None:
+        """Publish task fates (or a rollback marker) to the ledger; remember its sequence."""
+        if fates or rollback_after_seq is not None:
+            ack = await publish(self.s.js, self.s.reg.ledger("learner"), TaskFates(
+                run_id=self.s.reg.run_id, stage="learner", step=self.step, fates=fates,
+                rollback_after_seq=rollback_after_seq))
+            self.ledger_seq = ack.seq
+
+    async def restore(self, saved: dict | None) -> None:
+        """Continue a run: restore counters, supersede post-checkpoint ledger records and
+        replay REWARDS from the checkpoint's position (see the module docstring)."""
+        js, reg = self.s.js, self.s.reg
+        spec = reg.learner_consumer()
+        try:
+            info = await js.consumer_info(spec.stream, spec.durable)
+        except Exception:
+            info = None
+        progressed = info is not None and (info.delivered.stream_seq > 0 or (info.ack_floor and info.ack_floor.stream_seq > 0))
+        latest = await get_json(js, reg, "weights.latest") or {}
+        if saved:
+            self.step, self.tasks_done = saved["step"], saved["tasks_done"]
+            self.samples_trained, self.trained = saved["samples_trained"], set(saved["trained"])
+        self.version = max(int(latest.get("version", 0)), saved["version"] if saved else 0)
+        if not progressed:
+            return
+        floor = int(saved.get("rewards_ack_floor", 0)) if saved else 0
+        after = int(saved.get("ledger_seq", 0)) if saved else 0
+        await self.record([], rollback_after_seq=after)
+        await js.delete_consumer(spec.stream, spec.durable)
+        await ensure_consumer_from(js, spec, floor + 1)
+        self.s.counters["resumed_from_step"] = self.step
+        log.info("learner.resumed", step=self.step, version=self.version, replay_from_seq=floor + 1,
+                 trained_in_checkpoint=len(self.trained), ledger_rollback_after=after)
 
     async def take(self, raws) -> None:
         """Decode fetched rewards and pool them (duplicates acked and counted)."""
@@ -151,6 +189,17 @@ class Learner:
             "updated_at": time.time()})
 
 
+async def bind_learner_consumer(js, reg):
+    """Bind to the learner durable, creating it only when missing (a replaying durable made
+    by `restore` keeps its start position; re-adding it with another policy would fail)."""
+    spec = reg.learner_consumer()
+    try:
+        await js.consumer_info(spec.stream, spec.durable)
+    except Exception:
+        await ensure_consumer(js, spec)
+    return await js.pull_subscribe_bind(spec.durable, stream=spec.stream)
+
+
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the learner until stopped (or `ctx.max_messages` steps)."""
     lc = cfg.learner
@@ -163,25 +212,34 @@ async def run(cfg, ctx) -> dict[str, float]:
             policy, ref, pad_id = await asyncio.to_thread(load_models, ctx.model_path, lc)
             optimizer = torch.optim.AdamW(policy.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         L = Learner(s, policy, ref, optimizer, pad_id)
+        lease = LearnerLease(s.js, s.reg)
+        if not await lease.acquire(s.stop):
+            return s.counters
+        lease_keeper = asyncio.create_task(lease.keep(s.stop))
         saved = None
         if policy is not None:
             saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
-        if saved:
-            L.step, L.version, L.tasks_done = saved["step"], saved["version"], saved["tasks_done"]
-            L.samples_trained, L.trained = saved["samples_trained"], set(saved["trained"])
-            log.info("learner.resumed", step=L.step, version=L.version)
+        await L.restore(saved)
         if (await get_json(s.js, s.reg, "weights.latest")) is None:
             await publish_version(s.js, s.reg, policy, 0, 0, {})
+        elif s.counters.get("resumed_from_step") is not None:
+            L.version += 1  # the restored weights, announced under a new (monotonic) version
+            await publish_version(s.js, s.reg, policy, L.version, L.step, {})
         s.counters.update(step=L.step, version=L.version)
         await L.progress()
-        sub = await pull_subscription(s.js, s.reg.learner_consumer())
+        sub = await bind_learner_consumer(s.js, s.reg)
         while not s.stop.is_set():
             if ctx.max_messages is not None and L.step >= ctx.max_messages:
                 break
             await L.take(await fetch(sub, 512, 0.2))
             while L.should_step() and not s.stop.is_set():
                 await L.step_once()
+        if lease.lost:
+            log.error("learner.fenced", why="another learner took the lease; stopping without recording")
+            return s.counters
         await L.record([TaskFate(task_msg_id=g.task_msg_id, fate="pending") for g in L.pool.pending()])
         if policy is not None:
             await L.save_checkpoint()
+        lease_keeper.cancel()
+        await lease.release()
         return s.counters

@@ -8,6 +8,10 @@ Guarantees:
   trajectory or an un-acked reward is still stored, or the learner reported it
   pending at stop). A task with none of these is `lost`; lost is never a remainder.
 - `trained_twice` counts reward msg_ids that appear in more than one `trained` record.
+- A learner that restored a checkpoint leaves a rollback marker (`rollback_after_seq`):
+  the learner records stored between that sequence and the marker describe training
+  the restored model never saw, so they are superseded (ignored); the replay after the
+  marker records those tasks again.
 - Reads streams by sequence (`bus.streams.iter_stream`): it consumes nothing.
 """
 
@@ -30,6 +34,7 @@ class Accounting:
     filtered_reasons: Counter = field(default_factory=Counter)
     trained_twice: int = 0
     dead_letters: int = 0
+    rollbacks: int = 0
 
     @property
     def lost(self) -> list[str]:
@@ -55,7 +60,12 @@ async def account(js, reg: Registry) -> Accounting:
     acc = Accounting()
     trained, filtered, pending = set(), {}, set()
     reward_uses: Counter = Counter()
-    async for _, rec in _decoded(js, reg.stream("LEDGER"), reg.all("ledger"), TaskFates):
+    records = [(seq, rec) async for seq, rec in _decoded(js, reg.stream("LEDGER"), reg.all("ledger"), TaskFates)]
+    rollbacks = [(rec.rollback_after_seq, seq) for seq, rec in records if rec.rollback_after_seq is not None]
+    acc.rollbacks = len(rollbacks)
+    for seq, rec in records:
+        if rec.stage == "learner" and any(after < seq < marker for after, marker in rollbacks):
+            continue  # superseded by a checkpoint restore
         for f in rec.fates:
             if f.fate == "published":
                 acc.published.add(f.task_msg_id)

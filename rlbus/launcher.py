@@ -275,6 +275,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "trajectories": int(snap.totals.get("rollout", 0)), "rewards": int(snap.totals.get("verifier", 0)),
         "trained_samples": int(snap.totals.get("learner", 0)), "dead_letters": acc.dead_letters if acc else snap.dead_letters,
         "lost": counts.get("lost") if acc else None, "trained_twice": acc.trained_twice if acc else None,
+        "learner_rollbacks": acc.rollbacks if acc else None,
         "task_fates": counts or None, "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
         "eval": evals, "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,

@@ -353,6 +353,9 @@ class TaskFates(Message):
     """Learner step, when relevant."""
     fates: list[TaskFate]
     """The events."""
+    rollback_after_seq: int | None = None
+    """Set by a learner that restored a checkpoint: its own ledger records stored after this
+    LEDGER sequence describe training the restored model never saw, and are superseded."""
 
 
 KINDS: dict[str, type[Message]] = {

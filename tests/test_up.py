@@ -1,5 +1,6 @@
-"""`rlbus up` end to end: every role its own process, a worker killed mid-run is
-restarted, the run still exits 0, and every published task is accounted for."""
+"""`rlbus up` end to end: every role its own process, a worker killed mid-run (a rollout
+worker, or the learner itself) is restarted, the run still exits 0, and every published
+task is accounted for: lost = 0 and no reward trained twice in the model's lineage."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ batch_tasks = 4
 lr = 1e-4
 groups_per_step = 4
 step_window_s = 1.0
+checkpoint_every = 5
 [scheduler]
 eval_n = 20
 eval_every_versions = 10
@@ -47,7 +49,11 @@ def _worker_pids(run_id: str, role: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path):
+import pytest
+
+
+@pytest.mark.parametrize("victim", ["rollout", "learner"])
+def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, victim):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(CONFIG)
     run_id = f"up{os.getpid()}"
@@ -66,9 +72,10 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path):
                     steps = json.loads(summary.read_text())["steps"]
                 except (json.JSONDecodeError, KeyError):
                     steps = 0
-                if steps >= 3 and not killed:
-                    pids = _worker_pids(run_id, "rollout")
-                    assert pids, "no rollout worker process found"
+                # the learner dies after its step-5 checkpoint, with later steps to roll back
+                if steps >= (3 if victim == "rollout" else 8) and not killed:
+                    pids = _worker_pids(run_id, victim)
+                    assert pids, f"no {victim} worker process found"
                     os.kill(pids[0], signal.SIGKILL)
                     killed = True
             time.sleep(0.5)
@@ -82,7 +89,9 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path):
     s = json.loads((run_path / "summary.json").read_text())
     assert s["final"] is True
     assert s["steps"] >= 25
-    assert s["worker_restarts"].get("rollout", 0) >= 1
+    assert s["worker_restarts"].get(victim, 0) >= 1
+    if victim == "learner":
+        assert s["learner_rollbacks"] >= 1, s  # it restored its checkpoint and replayed REWARDS
     assert s["lost"] == 0 and s["trained_twice"] == 0, s
     assert s["tasks_published"] > 0 and s["trained_samples"] > 0
     fates = s["task_fates"]

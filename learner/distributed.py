@@ -1,0 +1,107 @@
+"""Multi-process learner pieces: process group from torchrun's environment, FSDP2 sharding,
+DDP, and sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+Sources: FSDP2 (`torch.distributed.fsdp.fully_shard`, per-parameter DTensor sharding;
+Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+arXiv:2304.11277) and DCP (each rank writes its own shards plus shared metadata, and
+loading reshards to the current world). See docs/multi_gpu.md for the torchrun launch.
+
+Guarantees:
+- `shard_model` wraps every decoder block, then the root, with `fully_shard` (the
+  recommended FSDP2 layout: one all-gather per block in forward and backward).
+- `save_sharded` / `load_sharded` round-trip model and optimizer state exactly through
+  DCP; every rank calls them (they are collectives). The directory is complete only
+  after `save_sharded` returns on every rank.
+- `full_state_dict` gathers an unsharded CPU copy of the model state on every rank (for
+  weight publishing from rank 0).
+- Nothing here runs at import; torch.distributed is imported by the functions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["decoder_layers", "full_state_dict", "init_from_env", "load_sharded", "save_sharded", "shard_model",
+           "wrap_ddp"]
+
+
+def init_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT);
+    returns (rank, world_size). Backend: nccl with CUDA, else gloo."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def decoder_layers(model):
+    """The transformer blocks of a HF causal LM (also under a peft wrapper)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(inner, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers in {type(inner).__name__} (expected .model.layers)")
+    return list(layers)
+
+
+def shard_model(model, *, mesh=None, reshard_after_forward: bool = True):
+    """FSDP2: `fully_shard` each decoder block, then the whole model; returns the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def wrap_ddp(model):
+    """DistributedDataParallel over the default process group (gradients all-reduced in backward)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def save_sharded(path: str | Path, model, optimizer, state: dict | None = None) -> None:
+    """Write a DCP checkpoint of model + optimizer from every rank; rank 0 adds the small
+    JSON-able `state` (counters, log position) as `state.json` next to it."""
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        tmp = Path(path) / "state.json.tmp"
+        tmp.write_text(json.dumps(state or {}))
+        os.replace(tmp, Path(path) / "state.json")
+    dist.barrier()
+
+
+def load_sharded(path: str | Path, model, optimizer) -> dict:
+    """Restore model + optimizer in place from a DCP checkpoint (resharding to this world);
+    returns the saved `state`."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    payload = {"model": model_sd, "optim": optim_sd}
+    dcp.load(payload, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
+    return json.loads((Path(path) / "state.json").read_text())
+
+
+def full_state_dict(model) -> dict:
+    """Unsharded CPU state dict (a collective: call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {k: v.detach().to("cpu") for k, v in full.items()}

@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from learner.groups import PooledSample
 from learner.pcgrad import pcgrad
-from learner.step import enable_activation_checkpointing, padding_fraction, plan_micro_batches, train_step
+from learner.objectives import aggregate_tokens
+from learner.step import (compute_context, enable_activation_checkpointing, load_models, padding_fraction,
+                          plan_micro_batches, train_step)
 from rlbus.config import LearnerSection
 from rlbus.tiny_model import build_tiny_model
 from tests.test_learner_units import reward
@@ -122,3 +124,24 @@ def test_pcgrad_step_projects_domain_gradients(model_dir):
     assert plain["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
     if n == 0:
         assert_grads_close(combined, g_plain)
+
+
+def test_beta_zero_loads_no_reference(model_dir):
+    policy, ref, pad = load_models(model_dir, LearnerSection(beta=0.0, threads=1))
+    assert ref is None and pad == 0 and policy.training
+    _, ref = load_models(model_dir, LearnerSection(beta=0.1, threads=1))[:2]
+    assert ref is not None and not ref.training and not any(p.requires_grad for p in ref.parameters())
+
+
+def test_bf16_needs_autocast_on_the_device():
+    assert compute_context("bf16", torch.device("cpu")) is not None
+    with pytest.raises(RuntimeError, match="dtype = 'fp32'"):
+        compute_context("bf16", torch.device("meta"))
+
+
+def test_aggregate_tokens_per_kind():
+    tok = torch.tensor([[1.0, 2.0, 0.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert aggregate_tokens("grpo", tok, mask).item() == pytest.approx((1.5 + 4.0) / 2)
+    assert aggregate_tokens("dapo", tok, mask).item() == pytest.approx(7.0 / 3)
+    assert aggregate_tokens("dr_grpo", tok, mask, max_len=10).item() == pytest.approx(7.0 / 20)

@@ -1,0 +1,307 @@
+"""End-to-end benchmark: accuracy gained in a fixed wall-clock budget, ours vs TRL GRPOTrainer.
+
+What it measures (`python bench/e2e_vs_trl.py [--minutes 4]`, about 2*minutes + 5 min):
+
+- START: the demo's tiny qwen2 (hidden 128, 4 layers, char tokenizer) built with
+  `rlbus.tiny_model`, then `learner.sft.run_sft` on difficulty-3 arith (held-out problems
+  excluded) for a fixed budget (`--sft-seconds`, `--sft-steps`). Both sides start from
+  this same checkpoint directory.
+- EVAL: greedy accuracy on the scheduler's fixed held-out set (`scheduler.evaluation.
+  eval_set(1234, 200, 3)`), scored by the same `greedy_accuracy` (HFEngine, temperature
+  0, 6 new tokens) for the start and for both final models.
+- OURS: `rlbus up` (a subprocess, embedded NATS, every role its own process) on a
+  generated config equal to `examples/demo.toml` where it matters (G=8, 16 groups per
+  step, lr 3e-5, beta 0, temperature 1, 6 tokens, max staleness 4), with
+  `model.path` = the start checkpoint and SFT off. The launcher stops the run so that
+  sampling stops `--minutes` after `rlbus up` started (set-up included; no drain, so no
+  training happens after the budget beyond the step in flight). The final policy is
+  the learner's checkpoint written at stop. In-run evaluation is pushed out
+  (`eval_every_versions` huge) so it does not steal CPU from training.
+- PEER: TRL `GRPOTrainer` in one process with the arith reward function (exact integer
+  match, the same as our `arith` verifier), the same hyper-parameters (16 prompts x
+  G=8 per step, lr 3e-5 constant, beta 0, loss_type "grpo", clip 0.2/0.28, grad clip 1,
+  temperature 1, 6 completion tokens), `torch` threads = all CPUs; a callback stops
+  training once `--minutes` have passed since the trainer was constructed.
+- Figures: `ours`/`peer` = final accuracy - start accuracy (points, as fractions);
+  `ratio` = ours/peer (design target >= 1.0). Samples trained and steps are recorded.
+
+The machine may be shared with other processes: the two sides run one after the other,
+so load differences between the two windows enter the result; `load_avg` is recorded
+at each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULT = ROOT / "bench" / "results" / "e2e_vs_trl.json"
+EVAL_SEED, EVAL_N, DIFFICULTY, MAX_TOKENS = 1234, 200, 3, 6
+GROUP, PROMPTS_PER_STEP, LR, TEMPERATURE = 8, 16, 3e-5, 1.0
+
+
+# ---------------------------------------------------------------------------- shared
+def heldout() -> list:
+    from scheduler.evaluation import eval_set
+
+    return eval_set(EVAL_SEED, EVAL_N, DIFFICULTY)[0]
+
+
+def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, seed: int = 0) -> tuple[Path, dict]:
+    """Tiny model + SFT warm start (held-out problems excluded); returns (dir, sft summary)."""
+    from learner.sft import run_sft
+    from producers import arith
+    from rlbus.tiny_model import build_tiny_model
+
+    base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=128, num_layers=4, num_heads=4, seed=seed)
+    held = {p.expression for p in heldout()}
+
+    def demo(rng):
+        while True:
+            p = arith.generate(rng, DIFFICULTY)
+            if p.expression not in held:
+                return p.prompt, p.completion
+
+    stats = run_sft(base, tmp / "start", demo, seconds=sft_seconds, max_steps=sft_steps, batch_size=64, lr=3e-3,
+                    seed=seed, threads=os.cpu_count() or 2, progress=False)
+    return tmp / "start", stats
+
+
+def accuracy(model_dir: Path, state_dict=None, threads: int = 2) -> float:
+    """Greedy held-out accuracy of a model dir (optionally with another state dict loaded)."""
+    from rollout_workers.engines import HFEngine
+    from scheduler.evaluation import greedy_accuracy
+
+    engine = HFEngine(str(model_dir), "cpu", threads)
+    if state_dict is not None:
+        engine.model.load_state_dict(state_dict)
+        engine.model.eval()
+    return greedy_accuracy(engine, heldout(), MAX_TOKENS)
+
+
+def arith_reward(completions, answer, **_) -> list[float]:
+    """TRL reward function: 1.0 when the completion is exactly the integer answer."""
+    from producers import arith
+
+    return [float(arith.parse_answer(c) == int(a)) for c, a in zip(completions, answer)]
+
+
+def trl_dataset(n: int, seed: int):
+    """Training prompts for TRL: difficulty-3 arith, held-out problems excluded."""
+    from datasets import Dataset
+
+    from producers import arith
+
+    rng, held = random.Random(f"trl-{seed}"), {p.expression for p in heldout()}
+    rows = {"prompt": [], "answer": []}
+    while len(rows["prompt"]) < n:
+        p = arith.generate(rng, DIFFICULTY)
+        if p.expression not in held:
+            rows["prompt"].append(p.prompt)
+            rows["answer"].append(str(p.answer))
+    return Dataset.from_dict(rows)
+
+
+def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, seed: int = 0) -> dict:
+    """TRL GRPOTrainer from `start` for `seconds` of wall time; saves the model to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+
+    class WallClock(TrainerCallback):
+        """Stop training once the budget is spent (checked after every optimizer step)."""
+
+        def __init__(self, t0: float):
+            self.t0, self.steps = t0, 0
+
+        def on_step_end(self, args, state, control, **kw):
+            self.steps = state.global_step
+            if time.monotonic() - self.t0 >= seconds:
+                control.should_training_stop = True
+            return control
+
+    t0 = time.monotonic()
+    args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+                      num_generations=GROUP, max_completion_length=MAX_TOKENS, temperature=TEMPERATURE,
+                      learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, loss_type="grpo",
+                      epsilon=0.2, epsilon_high=0.28, max_grad_norm=1.0, weight_decay=0.0, optim="adamw_torch",
+                      num_iterations=1, max_steps=10**6, use_cpu=True, bf16=False, report_to="none",
+                      logging_steps=10, save_strategy="no", disable_tqdm=True, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(start)
+    tok = AutoTokenizer.from_pretrained(start)
+    clock = WallClock(t0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=trl_dataset(200_000, seed),
+                          processing_class=tok, callbacks=[clock])
+    trainer.train()
+    wall = time.monotonic() - t0
+    trainer.model.save_pretrained(out / "final")
+    tok.save_pretrained(out / "final")
+    steps = trainer.state.global_step
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"steps": steps, "samples_trained": steps * PROMPTS_PER_STEP * GROUP, "wall_s": round(wall, 1),
+            "reward_curve": rewards, "final_dir": str(out / "final")}
+
+
+OURS_CONFIG = """
+[run]
+run_id = "{run_id}"
+run_dir = "{run_dir}"
+max_minutes = {max_minutes}
+drain_seconds = 0.0
+seed = 0
+
+[model]
+path = "{start}"
+
+[sft]
+enabled = false
+
+[sampler]
+domain = "arith"
+difficulty = 3
+group_size = {group}
+max_tokens = {max_tokens}
+temperature = {temperature}
+max_inflight_tasks = 48
+
+[sampler.domains.arith]
+min_level = 3
+max_level = 3
+start_level = 3
+{verifier_line}
+
+[rollout]
+engine = "hf"
+batch_tasks = 16
+
+[verifier]
+{verifier_section}
+
+[learner]
+lr = {lr}
+beta = 0.0
+groups_per_step = {groups}
+max_staleness = 4
+checkpoint_every = 1000000
+
+[scheduler]
+curriculum = false
+eval_n = {eval_n}
+eval_difficulty = 3
+eval_every_versions = 1000000
+"""
+
+
+def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, verifier: str = "", verifier_section: str = "",
+             env: dict | None = None) -> dict:
+    """`rlbus up` from `start` for `seconds` of sampling; returns the summary and final state dict."""
+    import torch
+
+    reserve = 25.0  # the launcher stops sampling this long before max_minutes (drain_seconds = 0)
+    cfg = OURS_CONFIG.format(run_id=run_id, run_dir=tmp / "runs", max_minutes=round((seconds + reserve) / 60, 4),
+                             start=start, group=GROUP, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, lr=LR,
+                             groups=PROMPTS_PER_STEP, eval_n=EVAL_N,
+                             verifier_line=f'verifier = "{verifier}"' if verifier else "",
+                             verifier_section=verifier_section)
+    path = tmp / f"{run_id}.toml"
+    path.write_text(cfg)
+    t0 = time.monotonic()
+    log = open(tmp / f"{run_id}.log", "wb")
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(path)], cwd=ROOT, stdout=log,
+                          stderr=subprocess.STDOUT, env=env or dict(os.environ), timeout=seconds + 600)
+    wall = time.monotonic() - t0
+    run_path = tmp / "runs" / run_id
+    if proc.returncode != 0:
+        raise RuntimeError(f"rlbus up failed ({proc.returncode}); see {tmp / f'{run_id}.log'}:\n"
+                           + (tmp / f"{run_id}.log").read_text(errors="replace")[-3000:])
+    summary = json.loads((run_path / "summary.json").read_text())
+    payload = torch.load(run_path / "checkpoints" / "learner.pt", map_location="cpu", weights_only=False)
+    return {"summary": summary, "state_dict": payload["model"], "wall_s": round(wall, 1),
+            "learner_state": {k: v for k, v in payload["state"].items() if k != "trained"}}
+
+
+# ---------------------------------------------------------------------------- main
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget per side")
+    ap.add_argument("--sft-seconds", type=float, default=60.0)
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--start", help="use this SFT checkpoint dir as the shared start (skips SFT)")
+    a = ap.parse_args()
+    from importlib.metadata import version
+
+    threads = os.cpu_count() or 2
+    seconds = a.minutes * 60
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-e2e-") as d:
+        tmp = Path(d)
+        t = time.monotonic()
+        start, sft = (Path(a.start), {"given": a.start}) if a.start else prepare_start(tmp, a.sft_seconds, a.sft_steps)
+        acc0 = accuracy(start, threads=threads)
+        print(f"start accuracy {acc0:.3f} after SFT {sft}", flush=True)
+        load = {"before_ours": os.getloadavg()}
+        ours = run_ours(start, tmp, seconds, f"e2e{int(time.time())}")
+        acc_ours = accuracy(start, ours["state_dict"], threads)
+        print(f"ours: accuracy {acc_ours:.3f}, {ours['summary'].get('trained_samples')} samples", flush=True)
+        load["before_trl"] = os.getloadavg()
+        peer = run_trl(start, tmp / "trl", seconds, arith_reward, threads)
+        acc_peer = accuracy(Path(peer["final_dir"]), threads=threads)
+        load["after_trl"] = os.getloadavg()
+        print(f"TRL: accuracy {acc_peer:.3f}, {peer['samples_trained']} samples", flush=True)
+        total = time.monotonic() - t
+    gain_ours, gain_peer = acc_ours - acc0, acc_peer - acc0
+    s = ours["summary"]
+    result = {
+        "name": "e2e_vs_trl",
+        "ours": round(gain_ours, 4),
+        "peer": round(gain_peer, 4),
+        "unit": "held-out greedy accuracy gain over the shared SFT start (fraction; 0.01 = 1 point)",
+        "ratio": round(gain_ours / gain_peer, 3) if gain_peer > 0 else None,
+        "ratio_note": "ours/peer gain; null when TRL gained nothing",
+        "target_ratio": 1.0,
+        "peer_name": f"TRL {version('trl')} GRPOTrainer (HF generate on CPU), same hyper-parameters",
+        "command": f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
+                   f"--sft-steps {a.sft_steps}",
+        "budget_minutes_per_side": a.minutes,
+        "start_accuracy": acc0,
+        "final_accuracy": {"ours": acc_ours, "peer": acc_peer},
+        "eval": {"set": "scheduler.evaluation.eval_set(1234, 200, 3)", "n": EVAL_N, "greedy": True,
+                 "max_tokens": MAX_TOKENS},
+        "sft": sft,
+        "ours_detail": {"steps": s.get("steps"), "trained_samples": s.get("trained_samples"),
+                        "trajectories": s.get("trajectories"), "weight_versions": s.get("weight_versions"),
+                        "dead_letters": s.get("dead_letters"), "lost": s.get("lost"),
+                        "stop_reason": s.get("stop_reason"), "rlbus_up_wall_s": ours["wall_s"],
+                        "samples_per_s": round((s.get("trained_samples") or 0) / seconds, 2),
+                        "learner_state": ours["learner_state"],
+                        "config": "examples/demo.toml hyper-parameters; see OURS_CONFIG in this file"},
+        "peer_detail": {k: v for k, v in peer.items() if k != "final_dir"}
+                       | {"samples_per_s": round(peer["samples_trained"] / seconds, 2), "torch_threads": threads},
+        "settings": {"group_size": GROUP, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "beta": 0.0,
+                     "temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "difficulty": DIFFICULTY},
+        "total_bench_s": round(total, 1),
+        "torch": __import__("torch").__version__, "transformers": version("transformers"), "trl": version("trl"),
+        "python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": load,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"gain ours {gain_ours:+.3f}, TRL {gain_peer:+.3f}, ratio {result['ratio']} (target >= 1.0); "
+          f"wrote {RESULT.relative_to(ROOT)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

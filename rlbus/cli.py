@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a whole config locally (embedded NATS unless --nats-url)",
                         description="Prepare the model (build + SFT), start NATS and every role as its own process, "
                                     "show a live view, stop at the limits, and write <run-dir>/<run_id>/summary.json.")
-    up.add_argument("config", help="run config TOML, e.g. examples/demo.toml")
+    up.add_argument("config", nargs="?", help="run config TOML, e.g. examples/demo.toml (optional with --resume)")
+    up.add_argument("--resume", metavar="RUN_PATH", help="continue the run in <run-dir>/<run_id> whose launcher died: "
+                    "its config, model, checkpoints and streams are reused; a CONFIG given too must match")
     up.add_argument("--run-dir", help="parent folder of runs (default: run.run_dir, 'runs')")
     up.add_argument("--run-id", help="run id (default: <config>-<time>)")
     up.add_argument("--max-steps", type=int, help="stop after N learner steps")
@@ -278,6 +280,24 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, flag)
             if value is not None:
                 overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+        if args.resume:
+            from rlbus.resume import ResumeError, resumed_config
+
+            if args.run_id or args.run_dir:
+                sys.exit("rlbus up --resume: the run folder names the run; drop --run-id/--run-dir")
+            try:
+                cfg = resumed_config(Path(args.resume), args.config, [o for o in overrides if not o.startswith("run.nats_url")])
+            except (ResumeError, ConfigError) as exc:
+                sys.exit(f"rlbus up --resume: {exc}")
+            if args.nats_url:
+                cfg.run.nats_url = args.nats_url
+            configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
+            try:
+                return up(cfg, args.config, resume=Path(args.resume))
+            except ResumeError as exc:
+                sys.exit(f"rlbus up --resume: {exc}")
+        if not args.config:
+            sys.exit("rlbus up: give a CONFIG (e.g. examples/demo.toml), or --resume <run-dir>/<run_id>")
         try:
             cfg = load_config(args.config, overrides)
         except ConfigError as exc:

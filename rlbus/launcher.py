@@ -110,6 +110,7 @@ class Supervisor:
         self.run_path, self.config_file, self.nats_url, self.run_id, self.run_dir = (
             run_path, config_file, nats_url, run_id, run_dir)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.server_pid: int | None = None
         self.restarts: dict[str, int] = {}
         self.stopping: set[str] = set()
         (run_path / "logs").mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(self.config_file),
                "--nats-url", self.nats_url, "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
         logf = open(self.run_path / "logs" / f"{role}.log", "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_LAUNCHER_PID=str(os.getpid()))
         self.procs[role] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, env=env)
         logf.close()
@@ -128,7 +129,8 @@ class Supervisor:
     def write_state(self) -> None:
         """Record the server URL and every pid in `<run>/run.json` (for `rlbus dlq`, status, resume)."""
         state = {"run_id": self.run_id, "nats_url": self.nats_url, "launcher_pid": os.getpid(),
-                 "workers": {role: p.pid for role, p in self.procs.items()}, "updated_at": time.time()}
+                 "server_pid": self.server_pid, "workers": {role: p.pid for role, p in self.procs.items()},
+                 "updated_at": time.time()}
         tmp = self.run_path / "run.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.run_path / "run.json")
@@ -284,7 +286,8 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
     return out
 
 
-async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t0: float, console: Console) -> int:
+async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t0: float, console: Console,
+                 server_pid: int | None = None) -> int:
     """Supervise a prepared run until its limits; return the exit code."""
     reg = Registry(cfg.run.run_id)
     nc = await connect(nats_url, name="rlbus-launcher")
@@ -296,6 +299,7 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
 
     load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
     sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir)
+    sup.server_pid = server_pid
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
     await mon.start(nc)
@@ -368,25 +372,48 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     return 1 if failure else 0
 
 
-def up(cfg: RunConfig, config_path: str) -> int:
-    """Entry point of `rlbus up` after config loading."""
+def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> int:
+    """Entry point of `rlbus up` after config loading (`resume`: the run folder to continue)."""
     t0 = time.monotonic()
     console = Console(stderr=False)
-    if not cfg.run.run_id:
-        cfg.run.run_id = new_run_id(config_path)
-    run_dir = Path(cfg.run.run_dir).resolve()
-    run_path = run_dir / cfg.run.run_id
-    run_path.mkdir(parents=True, exist_ok=True)
-    console.print(f"run {cfg.run.run_id} → {run_path}")
-    prepare_model(cfg, run_path, console)
     server = None
-    url = cfg.run.nats_url
-    if not url:
-        server = EmbeddedNats(run_path / "nats").start()
-        url = server.url
-        console.print(f"embedded nats-server at {url} (store {run_path / 'nats'})")
+    if resume is not None:
+        from rlbus.resume import AdoptedServer, check_launcher_gone, read_state, server_answers, stop_leftover_workers
+
+        run_path = resume.resolve()
+        run_dir = run_path.parent
+        cfg.run.run_id, cfg.run.run_dir = run_path.name, str(run_dir)
+        state = read_state(run_path)
+        check_launcher_gone(state)
+        stopped = stop_leftover_workers(state)
+        console.print(f"resuming run {cfg.run.run_id} → {run_path}"
+                      + (f" (stopped {len(stopped)} leftover worker(s))" if stopped else ""))
+        url = state.get("nats_url") or ""
+        if not cfg.run.nats_url and url and asyncio.run(server_answers(url)):
+            server = AdoptedServer(url, state.get("server_pid"))
+            console.print(f"reusing the run's nats-server at {url}")
+        elif cfg.run.nats_url:
+            url = cfg.run.nats_url
+        else:
+            server = EmbeddedNats(run_path / "nats").start()
+            url = server.url
+            console.print(f"embedded nats-server restarted at {url} on the run's store {run_path / 'nats'}")
+    else:
+        if not cfg.run.run_id:
+            cfg.run.run_id = new_run_id(config_path)
+        run_dir = Path(cfg.run.run_dir).resolve()
+        run_path = run_dir / cfg.run.run_id
+        run_path.mkdir(parents=True, exist_ok=True)
+        console.print(f"run {cfg.run.run_id} → {run_path}")
+        url = cfg.run.nats_url
+        if not url:
+            server = EmbeddedNats(run_path / "nats").start()
+            url = server.url
+            console.print(f"embedded nats-server at {url} (store {run_path / 'nats'})")
+    prepare_model(cfg, run_path, console)  # a resumed run already has it: returns at once
+    pid = getattr(server, "pid", None) or (server.proc.pid if getattr(server, "proc", None) else None)
     try:
-        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console))
+        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, server_pid=pid))
     finally:
         if server:
             server.stop()

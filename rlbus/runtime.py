@@ -5,12 +5,17 @@ Guarantees:
   idempotently, starts telemetry, and turns SIGTERM/SIGINT into `session.stop` being
   set so a worker finishes its current batch and exits cleanly. It always closes the
   connection (flushing acks) on the way out.
+- A worker started by `rlbus up` (env `RLBUS_LAUNCHER_PID`) notices within about a
+  second when its launcher is gone (it was re-parented) and stops the same clean way,
+  so a killed launcher never leaves workers running on their own; `rlbus up --resume`
+  starts fresh ones. Workers started otherwise (compose, by hand) have no such tie.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +64,22 @@ class Session:
     counters: dict[str, float] = field(default_factory=dict)
 
 
+LAUNCHER_PID_ENV = "RLBUS_LAUNCHER_PID"
+
+
+async def watch_launcher(role: str, stop: asyncio.Event, every: float = 1.0) -> None:
+    """Set `stop` once the launcher that started this worker is gone (no-op without one)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher:
+        return
+    while not stop.is_set():
+        if os.getppid() != int(launcher):
+            log.warning(f"{role}.orphaned", launcher_pid=int(launcher), why="launcher gone; stopping cleanly")
+            stop.set()
+            return
+        await asyncio.sleep(every)
+
+
 @contextlib.asynccontextmanager
 async def worker_session(role: str, cfg: RunConfig, ctx: WorkerContext):
     """Connect, ensure topology, report telemetry, and map signals to `stop`."""
@@ -73,11 +94,13 @@ async def worker_session(role: str, cfg: RunConfig, ctx: WorkerContext):
             loop.add_signal_handler(sig, stop.set)
     session = Session(nc, js, reg, cfg, ctx, stop)
     reporter = asyncio.create_task(report_forever(nc, reg, role, session.counters))
+    orphan_watch = asyncio.create_task(watch_launcher(role, stop))
     log.info(f"{role}.started", nats_url=ctx.nats_url)
     try:
         yield session
     finally:
         reporter.cancel()
+        orphan_watch.cancel()
         with contextlib.suppress(Exception):
             await nc.flush(timeout=5)  # acks and publishes are on the wire
         with contextlib.suppress(Exception):

@@ -193,3 +193,29 @@ class Registry:
         """The learner's durable on the REWARDS log (acks after the step that used them)."""
         return ConsumerSpec(self.stream("REWARDS"), "learner", self.all("rewards"), ack_wait_s, 20,
                             (), max_ack_pending)
+
+    # -- sandbox service (core request/reply; a pool is shared by every run) ----
+    SANDBOX_OPS = ("exec", "read", "write", "reset", "ping", "close")
+
+    def sandbox_open(self, pool: str) -> str:
+        """Subject clients request a new sandbox session on (a queue group answers)."""
+        return f"sandbox.{check_token('pool', pool)}.open"
+
+    def sandbox_queue(self, pool: str) -> str:
+        """Queue group every sandbox worker of a pool joins for `open`."""
+        return f"sandbox-{check_token('pool', pool)}"
+
+    def sandbox_session_op(self, pool: str, worker_id: str, op: str) -> str:
+        """Subject of one op on a session held by `worker_id` (ops: SANDBOX_OPS)."""
+        if op not in self.SANDBOX_OPS:
+            raise ValueError(f"sandbox op {op!r} is not one of {', '.join(self.SANDBOX_OPS)}")
+        return f"sandbox.{check_token('pool', pool)}.s.{check_token('worker_id', worker_id)}.{op}"
+
+    def sandbox_session_ops(self, pool: str, worker_id: str) -> str:
+        """Wildcard a sandbox worker subscribes to for the sessions it holds."""
+        return f"sandbox.{check_token('pool', pool)}.s.{check_token('worker_id', worker_id)}.*"
+
+    @property
+    def toolrec_bucket(self) -> str:
+        """KV bucket of tool-execution records (key: exec_id), written by the sandbox side."""
+        return f"toolrec-{self.run_id}"

@@ -8,8 +8,11 @@ What it measures (run with no arguments: `.venv/bin/python bench/sandbox.py`):
   proven clean by the pool before it is handed out again (the pool size is 2, the
   `SandboxSection.warm_pool` default). `close()` (which only queues the clean-up) is
   outside the timed part; between samples the script waits, untimed, until the pool
-  has a container ready again, as a worker that is not saturating its pool would see.
-  The time to the next ready container is recorded as `warm_ready_gap_ms`.
+  has settled (a container ready, no clean-up still running), as a worker that does
+  not saturate its pool sees it. That wait is recorded as `warm_ready_gap_p50_ms`
+  (about the time one clean-up takes).
+- FLOOR (docker): a bare API exec of the same command in one held container (no
+  wrapper, no freshness): `docker_exec_floor_*`, the least any exec-based backend pays.
 - PEER (docker, cold): `docker run --rm --network none <image> python3 -c pass` with
   the docker CLI, the usual way to run one command in a fresh container.
 - PROCESS: the process backend with full bubblewrap isolation (`isolation="bwrap"` is
@@ -19,11 +22,11 @@ What it measures (run with no arguments: `.venv/bin/python bench/sandbox.py`):
   context, `host_python_p50_ms` is plain `python3 -c pass` on the host (no sandbox)
   and `process_true_p50_ms` the process backend running `/usr/bin/true` (its own overhead).
 
-All series interleave nothing: they run one after the other in the same invocation.
-Writes bench/results/sandbox.json with ours (warm docker p50 ms), peer (cold docker
+Sampling is interleaved: each of the n rounds takes one sample of every series, in a
+rotating order, so load changes on a shared machine hit every series alike. Writes bench/results/sandbox.json with ours (warm docker p50 ms), peer (cold docker
 run p50 ms), ratio = peer / ours, the p99s, the process figures, n and a machine note,
 and prints a table. The machine may be shared: compare figures of one run only.
-About a minute.
+About two minutes with the default n=50.
 """
 
 from __future__ import annotations
@@ -78,105 +81,167 @@ def check(result, isolation: str) -> None:
 
 
 def wait_ready(pool, timeout: float = 10.0) -> float:
-    """Wait (untimed sample-wise) until the pool has an idle container; returns ms waited."""
+    """Wait until the pool is settled: a container idle and no clean-up or creation still
+    running (they would compete with the timed exec). Returns ms waited (untimed)."""
     t0 = time.perf_counter()
     with pool.cond:
-        pool.cond.wait_for(lambda: pool.idle, timeout=timeout)
+        pool.cond.wait_for(lambda: pool.idle and not pool.pending, timeout=timeout)
     return ms_since(t0)
 
 
-def docker_warm(n: int, progress, image: str) -> tuple[list[float], list[float]]:
-    probe = docker_backend.DockerSandbox(warm_pool=2)
-    probe.start(image=image)
-    pool = probe._pool
-    probe.close()
-    for _ in range(3):  # warm-up: the pool fills and recycles once
-        wait_ready(pool)
-        sbx = docker_backend.DockerSandbox(warm_pool=2)
-        sbx.start(image=image)
-        sbx.execute(CMD)
-        sbx.close()
-    times, gaps = [], []
-    task = progress.add_task("docker warm: acquire + exec", total=n)
-    for _ in range(n):
-        gaps.append(wait_ready(pool))
+class Series:
+    """One thing to time: `setup()` once, then `sample()` returns ms (untimed waits inside)."""
+
+    name = ""
+
+    def setup(self) -> None:
+        pass
+
+    def sample(self) -> float:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        pass
+
+
+class DockerWarm(Series):
+    name = "docker warm pool (ours)"
+
+    def __init__(self, image: str) -> None:
+        self.image = image
+        self.gaps: list[float] = []
+
+    def _one(self) -> float:
         t0 = time.perf_counter()
         sbx = docker_backend.DockerSandbox(warm_pool=2)
-        sbx.start(image=image)
+        sbx.start(image=self.image)
         r = sbx.execute(CMD)
-        times.append(ms_since(t0))
+        ms = ms_since(t0)
         check(r, "docker")
-        sbx.close()
-        progress.advance(task)
-    docker_backend.shutdown_pools()
-    return times, gaps
+        sbx.close()  # queues the clean-up: not timed
+        return ms
+
+    def setup(self) -> None:
+        probe = docker_backend.DockerSandbox(warm_pool=2)
+        probe.start(image=self.image)
+        self.pool = probe._pool
+        probe.close()
+        for _ in range(3):  # the pool fills and recycles once
+            wait_ready(self.pool)
+            self._one()
+
+    def sample(self) -> float:
+        self.gaps.append(wait_ready(self.pool))
+        return self._one()
 
 
-def docker_cold(n: int, progress, image: str) -> list[float]:
-    argv = ["docker", "run", "--rm", "--network", "none", image, *CMD]
-    subprocess.run(argv, check=True, capture_output=True)
-    times = []
-    task = progress.add_task("docker cold: docker run --rm", total=n)
-    for _ in range(n):
+class DockerFloor(Series):
+    """A bare API exec of the command in one held container (no wrapper, no
+    freshness, no status line): the least any exec-based backend pays."""
+
+    name = "docker bare exec (floor)"
+
+    def __init__(self, image: str) -> None:
+        self.image = image
+
+    def setup(self) -> None:
+        self.sbx = docker_backend.DockerSandbox(warm_pool=0)
+        self.sbx.start(image=self.image)
+
+    def sample(self) -> float:
         t0 = time.perf_counter()
-        subprocess.run(argv, check=True, capture_output=True)
-        times.append(ms_since(t0))
-        progress.advance(task)
-    return times
+        ex = docker_backend._Exec(self.sbx._pool.api, self.sbx.container_id, CMD, user=docker_backend.RUN_USER)
+        ex.pump({}, time.monotonic() + 30)
+        rc = ex.exit_code()
+        ex.close()
+        if rc != 0:
+            raise SystemExit(f"bench: bare exec failed with {rc}")
+        return ms_since(t0)
+
+    def teardown(self) -> None:
+        self.sbx.close()
 
 
-def process_backend(n: int, progress) -> tuple[list[float], list[float]]:
-    sbx = ProcessSandbox(isolation="bwrap")  # raises if bwrap is unusable: never degraded
-    sbx.start(timeout=10)
-    try:
-        check(sbx.execute(CMD), "bwrap")
-        times = []
-        task = progress.add_task("process (bwrap): exec", total=n)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            r = sbx.execute(CMD)
-            times.append(ms_since(t0))
-            check(r, "bwrap")
-            progress.advance(task)
-    finally:
-        sbx.close()
-    fresh = []
-    task = progress.add_task("process (bwrap): start + exec + close", total=n)
-    for _ in range(n):
+class DockerCold(Series):
+    name = "docker run --rm (peer)"
+
+    def __init__(self, image: str) -> None:
+        self.argv = ["docker", "run", "--rm", "--network", "none", image, *CMD]
+
+    def setup(self) -> None:
+        subprocess.run(self.argv, check=True, capture_output=True)
+
+    def sample(self) -> float:
+        t0 = time.perf_counter()
+        subprocess.run(self.argv, check=True, capture_output=True)
+        return ms_since(t0)
+
+
+class ProcessExec(Series):
+    """`execute` in one started bwrap sandbox (bwrap required: never degraded)."""
+
+    name = "process bwrap: exec"
+
+    def __init__(self, cmd: list[str] = CMD, name: str | None = None) -> None:
+        self.cmd = cmd
+        self.name = name or self.name
+
+    def setup(self) -> None:
+        self.sbx = ProcessSandbox(isolation="bwrap")  # raises if bwrap is unusable
+        self.sbx.start(timeout=10)
+        check(self.sbx.execute(self.cmd), "bwrap")
+
+    def sample(self) -> float:
+        t0 = time.perf_counter()
+        r = self.sbx.execute(self.cmd)
+        ms = ms_since(t0)
+        check(r, "bwrap")
+        return ms
+
+    def teardown(self) -> None:
+        self.sbx.close()
+
+
+class ProcessFresh(Series):
+    name = "process bwrap: start+exec+close"
+
+    def sample(self) -> float:
         t0 = time.perf_counter()
         with ProcessSandbox(isolation="bwrap") as box:
             box.start(timeout=10)
             r = box.execute(CMD)
-        fresh.append(ms_since(t0))
+        ms = ms_since(t0)
         check(r, "bwrap")
-        progress.advance(task)
-    return times, fresh
+        return ms
 
 
-def context_series(n: int, progress) -> dict:
-    """Host python, and the process backend running `true`: splits the backend's time."""
-    out = {}
-    task = progress.add_task("context: host python3, process true", total=2 * n)
-    host = []
-    for _ in range(n):
+class HostPython(Series):
+    name = "host python3 -c pass (no sandbox)"
+
+    def sample(self) -> float:
         t0 = time.perf_counter()
         subprocess.run(["/usr/bin/python3", "-c", "pass"], check=True)
-        host.append(ms_since(t0))
-        progress.advance(task)
-    out["host_python_p50_ms"] = pct(host, 0.5)
-    sbx = ProcessSandbox(isolation="bwrap")
-    sbx.start(timeout=10)
+        return ms_since(t0)
+
+
+def run_rounds(series: list[Series], n: int, progress) -> dict[str, list[float]]:
+    """n rounds; each takes one sample of every series, in a rotating order, so load
+    changes on a shared machine hit every series alike."""
+    for s in series:
+        s.setup()
+    times: dict[str, list[float]] = {s.name: [] for s in series}
+    task = progress.add_task(f"{len(series)} series, interleaved", total=n * len(series))
     try:
-        bw = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            check(sbx.execute(["/usr/bin/true"]), "bwrap")
-            bw.append(ms_since(t0))
-            progress.advance(task)
-        out["process_true_p50_ms"] = pct(bw, 0.5)
+        for i in range(n):
+            k = i % len(series)
+            for s in series[k:] + series[:k]:
+                times[s.name].append(s.sample())
+                progress.advance(task)
     finally:
-        sbx.close()
-    return out
+        for s in series:
+            s.teardown()
+        docker_backend.shutdown_pools()
+    return times
 
 
 def machine_note() -> str:
@@ -195,39 +260,43 @@ def main() -> int:
     note = machine_note()
     if images.ensure_image(args.image, on_line=lambda line: None):
         console.print(f"built {args.image}")
-    cols = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    cols = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    warm = DockerWarm(args.image)
+    series = [warm, DockerFloor(args.image), DockerCold(args.image), ProcessExec(), ProcessFresh(),
+              ProcessExec(["/usr/bin/true"], "process bwrap: exec of true"), HostPython()]
     with Progress(*cols, console=console) as progress:
-        warm, gaps = docker_warm(args.n, progress, args.image)
-        cold = docker_cold(args.n, progress, args.image)
-        proc, proc_fresh = process_backend(args.n, progress)
-        context = context_series(max(10, args.n // 2), progress)
-    w, c, p, pf = summary(warm), summary(cold), summary(proc), summary(proc_fresh)
+        times = run_rounds(series, args.n, progress)
+    stats = {name: summary(values) for name, values in times.items()}
+    w, c = stats[DockerWarm.name], stats[DockerCold.name]
+    p, pf = stats[ProcessExec.name], stats[ProcessFresh.name]
+    floor = stats[DockerFloor.name]
     result = {
         "metric": "p50 ms to run `python3 -c pass` in a fresh sandbox (lower is better)",
         "ours": w["p50"], "peer": c["p50"], "ratio": round(c["p50"] / w["p50"], 2),
         "ours_p99": w["p99"], "peer_p99": c["p99"],
         "ours_desc": "docker backend: warm-pool hand-out (fresh: new or proven clean) + execute",
         "peer_desc": "docker run --rm --network none <image> python3 -c pass (CLI, cold container)",
-        "warm_ready_gap_p50_ms": pct(gaps, 0.5),
+        "warm_ready_gap_p50_ms": pct(warm.gaps, 0.5),
+        "docker_exec_floor_p50_ms": floor["p50"], "docker_exec_floor_p99_ms": floor["p99"],
         "process_p50": p["p50"], "process_p99": p["p99"],
         "process_fresh_p50": pf["p50"], "process_fresh_p99": pf["p99"],
         "process_isolation": "bwrap",
-        **context,
+        "process_true_p50_ms": stats["process bwrap: exec of true"]["p50"],
+        "host_python_p50_ms": stats[HostPython.name]["p50"],
         "targets": {"ours_p50_ms": 100, "process_p50_ms": 30},
         "n": args.n, "image": args.image, "machine": note,
         "load_avg_end": [round(x, 1) for x in os.getloadavg()],
+        "sampling": "interleaved rounds: one sample of every series per round, rotating order",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     table = Table(title=f"python3 -c pass in a fresh sandbox (n={args.n}, ms)")
     for col in ("series", "p50", "p99", "mean"):
         table.add_column(col, justify="right" if col != "series" else "left")
-    for name, s in (("docker warm pool (ours)", w), ("docker run --rm (peer)", c),
-                    ("process bwrap: exec", p), ("process bwrap: start+exec+close", pf)):
-        table.add_row(name, str(s["p50"]), str(s["p99"]), str(s["mean"]))
+    for name, st in stats.items():
+        table.add_row(name, str(st["p50"]), str(st["p99"]), str(st["mean"]))
     Console().print(table)
-    print(f"ratio peer/ours = {result['ratio']}; host python3 -c pass p50 = {context['host_python_p50_ms']} ms; "
-          f"process backend `true` p50 = {context['process_true_p50_ms']} ms; wrote {args.out.relative_to(ROOT)}")
+    print(f"ratio peer/ours = {result['ratio']}; wrote {args.out.relative_to(ROOT)}")
     return 0
 
 

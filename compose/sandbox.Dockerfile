@@ -9,7 +9,7 @@
 FROM python:3.11-slim
 
 RUN set -eu; \
-    for tool in sh timeout setsid kill realpath stat mkdir cat rm chmod ipcrm sleep python3; do \
+    for tool in sh timeout kill realpath stat mkdir cat rm chmod ipcrm sleep python3; do \
         command -v "$tool" >/dev/null || { echo "sandbox image: missing tool: $tool" >&2; exit 1; }; \
     done; \
     python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')" >/dev/null || true; \

@@ -12,7 +12,8 @@ Guarantees (on top of those in `sandbox_workers.base`):
   nor ptrace them, and `kill -9 -1` as 65534 kills every sandbox process and nothing
   else.
 - `execute` is one exec through the Engine API. A wrapper shell (as 65534) runs the
-  command under `setsid -w timeout -s KILL <t>` (its own session and process group),
+  command under `timeout -s KILL <t>`, which puts itself and the command in their own
+  process group (no `setsid`: no terminal is attached, and it would cost an exec),
   then `kill -9 -1` (every process the command started, double-forked daemons
   included), then reports the command's status and the memory cgroup's `oom_kill`
   delta on a last stderr line and exits 0. That line is trusted only when the exec
@@ -95,7 +96,7 @@ LABEL = "rlbus.sandbox"
 OWNER_LABEL = "rlbus.sandbox.owner"
 RUN_USER = "65534:65534"
 HOLDER_USER = "65532:65532"
-PID_HEADROOM = 4  # docker-init, sleep, wrapper sh, timeout (setsid forks only if it leads a group)
+PID_HEADROOM = 4  # docker-init, sleep, wrapper sh, timeout
 KILL_GRACE_S = 1.5
 INSPECT_WAIT_S = 2.0
 MAX_USES = 100
@@ -120,7 +121,7 @@ f=/sys/fs/cgroup/memory/memory.oom_control
 oom() { n=0; if [ -r "$f" ]; then while read -r k v; do [ "$k" = oom_kill ] && n=$v; done < "$f"; fi; }
 oom; before=$n
 t=$1; shift
-(exec setsid -w timeout -s KILL "$t" "$@" </dev/null 2>&3 3>&-)
+(exec timeout -s KILL "$t" "$@" </dev/null 2>&3 3>&-)
 rc=$?
 kill -9 -1; kill -9 -1
 oom

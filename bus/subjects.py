@@ -93,9 +93,11 @@ class Registry:
         check_token("run_id", self.run_id)
 
     # -- subjects ---------------------------------------------------------------
-    def tasks(self, domain: str) -> str:
-        """Subject a domain's tasks are published on."""
-        return f"tasks.{self.run_id}.{check_token('domain', domain)}"
+    def tasks(self, domain: str, pool: str = "short") -> str:
+        """Subject a domain's tasks of a duration pool are published on: `tasks.<run>.<domain>`
+        for the default `short` pool, `tasks.<run>.<domain>.<pool>` for another."""
+        base = f"tasks.{self.run_id}.{check_token('domain', domain)}"
+        return base if pool == "short" else f"{base}.{check_token('pool', pool)}"
 
     def traj(self, domain: str) -> str:
         """Subject a domain's trajectories are published on."""
@@ -179,9 +181,14 @@ class Registry:
         ]
 
     # -- consumers --------------------------------------------------------------
-    def rollout_consumer(self, ack_wait_s: float = 60.0, max_ack_pending: int = 256) -> ConsumerSpec:
-        """The shared durable every rollout worker pulls tasks from."""
-        return ConsumerSpec(self.stream("TASKS"), "rollout", self.all("tasks"), ack_wait_s, 5,
+    def rollout_consumer(self, ack_wait_s: float = 60.0, max_ack_pending: int = 256, pool: str = "short") -> ConsumerSpec:
+        """The shared durable every rollout worker of a duration pool pulls tasks from
+        (`rollout` for the `short` pool, `rollout-<pool>` otherwise; each its own ack_wait)."""
+        if pool == "short":
+            durable, subject = "rollout", f"tasks.{self.run_id}.*"
+        else:
+            durable, subject = f"rollout-{check_token('pool', pool)}", f"tasks.{self.run_id}.*.{pool}"
+        return ConsumerSpec(self.stream("TASKS"), durable, subject, ack_wait_s, 5,
                             (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s), max_ack_pending)
 
     def verifier_consumer(self, ack_wait_s: float = 30.0, max_ack_pending: int = 4096) -> ConsumerSpec:

@@ -39,7 +39,7 @@ from learner import checkpoint
 from learner.lease import LearnerLease
 from learner.groups import Group, GroupPool, PooledSample, split_stale
 from learner.step import load_models, train_step
-from learner.weights import publish_version
+from learner.weights import make_store, publish_version
 from rlbus.runtime import worker_session
 from schemas import Reward, TaskFate, TaskFates
 
@@ -58,6 +58,7 @@ class Learner:
         self.last_step_at = time.monotonic()
         self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
         self.ledger_seq = 0  # LEDGER sequence of this learner's last record (checkpointed)
+        self.store = make_store(self.lc.weight_store, s.js, s.reg)  # where weight blobs go (nats, file://, s3://)
 
     def state(self, rewards_ack_floor: int = 0) -> dict:
         """What a checkpoint records besides model/optimizer: counters, the trained set,
@@ -139,7 +140,9 @@ class Learner:
         to_ack = [s.raw for g in expired for s in g.samples.values()]
         train_groups: list[Group] = []
         for g in ready:
-            to_ack += [s.raw for s in split_stale(g, self.version, self.lc.max_staleness)]
+            stale = split_stale(g, self.version, self.lc.max_staleness)
+            self.s.counters["stale_samples"] = self.s.counters.get("stale_samples", 0) + len(stale)
+            to_ack += [s.raw for s in stale]
             rewards = [s.reward.reward for s in g.samples.values()]
             if len(g.samples) < 2:
                 fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="stale"))
@@ -175,7 +178,7 @@ class Learner:
         log.info("learner.step", step=self.step, version=self.version, **{k: round(v, 4) for k, v in metrics.items()})
         if self.step % self.lc.publish_every == 0:
             self.version += 1
-            await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step, metrics)
+            await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step, metrics, store=self.store)
             c["version"] = self.version
         if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
             await self.save_checkpoint()
@@ -221,10 +224,10 @@ async def run(cfg, ctx) -> dict[str, float]:
             saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
         await L.restore(saved)
         if (await get_json(s.js, s.reg, "weights.latest")) is None:
-            await publish_version(s.js, s.reg, policy, 0, 0, {})
+            await publish_version(s.js, s.reg, policy, 0, 0, {}, store=L.store)
         elif s.counters.get("resumed_from_step") is not None:
             L.version += 1  # the restored weights, announced under a new (monotonic) version
-            await publish_version(s.js, s.reg, policy, L.version, L.step, {})
+            await publish_version(s.js, s.reg, policy, L.version, L.step, {}, store=L.store)
         s.counters.update(step=L.step, version=L.version)
         await L.progress()
         sub = await bind_learner_consumer(s.js, s.reg)

@@ -105,6 +105,10 @@ class DomainConfig(Section):
     """Weights of the verifier's named components in the scalar reward (empty: the verifier's default)."""
     max_turns: int = Field(default=1, ge=1)
     """Model turns per episode (more than 1 for tool-using domains)."""
+    pool: str = "short"
+    """Expected-duration class of the domain's tasks (a `rollout.pools` name)."""
+    long_after_s: float = Field(default=30.0, gt=0)
+    """Measured mean episode seconds (per level, KV `durations`) above which tasks go to the `long` pool."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Domain-specific options (see the domain's docstring)."""
 
@@ -166,6 +170,23 @@ class SamplerSection(Section):
         return self
 
 
+class PoolConfig(Section):
+    """One expected-duration pool of tasks."""
+
+    ack_wait_s: float | None = Field(default=None, gt=0)
+    """Consumer ack_wait of the pool (in_progress is sent at a third of it); None: rollout.ack_wait_s."""
+    budget_s: float = Field(default=600.0, gt=0)
+    """Most wall time one batch of the pool's episodes may take; multi-turn episodes still
+    running then end with finish_reason `length` instead of holding the pool."""
+    batch_tasks: int | None = Field(default=None, ge=1)
+    """Tasks fetched per batch from this pool; None: rollout.batch_tasks."""
+
+
+def default_pools() -> dict[str, PoolConfig]:
+    """`short` (the rollout section's ack_wait and batch) and `long` (5-minute ack_wait, small batches)."""
+    return {"short": PoolConfig(budget_s=300.0), "long": PoolConfig(ack_wait_s=300.0, budget_s=3600.0, batch_tasks=2)}
+
+
 class RolloutSection(Section):
     """Rollout workers."""
 
@@ -181,6 +202,8 @@ class RolloutSection(Section):
     """Consumer ack_wait; in_progress is sent at a third of it."""
     sandbox_slots: int = Field(default=8, ge=1)
     """Tool calls run at once by one rollout worker (each in its episode's own sandbox)."""
+    pools: dict[str, PoolConfig] = Field(default_factory=default_pools)
+    """Duration pools this worker serves, each pulled by its own loop and consumer."""
 
 
 class SandboxSection(Section):
@@ -324,6 +347,32 @@ class SchedulerSection(Section):
     """Demote a domain's level when its recent success rate is at most this."""
     curriculum_window: int = Field(default=64, ge=1)
     """Samples per level behind the success rate (also the minimum between level changes)."""
+    eval_floors: dict[str, float] = Field(default_factory=dict)
+    """Release gate: minimum eval score per eval domain, e.g. {arith = 0.5}; a domain without one must not fall below its baseline minus `release_margin`."""
+    release_margin: float = Field(default=0.02, ge=0.0)
+    """Release gate: how far below its version-0 baseline an eval domain may fall (when it has no `eval_floors` entry)."""
+    general_eval: str = ""
+    """Forgetting guard: kind of the general regression set evaluated with every version (`arith` or `tool_calc`; empty = off). Published as eval domain `general_<kind>`."""
+    general_eval_level: int = Field(default=1, ge=1)
+    """Forgetting guard: fixed difficulty level of the general set."""
+    general_eval_n: int = Field(default=100, ge=1)
+    """Forgetting guard: problems in the general set."""
+    forgetting_margin: float = Field(default=0.05, ge=0.0)
+    """Forgetting guard: trips when the general score is more than this below its baseline."""
+    forgetting_replay_step: float = Field(default=0.1, ge=0.0)
+    """Forgetting guard: added to the learner's replay share each time it trips (KV `learner.overrides`)."""
+    forgetting_replay_max: float = Field(default=1.0, ge=0.0)
+    """Forgetting guard: the replay share it never raises above."""
+    forgetting_beta_step: float = Field(default=0.01, ge=0.0)
+    """Forgetting guard: added to the learner's KL beta each time it trips (KV `learner.overrides`)."""
+    forgetting_beta_max: float = Field(default=0.2, ge=0.0)
+    """Forgetting guard: the KL beta it never raises above."""
+    plateau_threshold: float = Field(default=0.01, ge=0.0)
+    """Plateau: eval-score gain per 1000 trained samples (least-squares slope over the window) below which the run has plateaued."""
+    plateau_window: int = Field(default=4, ge=2)
+    """Plateau: number of most recent evaluations the slope is fitted over."""
+    stop_on_plateau: bool = False
+    """Plateau: ask the launcher to stop the run (KV `status` = "stop-requested") once a plateau is detected."""
 
 
 class RunConfig(Section):

@@ -155,8 +155,10 @@ async def finish(ep: Episode) -> None:
 
 async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
                        open_sandbox: Callable[[], Awaitable[object]], before_turn: Callable[[], Awaitable] | None = None,
-                       slots: int = 8, tool_timeout: float | None = None) -> list[Episode]:
-    """Every sample of `tasks` (which share group size, max_tokens and temperature) to the end."""
+                       slots: int = 8, tool_timeout: float | None = None,
+                       deadline: float | None = None) -> list[Episode]:
+    """Every sample of `tasks` (which share group size, max_tokens and temperature) to the end;
+    past `deadline` (time.monotonic) no new turn starts: live episodes end with `length`."""
     t = tasks[0]
     n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
     sem = asyncio.Semaphore(slots)
@@ -176,6 +178,10 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
             calls = [(ep, prog) for ep, prog in calls if prog is not None]
             await asyncio.gather(*(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout) for ep, prog in calls))
             live = [ep for ep, _ in calls]
+            if live and deadline is not None and time.monotonic() >= deadline:
+                for ep in live:
+                    ep.done, ep.finish_reason = True, "length"
+                live = []
             if not live:
                 break
             if before_turn:

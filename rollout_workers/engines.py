@@ -41,13 +41,22 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(model_path).to(self.device).eval()
+        self.model_path, self.base = model_path, None  # base: the untouched start weights, for LoRA adapters
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     def load_weights(self, blob: bytes) -> None:
-        """Hot-load a safetensors blob into the model."""
+        """Hot-load a safetensors blob into the model: full weights, or a LoRA adapter, which
+        is merged into the base weights this engine started from (never into the previous version)."""
+        from learner.lora import blob_kind, merged_state_blob
         from learner.weights import load_state_bytes
 
+        if blob_kind(blob) == "lora":
+            if self.base is None:
+                from transformers import AutoModelForCausalLM
+
+                self.base = AutoModelForCausalLM.from_pretrained(self.model_path).eval()
+            blob = merged_state_blob(self.base, blob)
         load_state_bytes(self.model, blob)
         self.model.eval()
 

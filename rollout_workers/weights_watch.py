@@ -16,7 +16,8 @@ import asyncio
 import structlog
 from nats.js.api import DeliverPolicy
 
-from bus.objects import ChecksumMismatch, get_blob
+from bus.objects import ChecksumMismatch
+from learner.weights import fetch_weights
 from schemas import DecodeError, WeightVersion, decode
 
 log = structlog.get_logger()
@@ -69,7 +70,7 @@ class WeightWatcher:
         if wv is None or (self.loaded and wv.version <= self.loaded.version) or wv.msg_id in self.rejected:
             return False
         try:
-            blob = await get_blob(self.js, wv.uri, wv.sha256)
+            blob = await fetch_weights(wv.uri, wv.sha256, self.js, self.reg)
         except ChecksumMismatch as exc:
             self.rejected.add(wv.msg_id)
             self.counters["weights_rejected"] = self.counters.get("weights_rejected", 0) + 1

@@ -9,6 +9,9 @@ Guarantees:
 - For each task, publishes exactly `group_size` trajectories (all of a batch in one
   pipelined publish) and only then acks the task; a crash before the ack means the
   task is redelivered to another worker.
+- Each duration pool (`rollout.pools`: `short`, `long`, ...) is pulled by its own loop
+  through its own durable consumer, with its own ack_wait, in_progress cadence, batch
+  size and time budget, so long episodes never starve short ones.
 - Tasks that offer tools run as multi-turn agent episodes (`rollout_workers.agent`) in
   sandboxes from the `sandbox` config section: local (`backend`), or sessions of the
   sandbox service when `sandbox.remote`. When the sandbox itself fails, the batch's tool
@@ -91,13 +94,14 @@ async def run(cfg, ctx) -> dict[str, float]:
 
         open_sandbox = await sandbox_opener(cfg, ctx, s)
 
-        async def run_tool_tasks(tasks: list[Task]) -> list:
+        async def run_tool_tasks(tasks: list[Task], deadline: float) -> list:
             episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
                                           before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
-                                          tool_timeout=cfg.sandbox.timeout_s)
+                                          tool_timeout=cfg.sandbox.timeout_s, deadline=deadline)
             return [(s.reg.traj(ep.task.domain), to_trajectory(ep)) for ep in episodes]
 
-        async def handle(batch: list[Delivery]):
+        async def handle(batch: list[Delivery], budget_s: float):
+            deadline = time.monotonic() + budget_s
             await watcher.maybe_load(engine)
             by_shape: dict[tuple, list[Task]] = defaultdict(list)
             for d in batch:
@@ -107,7 +111,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             for (tools, n, max_tokens, temperature), tasks in by_shape.items():
                 if tools:
                     try:
-                        items += await run_tool_tasks(tasks)
+                        items += await run_tool_tasks(tasks, deadline)
                     except SandboxUnavailable as exc:
                         log.warning("rollout.sandbox_unavailable", error=str(exc))
                         raise Retry(delay=5.0, reason=str(exc)) from exc
@@ -124,8 +128,16 @@ async def run(cfg, ctx) -> dict[str, float]:
             s.counters["trajectories"] = s.counters.get("trajectories", 0) + len(items)
             return [None] * len(batch)
 
-        sub = await pull_subscription(s.js, s.reg.rollout_consumer(rc.ack_wait_s))
-        await run_pull_loop(s.js, s.reg, "rollout", sub, Task, handle, batch=rc.batch_tasks,
-                            ack_wait_s=rc.ack_wait_s, max_messages=ctx.max_messages, until_idle=ctx.until_idle,
-                            stop=s.stop, counters=s.counters)
+        async def serve(pool: str, pc) -> None:
+            ack_wait = pc.ack_wait_s or rc.ack_wait_s
+            sub = await pull_subscription(s.js, s.reg.rollout_consumer(ack_wait, pool=pool))
+            await run_pull_loop(s.js, s.reg, "rollout", sub, Task, lambda b: handle(b, pc.budget_s),
+                                batch=pc.batch_tasks or rc.batch_tasks, ack_wait_s=ack_wait,
+                                max_messages=ctx.max_messages, until_idle=ctx.until_idle, stop=s.stop,
+                                counters=s.counters)
+            if ctx.max_messages is not None:
+                s.stop.set()  # a test limit reached in one pool ends the worker
+
+        # one pull loop per duration pool: a long episode holds only its own pool's loop
+        await asyncio.gather(*(serve(pool, pc) for pool, pc in rc.pools.items()))
         return s.counters

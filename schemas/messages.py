@@ -135,6 +135,9 @@ class Task(Message):
     """Public parameters for the verifier (never gold answers or tests)."""
     hidden_ref: str | None = None
     """Where hidden gold/tests live; only verifiers resolve it."""
+    pool: str = "short"
+    """Expected-duration class: rollout workers pull each pool through its own consumer
+    (own ack_wait, in_progress cadence and time budget), so long episodes never starve short ones."""
 
 
 class Turn(BaseModel):

@@ -791,7 +791,8 @@ class DockerSandbox(Sandbox):
             out, err = HeadTailBuffer(cap), HeadTailBuffer(cap)
             hold = _StderrHold(err)
             t0 = time.monotonic()
-            ex = self._start_exec(["/bin/sh", "-c", _WRAPPER, "rlbus-exec", f"{timeout:.3f}", *argv])
+            # `timeout 0` would mean "no limit": the shortest limit is 1 ms
+            ex = self._start_exec(["/bin/sh", "-c", _WRAPPER, "rlbus-exec", f"{max(timeout, 0.001):.3f}", *argv])
             try:
                 finished = ex.pump({1: out, 2: hold}, t0 + timeout + KILL_GRACE_S)
                 if not finished:

@@ -2,8 +2,13 @@
 
 Guarantees:
 - `connect` reconnects forever (max_reconnect_attempts=-1) and logs each disconnect.
+  Credentials and TLS come from its arguments, else the environment
+  (`RLBUS_NATS_USER`/`RLBUS_NATS_PASSWORD[_FILE]`, `RLBUS_NATS_TLS_CA/_CERT/_KEY`, see
+  `bus.auth`); with a user, replies use the inbox prefix `_INBOX_<user>` its permissions allow.
 - `ensure_topology` creates or updates every stream, the KV bucket and the object
-  store of a run; calling it again with the same registry changes nothing.
+  store of a run; calling it again with the same registry changes nothing. With
+  `role=`, it only creates what that role uses and is missing (`bus.auth.ROLE_TOPOLOGY`)
+  and never updates, so it needs no more than the role's NATS permissions.
 - `ensure_consumer` creates or updates a durable with the registry's explicit config.
 """
 
@@ -19,8 +24,22 @@ from bus.subjects import ConsumerSpec, Registry
 log = structlog.get_logger()
 
 
-async def connect(url: str, name: str = "rlbus") -> nats.NATS:
-    """Connect with unlimited reconnects."""
+async def connect(url: str, name: str = "rlbus", *, user: str | None = None, password: str | None = None,
+                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> nats.NATS:
+    """Connect with unlimited reconnects, as `user` (default: env) over TLS when a CA is set.
+
+    TLS: `tls_ca` verifies the server (also used for `tls://` URLs); `tls_cert`+`tls_key`
+    add a client certificate (mutual TLS). Each falls back to its `RLBUS_NATS_TLS_*` env var.
+    """
+    from bus.auth import client_credentials, inbox_prefix, tls_context
+
+    user, password = client_credentials(user, password)
+    tls = tls_context(tls_ca, tls_cert, tls_key)
+    extra: dict = {}
+    if user:
+        extra.update(user=user, password=password or "", inbox_prefix=inbox_prefix(user))
+    if tls is not None:
+        extra["tls"] = tls
 
     async def on_disconnect():
         log.info("bus.disconnected", url=url)  # also fires on a deliberate close
@@ -34,12 +53,18 @@ async def connect(url: str, name: str = "rlbus") -> nats.NATS:
     return await nats.connect(
         url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, error_cb=on_error,
-        pending_size=64 * 1024 * 1024,
+        pending_size=64 * 1024 * 1024, **extra,
     )
 
 
-async def ensure_topology(js: JetStreamContext, reg: Registry) -> None:
-    """Create or update every stream, the run's KV bucket and its object store."""
+async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None = None) -> None:
+    """Create or update every stream, the run's KV bucket and its object store.
+
+    With `role`: create only the streams/buckets `role` uses that are missing, update
+    nothing (what a worker with per-role permissions may do; an admin updates)."""
+    if role is not None:
+        await _ensure_role_topology(js, reg, role)
+        return
     for cfg in reg.streams():
         try:
             await js.stream_info(cfg.name)
@@ -58,6 +83,33 @@ async def ensure_topology(js: JetStreamContext, reg: Registry) -> None:
         await js.object_store(reg.object_bucket)
     except Exception:
         await js.create_object_store(bucket=reg.object_bucket)
+
+
+async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) -> None:
+    from bus.auth import ROLE_TOPOLOGY
+
+    families = ROLE_TOPOLOGY.get(role, ())
+    by_name = {c.name: c for c in reg.streams()}
+    for family in families:
+        if family.startswith(("KV_", "OBJ_")):
+            continue
+        cfg = by_name[reg.stream(family)]
+        try:
+            await js.stream_info(cfg.name)
+        except NotFoundError:
+            await js.add_stream(cfg)
+    buckets = {"KV_run": (reg.kv_bucket, 16), "KV_hidden": (reg.hidden_bucket, 1)}
+    for family, (bucket, history) in buckets.items():
+        if family in families:
+            try:
+                await js.key_value(bucket)
+            except Exception:
+                await js.create_key_value(bucket=bucket, history=history)
+    if "OBJ_weights" in families:
+        try:
+            await js.object_store(reg.object_bucket)
+        except Exception:
+            await js.create_object_store(bucket=reg.object_bucket)
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:

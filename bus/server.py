@@ -4,6 +4,10 @@ Guarantees:
 - `EmbeddedNats.start()` returns only once the server accepts connections, on a free
   loopback port, with JetStream storing under `store_dir`; otherwise it raises with the
   server's own log tail.
+- With `config=` (nats-server config text: `authorization {...}` from
+  `bus.auth.server_auth_config`, a `tls {...}` block from `tls_block`), the text is written
+  to `<store_dir>/nats.conf` (mode 0600) and passed with `-c`; command-line flags (port,
+  store dir, log) still win. `url` is `tls://` when `tls=True`.
 - `stop()` terminates the server by PID (SIGTERM, then SIGKILL) and never leaves it
   running; it is also a context manager.
 """
@@ -38,11 +42,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tls_block(cert_file: str, key_file: str, ca_file: str | None = None, verify_clients: bool = False) -> str:
+    """A nats-server `tls {...}` block: server cert/key; with `verify_clients`, clients
+    must present a certificate signed by `ca_file` (mutual TLS)."""
+    lines = ["tls {", f'  cert_file: "{cert_file}"', f'  key_file: "{key_file}"']
+    if ca_file:
+        lines.append(f'  ca_file: "{ca_file}"')
+    if verify_clients:
+        lines.append("  verify: true")
+    lines += ["  timeout: 5", "}"]
+    return "\n".join(lines) + "\n"
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream on a free port."""
 
-    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, monitor_port: int | None = None):
+    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, monitor_port: int | None = None,
+                 config: str | None = None, tls: bool = False, env: dict[str, str] | None = None):
         self.store_dir = Path(store_dir)
+        self.config = config
+        self.tls = tls
+        self.env = env
         self.port = port or free_port()
         self.monitor_port = monitor_port
         self.proc: subprocess.Popen | None = None
@@ -51,7 +71,7 @@ class EmbeddedNats:
     @property
     def url(self) -> str:
         """Client URL of the server."""
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 15.0) -> "EmbeddedNats":
         """Start the server and wait until it accepts TCP connections."""
@@ -60,8 +80,15 @@ class EmbeddedNats:
                "-sd", str(self.store_dir), "-l", str(self.log_path)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
+        if self.config is not None:
+            conf = self.store_dir / "nats.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.config)
+            cmd += ["-c", str(conf)]
+        env = dict(os.environ, **self.env) if self.env else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

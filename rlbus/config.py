@@ -41,6 +41,15 @@ class RunSection(Section):
     """Connect to this NATS server; empty = start an embedded one."""
     drain_seconds: float = Field(default=20.0, ge=0.0)
     """At stop, how long the pipeline may drain after the sampler stops."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Prometheus /metrics port of each worker (0 = off). Several workers on one host take
+    the first free port from here upward; env RLBUS_METRICS_PORT sets one process's port."""
+    nats_tls_ca: str = ""
+    """CA file that verifies the NATS server's certificate (empty = plain TCP unless env RLBUS_NATS_TLS_CA)."""
+    nats_tls_cert: str = ""
+    """Client certificate for mutual TLS (with nats_tls_key; empty = none). Paths, never the secrets themselves."""
+    nats_tls_key: str = ""
+    """Private key of nats_tls_cert (mount it from a secret; never bake it into an image)."""
 
 
 class ModelSection(Section):

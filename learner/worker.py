@@ -54,8 +54,10 @@ class Learner:
         self.lc = s.cfg.learner
         self.pool = GroupPool(self.lc.group_deadline_s)
         self.step, self.version, self.tasks_done, self.samples_trained = 0, 0, 0, 0
+        self.tasks_done_by_pool: dict[str, int] = {}  # what the sampler's per-pool gates subtract
         self.trained: set[str] = set()  # reward msg_ids trained (for exactly-once)
         self.last_step_at = time.monotonic()
+        self.short_window_at = -1.0  # last_step_at of the window last logged as short
         self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
         self.ledger_seq = 0  # LEDGER sequence of this learner's last record (checkpointed)
         self.store = make_store(self.lc.weight_store, s.js, s.reg)  # where weight blobs go (nats, file://, s3://)
@@ -64,7 +66,7 @@ class Learner:
         """What a checkpoint records besides model/optimizer: counters, the trained set,
         and the position in the REWARDS log (the learner consumer's ack floor)."""
         return {"step": self.step, "version": self.version, "tasks_done": self.tasks_done,
-                "samples_trained": self.samples_trained, "trained": sorted(self.trained),
+                "tasks_done_by_pool": self.tasks_done_by_pool, "samples_trained": self.samples_trained, "trained": sorted(self.trained),
                 "rewards_ack_floor": rewards_ack_floor, "ledger_seq": self.ledger_seq}
 
     async def rewards_position(self) -> int:
@@ -101,6 +103,7 @@ class Learner:
         latest = await get_json(js, reg, "weights.latest") or {}
         if saved:
             self.step, self.tasks_done = saved["step"], saved["tasks_done"]
+            self.tasks_done_by_pool = dict(saved.get("tasks_done_by_pool") or {"short": self.tasks_done})
             self.samples_trained, self.trained = saved["samples_trained"], set(saved["trained"])
         self.version = max(int(latest.get("version", 0)), saved["version"] if saved else 0)
         if not progressed:
@@ -126,10 +129,24 @@ class Learner:
                 await d.raw.ack()
 
     def should_step(self) -> bool:
-        """Enough ready groups, or the time window closed with at least one."""
+        """A full batch (`groups_per_step` ready groups), or the time window closed with at
+        least `min_groups_per_step`; a window that closes short is logged with its reason
+        (once per window) and extended."""
         now = time.monotonic()
         ready = self.pool.count_ready(now)
-        return ready >= self.lc.groups_per_step or (ready > 0 and now - self.last_step_at >= self.lc.step_window_s)
+        if ready >= self.lc.groups_per_step:
+            return True
+        if now - self.last_step_at < self.lc.step_window_s:
+            return False
+        if ready >= self.lc.min_groups_per_step:
+            return True
+        if self.short_window_at != self.last_step_at:
+            self.short_window_at = self.last_step_at
+            self.s.counters["short_windows"] = self.s.counters.get("short_windows", 0) + 1
+            log.info("learner.window_short", ready=ready, needed=self.lc.min_groups_per_step,
+                     incomplete=len(self.pool.pending()), window_s=self.lc.step_window_s,
+                     reason="fewer complete groups than min_groups_per_step; waiting for more")
+        return False
 
     async def step_once(self) -> None:
         """Pop ready groups, filter, train, ack, record, publish, checkpoint."""
@@ -163,6 +180,9 @@ class Learner:
                                reward_msg_ids=[s.reward.msg_id for s in g.samples.values()]) for g in train_groups]
             to_ack += [s.raw for s in samples]
         self.tasks_done += len(ready) + len(expired)
+        for g in list(ready) + list(expired):
+            pool = next(iter(g.samples.values())).reward.trajectory.pool if g.samples else "short"
+            self.tasks_done_by_pool[pool] = self.tasks_done_by_pool.get(pool, 0) + 1
         await self.record(fates)
         for raw in to_ack:
             await raw.ack()
@@ -188,6 +208,7 @@ class Learner:
         """KV learner.progress: what the sampler's gate and the live view read."""
         await put_json(self.s.js, self.s.reg, LEARNER_PROGRESS, {
             "step": self.step, "version": self.version, "tasks_done": self.tasks_done,
+            "tasks_done_by_pool": self.tasks_done_by_pool,
             "samples_trained": self.samples_trained, "reward_mean": self.s.counters.get("reward_mean"),
             "updated_at": time.time()})
 

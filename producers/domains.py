@@ -40,6 +40,7 @@ BUILTINS: dict[str, str] = {
     "files": "producers.files_domain:FilesDomain",
     "jsonl": "producers.jsonl_source:JsonlDomain",
     "judge": "producers.jsonl_source:JudgeDomain",
+    "sleep": "producers.sleep_domain:SleepDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

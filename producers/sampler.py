@@ -2,8 +2,10 @@
 
 Guarantees:
 - In-flight tasks (published but not yet consumed by the learner, minus dead letters)
-  never exceed `sampler.max_inflight_tasks`; when the learner stalls, sampling stops
-  instead of flooding the TASKS stream.
+  are bounded per duration pool (`pool_caps`): the short pool by `sampler.max_inflight_tasks`
+  and by what the learner consumes within `max_staleness` versions, each other pool by
+  its own `max_inflight`; when the learner stalls, sampling stops instead of flooding
+  the TASKS stream, and long tasks never take the short pool's room.
 - Every published task is recorded in the LEDGER (`fate=published`) right after its
   publish is acknowledged by the stream, keyed by the task's msg_id; the run's
   accounting starts from these records.
@@ -30,6 +32,7 @@ import structlog
 from bus.kv import CURRICULUM, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.publish import publish, publish_many
 from bus.hidden import put_hidden
+from scheduler.durations import DURATIONS
 from producers.domains import Drawn, make_source
 from rlbus.runtime import worker_session
 from schemas import TaskFate, TaskFates
@@ -60,32 +63,63 @@ def choose(rng: random.Random, weights: dict[str, float]) -> str:
     return rng.choices(names, weights=[weights[d] for d in names])[0]
 
 
-def make_tasks(sources: dict, rng: random.Random, start: int, n: int, weights: dict[str, float],
-               levels: dict[str, int]) -> list[Drawn]:
-    """`n` training tasks, each of a domain drawn by `weights`, at that domain's level."""
-    out = []
-    for i in range(n):
-        domain = choose(rng, weights)
-        out.append(sources[domain].make_task(rng, levels[domain], start + i))
-    return out
+def pool_for(domain: str, level: int, dc, durations: dict | None, pools) -> str:
+    """The duration pool of a (domain, level): the domain's `pool`, or `long` once the
+    measured mean episode time (KV `durations`) exceeds its `long_after_s`."""
+    measured = ((durations or {}).get(domain) or {}).get(str(level))
+    if measured is not None and measured > dc.long_after_s and "long" in pools:
+        return "long"
+    return dc.pool
 
 
-async def inflight(js, reg, published: int) -> int:
-    """Tasks published and not yet consumed by the learner nor dead-lettered as tasks.
+def pool_caps(cfg) -> dict[str, int]:
+    """In-flight bound per pool. `short`: `sampler.max_inflight_tasks`, and never more than the
+    learner consumes within `max_staleness` versions (groups_per_step x publish_every x
+    max_staleness tasks), so nothing waits long enough to go stale; other pools: their own
+    `max_inflight`, so long episodes can never fill the short pool's room."""
+    lc = cfg.learner
+    staleness_bound = lc.groups_per_step * lc.publish_every * max(1, lc.max_staleness)
+    caps = {p: pc.max_inflight for p, pc in cfg.rollout.pools.items()}
+    caps["short"] = min(cfg.sampler.max_inflight_tasks, staleness_bound)
+    return caps
+
+
+async def inflight_by_pool(js, reg, published: dict[str, int]) -> dict[str, int]:
+    """Tasks published and not yet consumed by the learner nor dead-lettered, per pool.
 
     Dead-lettered trajectories/rewards are not subtracted: their task's other samples
     still reach the learner as a partial group, which it trains or filters (counted in
-    `tasks_done`). Only a task whose every sample is dead-lettered keeps its slot.
+    `tasks_done`). Only a task whose every sample is dead-lettered keeps its slot
+    (rollout dead letters are counted against the `short` pool).
     """
     progress = await get_json(js, reg, LEARNER_PROGRESS) or {}
-    done = int(progress.get("tasks_done", 0))
+    done = dict(progress.get("tasks_done_by_pool") or {"short": int(progress.get("tasks_done", 0))})
     subject = reg.dlq("rollout")
     try:
         info = await js.stream_info(reg.stream("DLQ"), subjects_filter=subject)
         dead = int((info.state.subjects or {}).get(subject, 0))
     except Exception:
         dead = 0
-    return max(0, published - done - dead)
+    return {p: max(0, n - int(done.get(p, 0)) - (dead if p == "short" else 0)) for p, n in published.items()}
+
+
+def make_tasks(sources: dict, rng: random.Random, start: int, room: dict[str, int], limit: int,
+               weights: dict[str, float], levels: dict[str, int], pools_of: dict[str, str]) -> list[Drawn]:
+    """Up to `limit` training tasks, each of a domain drawn by `weights` among the domains
+    whose pool still has room, at that domain's level, tagged with its pool."""
+    room, out = dict(room), []
+    while len(out) < limit:
+        open_w = {d: w for d, w in weights.items() if w > 0 and room.get(pools_of[d], 0) > 0}
+        if not open_w:
+            break
+        domain = choose(rng, open_w)
+        drawn = sources[domain].make_task(rng, levels[domain], start + len(out))
+        pool = pools_of[domain]
+        if pool != drawn.task.pool:
+            drawn.task = drawn.task.model_copy(update={"pool": pool})
+        room[pool] -= 1
+        out.append(drawn)
+    return out
 
 
 async def run(cfg, ctx) -> dict[str, float]:
@@ -94,32 +128,39 @@ async def run(cfg, ctx) -> dict[str, float]:
     async with worker_session("sampler", cfg, ctx) as s:
         sources = {name: make_source(s.reg.run_id, name, cfg) for name in sc.domains}
         hidden_stored: set[str] = set()
-        published = int((await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}).get("published", 0))
+        saved = await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}
+        published = int(saved.get("published", 0))
+        by_pool = {p: 0 for p in cfg.rollout.pools} | dict(saved.get("by_pool") or {"short": published})
+        caps = pool_caps(cfg)
         rng = random.Random(f"sampler-{cfg.run.seed}-{published}")
         s.counters["published"] = published
         while not s.stop.is_set():
             if ctx.max_messages is not None and published >= ctx.max_messages:
                 break
-            room = sc.max_inflight_tasks - await inflight(s.js, s.reg, published)
-            s.counters["inflight"] = sc.max_inflight_tasks - room
-            if room <= 0:
+            held = await inflight_by_pool(s.js, s.reg, by_pool)
+            room = {p: caps.get(p, 0) - held.get(p, 0) for p in caps}
+            s.counters["inflight"] = sum(held.values())
+            weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
+            durations = await get_json(s.js, s.reg, DURATIONS)
+            pools_of = {d: pool_for(d, levels[d], sc.domains[d], durations, cfg.rollout.pools) for d in sc.domains}
+            limit = sc.publish_batch if ctx.max_messages is None else min(sc.publish_batch, ctx.max_messages - published)
+            drawn = make_tasks(sources, rng, published, room, limit, weights, levels, pools_of)
+            if not drawn:
                 s.counters["gate_waits"] = s.counters.get("gate_waits", 0) + 1
                 await asyncio.sleep(sc.poll_seconds)
                 continue
-            n = min(room, sc.publish_batch)
-            if ctx.max_messages is not None:
-                n = min(n, ctx.max_messages - published)
-            weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
-            drawn = make_tasks(sources, rng, published, n, weights, levels)
+            n = len(drawn)
             for d in drawn:
                 if d.hidden is not None and d.task.hidden_ref not in hidden_stored:
                     await put_hidden(s.js, s.reg, d.task.hidden_ref, d.hidden)
                     hidden_stored.add(d.task.hidden_ref)
             tasks = [d.task for d in drawn]
-            await publish_many(s.js, [(s.reg.tasks(t.domain), t) for t in tasks])
+            await publish_many(s.js, [(s.reg.tasks(t.domain, t.pool), t) for t in tasks])
             await publish(s.js, s.reg.ledger("sampler"), TaskFates(
                 run_id=s.reg.run_id, stage="sampler", fates=[TaskFate(task_msg_id=t.msg_id, fate="published") for t in tasks]))
             published += n
+            for t in tasks:
+                by_pool[t.pool] = by_pool.get(t.pool, 0) + 1
             s.counters["published"] = published
-            await put_json(s.js, s.reg, SAMPLER_PROGRESS, {"published": published})
+            await put_json(s.js, s.reg, SAMPLER_PROGRESS, {"published": published, "by_pool": by_pool})
         return s.counters

@@ -189,6 +189,8 @@ class PoolConfig(Section):
     running then end with finish_reason `length` instead of holding the pool."""
     batch_tasks: int | None = Field(default=None, ge=1)
     """Tasks fetched per batch from this pool; None: rollout.batch_tasks."""
+    max_inflight: int = Field(default=8, ge=1)
+    """Tasks of this pool in flight at once (the `short` pool uses sampler.max_inflight_tasks)."""
 
 
 def default_pools() -> dict[str, PoolConfig]:
@@ -199,8 +201,9 @@ def default_pools() -> dict[str, PoolConfig]:
 class RolloutSection(Section):
     """Rollout workers."""
 
-    engine: Literal["hf", "null", "vllm"] = "hf"
-    """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks); `vllm`: GPU (the gpu extra)."""
+    engine: Literal["hf", "null", "sleep", "vllm"] = "hf"
+    """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks); `sleep`: like null, but
+    each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: GPU (the gpu extra)."""
     device: str = "cpu"
     """torch device of the hf engine."""
     threads: int = 1
@@ -212,7 +215,14 @@ class RolloutSection(Section):
     sandbox_slots: int = Field(default=8, ge=1)
     """Tool calls run at once by one rollout worker (each in its episode's own sandbox)."""
     pools: dict[str, PoolConfig] = Field(default_factory=default_pools)
-    """Duration pools this worker serves, each pulled by its own loop and consumer."""
+    """Duration pools this worker serves, each pulled by its own loop and consumer (`short`
+    is always served: a config naming only other pools gets the default `short` too)."""
+
+    @model_validator(mode="after")
+    def _short_pool_always(self):
+        if "short" not in self.pools:
+            self.pools = {"short": default_pools()["short"], **self.pools}
+        return self
 
 
 class SandboxSection(Section):
@@ -282,6 +292,9 @@ class LearnerSection(Section):
     """Complete groups that make a step."""
     group_deadline_s: float = 30.0
     """A group incomplete after this long is trained if it has >= 2 samples, else filtered."""
+    min_groups_per_step: int = Field(default=1, ge=1)
+    """Fewest ready groups a closed time window may step on; below it the window is logged
+    with its reason (how many ready, pending, expired) and extended."""
     step_window_s: float = 5.0
     """A step starts once this long has passed with at least one ready group."""
     max_staleness: int = Field(default=4, ge=0)
@@ -405,6 +418,17 @@ class RunConfig(Section):
     """Learner."""
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     """Scheduler."""
+
+    @model_validator(mode="after")
+    def _pools_known(self):
+        return _check_pools(self)
+
+
+def _check_pools(cfg: "RunConfig") -> "RunConfig":
+    unknown = {d: dc.pool for d, dc in cfg.sampler.domains.items() if dc.pool not in cfg.rollout.pools}
+    if unknown:
+        raise ValueError(f"sampler.domains pools {unknown} are not rollout.pools {sorted(cfg.rollout.pools)}")
+    return cfg
 
 
 class ConfigError(ValueError):

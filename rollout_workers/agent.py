@@ -208,7 +208,7 @@ def to_trajectory(ep: Episode) -> Trajectory:
         run_id=task.run_id, msg_id=f"{task.msg_id}-{ep.sample_index}", task_id=task.task_id, task_msg_id=task.msg_id,
         domain=task.domain, difficulty=task.difficulty, purpose=task.purpose, group_id=task.msg_id,
         group_size=task.group_size, sample_index=ep.sample_index, turns=ep.turns, verifier=task.verifier,
-        verifier_params=task.verifier_params, hidden_ref=task.hidden_ref, finish_reason=ep.finish_reason,
+        verifier_params=task.verifier_params, hidden_ref=task.hidden_ref, pool=task.pool, finish_reason=ep.finish_reason,
         final_text=ep.final_text, policy_version=versions[-1] if versions else -1,
         generate_seconds=ep.generate_seconds, tokens=ep.tokens, tool_calls=ep.tool_calls, artifacts=ep.artifacts,
     )

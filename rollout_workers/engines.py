@@ -145,10 +145,24 @@ class NullEngine:
                  for _ in range(n)] for p in prompts]
 
 
+class SleepEngine(NullEngine):
+    """No model: a batch takes as long as its slowest `sleep:<seconds>` prompt (benchmarks of
+    scheduling: episodes of known, very different durations; see the `sleep` domain)."""
+
+    def generate(self, prompts, n: int, max_new_tokens: int, temperature: float) -> list[list[Sample]]:
+        import time
+
+        seconds = [float(p.split("sleep:", 1)[1].split()[0]) for p in prompts if isinstance(p, str) and "sleep:" in p]
+        time.sleep(max(seconds, default=0.0))
+        return super().generate(prompts, n, max_new_tokens, temperature)
+
+
 def make_engine(kind: str, model_path: str, device: str, threads: int):
     """Engine by config name."""
     if kind == "null":
         return NullEngine()
+    if kind == "sleep":
+        return SleepEngine()
     if kind == "hf":
         return HFEngine(model_path, device, threads)
     if kind == "vllm":

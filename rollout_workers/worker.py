@@ -56,7 +56,7 @@ def build_trajectories(task: Task, samples, version: int, seconds_each: float) -
             run_id=task.run_id, msg_id=f"{task.msg_id}-{i}", task_id=task.task_id, task_msg_id=task.msg_id, domain=task.domain,
             difficulty=task.difficulty, purpose=task.purpose, group_id=task.msg_id, group_size=task.group_size,
             sample_index=i, turns=turns, verifier=task.verifier, verifier_params=task.verifier_params,
-            hidden_ref=task.hidden_ref, finish_reason=s.finish_reason, final_text=s.text,
+            hidden_ref=task.hidden_ref, pool=task.pool, finish_reason=s.finish_reason, final_text=s.text,
             policy_version=version, generate_seconds=seconds_each, tokens=int(len(s.token_ids)),
         ))
     return out

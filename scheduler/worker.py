@@ -16,6 +16,10 @@ Guarantees:
 - With `scheduler.curriculum` on, the curriculum service (`scheduler.curriculum_service`)
   runs alongside too: domain weights and levels from the rewards, published to KV
   `curriculum` for the sampler and recorded in the run store; stopped at the end.
+- After every evaluation the gates (`scheduler.gates`) run: release gate (KV
+  `release.latest`), forgetting guard (KV `learner.overrides`) and plateau detection (KV
+  `plateau`, and `status` = "stop-requested" with `scheduler.stop_on_plateau`), each
+  verdict a `gate_checks` row.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from rollout_workers.weights_watch import WeightWatcher
 from schemas import EvalResult
 from scheduler.curriculum_service import run_curriculum
 from scheduler.dlq import capture_max_deliveries
+from scheduler.durations import track_durations
 from scheduler.evaluation import EvalSuite
+from scheduler.gates import Gates, add_general_set
 from scheduler.recorder import record
 from scheduler.store import open_store
 
@@ -49,6 +55,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         recorder_stop = asyncio.Event()
         recorder = asyncio.create_task(record(s.js, s.reg, store, stop=recorder_stop))
         dead_letterer = asyncio.create_task(capture_max_deliveries(s.js, s.reg, s.stop))
+        durations = asyncio.create_task(track_durations(s.js, s.reg, s.stop))
         curriculum_stop = asyncio.Event()
         curriculum = (asyncio.create_task(run_curriculum(s.js, s.reg, cfg, curriculum_stop, store))
                       if ec.curriculum else None)
@@ -58,6 +65,9 @@ async def run(cfg, ctx) -> dict[str, float]:
             if curriculum is not None:
                 s.counters.update(await curriculum)
         suite = EvalSuite.from_config(cfg)
+        add_general_set(suite, cfg)  # the forgetting guard's general set (scheduler.general_eval), if on
+        gates = Gates(s.js, s.reg, store, cfg)
+        await gates.load()
         if suite.skipped:
             log.info("scheduler.eval_skipped", domains=suite.skipped, why="no evaluator for their kind yet")
         engine = await asyncio.to_thread(HFEngine, str(ctx.model_path), "cpu", ec.threads)
@@ -73,7 +83,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         await watcher.start()
         last_eval = -1
 
-        async def publish_eval(version: int, step: int) -> None:
+        async def publish_eval(version: int, step: int, metrics: dict | None = None) -> None:
             nonlocal last_eval
             scores = await suite.evaluate(engine, open_eval_sandbox)
             for domain, (score, n, digest) in scores.items():
@@ -83,12 +93,13 @@ async def run(cfg, ctx) -> dict[str, float]:
                 s.counters[f"eval_{domain}"] = score
                 log.info("scheduler.eval", version=version, domain=domain, score=score, n=n)
             last_eval = version
+            await gates.after_eval(version, step, {d: v[0] for d, v in scores.items()}, metrics)
             first = next(iter(scores.values()), (0.0, 0, ""))[0]
             s.counters.update(eval_version=version, eval_score=first, evals=s.counters.get("evals", 0) + 1)
 
         async def evaluate() -> None:
             await watcher.maybe_load(engine)
-            await publish_eval(watcher.loaded.version, watcher.loaded.step)
+            await publish_eval(watcher.loaded.version, watcher.loaded.step, watcher.loaded.metrics)
 
         if await get_json(s.js, s.reg, BASELINE_KEY) is None:
             # The baseline is the starting checkpoint exactly as the learner publishes it as
@@ -102,6 +113,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             recorder_stop.set()
             await recorder
             await dead_letterer
+            await durations
             return s.counters
         while not s.stop.is_set():
             newest = watcher.newest
@@ -116,6 +128,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         if watcher.newest and watcher.newest.version != last_eval:
             await evaluate()
         s.counters["max_deliveries_dead_lettered"] = await dead_letterer
+        await durations
         await stop_curriculum()
         recorder_stop.set()
         counts = await recorder

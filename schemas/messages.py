@@ -218,6 +218,8 @@ class Trajectory(Message):
     """Public verifier parameters, copied from the task."""
     hidden_ref: str | None = None
     """Copied from the task."""
+    pool: str = "short"
+    """Copied from the task (its duration pool)."""
     finish_reason: Literal["stop", "length", "max_turns", "error"] = "stop"
     """Why the episode ended."""
     final_text: str = ""

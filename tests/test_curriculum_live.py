@@ -53,6 +53,7 @@ engine = "null"
 
 [learner]
 policy = "null"
+max_staleness = 100  # no learner runs here: keep the staleness bound above the 200 tasks
 
 [scheduler]
 curriculum_every_s = 0.3

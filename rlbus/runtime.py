@@ -83,16 +83,20 @@ async def watch_launcher(role: str, stop: asyncio.Event, every: float = 1.0) -> 
 @contextlib.asynccontextmanager
 async def worker_session(role: str, cfg: RunConfig, ctx: WorkerContext):
     """Connect, ensure topology, report telemetry, and map signals to `stop`."""
-    nc = await connect(ctx.nats_url, name=f"rlbus-{role}")
+    from bus.auth import security_options, topology_role
+    from rlbus.metrics import start_metrics_server
+
+    nc = await connect(ctx.nats_url, name=f"rlbus-{role}", **security_options(cfg.run))
     js = nc.jetstream(timeout=30)
     reg = Registry(ctx.run_id)
-    await ensure_topology(js, reg)
+    await ensure_topology(js, reg, role=topology_role(role))  # a restricted user creates only its own parts
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     session = Session(nc, js, reg, cfg, ctx, stop)
+    start_metrics_server(role, session.counters, cfg.run.metrics_port)  # /metrics when run.metrics_port is set
     reporter = asyncio.create_task(report_forever(nc, reg, role, session.counters))
     orphan_watch = asyncio.create_task(watch_launcher(role, stop))
     log.info(f"{role}.started", nats_url=ctx.nats_url)

@@ -85,10 +85,14 @@ SCENARIOS = {
 
 
 async def stored(url: str, reg: Registry, subject: str) -> int:
+    from nats.js.errors import NotFoundError
+
     nc = await connect(url, name="bench-pools")
     try:
         info = await nc.jetstream().stream_info(reg.stream("REWARDS"), subjects_filter=subject)
         return int((info.state.subjects or {}).get(subject, 0))
+    except NotFoundError:  # the workers have not created the run's streams yet
+        return 0
     finally:
         await nc.close()
 

@@ -137,7 +137,7 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
-    names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}",
+    names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
                                        f"OBJ_{reg.object_bucket}"]
     for name in names:
         try:

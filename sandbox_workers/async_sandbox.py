@@ -97,13 +97,13 @@ class LocalAsyncSandbox(AsyncSandbox):
     @classmethod
     async def open(cls, backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
                    timeout: float = 30.0, recorder: ExecRecorder | None = None,
-                   session: str | None = None) -> LocalAsyncSandbox:
-        """Start a backend sandbox on a fresh dedicated thread."""
+                   session: str | None = None, warm_pool: int | None = None) -> LocalAsyncSandbox:
+        """Start a backend sandbox on a fresh dedicated thread (`warm_pool`: docker's ready containers)."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox")
         loop = asyncio.get_running_loop()
         try:
             sandbox = await loop.run_in_executor(
-                executor, lambda: open_sandbox(backend, image=image, limits=limits, timeout=timeout))
+                executor, lambda: open_sandbox(backend, image=image, limits=limits, timeout=timeout, warm_pool=warm_pool))
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -172,4 +172,4 @@ async def open_async_sandbox(sc: SandboxSection, nc=None, run_id: str | None = N
 
         return await RemoteSandbox.open(nc, Registry(run_id), sc.pool)
     return await LocalAsyncSandbox.open(sc.backend, image=sc.image, limits=limits_from(sc),
-                                        timeout=sc.timeout_s, recorder=recorder)
+                                        timeout=sc.timeout_s, recorder=recorder, warm_pool=sc.warm_pool)

@@ -39,13 +39,16 @@ def resolve_backend(backend: str) -> str:
 
 
 def open_sandbox(backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
-                 timeout: float = 30.0) -> Sandbox:
-    """A started, fresh sandbox of the given backend (close it, or use it as a context manager)."""
+                 timeout: float = 30.0, warm_pool: int | None = None, concurrency: int | None = None) -> Sandbox:
+    """A started, fresh sandbox of the given backend (close it, or use it as a context manager).
+
+    `warm_pool`/`concurrency` size the docker backend's pool of ready containers and its
+    HTTP connections (None: its env/defaults); the process backend ignores them."""
     name = resolve_backend(backend)
     if name == "docker":
         from sandbox_workers.docker_backend import DockerSandbox
 
-        sb: Sandbox = DockerSandbox()
+        sb: Sandbox = DockerSandbox(warm_pool=warm_pool, concurrency=concurrency)
     else:
         from sandbox_workers.process import ProcessSandbox
 

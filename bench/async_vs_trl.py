@@ -11,9 +11,9 @@ What it measures (`python bench/async_vs_trl.py [--minutes 3]`, about 2*minutes 
   the script writes a throw-away `*.dist-info` with that entry point into a temp dir and
   puts it on PYTHONPATH for the run, and the arith domain's `verifier` is set to
   `slow_arith`. Generation, verification and training overlap across processes.
-  `verifier.concurrency` is set to 256 and `verifier.batch` to 8: the batch stays small
-  because a verifier that blocks also blocks the worker's in-progress keep-alives, and
-  a batch longer than ack_wait (30 s) would be redelivered.
+  `verifier.concurrency` = 256 and `verifier.batch` = 256: the verifier worker runs
+  verifiers in threads, at most `concurrency` at once, off the event loop (so its
+  in-progress keep-alives keep flowing during slow verifications).
 - PEER: TRL `GRPOTrainer`, whose reward function runs synchronously inside the step but
   fairly: the same latency distribution, all samples of the step's batch scored in
   parallel threads (one thread per sample), so a step waits for the slowest sample.
@@ -106,7 +106,7 @@ def main() -> dict:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin_dir(tmp)), str(ROOT),
                                                             os.environ.get("PYTHONPATH", "")]))
         ours = run_ours(start, tmp, seconds, f"async{int(time.time())}", verifier="slow_arith",
-                        verifier_section="concurrency = 256\nbatch = 8", env=env)
+                        verifier_section="concurrency = 256\nbatch = 256", env=env)
         acc_ours = accuracy(start, ours["state_dict"], threads)
         reward = SlowArithReward()
         peer = run_trl(start, tmp / "trl", seconds, reward, threads)
@@ -132,7 +132,7 @@ def main() -> dict:
         "ours_detail": {"trained_samples": s.get("trained_samples"), "steps": s.get("steps"),
                         "trajectories": s.get("trajectories"), "rewards": s.get("rewards"),
                         "dead_letters": s.get("dead_letters"), "stop_reason": s.get("stop_reason"),
-                        "verifier": "plugin slow_arith via rlbus.verifiers entry point; concurrency=256, batch=8",
+                        "verifier": "plugin slow_arith via rlbus.verifiers entry point; concurrency=256, batch=256",
                         "rlbus_up_wall_s": ours["wall_s"]},
         "peer_detail": {"steps": peer["steps"], "samples_trained": peer["samples_trained"], "wall_s": peer["wall_s"],
                         "reward_calls": reward.calls, "reward_wait_s": round(reward.wait_s, 1),

@@ -206,6 +206,8 @@ class RolloutSection(Section):
     each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: GPU (the gpu extra)."""
     device: str = "cpu"
     """torch device of the hf engine."""
+    vllm_tier: Literal["standard", "fast", "fast_fp8", "fast_spec"] = "standard"
+    """vLLM speed tier from the same weights: `fast` adds fp8 quantization and ngram speculative decoding."""
     threads: int = 1
     """torch threads of this process."""
     batch_tasks: int = Field(default=8, ge=1)

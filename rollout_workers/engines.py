@@ -157,8 +157,8 @@ class SleepEngine(NullEngine):
         return super().generate(prompts, n, max_new_tokens, temperature)
 
 
-def make_engine(kind: str, model_path: str, device: str, threads: int):
-    """Engine by config name."""
+def make_engine(kind: str, model_path: str, device: str, threads: int, tier: str = "standard"):
+    """Engine by config name (`tier`: the vLLM speed tier)."""
     if kind == "null":
         return NullEngine()
     if kind == "sleep":
@@ -168,5 +168,5 @@ def make_engine(kind: str, model_path: str, device: str, threads: int):
     if kind == "vllm":
         from rollout_workers.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path)
+        return VLLMEngine(model_path, tier)
     raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', or 'vllm' with the gpu extra: pip install -e '.[gpu]')")

@@ -85,7 +85,8 @@ async def run(cfg, ctx) -> dict[str, float]:
     """Run the rollout worker until stopped (or the context's test limits)."""
     rc = cfg.rollout
     async with worker_session("rollout", cfg, ctx) as s:
-        engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.device, rc.threads)
+        engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.device, rc.threads,
+                                         rc.vllm_tier)
         watcher = WeightWatcher(s.js, s.reg, s.counters)
         await watcher.start()
         if not await watcher.wait_first(s.stop):

@@ -36,7 +36,6 @@ import structlog
 from verifier_workers.errors import VerifierInfraError  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
-    from schemas import Trajectory
     from verifier_workers.verifiers import Verdict
 
 Verifier = Callable[..., "Verdict"]

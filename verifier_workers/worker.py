@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from concurrent.futures import ThreadPoolExecutor
 import re
 import time
 from collections.abc import Mapping
@@ -227,6 +228,8 @@ class Scorer:
                  js=None, reg=None, secret: bytes | None = None) -> None:
         self.hidden, self.policy, self.concurrency = hidden, policy, concurrency
         self.slots = asyncio.Semaphore(max(1, concurrency))
+        # its own threads: the loop's default executor has only min(32, cpus + 4) of them
+        self.executor = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="verify")
         self.js, self.reg, self.secret = js, reg, secret
 
     async def forged(self, traj: Trajectory) -> list:
@@ -246,7 +249,7 @@ class Scorer:
         if self.concurrency <= 0:
             return score(traj, payload)
         async with self.slots:
-            return await asyncio.to_thread(score, traj, payload)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, score, traj, payload)
 
     async def one(self, d: Delivery) -> Reward | Retry | Reject:
         """A Reward, or the outcome that replaces it."""

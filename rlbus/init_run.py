@@ -1,0 +1,202 @@
+"""A run without the local launcher: the one-shot `init` and the container entry point.
+
+`rlbus up` prepares a run and supervises its workers on one machine. When the roles run
+as containers (compose/docker-compose.yml) or on several hosts, this module does the
+launcher's preparation once and starts one role per process:
+
+    python -m rlbus.init_run init             # (also `rlbus init` once registered)
+    python -m rlbus.init_run ROLE [ARGS...]   # rlbus worker ROLE with the run's settings
+    python -m rlbus.init_run health ROLE      # container healthcheck
+
+Settings come from the environment (what compose sets): RLBUS_CONFIG (TOML),
+RLBUS_SET (whitespace-separated `key=value` overrides), RLBUS_RUN_ID, RLBUS_RUN_DIR,
+NATS_URL, and optionally NATS_USER / NATS_PASSWORD (put into the URL when it has no
+credentials).
+
+Guarantees:
+- `init_run` leaves `<run_dir>/<run_id>/config.json` (the resolved config with the
+  overrides, run id and run dir), `<run>/model/start` (tiny model built and
+  warm-started per the config, or `model.path` copied) and the tool-integrity secret.
+  It is idempotent: an existing `model/start` is kept, so re-running init (a restarted
+  stack) continues the same run. The model appears atomically: it is prepared in a
+  temporary folder and renamed, so a killed init never leaves a half-written start.
+- With a server URL, init also creates the run's streams and buckets (idempotently),
+  so every worker finds them.
+- A role's worker reads `<run>/config.json` when it exists (one source of truth for all
+  containers), else RLBUS_CONFIG with RLBUS_SET.
+- `health` is true only when a worker of ROLE in this container (same host name) has
+  sent a telemetry heartbeat within the last few seconds: the process is alive and
+  connected to NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import shutil
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler")
+DEFAULT_CONFIG = "examples/demo.toml"
+
+
+def env_settings(env=os.environ) -> dict:
+    """The run's settings from the environment, with defaults."""
+    return {"config": env.get("RLBUS_CONFIG") or DEFAULT_CONFIG,
+            "overrides": shlex.split(env.get("RLBUS_SET", "")),
+            "run_id": env.get("RLBUS_RUN_ID") or "demo",
+            "run_dir": env.get("RLBUS_RUN_DIR") or "runs",
+            "nats_url": nats_url_with_auth(env.get("NATS_URL") or "nats://127.0.0.1:4222",
+                                           env.get("NATS_USER", ""), env.get("NATS_PASSWORD", ""))}
+
+
+def nats_url_with_auth(url: str, user: str = "", password: str = "") -> str:
+    """`url` with `user:password@` added to each comma-separated server that has no credentials."""
+    if not user:
+        return url
+    out = []
+    for one in url.split(","):
+        parts = urlsplit(one.strip())
+        if "@" not in parts.netloc:
+            cred = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+            parts = parts._replace(netloc=f"{cred}@{parts.netloc}")
+        out.append(urlunsplit(parts))
+    return ",".join(out)
+
+
+def run_path_of(settings: dict) -> Path:
+    """`<run_dir>/<run_id>`."""
+    return Path(settings["run_dir"]) / settings["run_id"]
+
+
+def init_run(config: str, overrides: list[str], run_id: str, run_dir: str, nats_url: str | None = None,
+             out=print) -> Path:
+    """Prepare the run folder (config.json, model/start, secret) and, with a URL, the run's topology."""
+    from rich.console import Console
+
+    from rlbus.config import dump_config, load_config
+    from rlbus.launcher import prepare_model
+
+    cfg = load_config(config, overrides)
+    cfg.run.run_id, cfg.run.run_dir = run_id, str(run_dir)  # the server URL stays out: it may hold credentials
+    run_path = Path(run_dir) / run_id
+    run_path.mkdir(parents=True, exist_ok=True)
+    tmp = run_path / "config.json.tmp"
+    dump_config(cfg, tmp)
+    os.replace(tmp, run_path / "config.json")
+    out(f"init: run {run_id} config written to {run_path / 'config.json'} (from {config}"
+        + (f" with {' '.join(overrides)})" if overrides else ")"))
+    start = run_path / "model" / "start"
+    if start.exists():
+        out(f"init: {start} exists; keeping it (the run continues)")
+    else:
+        staging = run_path / ".init-staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        prepared = prepare_model(cfg, staging, Console(stderr=False))
+        (run_path / "model").mkdir(exist_ok=True)
+        base = staging / "model" / "base"
+        if base.exists() and not (run_path / "model" / "base").exists():
+            os.replace(base, run_path / "model" / "base")
+        os.replace(prepared, start)
+        shutil.rmtree(staging, ignore_errors=True)
+        out(f"init: model ready at {start}")
+    from sandbox_workers.integrity import load_or_create_secret
+
+    load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
+    if nats_url:
+        asyncio.run(_ensure_topology(nats_url, run_id))
+        out(f"init: streams and buckets of run {run_id} ready on the server")
+    return run_path
+
+
+async def _ensure_topology(nats_url: str, run_id: str) -> None:
+    from bus.conn import connect, ensure_topology
+    from bus.subjects import Registry
+
+    nc = await connect(nats_url, name="rlbus-init")
+    try:
+        await ensure_topology(nc.jetstream(timeout=30), Registry(run_id))
+    finally:
+        await nc.close()
+
+
+async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeout: float = 5.0) -> bool:
+    """True when a `metrics.<run>.<role>.*` heartbeat from `host` arrives within `timeout`."""
+    import nats
+
+    nc = await nats.connect(nats_url, name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
+                            allow_reconnect=False)
+    seen = asyncio.Event()
+    needle = host.encode()
+
+    async def on_msg(msg):
+        if needle in msg.data:
+            seen.set()
+
+    try:
+        await nc.subscribe(f"metrics.{run_id}.{role}.*", cb=on_msg)
+        try:
+            await asyncio.wait_for(seen.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        await nc.close()
+
+
+def worker_argv(role: str, settings: dict, extra: list[str]) -> list[str]:
+    """`rlbus worker ROLE ...` arguments for this run."""
+    config_json = run_path_of(settings) / "config.json"
+    argv = ["worker", role, "--nats-url", settings["nats_url"], "--run-id", settings["run_id"],
+            "--run-dir", settings["run_dir"]]
+    if config_json.exists():
+        argv += ["--config", str(config_json)]
+    else:
+        argv += ["--config", settings["config"]] + [f"--set={o}" for o in settings["overrides"]]
+    return argv + list(extra)
+
+
+USAGE = f"usage: rlbus-entrypoint init | health ROLE | ROLE [rlbus worker args]  (ROLE: {', '.join(ROLES)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Container entry: `init`, `health ROLE`, or a role."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    settings = env_settings()
+    what, rest = argv[0], argv[1:]
+    if what == "init":
+        from rlbus.log import configure_logging
+
+        configure_logging("init", settings["run_id"], level="WARNING")
+        init_run(settings["config"], settings["overrides"], settings["run_id"], settings["run_dir"],
+                 settings["nats_url"])
+        return 0
+    if what == "health":
+        if len(rest) != 1 or rest[0] not in ROLES:
+            print(USAGE, file=sys.stderr)
+            return 2
+        try:
+            ok = asyncio.run(heartbeat_seen(settings["nats_url"], settings["run_id"], rest[0], socket.gethostname()))
+        except Exception as exc:  # noqa: BLE001 - unreachable server: unhealthy
+            print(f"unhealthy: {exc}", file=sys.stderr)
+            return 1
+        if not ok:
+            print(f"unhealthy: no {rest[0]} heartbeat from {socket.gethostname()}", file=sys.stderr)
+        return 0 if ok else 1
+    if what not in ROLES:
+        print(USAGE, file=sys.stderr)
+        return 2
+    from rlbus.cli import main as cli_main
+
+    return cli_main(worker_argv(what, settings, rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,12 +37,11 @@ import numpy as np
 import structlog
 
 from schemas import Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
-from schemas.tool_protocol import CALL_CLOSE, TOOL_NAMES, find_call, tool_turn_text
+from schemas.tool_protocol import CALL_CLOSE, TOOL_NAMES, find_call, tool_command, tool_turn_text
 
 log = structlog.get_logger()
 
 MAX_CONTEXT_TOKENS = 4096
-PROGRAM_FILE = "main.py"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -124,12 +123,13 @@ async def run_call(engine, ep: Episode, program: str, open_sandbox, slots: async
         try:
             if ep.sandbox is None:
                 ep.sandbox = await open_sandbox()
-            await ep.sandbox.write_file(PROGRAM_FILE, program.encode())
-            obs = await ep.sandbox.observe(["python3", PROGRAM_FILE], timeout)
+            tool, path, argv = tool_command(ep.task.tools)
+            await ep.sandbox.write_file(path, program.encode())
+            obs = await ep.sandbox.observe(argv, timeout)
         except Exception as exc:  # the sandbox edge: infrastructure, never a policy outcome
             raise SandboxUnavailable(f"sandbox failed for task {ep.task.task_id}: {type(exc).__name__}: {exc}") from exc
     r = obs.result
-    ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool="python", code=program, exec_id=obs.exec_id or "",
+    ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool=tool, code=program, exec_id=obs.exec_id or "",
                                   exit_code=r.exit_code, timed_out=r.timed_out, oom=r.oom, truncated=r.truncated,
                                   duration_ms=r.duration_ms))
     text = tool_turn_text(obs.text)

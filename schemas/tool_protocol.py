@@ -1,6 +1,10 @@
 """How a policy calls a tool in its text, shared by rollout (parsing), SFT demos and verifiers.
 
-    <py>PROGRAM</py>     run PROGRAM with the sandbox's python3; generation stops at </py>
+    <py>PROGRAM</py>     generation stops at </py>; what runs depends on the task's tool:
+                         `python`: PROGRAM itself, with the sandbox's python3;
+                         `run_tests`: PROGRAM saved as candidate.py, then its docstring
+                         examples (`python3 -m doctest -v candidate.py`): public tests only,
+                         never the hidden ones the verifier runs later in a fresh sandbox.
 
 After a call the environment appends a tool turn: a newline, the sandbox's observation
 block (`sandbox_workers.integrity.render_observation`: `<obs exit=N ...>...</obs>`), and
@@ -10,7 +14,14 @@ a newline. An assistant turn without a call is the final answer.
 from __future__ import annotations
 
 CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
-TOOL_NAMES = {"python"}
+TOOL_NAMES = {"python", "run_tests"}
+
+
+def tool_command(tools: list[str]) -> tuple[str, str, list[str]]:
+    """(tool name, file to write the program to, argv to run) for a task's tools."""
+    if "python" in tools:
+        return "python", "main.py", ["python3", "main.py"]
+    return "run_tests", "candidate.py", ["python3", "-m", "doctest", "-v", "candidate.py"]
 
 
 def find_call(text: str) -> tuple[str, int] | None:

@@ -173,3 +173,17 @@ async def test_verifier_flags_forged_observations(js, run_id, drop_run):
     assert r_good.status == "ok" and r_good.reward == 1.0
     assert r_bad.status == "tamper" and r_bad.reward == 0.0 and r_bad.components["forged_observations"] == 1.0
     assert r_edit.status == "tamper" and r_edit.reward == 0.0
+
+
+async def test_run_tests_tool_runs_public_doctests_only(js, run_id, drop_run):
+    """`run_tests` saves the program as candidate.py and runs its docstring examples."""
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    program = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    >>> add(1, 1)\n    3\n    """\n    return a + b\n'
+    engine = ScriptedEngine([f"<py>{program}</py>", "done"])
+    open_one, _ = await sandboxes(js, reg)
+    t = task(run_id, 1, 1).model_copy(update={"tools": ["run_tests"], "verifier": "code"})
+    ep = (await run_episodes(engine, [t], version=lambda: 0, open_sandbox=open_one))[0]
+    call = ep.tool_calls[0]
+    assert call.tool == "run_tests" and call.exit_code != 0  # one of the two examples fails
+    assert "Failed example" in ep.turns[2].text and "add(1, 1)" in ep.turns[2].text

@@ -11,6 +11,9 @@ Guarantees:
 - Everything of a run lives under `<run-dir>/<run_id>/`; `summary.json` is kept current
   during the run and completed (with per-message accounting) at the end, next to
   `reward_curve.png`.
+- KV `status` = "stop-requested" (written by the scheduler with `scheduler.stop_on_plateau`)
+  stops the run like a limit (stop_reason `stop_requested`); summary.json carries the
+  scheduler's `plateau` verdict and `released_version` (KV `plateau`, `release.latest`).
 - Exit code 0 when the run stopped at its limits (restarts included), non-zero only
   when it failed.
 """
@@ -32,7 +35,7 @@ from rich.console import Console
 from rich.live import Live
 
 from bus.conn import connect, ensure_topology
-from bus.kv import LEARNER_PROGRESS, get_json
+from bus.kv import LEARNER_PROGRESS, STATUS, get_json
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
 from rlbus.accounting import account
@@ -193,6 +196,9 @@ class Monitor:
         self.domain_evals: dict[str, dict[int, EvalResult]] = {}
         self._last_totals: dict[str, float] = {}
         self._last_t = time.monotonic()
+        self.plateau: dict | None = None  # KV `plateau` (scheduler.gates)
+        self.released_version: int | None = None  # KV `release.latest`
+        self.stop_requested = False  # KV `status` == "stop-requested"
 
     async def start(self, nc) -> None:
         """Subscribe to telemetry, weight announcements and eval results."""
@@ -255,6 +261,11 @@ class Monitor:
             s.dead_letters = (await self.js.stream_info(self.reg.stream("DLQ"))).state.messages
         except Exception:
             pass
+        from scheduler.gates import PLATEAU, RELEASE_LATEST, STOP_REQUESTED
+
+        self.plateau = await get_json(self.js, self.reg, PLATEAU)
+        self.released_version = ((await get_json(self.js, self.reg, RELEASE_LATEST)) or {}).get("version")
+        self.stop_requested = await get_json(self.js, self.reg, STATUS) == STOP_REQUESTED
         if self.evals:
             s.eval_baseline = self.evals[min(self.evals)].score if 0 in self.evals else None
             s.eval_version = max(self.evals)
@@ -281,6 +292,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "task_fates": counts or None, "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
         "eval": evals, "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,
+        "plateau": mon.plateau, "released_version": mon.released_version,
     }
     out.update(extra or {})
     return out
@@ -333,6 +345,8 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
                 stop_reason = "failed"
             elif interrupted.is_set():
                 stop_reason = "interrupted"
+            elif mon.stop_requested:
+                stop_reason = "stop_requested"  # e.g. scheduler.stop_on_plateau
             elif cfg.run.max_steps and snap.step >= cfg.run.max_steps:
                 stop_reason = "max_steps"
             elif deadline and time.monotonic() >= deadline:

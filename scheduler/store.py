@@ -144,8 +144,30 @@ class RewardRow(SQLModel, table=True):
     created_at: float
 
 
+class GateCheckRow(SQLModel, table=True):
+    """The gates' verdict on one evaluated version (`scheduler.gates`): release gate,
+    forgetting guard and plateau detection. Upserted on (run_id, version)."""
+
+    __tablename__ = "gate_checks"
+    run_id: str = Field(primary_key=True)
+    version: int = Field(primary_key=True)
+    step: int = 0
+    scores: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    floors: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    passed: bool = False
+    failures: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    released: bool = False
+    cost_samples: float | None = None
+    capability: float | None = None
+    forgetting: bool = False
+    overrides: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    plateau: bool = False
+    gain_per_unit: float | None = None
+    created_at: float = Field(default_factory=time.time)
+
+
 TABLES: tuple[type[SQLModel], ...] = (RunRow, WeightVersionRow, EvalResultRow, DomainStatRow, DeadLetterRow,
-                                      CurriculumUpdateRow, CostRow, RewardRow)
+                                      CurriculumUpdateRow, CostRow, RewardRow, GateCheckRow)
 
 
 def resolve_url(url: str | None, run_path: Path) -> str:
@@ -298,6 +320,17 @@ class Store:
         """Set a stage's cumulative cost totals (idempotent: the totals replace the old ones)."""
         self.upsert(CostRow, [{"run_id": run_id, "stage": stage, "cpu_seconds": float(cpu_seconds),
                                "gpu_seconds": float(gpu_seconds), "tokens": int(tokens), "updated_at": time.time()}])
+
+    def record_gate_check(self, row: dict[str, Any]) -> None:
+        """Upsert one `GateCheckRow` (keyed on run_id + version: re-checking a version replaces it)."""
+        self.upsert(GateCheckRow, [{"created_at": time.time(), **row}])
+
+    def latest_released(self, run_id: str) -> int | None:
+        """The newest version whose gate check released it, or None."""
+        t = GateCheckRow.__table__.c
+        with self.engine.connect() as conn:
+            v = conn.execute(sa.select(func.max(t.version)).where(t.run_id == run_id, t.released)).scalar()
+        return None if v is None else int(v)
 
     # -- reads --------------------------------------------------------------------------
     def rows(self, model: type[SQLModel], run_id: str | None = None, order_by: str | None = None) -> list:

@@ -323,7 +323,8 @@ class Store:
 
     def record_gate_check(self, row: dict[str, Any]) -> None:
         """Upsert one `GateCheckRow` (keyed on run_id + version: re-checking a version replaces it)."""
-        self.upsert(GateCheckRow, [{"created_at": time.time(), **row}])
+        self.upsert(GateCheckRow, [{"scores": {}, "floors": {}, "failures": {}, "overrides": {},
+                                    "created_at": time.time(), **row}])
 
     def latest_released(self, run_id: str) -> int | None:
         """The newest version whose gate check released it, or None."""

@@ -6,6 +6,8 @@ Guarantees:
   `(text, trainable)` segments (the loss covers the trainable ones: the model's own
   turns, never prompts or tool observations). Every sequence ends with a supervised
   `<eos>`; prompt, context and padding are masked with -100. Batches are right-padded.
+- A `demos` object with a `batch(rng, n)` method supplies whole batches (e.g. one domain
+  per batch, so short and long demonstrations are not padded together).
 - It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
   first, and always takes at least one step.
 - AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress
@@ -122,7 +124,8 @@ def run_sft(
                 break
             for group in optimizer.param_groups:
                 group["lr"] = lr * lr_factor(done, step, warmup)
-            batch = make_batch(tokenizer, [demos(rng) for _ in range(batch_size)])
+            drawn = demos.batch(rng, batch_size) if hasattr(demos, "batch") else [demos(rng) for _ in range(batch_size)]
+            batch = make_batch(tokenizer, drawn)
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

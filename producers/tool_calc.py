@@ -3,7 +3,8 @@
 The model must call the python tool and copy the printed result into its answer:
 
     prompt     417*382=?
-    assistant  <py>print(417*382)</py>            (a tool call; generation stops at </py>)
+    assistant  <py>417*382</py>                   (a tool call; generation stops at </py>;
+                                                   the python tool prints a final expression)
     tool       \\n<obs exit=0>\\n159294\\n</obs>\\n   (the sandbox's recorded observation)
     assistant  =159294<eos>                        (the final answer)
 
@@ -82,7 +83,7 @@ def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = froz
         if p.expression not in heldout:
             break
     obs = render_observation(ExecResult(exit_code=0, stdout=f"{p.answer}\n", stderr=""))
-    return [(p.prompt, False), (f"{CALL_OPEN}print({p.expression}){CALL_CLOSE}", True),
+    return [(p.prompt, False), (f"{CALL_OPEN}{p.expression}{CALL_CLOSE}", True),
             (tool_turn_text(obs), False), (f"={p.answer}", True)]
 
 

@@ -55,12 +55,29 @@ def new_run_id(config_path: str) -> str:
     return f"{Path(config_path).stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
 
-def sft_demos(cfg: RunConfig):
-    """Demonstrations mixing every configured domain that can demonstrate itself, by static
-    weight; arith at `sft.difficulty`, the others at their starting level. Held-out eval
-    problems are never demonstrated."""
-    import random as _random
+class DomainDemos:
+    """SFT demonstrations mixing domains by weight, one domain per batch (short arith and long
+    tool episodes are never padded together, which keeps each step's cost that of its domain)."""
 
+    def __init__(self, sources: list, weights: list[float], levels: list[int]) -> None:
+        self.sources, self.weights, self.levels = sources, weights, levels
+
+    def _pick(self, rng) -> int:
+        return rng.choices(range(len(self.sources)), weights=self.weights)[0]
+
+    def __call__(self, rng):
+        k = self._pick(rng)
+        return self.sources[k].demonstration(rng, self.levels[k])
+
+    def batch(self, rng, n: int) -> list:
+        k = self._pick(rng)
+        return [self.sources[k].demonstration(rng, self.levels[k]) for _ in range(n)]
+
+
+def sft_demos(cfg: RunConfig) -> DomainDemos:
+    """Demonstrations of every configured domain that can demonstrate itself, by static weight;
+    arith at `sft.difficulty`, the others at their starting level. Held-out eval problems
+    are never demonstrated."""
     from producers.domains import make_source
 
     sources, weights, levels = [], [], []
@@ -72,12 +89,7 @@ def sft_demos(cfg: RunConfig):
             levels.append(cfg.sft.difficulty if name == "arith" else dc.initial_level)
     if not sources:
         raise ValueError("sft.enabled but no configured domain has demonstrations; set sft.enabled=false")
-
-    def demo(rng: _random.Random):
-        k = rng.choices(range(len(sources)), weights=weights)[0]
-        return sources[k].demonstration(rng, levels[k])
-
-    return demo
+    return DomainDemos(sources, weights, levels)
 
 
 def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:

@@ -1,7 +1,8 @@
 """How a policy calls a tool in its text, shared by rollout (parsing), SFT demos and verifiers.
 
     <py>PROGRAM</py>     generation stops at </py>; what runs depends on the task's tool:
-                         `python`: PROGRAM itself, with the sandbox's python3;
+                         `python`: PROGRAM itself, with the sandbox's python3, REPL style:
+                         the value of a final bare expression is printed (`<py>6*7</py>` -> 42);
                          `run_tests`: PROGRAM saved as candidate.py, then its docstring
                          examples (`python3 -m doctest -v candidate.py`): public tests only,
                          never the hidden ones the verifier runs later in a fresh sandbox.
@@ -17,10 +18,25 @@ CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
 TOOL_NAMES = {"python", "run_tests"}
 
 
+# Runs main.py like a REPL cell: every statement, then prints repr() of a final bare
+# expression (None is not printed). Passed with -c, so nothing extra is written.
+REPL_RUNNER = (
+    "import ast,sys\n"
+    "src=open(sys.argv[1]).read()\n"
+    "tree=ast.parse(src,sys.argv[1])\n"
+    "last=tree.body.pop() if tree.body and isinstance(tree.body[-1],ast.Expr) else None\n"
+    "g={'__name__':'__main__'}\n"
+    "exec(compile(tree,sys.argv[1],'exec'),g)\n"
+    "if last is not None:\n"
+    "    v=eval(compile(ast.Expression(last.value),sys.argv[1],'eval'),g)\n"
+    "    if v is not None: print(repr(v))\n"
+)
+
+
 def tool_command(tools: list[str]) -> tuple[str, str, list[str]]:
     """(tool name, file to write the program to, argv to run) for a task's tools."""
     if "python" in tools:
-        return "python", "main.py", ["python3", "main.py"]
+        return "python", "main.py", ["python3", "-c", REPL_RUNNER, "main.py"]
     return "run_tests", "candidate.py", ["python3", "-m", "doctest", "-v", "candidate.py"]
 
 

@@ -85,20 +85,20 @@ async def sandboxes(js, reg):
 async def test_tool_episode_end_to_end(js, run_id, drop_run):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    engine = ScriptedEngine([lambda ctx: f"<py>print({ctx.split('=')[0]})</py>junk after the call", copy_answer])
+    engine = ScriptedEngine([lambda ctx: f"<py>{ctx.split('=')[0]}</py>junk after the call", copy_answer])
     open_one, opened = await sandboxes(js, reg)
     versions = iter([3, 4, 5, 6])
     eps = await run_episodes(engine, [task(run_id, 417, 382)], version=lambda: next(versions), open_sandbox=open_one)
     assert len(eps) == 2 and len(opened) == 2 and all(sb.closed for sb in opened)
     ep = eps[0]
     assert [t.role for t in ep.turns] == ["prompt", "assistant", "tool", "assistant"]
-    assert ep.turns[1].text == "<py>print(417*382)</py>"  # cut just after the call
+    assert ep.turns[1].text == "<py>417*382</py>"  # cut just after the call
     assert "\n159294\n" in ep.turns[2].text and ep.turns[2].text.lstrip().startswith("<obs exit=0>")
     assert [t.trainable for t in ep.turns] == [False, True, False, True]
     assert [t.policy_version for t in ep.turns if t.role == "assistant"] == [3, 4]
     assert len(unpack_i32(ep.turns[1].logprobs)) == len(unpack_i32(ep.turns[1].token_ids))
     traj = decode(encode(to_trajectory(ep)))
-    assert traj.tool_calls[0].exit_code == 0 and traj.tool_calls[0].code == "print(417*382)" and traj.tool_calls[0].exec_id
+    assert traj.tool_calls[0].exit_code == 0 and traj.tool_calls[0].code == "417*382" and traj.tool_calls[0].exec_id
     verdict = verify_tool_calc(traj)
     assert verdict.reward == 1.0 and verdict.components["used_tool"] == 1.0
     # the observation the model saw is exactly the one the sandbox side recorded
@@ -139,7 +139,7 @@ def test_tool_calc_demonstration_masks_observation():
     assert [train for _, train in segs] == [False, True, False, True]
     prompt, call, obs, answer = (t for t, _ in segs)
     expr = prompt[:-2]
-    assert call == f"<py>print({expr})</py>" and answer == f"={eval(expr)}"  # noqa: S307 - digits and * only
+    assert call == f"<py>{expr}</py>" and answer == f"={eval(expr)}"  # noqa: S307 - digits and * only
     assert obs.strip().startswith("<obs exit=0>") and str(eval(expr)) in obs  # noqa: S307
 
 

@@ -44,6 +44,8 @@ from rlbus.runtime import worker_session
 from schemas import Reward, TaskFate, TaskFates
 
 log = structlog.get_logger()
+LEARNER_OVERRIDES = "learner.overrides"  # written by the scheduler's forgetting guard
+OVERRIDES_EVERY = 5  # steps between reads of the overrides
 
 
 class Learner:
@@ -198,11 +200,32 @@ class Learner:
         log.info("learner.step", step=self.step, version=self.version, **{k: round(v, 4) for k, v in metrics.items()})
         if self.step % self.lc.publish_every == 0:
             self.version += 1
-            await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step, metrics, store=self.store)
+            await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step,
+                                  {**metrics, "samples_trained": float(self.samples_trained)}, store=self.store)
             c["version"] = self.version
         if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
             await self.save_checkpoint()
+        if self.step % OVERRIDES_EVERY == 0:
+            await self.apply_overrides()
         await self.progress()
+
+    async def apply_overrides(self) -> None:
+        """Take the scheduler's forgetting-guard overrides (KV `learner.overrides`): a larger
+        replay share and/or KL beta. A beta > 0 without a reference model loads one first."""
+        o = await get_json(self.s.js, self.s.reg, LEARNER_OVERRIDES)
+        if not o:
+            return
+        updates = {k: float(o[k]) for k in ("replay_share", "beta") if k in o and float(o[k]) != getattr(self.lc, k)}
+        if not updates:
+            return
+        if updates.get("beta", 0) > 0 and self.ref is None and self.policy is not None:
+            from transformers import AutoModelForCausalLM
+
+            self.ref = (await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, self.s.ctx.model_path)).eval()
+            self.ref.requires_grad_(False)
+        self.lc = self.lc.model_copy(update=updates)
+        self.s.counters.update({f"override_{k}": v for k, v in updates.items()})
+        log.warning("learner.overrides_applied", reason=o.get("reason"), **updates)
 
     async def progress(self) -> None:
         """KV learner.progress: what the sampler's gate and the live view read."""

@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -112,8 +113,9 @@ async def server_answers(url: str, timeout: float = 3.0) -> bool:
     import nats
 
     try:
-        nc = await nats.connect(url, connect_timeout=timeout, max_reconnect_attempts=0, allow_reconnect=False)
-    except Exception:
+        nc = await asyncio.wait_for(nats.connect(url, connect_timeout=timeout, max_reconnect_attempts=0,
+                                                 allow_reconnect=False), timeout + 2)
+    except Exception:  # refused, unreachable, or hung: no server to reuse
         return False
     try:
         await nc.jetstream().account_info()

@@ -19,7 +19,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.subjects import ConsumerSpec, Registry
+from bus.subjects import ConsumerSpec, Registry, stream_replicas
 
 log = structlog.get_logger()
 
@@ -27,6 +27,7 @@ log = structlog.get_logger()
 async def connect(url: str, name: str = "rlbus", *, user: str | None = None, password: str | None = None,
                   tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> nats.NATS:
     """Connect with unlimited reconnects, as `user` (default: env) over TLS when a CA is set.
+    `url` may list several servers separated by commas (a cluster's nodes).
 
     TLS: `tls_ca` verifies the server (also used for `tls://` URLs); `tls_cert`+`tls_key`
     add a client certificate (mutual TLS). Each falls back to its `RLBUS_NATS_TLS_*` env var.
@@ -50,8 +51,9 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
     async def on_error(exc):
         log.warning("bus.error", error=str(exc))
 
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: every node's URL, comma-separated
     return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, error_cb=on_error,
         pending_size=64 * 1024 * 1024, **extra,
     )
@@ -74,15 +76,15 @@ async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None 
     try:
         await js.key_value(reg.kv_bucket)
     except Exception:
-        await js.create_key_value(bucket=reg.kv_bucket, history=16)
+        await js.create_key_value(bucket=reg.kv_bucket, history=16, replicas=stream_replicas())
     try:
         await js.key_value(reg.hidden_bucket)
     except Exception:
-        await js.create_key_value(bucket=reg.hidden_bucket, history=1)
+        await js.create_key_value(bucket=reg.hidden_bucket, history=1, replicas=stream_replicas())
     try:
         await js.object_store(reg.object_bucket)
     except Exception:
-        await js.create_object_store(bucket=reg.object_bucket)
+        await js.create_object_store(bucket=reg.object_bucket, replicas=stream_replicas())
 
 
 async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) -> None:
@@ -104,12 +106,12 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
             try:
                 await js.key_value(bucket)
             except Exception:
-                await js.create_key_value(bucket=bucket, history=history)
+                await js.create_key_value(bucket=bucket, history=history, replicas=stream_replicas())
     if "OBJ_weights" in families:
         try:
             await js.object_store(reg.object_bucket)
         except Exception:
-            await js.create_object_store(bucket=reg.object_bucket)
+            await js.create_object_store(bucket=reg.object_bucket, replicas=stream_replicas())
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:

@@ -53,6 +53,21 @@ class Limits:
     weights_keep: int = 64
 
 
+REPLICAS_ENV = "RLBUS_STREAM_REPLICAS"
+
+
+def stream_replicas() -> int:
+    """Replicas of every stream and bucket of a run: $RLBUS_STREAM_REPLICAS (1..5), default 1
+    (3 on a 3-node JetStream cluster). Read when streams are built, never at import."""
+    import os
+
+    raw = os.environ.get(REPLICAS_ENV, "").strip() or "1"
+    n = int(raw)
+    if not 1 <= n <= 5:
+        raise ValueError(f"{REPLICAS_ENV}={raw!r}: JetStream replicas must be 1..5 (3 for a 3-node cluster)")
+    return n
+
+
 @dataclass(frozen=True)
 class ConsumerSpec:
     """A durable pull consumer: which stream, which subjects, and its explicit settings."""
@@ -163,7 +178,7 @@ class Registry:
                 retention=retention,
                 discard=discard,
                 storage=StorageType.FILE,
-                num_replicas=1,
+                num_replicas=stream_replicas(),
                 duplicate_window=120.0,
                 **kw,
             )

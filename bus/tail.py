@@ -36,6 +36,8 @@ async def tail(url: str, subject: str, as_json: bool = False, max_messages: int 
 
     async def on_msg(raw):
         nonlocal seen
+        if max_messages is not None and seen >= max_messages:
+            return  # messages already in flight after the last one asked for
         try:
             body = decode(raw.data).model_dump(mode="python")
             body = {"kind": decode(raw.data).KIND, **body}

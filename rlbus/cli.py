@@ -42,7 +42,8 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 
 # Commands that live with their subsystem: each module defines `register(sub)`, which adds
 # its parser and sets `func=callable(args) -> int` as the parser default.
-COMMAND_MODULES = ("sandbox_workers.cli", "verifier_workers.cli", "rlbus.top", "rlbus.export", "rlbus.report")
+COMMAND_MODULES = ("sandbox_workers.cli", "verifier_workers.cli", "rlbus.top", "rlbus.export", "rlbus.report",
+                   "rlbus.init_cmd")
 
 
 def _register_command_modules(sub) -> None:

@@ -56,7 +56,7 @@ from pathlib import Path
 import structlog
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
-from bus.subjects import Registry
+from bus.subjects import Registry, stream_replicas
 from sandbox_workers.base import ExecResult
 
 log = structlog.get_logger()
@@ -163,7 +163,7 @@ async def records_bucket(js, reg: Registry, create: bool = False):
     except (BucketNotFoundError, NotFoundError):
         if not create:
             raise
-        return await js.create_key_value(bucket=reg.toolrec_bucket, history=1)
+        return await js.create_key_value(bucket=reg.toolrec_bucket, history=1, replicas=stream_replicas())
 
 
 class ExecRecorder:

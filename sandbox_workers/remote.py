@@ -179,7 +179,7 @@ class RemoteSandbox(AsyncSandbox):
             await asyncio.sleep(every)
             try:
                 await self.ping()
-            except (SandboxError, SandboxClosed) as exc:
+            except (SandboxError, SandboxClosed, nats.errors.Error) as exc:  # incl. the connection closing
                 log.warning("sandbox.session.keepalive_failed", session=self.session, error=str(exc))
                 return
 

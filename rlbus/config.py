@@ -101,6 +101,8 @@ class DomainConfig(Section):
     """Level before any curriculum update (default: min_level)."""
     weight: float = Field(default=1.0, ge=0.0)
     """Static sampling weight, used until the scheduler publishes the first curriculum update."""
+    sft_weight: float | None = Field(default=None, ge=0.0)
+    """Share of SFT warm-start batches from this domain (default: `weight`; 0: no demonstrations)."""
     data: str = ""
     """JSONL file of problems for file-backed domains (`math`; empty = examples/data/math.jsonl)."""
     max_tokens: int | None = Field(default=None, ge=1)

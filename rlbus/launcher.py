@@ -83,9 +83,10 @@ def sft_demos(cfg: RunConfig) -> DomainDemos:
     sources, weights, levels = [], [], []
     for name, dc in cfg.sampler.domains.items():
         src = make_source("sft", name, cfg)
-        if hasattr(src, "demonstration"):
+        share = dc.weight if dc.sft_weight is None else dc.sft_weight
+        if hasattr(src, "demonstration") and share > 0:
             sources.append(src)
-            weights.append(max(dc.weight, 1e-6))
+            weights.append(share)
             levels.append(cfg.sft.difficulty if name == "arith" else dc.initial_level)
     if not sources:
         raise ValueError("sft.enabled but no configured domain has demonstrations; set sft.enabled=false")

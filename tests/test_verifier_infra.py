@@ -27,14 +27,6 @@ from verifier_workers.worker import RetryPolicy, run
 pytestmark = pytest.mark.usefixtures("drop_run")
 
 
-class FastRetryVerifier(VerifierSection):
-    """The verifier section with test-sized retry delays (the worker reads them with defaults)."""
-
-    retry_base_s: float = 0.05
-    retry_max_s: float = 0.2
-    concurrency: int = 2
-
-
 def test_retry_policy_backoff_grows_then_dead_letters():
     p = RetryPolicy(max_deliver=5, base_s=1.0, max_s=6.0)
     assert [p.delay(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 6.0, 6.0]
@@ -90,7 +82,8 @@ async def test_infra_failures_retry_then_dead_letter_never_zero(js, run_id, tmp_
            "hidden": make_traj(run_id, 12, "t_good", hidden_ref="arith.missing.000000000000")}
     await publish_many(js, [(reg.traj("arith"), t) for t in [*good, *bad.values()]])
 
-    cfg = RunConfig(verifier=FastRetryVerifier(ack_wait_s=1.0, batch=16))
+    # test-sized retry delays
+    cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=16, retry_base_s=0.05, retry_max_s=0.2, concurrency=2))
     counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
                                             run_path=tmp_path, until_idle=6.0))
 

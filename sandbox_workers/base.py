@@ -88,6 +88,12 @@ class Sandbox(abc.ABC):
     def write_file(self, path: str, data: bytes) -> None:
         """Create or replace a file in the work dir (parents created)."""
 
+    def write_files(self, files: list[tuple[str, bytes]]) -> None:
+        """Write several files in order (same rules as `write_file`); backends may do it in one
+        round trip (docker: one exec)."""
+        for path, data in files:
+            self.write_file(path, data)
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Kill everything and give back an empty work dir (a fresh sandbox)."""

@@ -884,6 +884,24 @@ class DockerSandbox(Sandbox):
         _raise_file_error(rc, path, err)
         return data
 
+    def write_files(self, files: list[tuple[str, bytes]]) -> None:
+        """Write several files under /work with ONE exec: a tar we build (regular files only,
+        names checked like `write_file`'s) unpacked by the sandbox user; an existing
+        symlink at a target is replaced, never followed."""
+        import io
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for path, data in files:
+                parent, name = _sandbox_path(path)
+                info = tarfile.TarInfo(posixpath.relpath(posixpath.join(parent, name), WORK_DIR))
+                info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+                tar.addfile(info, io.BytesIO(bytes(data)))
+        rc, _, err = self._run_simple(["/bin/sh", "-c", "cd /work && exec tar -x -f - --no-same-owner --unlink-first",
+                                       "rlbus-untar"], buf.getvalue(), 60.0)
+        _raise_file_error(rc, ",".join(p for p, _ in files), err)
+
     def write_file(self, path: str, data: bytes) -> None:
         """Create or replace a file under /work (parents created; no symlinks followed)."""
         parent, name = _sandbox_path(path)

@@ -52,7 +52,7 @@ def test_kill_launcher_then_resume_loses_nothing(tmp_path):
     run_id = f"rs{os.getpid()}"
     run_path = tmp_path / "runs" / run_id
     first = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                              "--run-id", run_id], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              "--run-id", run_id, "--max-steps", "60"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     resumed = None
     try:
@@ -60,7 +60,7 @@ def test_kill_launcher_then_resume_loses_nothing(tmp_path):
         while _steps(run_path) < 8 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.5)
         before = _steps(run_path)
-        assert 8 <= before < 25, f"run did not reach step 8 in time (steps={before})"
+        assert 8 <= before < 60, f"run did not reach step 8 in time, or finished (steps={before})"
         os.kill(first.pid, signal.SIGKILL)  # the launcher only: its workers and server are orphaned
         first.wait(10)
         t_kill = time.monotonic()
@@ -86,7 +86,7 @@ def test_kill_launcher_then_resume_loses_nothing(tmp_path):
     text = out.decode(errors="replace")
     assert resumed.returncode == 0, text[-3000:]
     s = json.loads((run_path / "summary.json").read_text())
-    assert s["final"] is True and s["steps"] >= 25, s
+    assert s["final"] is True and s["steps"] >= 60, s
     assert s["lost"] == 0 and s["trained_twice"] == 0, s
     assert sum(s["task_fates"].values()) == s["tasks_published"]
     assert "reusing the run's nats-server" in text, text[-2000:]

@@ -58,7 +58,7 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     cfg.write_text(CONFIG)
     run_id = f"up{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                             "--run-id", run_id], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--run-id", run_id, "--max-steps", "25" if victim == "rollout" else "60"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     run_path = tmp_path / "runs" / run_id
     try:
@@ -88,7 +88,7 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     assert proc.returncode == 0, text[-3000:]
     s = json.loads((run_path / "summary.json").read_text())
     assert s["final"] is True
-    assert s["steps"] >= 25
+    assert s["steps"] >= (25 if victim == "rollout" else 60)
     assert s["worker_restarts"].get(victim, 0) >= 1
     if victim == "learner":
         assert s["learner_rollbacks"] >= 1, s  # it restored its checkpoint and replayed REWARDS

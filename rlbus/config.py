@@ -355,6 +355,12 @@ class SchedulerSection(Section):
     """Difficulty of the eval set."""
     eval_every_versions: int = Field(default=5, ge=1)
     """Evaluate every N-th version (the first and the last always)."""
+    eval_mode: Literal["local", "pipeline"] = "local"
+    """`pipeline`: publish `purpose=eval` tasks through rollout and verifier workers and score
+    their rewards; `local`: the scheduler generates with its own engine. The version-0
+    baseline is always local (it must be exactly the start weights)."""
+    eval_timeout_s: float = Field(default=600.0, gt=0)
+    """Pipeline mode: how long a round waits for its rewards (missing ones count as wrong)."""
     threads: int = 1
     """torch threads of this process."""
     db_url: str = ""

@@ -29,6 +29,7 @@ class WeightWatcher:
     def __init__(self, js, reg, counters: dict[str, float]):
         self.js, self.reg, self.counters = js, reg, counters
         self.newest: WeightVersion | None = None
+        self.steps: dict[int, int] = {}  # learner step of every announced version
         self.loaded: WeightVersion | None = None
         self.rejected: set[str] = set()
         self._announced = asyncio.Event()
@@ -45,6 +46,7 @@ class WeightWatcher:
         except DecodeError as exc:
             log.warning("rollout.weights_announcement_invalid", field=exc.field, reason=exc.reason)
             return
+        self.steps[wv.version] = wv.step
         if self.newest is None or wv.version > self.newest.version:
             self.newest = wv
             self._announced.set()

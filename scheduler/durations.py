@@ -52,6 +52,8 @@ async def track_durations(js, reg, stop: asyncio.Event, every_s: float = 5.0) ->
             r = decode(raw.data, Reward)
         except DecodeError:
             return
+        if r.trajectory.purpose != "train":
+            return
         update(table, r.trajectory.domain, r.trajectory.difficulty, episode_seconds(r))
         seen += 1
 

@@ -1,5 +1,7 @@
 """The scheduler process: regression evaluation of weight versions (every domain with an
-evaluator: arith, tool_calc), the recorder that writes the run's streams into the SQL
+evaluator: arith, tool_calc; with `scheduler.eval_mode = "pipeline"` the rounds between the
+local baseline and the local final score go through rollout and verifier workers as
+`purpose=eval` tasks, see `scheduler.pipeline_eval`), the recorder that writes the run's streams into the SQL
 run store, dead-letter capture and the curriculum.
 
 Guarantees:
@@ -38,6 +40,7 @@ from scheduler.curriculum_service import run_curriculum
 from scheduler.dlq import capture_max_deliveries
 from scheduler.durations import track_durations
 from scheduler.evaluation import EvalSuite
+from scheduler.pipeline_eval import PipelineEval
 from scheduler.gates import Gates, add_general_set
 from scheduler.recorder import record
 from scheduler.store import open_store
@@ -85,21 +88,35 @@ async def run(cfg, ctx) -> dict[str, float]:
 
         async def publish_eval(version: int, step: int, metrics: dict | None = None) -> None:
             nonlocal last_eval
-            scores = await suite.evaluate(engine, open_eval_sandbox)
+            await record_scores(await suite.evaluate(engine, open_eval_sandbox), version, step, metrics)
+            last_eval = version
+
+        async def record_scores(scores: dict, version: int, step: int, metrics: dict | None) -> None:
             for domain, (score, n, digest) in scores.items():
                 await publish(s.js, s.reg.eval(domain), EvalResult(
                     run_id=s.reg.run_id, version=version, step=step, domain=domain, score=score,
                     n=n, eval_set_sha256=digest))
                 s.counters[f"eval_{domain}"] = score
-                log.info("scheduler.eval", version=version, domain=domain, score=score, n=n)
-            last_eval = version
+                log.info("scheduler.eval", version=version, domain=domain, score=score, n=n, mode=ec.eval_mode)
             await gates.after_eval(version, step, {d: v[0] for d, v in scores.items()}, metrics)
             first = next(iter(scores.values()), (0.0, 0, ""))[0]
             s.counters.update(eval_version=version, eval_score=first, evals=s.counters.get("evals", 0) + 1)
 
-        async def evaluate() -> None:
-            await watcher.maybe_load(engine)
-            await publish_eval(watcher.loaded.version, watcher.loaded.step, watcher.loaded.metrics)
+        pipeline = PipelineEval(s.js, s.reg, suite, ec.eval_timeout_s) if ec.eval_mode == "pipeline" else None
+        if pipeline is not None:
+            await pipeline.start()
+
+        async def evaluate(local: bool = False) -> None:
+            nonlocal last_eval
+            if pipeline is None or local:
+                await watcher.maybe_load(engine)
+                await publish_eval(watcher.loaded.version, watcher.loaded.step, watcher.loaded.metrics)
+                return
+            asked = watcher.newest.version
+            scores, version = await pipeline.evaluate()
+            version = asked if version is None else version
+            await record_scores(scores, version, watcher.steps.get(version, 0), None)
+            last_eval = max(asked, version)
 
         if await get_json(s.js, s.reg, BASELINE_KEY) is None:
             # The baseline is the starting checkpoint exactly as the learner publishes it as
@@ -126,7 +143,11 @@ async def run(cfg, ctx) -> dict[str, float]:
             except asyncio.TimeoutError:
                 pass
         if watcher.newest and watcher.newest.version != last_eval:
-            await evaluate()
+            # at stop the rollout and verifier workers are already drained: the final score
+            # is always computed here, like the baseline
+            await evaluate(local=True)
+        if pipeline is not None:
+            await pipeline.stop()
         s.counters["max_deliveries_dead_lettered"] = await dead_letterer
         await durations
         await stop_curriculum()

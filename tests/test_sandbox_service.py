@@ -72,7 +72,7 @@ def sandbox_worker(tmp_path, spawn_worker, run_id, monkeypatch):
 
     made: list[Path] = []
 
-    def start(max_sessions: int = 4, ttl: float = 30.0, timeout: float = 10.0):
+    def start(max_sessions: int = 4, ttl: float = 30.0, timeout: float = 10.0, backend: str = "process"):
         pool = f"p{uuid.uuid4().hex[:8]}"
         # not under tmp_path: the sandbox uid must be able to traverse to its work dir
         tmpdir = Path(tempfile.mkdtemp(prefix=f"rlbus-test-{pool}-"))
@@ -80,7 +80,7 @@ def sandbox_worker(tmp_path, spawn_worker, run_id, monkeypatch):
         made.append(tmpdir)
         config = tmp_path / f"{pool}.toml"
         config.write_text(f'[sandbox]\npool = "{pool}"\nmax_sessions = {max_sessions}\n'
-                          f"session_ttl_s = {ttl}\ntimeout_s = {timeout}\n")
+                          f'session_ttl_s = {ttl}\ntimeout_s = {timeout}\nbackend = "{backend}"\n')
         monkeypatch.setenv("TMPDIR", str(tmpdir))
         monkeypatch.setenv("RLBUS_TOOL_SECRET", SECRET)
         proc = spawn_worker("sandbox", run_id, config, log_name=f"sandbox-{pool}")
@@ -312,10 +312,28 @@ asyncio.run(main(*sys.argv[1:]))
 """
 
 
+def _labelled_containers() -> list[str]:
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", "label=rlbus.sandbox=1"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def _docker_or_skip():
+    from sandbox_workers.factory import docker_available
+
+    if not docker_available():
+        pytest.skip("no Docker engine answers (start one: ../shared/tools/docker-engine)")
+    from sandbox_workers.images import ensure_image
+
+    ensure_image()
+
+
 @pytest.mark.slow
-async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_worker, tmp_path):
+@pytest.mark.parametrize("backend", ["process", pytest.param("docker", marks=pytest.mark.docker)])
+async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_worker, tmp_path, backend):
+    if backend == "docker":
+        _docker_or_skip()
     total, clients, ttl = 1000, 6, 2.0
-    pool, tmpdir, proc = sandbox_worker(max_sessions=64, ttl=ttl)
+    pool, tmpdir, proc = sandbox_worker(max_sessions=64, ttl=ttl, backend=backend)
     reg = Registry(run_id)
     await (await open_when_ready(nc, reg, pool, tmp_path)).close()
     rng, opened, kills, live = random.Random(7), 0, 0, []
@@ -347,6 +365,9 @@ async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_wor
         return leftovers(tmpdir) == ([], [])
 
     await eventually(clean, ttl + 30, "every abandoned session to be reaped", tmp_path, every=0.5)
-    print(f"\nsoak: {opened} sessions, {kills} client kills, {elapsed:.1f}s, {opened / elapsed:.1f} sessions/s")
+    print(f"\nsoak ({backend}): {opened} sessions, {kills} client kills, {elapsed:.1f}s, "
+          f"{opened / elapsed:.1f} sessions/s")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+    assert proc.wait(60) == 0
+    if backend == "docker":
+        assert _labelled_containers() == [], "sandbox containers left after the worker stopped"

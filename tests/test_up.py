@@ -58,7 +58,9 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     cfg.write_text(CONFIG)
     run_id = f"up{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                             "--run-id", run_id, "--max-steps", "25" if victim == "rollout" else "60"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--run-id", run_id, "--max-steps", "25" if victim == "rollout" else "60",
+                             # the rollout variant evaluates through the pipeline (purpose=eval tasks)
+                             "--set", f"scheduler.eval_mode={'pipeline' if victim == 'rollout' else 'local'}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     run_path = tmp_path / "runs" / run_id
     try:

@@ -1,0 +1,136 @@
+"""Evaluation through the pipeline: `purpose=eval` tasks through rollout and verifier workers.
+
+With `scheduler.eval_mode = "pipeline"`, each evaluation round publishes every problem of
+the run's pinned eval sets (`scheduler.evaluation.EvalSuite`) as a greedy `Task` with
+`purpose="eval"` on the ordinary task subjects. Rollout workers generate them (multi-turn
+tool episodes included) with whatever weights they serve, verifier workers score them
+with the training verifiers, and the rewards land on REWARDS, where the learner acks
+them without training (it trains only `purpose="train"`), the curriculum ignores them,
+and this module collects them.
+
+Guarantees:
+- A round's tasks have msg_ids `ev<round>.<domain>.<i>-r<run>`: redelivered or
+  republished, JetStream and the reward ids de-duplicate them; a reward counts once.
+- The score of a domain is the fraction of its problems whose reward has `correct` == 1
+  (the scalar when a verifier reports no `correct`), over the whole set: a problem whose
+  reward did not arrive within the timeout counts as wrong and is reported (`missing`).
+- The version a round reports is the policy version most of its trajectories were
+  generated with (weights may change during a round); the range is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import structlog
+
+from bus.publish import publish_many
+from producers import tool_calc
+from schemas import ChatMessage, DecodeError, Reward, Task, decode
+
+log = structlog.get_logger()
+
+
+def eval_tasks(suite, run_id: str, round_id: int) -> list[Task]:
+    """One greedy `purpose=eval` task per problem of every eval set of the suite."""
+    out = []
+    for name, s in suite.sets.items():
+        for i, p in enumerate(s["problems"]):
+            common = dict(run_id=run_id, msg_id=f"ev{round_id}.{name}.{i}-r{run_id}", task_id=f"eval-{name}-{i}",
+                          domain=name, purpose="eval", group_size=1, temperature=0.0, max_tokens=s["max_tokens"],
+                          prompt=[ChatMessage(role="user", content=p.prompt)])
+            if s["kind"] == "tool_calc":
+                out.append(Task(**common, tools=[tool_calc.TOOL], max_turns=s["max_turns"], verifier="tool_calc",
+                                verifier_params={"expression": p.expression}))
+            else:
+                out.append(Task(**common, verifier="arith", verifier_params={"expression": p.expression}))
+    return out
+
+
+def is_correct(r: Reward) -> bool:
+    return float(r.components.get("correct", r.reward)) >= 1.0
+
+
+@dataclass
+class Round:
+    """Rewards collected for one evaluation round."""
+
+    round_id: int
+    expected: dict[str, int]
+    got: dict[str, Reward] = field(default_factory=dict)  # task msg_id -> reward
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, r: Reward) -> None:
+        key = r.trajectory.task_msg_id
+        if key not in self.got:
+            self.got[key] = r
+            if len(self.got) >= sum(self.expected.values()):
+                self.done.set()
+
+
+class PipelineEval:
+    """Publishes eval rounds and collects their rewards from REWARDS (an ordered consumer)."""
+
+    def __init__(self, js, reg, suite, timeout_s: float = 600.0) -> None:
+        self.js, self.reg, self.suite, self.timeout_s = js, reg, suite, timeout_s
+        self.rounds: dict[int, Round] = {}
+        self.next_round = int(time.time())  # unique across scheduler restarts
+        self._sub = None
+        self.last: dict = {}  # the last round: tasks published, rewards received
+
+    async def start(self) -> None:
+        from nats.js.api import DeliverPolicy
+
+        self._sub = await self.js.subscribe(self.reg.all("rewards"), cb=self._on_reward, ordered_consumer=True,
+                                            deliver_policy=DeliverPolicy.NEW)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_reward(self, raw) -> None:
+        if not (raw.headers or {}).get("Nats-Msg-Id", "").startswith("rw-ev"):
+            return  # a training reward: skip it without decoding
+        try:
+            r = decode(raw.data, Reward)
+        except DecodeError:
+            return
+        t = r.trajectory
+        if t.purpose != "eval" or not t.task_msg_id.startswith("ev"):
+            return
+        try:
+            round_id = int(t.task_msg_id[2:].split(".", 1)[0])
+        except ValueError:
+            return
+        if round_id in self.rounds:
+            self.rounds[round_id].add(r)
+
+    async def evaluate(self) -> tuple[dict[str, tuple[float, int, str]], int | None]:
+        """One round: {domain: (score, n, sha256)} and the policy version most trajectories used."""
+        round_id, self.next_round = self.next_round, self.next_round + 1
+        tasks = eval_tasks(self.suite, self.reg.run_id, round_id)
+        rnd = self.rounds[round_id] = Round(round_id, dict(Counter(t.domain for t in tasks)))
+        t0 = time.monotonic()
+        await publish_many(self.js, [(self.reg.tasks(t.domain), t) for t in tasks])
+        try:
+            await asyncio.wait_for(rnd.done.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        del self.rounds[round_id]
+        self.last = {"round": round_id, "tasks": len(tasks), "rewards": len(rnd.got)}
+        versions = Counter(r.trajectory.policy_version for r in rnd.got.values())
+        scores = {}
+        for name, s in self.suite.sets.items():
+            mine = [r for r in rnd.got.values() if r.trajectory.domain == name]
+            n = len(s["problems"])
+            scores[name] = (sum(map(is_correct, mine)) / max(1, n), n, s["sha256"])
+            if len(mine) < n:
+                log.warning("scheduler.eval_missing", domain=name, missing=n - len(mine), round=round_id,
+                            why=f"no reward within {self.timeout_s:.0f}s; counted as wrong")
+        version = versions.most_common(1)[0][0] if versions else None
+        log.info("scheduler.eval_round", round=round_id, seconds=round(time.monotonic() - t0, 1),
+                 versions=sorted(versions), tasks=len(tasks), rewards=len(rnd.got))
+        return scores, version

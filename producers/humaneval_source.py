@@ -93,3 +93,33 @@ class CodeDomain:
                            verifier_params={"entry_point": q.entry_point, "problem_id": q.task_id},
                            hidden_ref=hidden_ref_for(self.ctx.name, q.task_id))
         return Drawn(task, q.hidden)
+
+    def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
+        """Format-only SFT demonstrations on toy problems (see `code_demonstration`)."""
+        return code_demonstration(rng, (self.ctx.dc.max_turns or 1) > 1)
+
+
+def _toy_problem(rng: random.Random) -> tuple[str, str]:
+    """(prompt, solution) of a small synthetic function in HumanEval's style, for format
+    demonstrations only (never a HumanEval problem: no solution of the eval set is shown)."""
+    k, name = rng.randint(1, 9), rng.choice(["shift", "bump", "offset", "lift"])
+    x = rng.randint(0, 20)
+    prompt = (f"def {name}(x: int) -> int:\n    \"\"\" Return x plus {k}.\n    >>> {name}({x})\n    {x + k}\n"
+              f"    \"\"\"\n")
+    return prompt, f"{prompt}    return x + {k}\n"
+
+
+def code_demonstration(rng: random.Random, multi_turn: bool) -> list[tuple[str, bool]]:
+    """SFT segments teaching the answer format on a toy problem: with tools, first a
+    `run_tests` call on the candidate, then the observation (context), then the final code."""
+    from sandbox_workers.base import ExecResult
+    from sandbox_workers.integrity import render_observation
+    from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, tool_turn_text
+
+    prompt, solution = _toy_problem(rng)
+    user = f"{INSTRUCTION}\n\n```python\n{prompt}```"
+    final = f"```python\n{solution}```"
+    if not multi_turn:
+        return [(user, False), (final, True)]
+    obs = render_observation(ExecResult(exit_code=0, stdout="1 passed and 0 failed.\nTest passed.\n", stderr=""))
+    return [(user, False), (f"{CALL_OPEN}{solution}{CALL_CLOSE}", True), (tool_turn_text(obs), False), (final, True)]

@@ -29,6 +29,8 @@ async def report_forever(nc, reg: Registry, role: str, counters: dict[str, float
     wid = worker_id(role)
     subject = reg.metrics(role, wid)
     while True:
+        t = os.times()
+        counters["cpu_seconds"] = t.user + t.system  # this process's CPU so far (the run store's cost)
         try:
             await nc.publish(subject, encode(Metric(run_id=reg.run_id, role=role, worker_id=wid, values=dict(counters),
                                                     host=socket.gethostname(), pid=os.getpid())))

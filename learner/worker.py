@@ -197,6 +197,7 @@ class Learner:
         c = self.s.counters
         c.update({k: v for k, v in metrics.items()})
         c.update(step=self.step, samples_trained=self.samples_trained, tasks_done=self.tasks_done)
+        c["tokens_trained"] = c.get("tokens_trained", 0) + float(metrics.get("tokens", 0))
         log.info("learner.step", step=self.step, version=self.version, **{k: round(v, 4) for k, v in metrics.items()})
         if self.step % self.lc.publish_every == 0:
             self.version += 1

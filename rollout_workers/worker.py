@@ -127,6 +127,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             await publish_many(s.js, items)
             s.counters["tasks"] = s.counters.get("tasks", 0) + len(batch)
             s.counters["trajectories"] = s.counters.get("trajectories", 0) + len(items)
+            s.counters["tokens"] = s.counters.get("tokens", 0) + sum(t.tokens for _, t in items)
             return [None] * len(batch)
 
         async def serve(pool: str, pc) -> None:

@@ -38,6 +38,7 @@ from rollout_workers.weights_watch import WeightWatcher
 from schemas import EvalResult
 from scheduler.curriculum_service import run_curriculum
 from scheduler.dlq import capture_max_deliveries
+from scheduler.costs import track_costs
 from scheduler.durations import track_durations
 from scheduler.evaluation import EvalSuite
 from scheduler.pipeline_eval import PipelineEval
@@ -59,6 +60,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         recorder = asyncio.create_task(record(s.js, s.reg, store, stop=recorder_stop))
         dead_letterer = asyncio.create_task(capture_max_deliveries(s.js, s.reg, s.stop))
         durations = asyncio.create_task(track_durations(s.js, s.reg, s.stop))
+        costs = asyncio.create_task(track_costs(s.nc, s.reg, store, s.stop))
         curriculum_stop = asyncio.Event()
         curriculum = (asyncio.create_task(run_curriculum(s.js, s.reg, cfg, curriculum_stop, store))
                       if ec.curriculum else None)
@@ -131,6 +133,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             await recorder
             await dead_letterer
             await durations
+            await costs
             return s.counters
         while not s.stop.is_set():
             newest = watcher.newest
@@ -150,6 +153,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             await pipeline.stop()
         s.counters["max_deliveries_dead_lettered"] = await dead_letterer
         await durations
+        await costs
         await stop_curriculum()
         recorder_stop.set()
         counts = await recorder

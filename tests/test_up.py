@@ -109,6 +109,10 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     assert db.execute("select count(*) from rewards").fetchone()[0] == s["rewards"]
     assert db.execute("select count(*) from eval_results").fetchone()[0] == len(ev["curve"])
     assert db.execute("select status from runs").fetchone()[0] == "stopped"
+    # cost per stage, from the workers' heartbeats: CPU seconds everywhere, tokens where they are made
+    costs = {r[0]: (r[1], r[2]) for r in db.execute("select stage, cpu_seconds, tokens from costs")}
+    assert {"rollout", "verifier", "learner", "sampler"} <= set(costs), costs
+    assert all(cpu > 0 for cpu, _ in costs.values()) and costs["rollout"][1] > 0 and costs["learner"][1] > 0, costs
     state = json.loads((run_path / "run.json").read_text())
     assert state["nats_url"].startswith("nats://") and set(state["workers"]) >= {"sampler", "rollout", "learner"}
     # nothing of the run lives directly in the run dir

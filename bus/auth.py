@@ -234,8 +234,10 @@ def server_auth_config(runs: Sequence[str], passwords: Mapping[str, str] | None 
 
 
 def random_passwords(users: Sequence[str] = USERS) -> dict[str, str]:
-    """A fresh random password (32 url-safe chars) per user."""
-    return {u: secrets.token_urlsafe(24) for u in users}
+    """A fresh random password per user: "pw" + 48 hex chars (192 bits). The letter prefix
+    matters: nats-server parses `$VAR` references as config values, and a value that starts
+    with a digit (e.g. "9Wx...") is read as a malformed number and refused."""
+    return {u: "pw" + secrets.token_hex(24) for u in users}
 
 
 def write_env(path: str | os.PathLike, passwords: Mapping[str, str], extra: Mapping[str, str] | None = None) -> Path:

@@ -44,7 +44,9 @@ def test_top_once_renders_every_panel_from_a_live_run(tmp_path, nats_url, run_id
     out, deadline = "", time.monotonic() + 90
     while time.monotonic() < deadline:
         out = top_once(nats_url, run_id)
-        if "arith" in out and all(str(p.pid) in out for p in procs.values()) and "weight version 0" not in out:
+        arith_rows = [cells(line) for line in out.splitlines() if line.startswith("│ arith")]
+        has_rewards = any(len(r) > 1 and r[1].isdigit() and int(r[1]) > 0 for r in arith_rows)
+        if has_rewards and all(str(p.pid) in out for p in procs.values()) and "weight version 0" not in out:
             break
         time.sleep(1)
     assert "\x1b[" not in out, "--once prints plain text"

@@ -128,7 +128,7 @@ async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeo
     """True when a `metrics.<run>.<role>.*` heartbeat from `host` arrives within `timeout`."""
     import nats
 
-    nc = await nats.connect(nats_url, name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
+    nc = await nats.connect([u.strip() for u in nats_url.split(",") if u.strip()], name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
                             allow_reconnect=False)
     seen = asyncio.Event()
     needle = host.encode()

@@ -233,7 +233,13 @@ def test_compose_stack(images):
         # SIGKILL one rollout container mid-run: its unacked tasks come back after ack_wait (10 s)
         # (docker does not restart a container killed by hand; the other replica takes its tasks)
         victim = stack.containers("rollout")[0]
+        # kill only while the victim surely holds tasks: more tasks pending acks than one
+        # replica fetches per batch (smoke config: 4) means both replicas hold some
+        wait_until = time.monotonic() + 60
         before = consumer_state(stack.url, stack.run_id)["rollout"]
+        while before["ack_pending"] <= 4 and time.monotonic() < wait_until:
+            time.sleep(0.2)
+            before = consumer_state(stack.url, stack.run_id)["rollout"]
         subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
         redelivered, deadline = 0, time.monotonic() + 90
         while time.monotonic() < deadline and redelivered == 0:

@@ -15,6 +15,14 @@ Guarantees:
 - Fetch time-outs are normal and only mean "idle".
 - Bugs in a handler propagate (the process crashes and is restarted; the message is
   redelivered), they are never turned into an ack.
+
+Two loops share these outcomes:
+- `run_pull_loop` handles a fetched batch as one unit (batched generation needs that)
+  and acks the batch once the handler returns.
+- `run_pull_stream` handles each message on its own and acks it the moment its
+  handler finishes, fetching more while others are still running (at most `inflight`
+  at once). A slow message never holds back its neighbours: there is no batch barrier,
+  which is what keeps a verifier with variable latency busy.
 """
 
 from __future__ import annotations
@@ -201,3 +209,84 @@ async def _run_handler(handler: BatchHandler, deliveries: list[Delivery]) -> Seq
     if len(outcomes) != len(deliveries):
         raise RuntimeError(f"handler returned {len(outcomes)} outcomes for {len(deliveries)} messages")
     return outcomes
+
+
+MessageHandler = Callable[[Delivery], Awaitable[Outcome]]
+
+
+async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message],
+                          handler: MessageHandler, *, inflight: int = 64, fetch_batch: int | None = None,
+                          fetch_timeout: float = 1.0, ack_wait_s: float = 30.0, max_messages: int | None = None,
+                          until_idle: float | None = None, stop: asyncio.Event | None = None,
+                          counters: dict[str, float] | None = None) -> dict[str, float]:
+    """Run `handler` on each message concurrently, at most `inflight` at once, acking each as it ends.
+
+    Stops on `stop`, after `max_messages` fetched messages, or when nothing was fetched
+    and nothing ran for `until_idle` seconds; it then lets the running handlers finish
+    (their outcomes are applied) before returning. Every running message gets
+    `in_progress` at a third of ack_wait. A handler bug (any exception other than
+    Retry/Reject) cancels the others, unacked, and propagates.
+    """
+    counters = counters if counters is not None else {}
+    active: dict[asyncio.Task, Delivery] = {}
+    finished: list[asyncio.Task] = []
+    seen, last_work = 0, time.monotonic()
+    inflight = max(1, inflight)
+
+    async def one(d: Delivery) -> None:
+        try:
+            outcome = await handler(d)
+        except (Retry, Reject) as exc:
+            outcome = exc
+        name = await apply_outcome(js, reg, stage, d, outcome)
+        counters[name] = counters.get(name, 0) + 1
+
+    def reap() -> None:
+        while finished:
+            task = finished.pop()
+            active.pop(task, None)
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+    async def keep_alive(every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            for d in list(active.values()):
+                await d.raw.in_progress()
+
+    keeper = asyncio.create_task(keep_alive(max(0.5, ack_wait_s / 3)))
+    try:
+        while not (stop and stop.is_set()):
+            reap()
+            if max_messages is not None and seen >= max_messages:
+                break
+            room = inflight - len(active)
+            if room <= 0:
+                await asyncio.wait(list(active), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            want = min(room, fetch_batch or room)
+            if max_messages is not None:
+                want = max(1, min(want, max_messages - seen))
+            raws = await fetch(sub, want, fetch_timeout)
+            if not raws:
+                if active:
+                    last_work = time.monotonic()
+                elif until_idle is not None and time.monotonic() - last_work >= until_idle:
+                    break
+                continue
+            last_work = time.monotonic()
+            seen += len(raws)
+            deliveries = await decode_batch(js, reg, stage, raws, expect)
+            counters["dead_lettered"] = counters.get("dead_lettered", 0) + len(raws) - len(deliveries)
+            for d in deliveries:
+                task = asyncio.create_task(one(d))
+                active[task] = d
+                task.add_done_callback(finished.append)
+        if active:
+            await asyncio.wait(list(active))
+        reap()
+    finally:
+        keeper.cancel()
+        for task in active:
+            task.cancel()
+    return counters

@@ -18,7 +18,9 @@ from nats.js.api import DiscardPolicy, RetentionPolicy
 from bus.conn import ensure_topology, pull_subscription
 from bus.kv import get_json, put_json
 from bus.publish import publish, publish_many
-from bus.pull import Delivery, Reject, Retry, run_pull_loop
+import asyncio
+
+from bus.pull import Delivery, Reject, Retry, run_pull_loop, run_pull_stream
 from bus.streams import iter_stream
 from bus.subjects import DAY, ConsumerSpec, Registry
 from schemas import (
@@ -234,6 +236,70 @@ async def test_pull_loop_outcomes(js, run_id, mode):
 
     info = await settled_consumer(js, reg.stream("TASKS"), "loop")
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_pull_stream_acks_each_message_as_it_finishes(js, run_id):
+    """No batch barrier: fast messages are acked while a slow one fetched with them still runs,
+    and the outcomes (ack / Retry / Reject) apply per message."""
+    reg = await topology(js, run_id)
+    names = ["slow", "retry", "reject"] + [f"fast{i}" for i in range(5)]
+    for name in names:
+        await publish(js, reg.tasks("arith"), make_task(run_id, task_id=name))
+    acked_at: dict[str, float] = {}
+    deliveries: dict[str, list[int]] = {}
+    running, peak = 0, 0
+
+    async def handler(d: Delivery):
+        nonlocal running, peak
+        name = d.msg.task_id
+        deliveries.setdefault(name, []).append(d.delivered)
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(2.5 if name == "slow" else 0.05)
+        finally:
+            running -= 1
+        if name == "retry" and d.delivered == 1:
+            raise Retry(0.3, "busy")
+        if name == "reject":
+            return Reject("unusable", "rejected")
+        acked_at[name] = time.monotonic()
+        return None
+
+    sub = await pull_subscription(js, loop_spec(reg, "stream", ack_wait_s=1.2))
+    t0 = time.monotonic()
+    counters = await run_pull_stream(js, reg, "rollout", sub, Task, handler, inflight=4, fetch_batch=8,
+                                     fetch_timeout=0.2, ack_wait_s=1.2, until_idle=1.0)
+    assert peak == 4, f"at most `inflight` handlers at once, and that many when work waits (peak {peak})"
+    fast_done = max(acked_at[f"fast{i}"] for i in range(5)) - t0
+    assert fast_done < 1.5, f"fast messages waited for the slow one ({fast_done:.2f}s)"
+    assert acked_at["slow"] - t0 >= 2.4
+    # the slow handler outlived ack_wait (1.2 s) but in_progress kept it from being redelivered
+    assert deliveries["slow"] == [1] and deliveries["retry"] == [1, 2] and deliveries["reject"] == [1]
+    assert counters.get("ack") == 7 and counters.get("retry") == 1 and counters.get("reject") == 1, counters
+    [letter] = await dead_letters(js, reg, "rollout")
+    assert letter.reason == "unusable"
+    info = await settled_consumer(js, reg.stream("TASKS"), "stream")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_pull_stream_propagates_a_handler_bug_without_acking(js, run_id):
+    reg = await topology(js, run_id)
+    for name in ("ok", "bug"):
+        await publish(js, reg.tasks("arith"), make_task(run_id, task_id=name))
+
+    async def handler(d: Delivery):
+        if d.msg.task_id == "bug":
+            raise ZeroDivisionError("handler bug")
+        await asyncio.sleep(5)
+        return None
+
+    sub = await pull_subscription(js, loop_spec(reg, "bug", ack_wait_s=30))
+    with pytest.raises(ZeroDivisionError):
+        await run_pull_stream(js, reg, "rollout", sub, Task, handler, inflight=4, fetch_timeout=0.2,
+                              ack_wait_s=30, until_idle=10)
+    info = await js.consumer_info(reg.stream("TASKS"), "bug")
+    assert info.num_ack_pending == 2, "neither the buggy nor the cancelled message may be acked"
 
 
 async def test_undecodable_and_foreign_messages_are_dead_lettered(js, run_id):

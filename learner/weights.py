@@ -1,38 +1,63 @@
-"""Weight blobs: model state <-> safetensors bytes, and publishing a WeightVersion.
+"""Weight blobs: model state <-> safetensors bytes/files, and publishing a WeightVersion.
 
 Guarantees:
 - `state_to_bytes` is deterministic for the same parameters and stores each tied
   tensor once; `load_state_bytes` loads it back strictly (only tied aliases may be
   absent) so a blob for another architecture fails loudly.
+- `state_segments` is the same safetensors layout (same tensor order, same header, so
+  the same bytes as `state_to_bytes` for the dtypes in `ST_DTYPES`) as a list of
+  buffers: the header, then each tensor's OWN memory (zero-copy). It exists only for
+  CPU-contiguous tensors; otherwise (GPU, exotic dtype) publishing falls back to
+  `state_to_bytes`.
 - `publish_version` stores the blob first (NATS object store, a `file://` directory
   or `s3://`, see `make_store`), then announces it on `weights.<run>` and in KV
   `weights.latest`: a reader never sees an announcement whose blob is missing. A LoRA
   policy publishes only its adapter (`learner.lora.adapter_blob`, self-describing).
+  The full state is handed to the store as `state_segments` (no intermediate bytes):
+  the caller must not modify the model until `publish_version` returns (the learner
+  publishes between steps).
 - The announcement carries only URI + sha256 (+ size, dtype); `fetch_weights` reads any
   of the three stores and raises `ChecksumMismatch` unless the bytes hash to the
-  announced sha256. `file://` writes are atomic (temp file + rename).
+  announced sha256. `file://` writes go to a unique temp file, renamed into place
+  (atomic on one filesystem; no fsync: a machine crash can lose the newest version,
+  never expose a torn one under its final name). The sha256 is computed over the same
+  buffers that are written, in a thread while they are written.
+- `load_state_file(model, path, sha256, staging)` is the zero-copy read of a `file://`
+  blob: it reads each tensor's bytes straight into a reused staging tensor of the
+  model's dtype/shape (`readinto`, no intermediate bytes), hashes exactly the bytes
+  read (header included), and only if they hash to `sha256` makes the staging tensors
+  the model's parameters/buffers (swap; the previous storage becomes the next staging
+  buffer, so a worker holds the weights twice). On a mismatch it raises
+  `ChecksumMismatch` and the model is untouched. It returns False without touching the
+  model when the file does not fit that path (LoRA adapter blob, dtype/shape/device
+  mismatch, non-contiguous parameter): the caller then uses the generic
+  `fetch_weights` + `load_state_bytes`, which converts dtypes or fails loudly. Names are
+  checked as strictly as `load_state_bytes` (unexpected or missing non-tied: ValueError).
 - `s3://` needs boto3; without it `make_store`/`fetch_weights` raise a clear error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
+import struct
+import threading
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
 from bus.kv import WEIGHTS_LATEST, put_json
-from bus.objects import ChecksumMismatch, get_blob, put_blob, sha256_hex
+from bus.objects import ChecksumMismatch, get_blob, put_blob, put_segments, sha256_hex, sha256_segments
 from bus.publish import publish
 from bus.subjects import Registry
 from schemas import WeightVersion
 
 
-def state_to_bytes(model) -> bytes:
-    """Serialize a torch model's parameters and buffers as safetensors bytes (tied tensors once)."""
-    from safetensors.torch import save
-
+def state_tensors(model) -> dict:
+    """The model's state to publish: each tensor once (tied aliases dropped), detached, no copy."""
     seen: set[int] = set()
     tensors = {}
     for name, tensor in model.state_dict().items():
@@ -40,8 +65,102 @@ def state_to_bytes(model) -> bytes:
         if ptr in seen:
             continue
         seen.add(ptr)
-        tensors[name] = tensor.detach().to("cpu").contiguous()
-    return save(tensors)
+        tensors[name] = tensor.detach()
+    return tensors
+
+
+def state_to_bytes(model) -> bytes:
+    """Serialize a torch model's parameters and buffers as safetensors bytes (tied tensors once)."""
+    from safetensors.torch import save
+
+    return save({k: v.to("cpu").contiguous() for k, v in state_tensors(model).items()})
+
+
+# torch dtype name -> safetensors dtype; the order of safetensors' Dtype enum (its writer
+# puts tensors in descending dtype order, then by name).
+ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
+             "int16": "I16", "uint16": "U16", "float16": "F16", "bfloat16": "BF16", "int32": "I32",
+             "uint32": "U32", "float32": "F32", "float64": "F64", "int64": "I64", "uint64": "U64"}
+_ST_RANK = {st: i for i, st in enumerate(ST_DTYPES.values())}
+
+
+def _st_dtype(tensor) -> str | None:
+    return ST_DTYPES.get(str(tensor.dtype).replace("torch.", ""))
+
+
+def _byte_view(tensor) -> memoryview:
+    """The tensor's own memory as bytes (CPU, contiguous; no copy)."""
+    return memoryview(tensor.reshape(-1).view(__import__("torch").uint8).numpy())
+
+
+def state_segments(tensors: dict, metadata: dict | None = None) -> list[memoryview] | None:
+    """A safetensors file as buffers (header, then each tensor's memory, zero-copy), laid out
+    as safetensors' own writer does; None unless every tensor is CPU, contiguous, known dtype."""
+    entries = []
+    for name, t in tensors.items():
+        st = _st_dtype(t)
+        if st is None or t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+            return None
+        entries.append((name, t, st))
+    entries.sort(key=lambda e: (-_ST_RANK[e[2]], e[0]))
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    segments, offset = [], 0
+    for name, t, st in entries:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": st, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+        if n:
+            segments.append(_byte_view(t))
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *segments]
+
+
+def model_segments(model) -> list:
+    """What a version publishes, as buffers: the adapter alone for a LoRA policy, else the
+    full state (zero-copy where `state_segments` can, else serialized)."""
+    from learner.lora import adapter_blob, is_lora
+
+    if is_lora(model):
+        return [memoryview(adapter_blob(model))]
+    return state_segments(state_tensors(model)) or [memoryview(state_to_bytes(model))]
+
+
+def write_segments_file(path: Path, segments: list) -> tuple[str, int]:
+    """Write the concatenated segments to `path` atomically (unique temp file + rename) while
+    a thread hashes the same buffers; (sha256, size)."""
+    result: dict = {}
+
+    def hash_all():
+        try:
+            result["sha"] = sha256_segments(segments)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            result["error"] = exc
+
+    hasher = threading.Thread(target=hash_all, name="weights-sha256", daemon=True)
+    hasher.start()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    size = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for seg in segments:
+                mv = memoryview(seg).cast("B")
+                while len(mv):
+                    n = os.write(fd, mv)
+                    size += n
+                    mv = mv[n:]
+        finally:
+            os.close(fd)
+        hasher.join()
+        if "error" in result:
+            raise result["error"]
+        os.replace(tmp, path)
+    except BaseException:
+        hasher.join()
+        tmp.unlink(missing_ok=True)
+        raise
+    return result["sha"], size
 
 
 def load_state_bytes(model, blob: bytes) -> None:
@@ -75,6 +194,10 @@ class NatsStore:
         """Store `data`; (uri, sha256, size)."""
         return await put_blob(self.js, self.bucket, name, data)
 
+    async def put_segments(self, name: str, segments: list) -> tuple[str, str, int]:
+        """Store the concatenated buffers (chunked straight from them); (uri, sha256, size)."""
+        return await put_segments(self.js, self.bucket, name, segments)
+
 
 class FileStore:
     """A directory on a filesystem every reader mounts (local disk, NFS, a shared volume)."""
@@ -84,15 +207,17 @@ class FileStore:
 
     async def put(self, name: str, data: bytes) -> tuple[str, str, int]:
         """Write `data` atomically as `root/name`; (file:// uri, sha256, size)."""
-        return await asyncio.to_thread(self._write, name, data)
+        return await self.put_segments(name, [memoryview(data)])
 
-    def _write(self, name: str, data: bytes) -> tuple[str, str, int]:
+    async def put_segments(self, name: str, segments: list) -> tuple[str, str, int]:
+        """Write the concatenated buffers atomically as `root/name` (no joined copy); (uri, sha256, size)."""
+        return await asyncio.to_thread(self._write, name, segments)
+
+    def _write(self, name: str, segments: list) -> tuple[str, str, int]:
         self.root.mkdir(parents=True, exist_ok=True)
         path = (self.root / name).resolve()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        return path.as_uri(), sha256_hex(data), len(data)
+        sha, size = write_segments_file(path, segments)
+        return path.as_uri(), sha, size
 
 
 def _boto3_client():
@@ -114,6 +239,10 @@ class S3Store:
         key = f"{self.prefix}/{name}" if self.prefix else name
         await asyncio.to_thread(self.client.put_object, Bucket=self.bucket, Key=key, Body=data)
         return f"s3://{self.bucket}/{key}", sha256_hex(data), len(data)
+
+    async def put_segments(self, name: str, segments: list) -> tuple[str, str, int]:
+        """Upload the concatenated buffers (joined: boto3 wants one body); (s3:// uri, sha256, size)."""
+        return await self.put(name, b"".join(segments))
 
 
 def make_store(spec: str, js=None, reg: Registry | None = None):
@@ -159,8 +288,13 @@ async def publish_version(js, reg: Registry, model, version: int, step: int, met
                           store=None) -> WeightVersion:
     """Store the model's weights (in `store`, default the run's object store) and announce them as `version`."""
     store = store or NatsStore(js, reg.object_bucket)
-    blob = await asyncio.to_thread(model_blob, model) if model is not None else b"null-policy"
-    uri, sha, size = await store.put(f"v{version:06d}.safetensors", blob)
+    name = f"v{version:06d}.safetensors"
+    if model is None:
+        uri, sha, size = await store.put(name, b"null-policy")
+    elif hasattr(store, "put_segments"):
+        uri, sha, size = await store.put_segments(name, await asyncio.to_thread(model_segments, model))
+    else:  # a store with only put(name, bytes)
+        uri, sha, size = await store.put(name, await asyncio.to_thread(model_blob, model))
     wv = WeightVersion(run_id=reg.run_id, version=version, step=step, uri=uri, sha256=sha, bytes=size,
                        dtype=str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "none",
                        metrics=metrics)
@@ -168,3 +302,119 @@ async def publish_version(js, reg: Registry, model, version: int, step: int, met
     await put_json(js, reg, WEIGHTS_LATEST, {"version": version, "msg_id": wv.msg_id, "uri": uri,
                                              "sha256": sha, "step": step, "published_at": time.time()})
     return wv
+
+
+# ---------------------------------------------------------------------------- zero-copy file load
+def _readinto_full(f, mv: memoryview) -> None:
+    while len(mv):
+        n = f.readinto(mv)
+        if not n:
+            raise ChecksumMismatch(f"{f.name}: file ends early")
+        mv = mv[n:]
+
+
+def _resolve(model, name: str):
+    """The Parameter or buffer object behind a state_dict name (None if neither)."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:
+        return None
+    if attr in module._parameters:
+        return module._parameters[attr]
+    return module._buffers.get(attr)
+
+
+def _file_plan(model, header: dict, data_len: int):
+    """([(name, target tensor, begin, end)] in file order, swap) if every tensor of the file can
+    be read straight into the model's tensor of the same name, dtype and shape on CPU, the data
+    is covered without holes, and every state name missing from the file is a tied alias of one
+    in it; None otherwise (the generic path then converts, or raises as `load_state_bytes`)."""
+    sd = model.state_dict()
+    if any(k not in sd for k in header):
+        return None
+    plan, by_ptr = [], {}
+    for name, spec in header.items():
+        target = _resolve(model, name)
+        if target is None:
+            return None
+        t = target.data
+        if (_st_dtype(t) != spec.get("dtype") or list(t.shape) != spec.get("shape") or t.device.type != "cpu"
+                or not t.is_contiguous()):
+            return None
+        begin, end = spec["data_offsets"]
+        if end - begin != t.numel() * t.element_size():
+            return None
+        plan.append((name, target, begin, end))
+        by_ptr[t.data_ptr()] = target
+    plan.sort(key=lambda e: e[2])
+    pos = 0
+    for _, _, begin, end in plan:
+        if begin != pos:
+            return None
+        pos = end
+    missing = [k for k in sd if k not in header]
+    if pos != data_len or any(sd[k].data_ptr() not in by_ptr for k in missing):
+        return None
+    # swapping storages keeps a tie only if every alias IS the same tensor object
+    swap = all(_resolve(model, k) is by_ptr[sd[k].data_ptr()] for k in missing)
+    return plan, swap
+
+
+def load_state_file(model, path: str | Path, sha256: str, staging: dict) -> bool:
+    """Zero-copy load of a safetensors file into `model` (see the module guarantees). `staging`
+    is the caller's reusable dict of staging tensors. True if loaded, False if the fast path
+    does not apply (model untouched); raises ChecksumMismatch (model untouched)."""
+    import torch
+
+    with open(path, "rb", buffering=0) as f:
+        file_size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ChecksumMismatch(f"{path}: not a safetensors file ({file_size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(file_size - 8, 100 << 20):
+            raise ChecksumMismatch(f"{path}: header length {n} does not fit a {file_size}-byte file")
+        raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except ValueError as exc:
+            raise ChecksumMismatch(f"{path}: unreadable safetensors header ({exc})") from exc
+        meta = header.pop("__metadata__", None) or {}
+        if meta.get("rlbus.kind", "full") != "full":
+            return False
+        try:
+            data_end = max((int(spec["data_offsets"][1]) for spec in header.values()), default=0)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ChecksumMismatch(f"{path}: malformed safetensors header ({exc!r})") from exc
+        if data_end != file_size - 8 - n:  # truncated or padded: cannot be the announced file
+            raise ChecksumMismatch(f"{path}: header describes {data_end} data bytes, file has {file_size - 8 - n}")
+        planned = _file_plan(model, header, file_size - 8 - n)
+        if planned is None:
+            return False
+        plan, swap = planned
+        h = hashlib.sha256(head)
+        h.update(raw)
+        for name, target, begin, end in plan:
+            buf = staging.get(name)
+            t = target.data
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.data_ptr() == t.data_ptr():
+                buf = staging[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            if end > begin:
+                mv = _byte_view(buf)
+                _readinto_full(f, mv)
+                h.update(mv)
+        if f.read(1):
+            raise ChecksumMismatch(f"{path}: trailing bytes after the tensor data")
+    actual = h.hexdigest()
+    if actual != sha256:
+        raise ChecksumMismatch(f"{Path(path).as_uri()}: sha256 {actual} != announced {sha256}")
+    with torch.no_grad():
+        for name, target, _, _ in plan:
+            new = staging[name]
+            if swap:
+                staging[name] = target.data
+                target.data = new
+            else:
+                target.copy_(new)
+    return True

@@ -8,6 +8,12 @@ Guarantees:
 - All prompts of a call and all G samples of a prompt are generated in ONE batched
   `generate` call with the KV cache (left padding).
 - `load_weights(blob)` swaps weights in place between batches; no restart.
+- `HFEngine.load_weights_file(path, sha256)` is the zero-copy path for `file://` blobs
+  (`learner.weights.load_state_file`): bytes go from the file straight into staging
+  tensors that become the model's weights only after the sha256 matched (a mismatch
+  raises `ChecksumMismatch`, model untouched). It returns False (model untouched) for
+  blobs it cannot load that way (LoRA adapters, another dtype/shape, a GPU model); the
+  caller then uses `load_weights`. Costs one extra copy of the weights in memory.
 """
 
 from __future__ import annotations
@@ -59,6 +65,20 @@ class HFEngine:
             blob = merged_state_blob(self.base, blob)
         load_state_bytes(self.model, blob)
         self.model.eval()
+
+    def load_weights_file(self, path: str, sha256: str) -> bool:
+        """Hot-load a full-state safetensors file without an intermediate blob; False if this
+        path does not apply (see the module guarantees)."""
+        from learner.weights import load_state_file
+
+        if self.device.type != "cpu":
+            return False
+        if getattr(self, "_staging", None) is None:
+            self._staging: dict = {}  # reused staging tensors (the previous weights after a swap)
+        if not load_state_file(self.model, path, sha256, self._staging):
+            return False
+        self.model.eval()
+        return True
 
     def encode_batch(self, prompts: list[str] | list[list[int]]) -> dict:
         """Left-padded input_ids/attention_mask for text prompts, or for token-id prompts as given

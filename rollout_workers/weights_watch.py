@@ -7,11 +7,16 @@ Guarantees:
   its sha256 and only then loads it. A mismatch is logged as
   `rollout.weights_rejected`, counted, and that announcement is never loaded; the
   engine keeps its current weights.
+- A `file://` version is loaded with the engine's zero-copy `load_weights_file(path,
+  sha256)` when it has one (HFEngine on CPU; same sha256 check, model untouched on a
+  mismatch); otherwise, or when that path declines the blob, through `fetch_weights`
+  + `load_weights`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlparse
 
 import structlog
 from nats.js.api import DeliverPolicy
@@ -71,14 +76,21 @@ class WeightWatcher:
         wv = self.newest
         if wv is None or (self.loaded and wv.version <= self.loaded.version) or wv.msg_id in self.rejected:
             return False
+        fast = getattr(engine, "load_weights_file", None)
+        parsed = urlparse(wv.uri)
         try:
-            blob = await fetch_weights(wv.uri, wv.sha256, self.js, self.reg)
+            loaded = False
+            if fast is not None and parsed.scheme == "file":
+                loaded = await asyncio.to_thread(fast, parsed.path, wv.sha256)
+            if not loaded:
+                blob = await fetch_weights(wv.uri, wv.sha256, self.js, self.reg)
         except ChecksumMismatch as exc:
             self.rejected.add(wv.msg_id)
             self.counters["weights_rejected"] = self.counters.get("weights_rejected", 0) + 1
             log.error("rollout.weights_rejected", version=wv.version, reason=str(exc))
             return False
-        await asyncio.to_thread(engine.load_weights, blob)
+        if not loaded:
+            await asyncio.to_thread(engine.load_weights, blob)
         self.loaded = wv
         self.counters["weight_version"] = wv.version
         self.counters["weights_loaded"] = self.counters.get("weights_loaded", 0) + 1

@@ -21,6 +21,9 @@ ENV LANG=C.UTF-8 \
     TMPDIR=/tmp
 
 WORKDIR /work
-# Commands run as 65534 (nobody); the backend runs init + `sleep infinity` as 65532.
+# Commands run as 65534 (nobody); the backend runs init + `sleep infinity` as 65532, or,
+# for one-shot runs (the code verifier), init + its resident agent as 0 with only
+# SETUID/SETGID/KILL (`python3 -I -S -c <sandbox_workers/docker_agent.py>`: the agent's
+# source travels in the container's command, so this image needs no project code).
 USER 65534:65534
 CMD ["sleep", "infinity"]

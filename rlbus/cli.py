@@ -24,6 +24,7 @@ EPILOG = """examples:
   rlbus worker rollout --config runs/<id>/config.json --nats-url nats://host:4222 --run-id <id>
   rlbus tail 'rewards.>' --max 5                   # watch rewards of every run, consuming nothing
   rlbus dlq list --run-dir runs --run-id <id>      # dead letters of a run
+  set -a; . compose/.env; set +a; rlbus status --nats-url nats://127.0.0.1:4222   # as the compose stack's monitor user
 """
 
 DLQ_EPILOG = """examples:
@@ -58,6 +59,10 @@ def _register_command_modules(sub) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlbus", description="RLVR post-training where every role is a process on NATS JetStream.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nats-creds", metavar="FILE",
+                   help="log in to NATS with this .creds file (user JWT + nkey seed, as `nsc` writes it; needs the "
+                        "nkeys package); sets RLBUS_NATS_CREDS for every connection of the command. Without it, "
+                        "RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (or RLBUS_NATS_PASSWORD_FILE) are used, if set")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run a whole config locally (embedded NATS unless --nats-url)",
@@ -253,8 +258,21 @@ def _worker(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments and run the command."""
+    """Parse arguments and run the command; a refused NATS login or permission exits with its reason."""
+    from bus.conn import NatsAuthError, PermissionDenied
+
     args = _parser().parse_args(argv)
+    if args.nats_creds:
+        from bus.auth import ENV_CREDS
+
+        os.environ[ENV_CREDS] = str(Path(args.nats_creds).resolve())  # every connection, child processes too
+    try:
+        return _main(args)
+    except (NatsAuthError, PermissionDenied) as exc:
+        sys.exit(f"rlbus {args.command}: {exc}")
+
+
+def _main(args: argparse.Namespace) -> int:
     # models load from local paths only; transformers' own progress bars are noise here
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -10,8 +10,9 @@ launcher's preparation once and starts one role per process:
 
 Settings come from the environment (what compose sets): RLBUS_CONFIG (TOML),
 RLBUS_SET (whitespace-separated `key=value` overrides), RLBUS_RUN_ID, RLBUS_RUN_DIR,
-NATS_URL, and optionally NATS_USER / NATS_PASSWORD (put into the URL when it has no
-credentials).
+NATS_URL, and the NATS login: RLBUS_NATS_USER / RLBUS_NATS_PASSWORD (or _FILE, or
+RLBUS_NATS_CREDS), read by `bus.conn.connect`; the older NATS_USER / NATS_PASSWORD are
+still put into the URL when it has no credentials.
 
 Guarantees:
 - `init_run` leaves `<run_dir>/<run_id>/config.json` (the resolved config with the
@@ -126,10 +127,12 @@ async def _ensure_topology(nats_url: str, run_id: str) -> None:
 
 async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeout: float = 5.0) -> bool:
     """True when a `metrics.<run>.<role>.*` heartbeat from `host` arrives within `timeout`."""
-    import nats
+    from bus.conn import connect
 
-    nc = await nats.connect([u.strip() for u in nats_url.split(",") if u.strip()], name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
-                            allow_reconnect=False)
+    # the one connect helper: the role's own NATS user (RLBUS_NATS_USER/PASSWORD) may
+    # subscribe to its role's heartbeats; one try, no reconnects
+    nc = await connect(nats_url, name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
+                       allow_reconnect=False)
     seen = asyncio.Event()
     needle = host.encode()
 

@@ -110,11 +110,11 @@ def check_launcher_gone(state: dict) -> None:
 
 async def server_answers(url: str, timeout: float = 3.0) -> bool:
     """True when a NATS server with JetStream answers at `url`."""
-    import nats
+    from bus.conn import connect
 
     try:
-        nc = await asyncio.wait_for(nats.connect(url, connect_timeout=timeout, max_reconnect_attempts=0,
-                                                 allow_reconnect=False), timeout + 2)
+        nc = await asyncio.wait_for(connect(url, name="rlbus-probe", connect_timeout=timeout, max_reconnect_attempts=0,
+                                            allow_reconnect=False), timeout + 2)
     except Exception:  # refused, unreachable, or hung: no server to reuse
         return False
     try:

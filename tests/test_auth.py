@@ -16,7 +16,15 @@ import pytest
 import pytest_asyncio
 
 from bus.auth import USERS, random_passwords, role_permissions, server_auth_config
-from bus.conn import connect, ensure_topology, pull_subscription
+from bus.conn import (
+    NatsAuthError,
+    PermissionDenied,
+    check_permitted,
+    connect,
+    ensure_topology,
+    publish_checked,
+    pull_subscription,
+)
 from bus.hidden import get_hidden, put_hidden
 from bus.kv import WEIGHTS_LATEST, get_json
 from bus.objects import get_blob
@@ -105,7 +113,8 @@ def test_config_renders_every_user_and_no_secret_by_default():
     rollout = role_permissions("rollout", [RUN])
     flat = " ".join(rollout["publish"]["allow"] + rollout["subscribe"]["allow"])
     assert f"hidden-{RUN}" not in flat and "rewards." not in flat and f"weights.{RUN}" not in rollout["publish"]["allow"]
-    assert rollout["subscribe"]["allow"] == sorted(["_INBOX_rollout.>", f"weights.{RUN}"])
+    # its inbox, the weights announcements, and its own role's heartbeats (the container healthcheck)
+    assert rollout["subscribe"]["allow"] == sorted(["_INBOX_rollout.>", f"weights.{RUN}", f"metrics.{RUN}.rollout.*"])
     with pytest.raises(ValueError, match="run id"):
         server_auth_config([])
 
@@ -212,8 +221,11 @@ async def test_generated_env_and_rendered_conf_work_together(tmp_path):
     assert env_file.stat().st_mode & 0o777 == 0o600
     env = read_env(env_file)
     assert write_env_file(tmp_path / ".env") and read_env(env_file) == env  # kept, not rotated
+    # the host's login: the read-only monitor, with the monitor's password
+    assert env["RLBUS_NATS_USER"] == "monitor" and env["RLBUS_NATS_PASSWORD"] == env["RLBUS_NATS_PASSWORD_MONITOR"]
+    assert all(v.startswith("pw") for k, v in env.items() if k.startswith("RLBUS_NATS_PASSWORD"))
     conf = render_conf([RUN])
-    assert all(pw not in conf for pw in env.values())
+    assert all(pw not in conf for k, pw in env.items() if k.startswith("RLBUS_NATS_PASSWORD"))
     (tmp_path / "rendered.conf").write_text(conf)
     check = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "rendered.conf")], env=env,
                            capture_output=True, text=True, timeout=30)
@@ -231,3 +243,91 @@ async def connect_once(url: str, user: str, password: str):
 
     return await nats.connect(url, user=user, password=password, connect_timeout=2, allow_reconnect=False,
                               max_reconnect_attempts=0)
+
+
+async def test_denied_publish_and_subscribe_raise_a_clear_permission_error_and_are_logged(as_user, auth_server):
+    """The server's refusal reaches the caller as PermissionDenied naming user and subject, and is logged."""
+    from structlog.testing import capture_logs
+
+    reg = Registry(RUN)
+    monitor, rollout = await as_user("monitor"), await as_user("rollout")
+    with capture_logs() as logs:
+        with pytest.raises(PermissionDenied, match=rf"(?i)'monitor'.*publish.*rewards\.{RUN}\.x"):
+            await publish_checked(monitor, f"rewards.{RUN}.x", b"{}")
+        await rollout.subscribe(f"$KV.{reg.hidden_bucket}.>")
+        with pytest.raises(PermissionDenied, match=rf"(?i)'rollout'.*subscription.*hidden-{RUN}"):
+            await check_permitted(rollout)
+        await publish_checked(rollout, f"metrics.{RUN}.rollout.w1", b"{}")  # allowed: no error
+    denied = [e for e in logs if e["event"] == "bus.permission_denied"]
+    assert {e["user"] for e in denied} == {"monitor", "rollout"}, logs
+    assert any(f"rewards.{RUN}.x" in e["error"] for e in denied)
+
+
+async def test_login_without_or_with_wrong_credentials_fails_at_once(auth_server, monkeypatch):
+    """connect() retries unreachable servers forever, but a refused login raises NatsAuthError."""
+    server, passwords = auth_server
+    for var in ("RLBUS_NATS_USER", "RLBUS_NATS_PASSWORD", "RLBUS_NATS_PASSWORD_FILE", "RLBUS_NATS_CREDS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(NatsAuthError, match="without credentials"):
+        await asyncio.wait_for(connect(server.url, name="anon"), 10)
+    with pytest.raises(NatsAuthError, match="as user 'rollout'"):
+        await asyncio.wait_for(connect(server.url, name="bad", user="rollout", password="pwwrong"), 10)
+    monkeypatch.setenv("RLBUS_NATS_USER", "monitor")
+    monkeypatch.setenv("RLBUS_NATS_PASSWORD", passwords["monitor"])
+    nc = await connect(server.url, name="env-login")  # the environment's login, as the CLI uses it
+    assert nc.is_connected
+    await nc.close()
+
+
+def test_cli_exits_with_the_reason_on_a_refused_login_and_a_denied_subject(auth_server, tmp_path):
+    """`rlbus status`/`tail` as a subprocess: no credentials -> refused; monitor tailing hidden data -> denied."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server, passwords = auth_server
+    rlbus = str(Path(sys.executable).parent / "rlbus")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_NATS_")}
+    r = subprocess.run([rlbus, "status", "--nats-url", server.url, "--run-id", RUN, "--json"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "refused the login without credentials" in r.stderr, r.stderr
+    env.update(RLBUS_NATS_USER="monitor", RLBUS_NATS_PASSWORD=passwords["monitor"])
+    r = subprocess.run([rlbus, "tail", f"$KV.hidden-{RUN}.>", "--nats-url", server.url, "--timeout", "20"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not allowed" in r.stderr and "subscription" in r.stderr.lower(), r.stderr
+    r = subprocess.run([rlbus, "--nats-creds", str(tmp_path / "missing.creds"), "status", "--nats-url", server.url],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "missing.creds" in r.stderr and "does not exist" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+async def test_creds_file_is_passed_as_nats_user_credentials(tmp_path, monkeypatch):
+    """--nats-creds / RLBUS_NATS_CREDS: the standard NATS .creds file, given to nats-py as user_credentials."""
+    import nats as nats_mod
+
+    creds = tmp_path / "rollout.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QifQ.e30.x\n------END NATS USER JWT------\n")
+    seen = {}
+
+    async def fake_connect(servers, **kw):
+        seen.update(kw, servers=servers)
+        return type("NC", (), {})()
+
+    monkeypatch.setattr(nats_mod, "connect", fake_connect)
+    monkeypatch.setenv("RLBUS_NATS_CREDS", str(creds))
+    monkeypatch.setenv("RLBUS_NATS_USER", "rollout")
+    monkeypatch.setenv("RLBUS_NATS_PASSWORD", "ignored-with-creds")
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "nkeys", None)  # not installed: a clear error, not nats-py's ImportError later
+    with pytest.raises(NatsAuthError, match="nkeys"):
+        await connect("nats://127.0.0.1:1", name="creds")
+    monkeypatch.setitem(sys.modules, "nkeys", types.ModuleType("nkeys"))  # installed (nats-py uses it to sign)
+    await connect("nats://127.0.0.1:1", name="creds")
+    assert seen["user_credentials"] == str(creds) and "password" not in seen and "user" not in seen
+    assert seen["inbox_prefix"] == "_INBOX_rollout"
+    monkeypatch.setenv("RLBUS_NATS_CREDS", str(tmp_path / "nope.creds"))
+    with pytest.raises(NatsAuthError, match="does not exist"):
+        await connect("nats://127.0.0.1:1", name="creds")

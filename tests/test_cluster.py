@@ -2,7 +2,9 @@
 
 R3 streams and buckets; one NATS node (the one every client first connected to) is
 stopped mid-run; the pipeline keeps stepping through the other two nodes, and the
-drained run's accounting has lost = 0. Torn down whatever happens.
+drained run's accounting has lost = 0. Authentication is on on every node (the same
+per-role users; host checks as `monitor`), and no role hits a permission violation.
+Torn down whatever happens.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from test_compose import (
     COMPOSE,
     ROOT,
     Stack,
+    check_auth,
     drain_and_stop,
     free_port,
+    monitor_credentials,
+    role_violations,
     run_accounting,
 )
 from test_compose import images as images  # noqa: PLC0414 - the session fixture, shared
@@ -42,7 +47,7 @@ def replicas_of(url: str, run_id: str) -> dict[str, int]:
     from bus.conn import connect
 
     async def go():
-        nc = await connect(url, name="test-cluster")
+        nc = await connect(url, name="test-cluster", **monitor_credentials())
         try:
             infos = await nc.jetstream(timeout=10).streams_info()
             return {i.config.name: i.config.num_replicas for i in infos if run_id in i.config.name}
@@ -68,6 +73,7 @@ def test_cluster_node_loss(images):
         stack.compose("up", "-d", timeout=900)
         stack.wait_step(3, 600)
         figures["cluster_start_to_step_3_s"] = round(time.monotonic() - t0, 1)
+        figures["auth"] = check_auth(stack)
         reps = replicas_of(stack.url, stack.run_id)
         figures["stream_replicas"] = reps
         assert reps and all(n == 3 for n in reps.values()), reps
@@ -85,6 +91,8 @@ def test_cluster_node_loss(images):
         assert acc["published"] > 0 and acc["trained"] > 0, acc
         assert acc["lost"] == 0, acc
         assert acc["trained_twice"] == 0, acc
+        violations = role_violations(stack)
+        assert violations == [], "roles hit NATS permission violations:\n" + "\n".join(violations[:20])
     finally:
         print(json.dumps(figures, indent=1))
         out = ROOT / "runs"

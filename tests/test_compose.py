@@ -1,10 +1,17 @@
 """The compose stack for real (issue #7): images built offline, every role a container.
 
-`make images`, then `docker compose up` of compose/docker-compose.yml with the smoke
-config, 2 rollout and 2 verifier replicas: the learner steps, `rlbus status` sees both
+`make images` (which also writes compose/.env, the NATS passwords), then `docker compose up`
+of compose/docker-compose.yml with the smoke config, 2 rollout and 2 verifier replicas,
+NATS authentication on (one user per role): the learner steps, `rlbus status` sees both
 rollout workers, `rlbus tail` prints rewards, a SIGKILLed rollout container's tasks are
 redelivered, rollout scales 1 -> 3 -> 1 mid-run, and the drained run's accounting has
 lost = 0. The stack is torn down (no containers, no volumes) whatever happens.
+
+Every host-side check logs in as the read-only `monitor` user from compose/.env (as
+`set -a; . compose/.env; set +a` would); the test also shows that a login without
+credentials is refused, that the monitor's publish to `rewards.<run>.x` is denied with a
+clear permission error, and that no role of the stack hit a permission violation
+(nats-server logs each one).
 
 Figures (image sizes, stack start, learner samples/s with 1 vs 2 rollout replicas) are
 printed and written to runs/compose_figures.json.
@@ -29,6 +36,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
+ENV_FILE = ROOT / "compose" / ".env"
 CLUSTER = ROOT / "compose" / "docker-compose.cluster.yml"
 RLBUS = str(Path(sys.executable).parent / "rlbus")
 # small and fast: the smoke model, a short SFT, short ack_wait so a killed worker's tasks come back soon
@@ -76,6 +84,11 @@ def images():
     if os.environ.get("RLBUS_SKIP_IMAGE_BUILD") != "1":
         r = subprocess.run(["make", "images"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=1500)
         assert r.returncode == 0, f"make images failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        assert ENV_FILE.exists() and ENV_FILE.stat().st_mode & 0o777 == 0o600, "make images did not write compose/.env"
+    else:
+        from rlbus.natsauth import write_env_file
+
+        write_env_file(ENV_FILE)  # what `make images` does: passwords kept if present
     sizes = image_sizes()
     assert set(sizes) == {"rlbus:latest", "rlbus-nats:latest", "rlbus-sandbox:latest"}, sizes
     return {"sizes_mb": sizes, "build_s": round(time.monotonic() - t0, 1)}
@@ -92,6 +105,9 @@ class Stack:
                         RLBUS_RUN_ID=run_id, RLBUS_CONFIG="/app/examples/smoke.toml", RLBUS_SET=FAST_SET,
                         **(extra_env or {}))
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.login = monitor_login()
+        # the host CLI's environment after `set -a; . compose/.env; set +a`: the monitor user
+        self.cli_env = {**{k: v for k, v in os.environ.items() if not k.startswith("RLBUS_NATS_")}, **self.login}
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         cmd = ["docker", "compose", "-p", self.project]
@@ -112,7 +128,8 @@ class Stack:
 
     def status(self, url: str | None = None, listen: float = 2.5) -> dict | None:
         r = subprocess.run([RLBUS, "status", "--nats-url", url or self.url, "--run-id", self.run_id, "--json",
-                            "--listen", str(listen)], check=False, capture_output=True, text=True, timeout=120)
+                            "--listen", str(listen)], check=False, capture_output=True, text=True, timeout=120,
+                           env=self.cli_env)
         return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
 
     def wait_step(self, step: int, timeout: float, url: str | None = None) -> dict:
@@ -140,11 +157,67 @@ class Stack:
         st = self.status(url, listen=seconds)
         return st["stages"]["learner"]["rate_per_s"] if st else 0.0
 
+    def permission_violations(self) -> list[str]:
+        """nats-server's log lines about refused publishes/subscriptions (every node)."""
+        out = self.compose("logs", "--no-color", "--no-log-prefix", *self.nats_services(), check=False).stdout
+        return [ln for ln in out.splitlines() if "Violation" in ln and "Authorization Violation" not in ln]
+
+    def nats_services(self) -> list[str]:
+        return ["nats", "nats-2", "nats-3"] if CLUSTER in self.files else ["nats"]
+
     def logs(self, tail: int = 40) -> str:
         return self.compose("logs", "--no-color", "--tail", str(tail), check=False).stdout[-6000:]
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "-t", "20", check=False, timeout=300)
+
+
+def monitor_login() -> dict[str, str]:
+    """RLBUS_NATS_USER / RLBUS_NATS_PASSWORD of compose/.env (the read-only monitor)."""
+    from rlbus.natsauth import read_env
+
+    env = read_env(ENV_FILE)
+    assert env.get("RLBUS_NATS_USER") == "monitor" and env.get("RLBUS_NATS_PASSWORD"), \
+        "compose/.env lacks the monitor login (make images writes it)"
+    return {"RLBUS_NATS_USER": env["RLBUS_NATS_USER"], "RLBUS_NATS_PASSWORD": env["RLBUS_NATS_PASSWORD"]}
+
+
+def check_auth(stack: Stack) -> dict:
+    """No credentials: refused. The monitor: may read status, may not publish a reward."""
+    from bus.conn import NatsAuthError, PermissionDenied, connect, publish_checked
+
+    anon_env = {k: v for k, v in stack.cli_env.items() if not k.startswith("RLBUS_NATS_")}
+    t0 = time.monotonic()
+    r = subprocess.run([RLBUS, "status", "--nats-url", stack.url, "--run-id", stack.run_id, "--json"],
+                       check=False, capture_output=True, text=True, timeout=60, env=anon_env)
+    assert r.returncode != 0 and "refused the login without credentials" in r.stderr, (r.returncode, r.stderr[-2000:])
+    out = {"anonymous_status_refused_in_s": round(time.monotonic() - t0, 2)}
+
+    async def go():
+        with pytest.raises(NatsAuthError):
+            await connect(stack.url, name="test-anon", user="monitor", password="pwnot-the-password")
+        nc = await connect(stack.url, name="test-monitor", user="monitor", password=stack.login["RLBUS_NATS_PASSWORD"])
+        try:
+            with pytest.raises(PermissionDenied) as denied:
+                await publish_checked(nc, f"rewards.{stack.run_id}.x", b"{}")
+            return str(denied.value)
+        finally:
+            await nc.close()
+
+    out["monitor_publish_denied"] = asyncio.run(go())
+    assert "monitor" in out["monitor_publish_denied"] and f"rewards.{stack.run_id}.x" in out["monitor_publish_denied"]
+    assert "publish" in out["monitor_publish_denied"].lower()
+    # the server logs the refusal too
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(f"rewards.{stack.run_id}.x" in ln for ln in stack.permission_violations()):
+        time.sleep(0.5)
+    assert any("user:monitor" in ln and f"rewards.{stack.run_id}.x" in ln for ln in stack.permission_violations())
+    return out
+
+
+def role_violations(stack: Stack) -> list[str]:
+    """Permission violations by anyone but the test's own monitor probe: must be none."""
+    return [ln for ln in stack.permission_violations() if f"rewards.{stack.run_id}.x" not in ln]
 
 
 def consumer_state(url: str, run_id: str) -> dict:
@@ -153,7 +226,7 @@ def consumer_state(url: str, run_id: str) -> dict:
     from bus.subjects import Registry
 
     async def go():
-        nc = await connect(url, name="test-compose")
+        nc = await connect(url, name="test-compose", **monitor_credentials())
         try:
             js, reg = nc.jetstream(timeout=10), Registry(run_id)
             out = {}
@@ -171,6 +244,11 @@ def consumer_state(url: str, run_id: str) -> dict:
     return asyncio.run(go())
 
 
+def monitor_credentials() -> dict[str, str]:
+    login = monitor_login()
+    return {"user": login["RLBUS_NATS_USER"], "password": login["RLBUS_NATS_PASSWORD"]}
+
+
 def run_accounting(url: str, run_id: str) -> dict:
     """rlbus.accounting over the run's streams: fates of every published task."""
     from bus.conn import connect
@@ -178,7 +256,7 @@ def run_accounting(url: str, run_id: str) -> dict:
     from rlbus.accounting import account
 
     async def go():
-        nc = await connect(url, name="test-compose-accounting")
+        nc = await connect(url, name="test-compose-accounting", **monitor_credentials())
         try:
             acc = await account(nc.jetstream(timeout=30), Registry(run_id))
             return {"published": len(acc.published), **acc.counts(), "trained_twice": acc.trained_twice}
@@ -219,8 +297,10 @@ def test_compose_stack(images):
         assert sum(w["role"] == "verifier" for w in st["workers"]) == 2, st["workers"]
         assert len({w["host"] for w in st["workers"] if w["role"] == "rollout"}) == 2  # two containers
 
+        figures["auth"] = check_auth(stack)
         tail = subprocess.run([RLBUS, "tail", "rewards.>", "--nats-url", stack.url, "--json", "--max", "3",
-                               "--timeout", "120"], check=False, capture_output=True, text=True, timeout=180)
+                               "--timeout", "120"], check=False, capture_output=True, text=True, timeout=180,
+                              env=stack.cli_env)
         lines = [ln for ln in tail.stdout.splitlines() if ln.strip()]
         figures["tail_max_3_lines"] = len(lines)
         # bus/tail.py keeps printing the messages already in flight when --max is reached
@@ -270,6 +350,8 @@ def test_compose_stack(images):
         assert acc["published"] > 0 and acc["trained"] > 0, acc
         assert acc["lost"] == 0, acc
         assert acc["trained_twice"] == 0, acc
+        violations = role_violations(stack)
+        assert violations == [], "roles hit NATS permission violations:\n" + "\n".join(violations[:20])
     finally:
         print(json.dumps(figures, indent=1))
         out = ROOT / "runs"

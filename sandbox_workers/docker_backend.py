@@ -102,6 +102,7 @@ from sandbox_workers.base import (
     Limits,
     Sandbox,
     decode_output,
+    sandbox_path_parts,
 )
 
 if TYPE_CHECKING:  # the SDK is imported lazily: this module imports without an engine
@@ -381,36 +382,27 @@ class _StderrHold:
         return found
 
 
-class _Exec:
-    """One running exec: its id and hijacked socket, read frame by frame."""
+class _Frames:
+    """Docker's multiplexed stream on a hijacked socket: 8-byte headers (stream id, length), then
+    that many payload bytes.
 
-    def __init__(self, api, cid: str, argv: list[str], *, user: str, stdin: bool = False) -> None:
-        self.api = api
-        self.id = api.exec_create(cid, argv, user=user, workdir=WORK_DIR, stdin=stdin)["Id"]
-        self.resp = api.exec_start(self.id, socket=True)
-        self.sock: socket.socket = getattr(self.resp, "_sock", self.resp)
+    `_read_once` does one recv and hands each payload chunk, in order and unchanged, to
+    `_deliver(chunk)` with `self.stream` naming its stream (1 stdout, 2 stderr); it returns
+    False once the engine closed the stream. A recv never asks for more than the rest of the
+    current header or frame, nor more than 1 MiB.
+    """
+
+    def __init__(self, resp) -> None:
+        self.resp = resp
+        self.sock: socket.socket = getattr(resp, "_sock", resp)
         self.header = bytearray()
         self.stream = 0
         self.remaining = 0
 
-    def send_stdin(self, data: bytes) -> None:
-        """Write all of `data` to the command's stdin, then close it."""
-        self.sock.sendall(data)
-        self.sock.shutdown(socket.SHUT_WR)
+    def _deliver(self, chunk: bytes) -> None:
+        raise NotImplementedError
 
-    def pump(self, sinks: dict[int, Any], deadline: float) -> bool:
-        """Feed frames to sinks[1] (stdout) / sinks[2] (stderr) until EOF (True) or deadline."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            ready, _, _ = select.select([self.sock], [], [], min(left, 1.0))
-            if not ready:
-                continue
-            if not self._read_once(sinks):
-                return True
-
-    def _read_once(self, sinks: dict[int, Any]) -> bool:
+    def _read_once(self) -> bool:
         if self.remaining == 0:
             chunk = self.sock.recv(8 - len(self.header))
             if not chunk:
@@ -425,10 +417,49 @@ class _Exec:
         if not chunk:
             return False
         self.remaining -= len(chunk)
-        sink = sinks.get(self.stream)
+        self._deliver(chunk)
+        return True
+
+    def close(self) -> None:
+        """Close the socket and the response; idempotent, never raises OSError."""
+        for thing in (self.sock, self.resp):
+            try:
+                thing.close()
+            except OSError:
+                pass
+
+
+class _Exec(_Frames):
+    """One running exec: its id and hijacked socket, read frame by frame."""
+
+    def __init__(self, api, cid: str, argv: list[str], *, user: str, stdin: bool = False) -> None:
+        self.api = api
+        self.id = api.exec_create(cid, argv, user=user, workdir=WORK_DIR, stdin=stdin)["Id"]
+        super().__init__(api.exec_start(self.id, socket=True))
+        self.sinks: dict[int, Any] = {}
+
+    def send_stdin(self, data: bytes) -> None:
+        """Write all of `data` to the command's stdin, then close it."""
+        self.sock.sendall(data)
+        self.sock.shutdown(socket.SHUT_WR)
+
+    def pump(self, sinks: dict[int, Any], deadline: float) -> bool:
+        """Feed frames to sinks[1] (stdout) / sinks[2] (stderr) until EOF (True) or deadline."""
+        self.sinks = sinks
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([self.sock], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            if not self._read_once():
+                return True
+
+    def _deliver(self, chunk: bytes) -> None:
+        sink = self.sinks.get(self.stream)
         if sink is not None:
             sink.feed(chunk)
-        return True
 
     def exit_code(self, wait_s: float = INSPECT_WAIT_S) -> int | None:
         """The exec's exit code once the engine has recorded it (None if still running)."""
@@ -440,13 +471,6 @@ class _Exec:
             if time.monotonic() > end:
                 return None
             time.sleep(0.005)
-
-    def close(self) -> None:
-        for thing in (self.sock, self.resp):
-            try:
-                thing.close()
-            except OSError:
-                pass
 
 
 class _Bytes:
@@ -528,23 +552,35 @@ class WarmPool:
 
     # -- creating and removing --------------------------------------------------------
     def create(self) -> _Box:
-        """A new started container (blocking); SandboxImageMissing if the image is absent."""
+        """A new started container (blocking); SandboxImageMissing if the image is absent.
+
+        The container is tracked in `boxes` from its creation on; if starting it fails, it is
+        removed before the error propagates."""
         docker = _import_docker()
-        kwargs = container_kwargs(self.image, self.limits, self.cpus)
+        kwargs = self._container_kwargs()
         kwargs["host_config"] = self.api.create_host_config(**kwargs["host_config"])
         try:
             cid = self.api.create_container(**kwargs)["Id"]
         except docker.errors.ImageNotFound:
             raise SandboxImageMissing(_missing_image_message(self.image)) from None
-        box = _Box(cid)
+        box = self._new_box(cid)
         with self.cond:
             self.boxes[cid] = box
         try:
-            self.api.start(cid)
+            self._start(box)
         except BaseException:
             self.remove(box)
             raise
         return box
+
+    def _container_kwargs(self) -> dict:
+        return container_kwargs(self.image, self.limits, self.cpus)
+
+    def _new_box(self, cid: str) -> _Box:
+        return _Box(cid)
+
+    def _start(self, box: _Box) -> None:
+        self.api.start(box.id)
 
     def remove(self, box: _Box) -> None:
         with self.cond:
@@ -555,6 +591,7 @@ class WarmPool:
     def acquire(self) -> _Box:
         """A fresh container: an idle one, one finishing its clean-up, or a new one."""
         with self.cond:
+            self._count_in_use_locked(1)
             # wait only for containers nobody waiting before us will take
             if not self.idle and self.pending > self.waiting and not self.closed and self.broken is None:
                 self.waiting += 1
@@ -565,11 +602,24 @@ class WarmPool:
             box = self.idle.popleft() if self.idle else None
             self._refill_locked()
         if box is None:
-            box = self.create()
+            try:
+                box = self.create()
+            except BaseException:
+                with self.cond:
+                    self._count_in_use_locked(-1)
+                raise
             with self.cond:
                 self.broken = None  # creation works (again): background refills may resume
         box.uses += 1
         return box
+
+    def _count_in_use_locked(self, delta: int) -> None:
+        """Hook (under `cond`): a container was handed out (+1) or failed to be (-1). The plain
+        pool does not count them; AgentPool sizes itself by them."""
+
+    def _room_locked(self) -> int:
+        """How many more containers the pool wants idle (under `cond`); `pending` not subtracted."""
+        return self.size - len(self.idle)
 
     def release(self, box: _Box) -> None:
         """Take back a used container: cleaned and proven clean for reuse, or removed.
@@ -606,7 +656,7 @@ class WarmPool:
     def _refill_locked(self) -> None:
         if self.closed or self.broken is not None:
             return
-        for _ in range(self.size - len(self.idle) - self.pending):
+        for _ in range(self._room_locked() - self.pending):
             try:
                 self.workers.submit(self._fill)
             except RuntimeError:  # interpreter shutting down
@@ -635,7 +685,7 @@ class WarmPool:
     def _settle(self, box: _Box | None) -> None:
         with self.cond:
             self.pending -= 1
-            if box is not None and not self.closed and len(self.idle) < self.size:
+            if box is not None and not self.closed and self._room_locked() > 0:
                 self.idle.append(box)
                 box = None
             self._refill_locked()
@@ -764,18 +814,14 @@ class AgentGone(ContainerUnusable):
     """The agent closed its stream, stopped answering, or sent garbage."""
 
 
-class _AgentStream:
+class _AgentStream(_Frames):
     """The attached stdin/stdout of an agent container: framed requests out, framed replies in."""
 
     def __init__(self, api, cid: str) -> None:
-        self.resp = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
-        self.sock: socket.socket = getattr(self.resp, "_sock", self.resp)
+        super().__init__(api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}))
         self.sock.settimeout(None)
         self.out = bytearray()  # the agent's stdout, not yet parsed into frames
         self.diag = HeadTailBuffer(8192)  # the agent's stderr (diagnostics only)
-        self.header = bytearray()
-        self.stream = 0
-        self.remaining = 0
 
     def send(self, obj: Any) -> None:
         data = marshal.dumps(obj, 4)
@@ -797,36 +843,14 @@ class _AgentStream:
             if ready and not self._read_once():
                 raise AgentGone(f"the sandbox agent closed its stream: {self.diagnostics()}")
 
-    def _read_once(self) -> bool:
-        if self.remaining == 0:
-            chunk = self.sock.recv(8 - len(self.header))
-            if not chunk:
-                return False
-            self.header += chunk
-            if len(self.header) == 8:
-                self.stream = self.header[0]
-                self.remaining = int.from_bytes(self.header[4:8], "big")
-                self.header.clear()
-            return True
-        chunk = self.sock.recv(min(self.remaining, MIB))
-        if not chunk:
-            return False
-        self.remaining -= len(chunk)
+    def _deliver(self, chunk: bytes) -> None:
         if self.stream == 1:
             self.out += chunk
         else:
             self.diag.feed(chunk)
-        return True
 
     def diagnostics(self) -> str:
         return self.diag.getvalue().decode(errors="replace").strip()[-1000:] or "(no agent stderr)"
-
-    def close(self) -> None:
-        for thing in (self.sock, self.resp):
-            try:
-                thing.close()
-            except OSError:
-                pass
 
 
 class _Reply:
@@ -873,29 +897,27 @@ class AgentPool(WarmPool):
     def _target(self) -> int:
         return max(self.size, self.peak)
 
-    def create(self) -> _AgentBox:
-        """A started agent container that said hello (and found itself clean)."""
-        docker = _import_docker()
-        kwargs = agent_container_kwargs(self.image, self.limits, self.cpus)
-        kwargs["host_config"] = self.api.create_host_config(**kwargs["host_config"])
-        try:
-            cid = self.api.create_container(**kwargs)["Id"]
-        except docker.errors.ImageNotFound:
-            raise SandboxImageMissing(_missing_image_message(self.image)) from None
-        box = _AgentBox(cid)
-        with self.cond:
-            self.boxes[cid] = box
-        try:
-            box.stream = _AgentStream(self.api, cid)  # attached before start: the hello is not lost
-            self.api.start(cid)
-            hello = _Reply(box.stream.recv(time.monotonic() + AGENT_START_S))
-            if hello.kind != _AGENT.HELLO or hello.code != _AGENT.VERSION or not hello.clean:
-                raise AgentGone(f"the sandbox agent refused to start: {hello.message} "
-                                f"{box.stream.diagnostics()}")
-        except BaseException:
-            self.remove(box)
-            raise
-        return box
+    def _room_locked(self) -> int:
+        return self._target() - len(self.idle) - self.in_use
+
+    def _count_in_use_locked(self, delta: int) -> None:
+        self.in_use += delta
+        self.peak = max(self.peak, self.in_use)
+
+    def _container_kwargs(self) -> dict:
+        return agent_container_kwargs(self.image, self.limits, self.cpus)
+
+    def _new_box(self, cid: str) -> _AgentBox:
+        return _AgentBox(cid)
+
+    def _start(self, box: _AgentBox) -> None:  # type: ignore[override]
+        """`create` hands out only agent containers that said hello (and found themselves clean)."""
+        box.stream = _AgentStream(self.api, box.id)  # attached before start: the hello is not lost
+        self.api.start(box.id)
+        hello = _Reply(box.stream.recv(time.monotonic() + AGENT_START_S))
+        if hello.kind != _AGENT.HELLO or hello.code != _AGENT.VERSION or not hello.clean:
+            raise AgentGone(f"the sandbox agent refused to start: {hello.message} "
+                            f"{box.stream.diagnostics()}")
 
     def remove(self, box: _Box) -> None:
         stream = getattr(box, "stream", None)
@@ -903,36 +925,12 @@ class AgentPool(WarmPool):
             stream.close()
         super().remove(box)
 
-    def acquire(self) -> _AgentBox:
-        with self.cond:
-            self.in_use += 1
-            self.peak = max(self.peak, self.in_use)
-            if not self.idle and self.pending > self.waiting and not self.closed and self.broken is None:
-                self.waiting += 1
-                try:
-                    self.cond.wait_for(lambda: self.idle or not self.pending or self.closed, timeout=10)
-                finally:
-                    self.waiting -= 1
-            box = self.idle.popleft() if self.idle else None
-            self._refill_locked()
-        if box is None:
-            try:
-                box = self.create()
-            except BaseException:
-                with self.cond:
-                    self.in_use -= 1
-                raise
-            with self.cond:
-                self.broken = None
-        box.uses += 1
-        return box
-
     def release(self, box: _Box, clean: bool = False) -> None:
         """Take back a container after a run: kept when its agent proved it clean, else removed."""
         with self.cond:
             self.in_use -= 1
             keep = (clean and not self.closed and box.uses < AGENT_MAX_USES
-                    and len(self.idle) + self.pending + self.in_use < self._target())
+                    and self._room_locked() - self.pending > 0)
             if keep:
                 self.idle.append(box)
             self._refill_locked()
@@ -945,27 +943,6 @@ class AgentPool(WarmPool):
             self.in_use -= 1
             self._refill_locked()
         super().kill(box)
-
-    def _refill_locked(self) -> None:
-        if self.closed or self.broken is not None:
-            return
-        for _ in range(self._target() - len(self.idle) - self.pending - self.in_use):
-            try:
-                self.workers.submit(self._fill)
-            except RuntimeError:  # interpreter shutting down
-                return
-            self.pending += 1
-
-    def _settle(self, box: _Box | None) -> None:
-        with self.cond:
-            self.pending -= 1
-            if box is not None and not self.closed and len(self.idle) + self.in_use < self._target():
-                self.idle.append(box)
-                box = None
-            self._refill_locked()
-            self.cond.notify_all()
-        if box is not None:
-            self.remove(box)
 
 
 def get_agent_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> AgentPool:
@@ -1054,13 +1031,7 @@ def run_isolated(files: list[tuple[str, bytes]], *, argv: list[str] | None = Non
 
 def _sandbox_path(path: str) -> tuple[str, str]:
     """(parent dir, name) of a path under /work, lexically normalized; ValueError outside."""
-    if path.startswith(WORK_DIR + "/"):
-        path = path[len(WORK_DIR) + 1:]
-    elif path.startswith("/"):
-        raise ValueError(f"path outside {WORK_DIR}: {path!r}")
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise ValueError(f"bad sandbox path: {path!r}")
+    parts = sandbox_path_parts(path)
     return posixpath.join(WORK_DIR, *parts[:-1]), parts[-1]
 
 

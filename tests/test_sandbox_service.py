@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import shutil
 import signal
@@ -42,6 +41,7 @@ from sandbox_workers.remote import (
     unpack,
 )
 from tests.conftest import ROOT, eventually, logs
+from tests.proc_scan import live_pids
 
 SECRET = "test-secret-0123456789abcdef0123"
 
@@ -50,20 +50,7 @@ def leftovers(tmpdir: Path) -> tuple[list[str], list[int]]:
     """(sandbox work dirs, live processes naming them) under `tmpdir`."""
     dirs = sorted(p.name for p in tmpdir.glob("rlbus-sbx-*"))
     needle = str(tmpdir).encode()
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if needle in f.read():
-                    pids.append(int(name))
-        except (OSError, IndexError):
-            pass
-    return dirs, pids
+    return dirs, live_pids(lambda cmdline, _environ: needle in cmdline)
 
 
 @pytest.fixture

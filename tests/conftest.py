@@ -71,6 +71,28 @@ def spawn_worker(tmp_path, nats_url):
             p.wait(10)
 
 
+NULL_PIPELINE_CONFIG = """
+[sampler]
+group_size = 4
+max_inflight_tasks = 32
+[rollout]
+engine = "null"
+[learner]
+policy = "null"
+groups_per_step = 4
+step_window_s = 0.5
+"""
+
+
+@pytest.fixture
+def null_pipeline(tmp_path, run_id, spawn_worker) -> dict[str, subprocess.Popen]:
+    """A live null-model pipeline for `run_id`: one learner, verifier, rollout and sampler worker
+    (started in that order, with NULL_PIPELINE_CONFIG), as {role: process}; killed after the test."""
+    cfg = tmp_path / "pipeline.toml"
+    cfg.write_text(NULL_PIPELINE_CONFIG)
+    return {role: spawn_worker(role, run_id, cfg) for role in ("learner", "verifier", "rollout", "sampler")}
+
+
 @pytest_asyncio.fixture
 async def drop_run(js, run_id):
     """Delete the test's run after it (and after its workers are killed): file streams

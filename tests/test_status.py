@@ -13,23 +13,8 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("drop_run")
 
-CONFIG = """
-[sampler]
-group_size = 4
-max_inflight_tasks = 32
-[rollout]
-engine = "null"
-[learner]
-policy = "null"
-groups_per_step = 4
-step_window_s = 0.5
-"""
-
-
-def test_status_json_reports_steps_stages_and_every_worker(tmp_path, nats_url, run_id, spawn_worker):
-    cfg = tmp_path / "status.toml"
-    cfg.write_text(CONFIG)
-    procs = {role: spawn_worker(role, run_id, cfg) for role in ("learner", "verifier", "rollout", "sampler")}
+def test_status_json_reports_steps_stages_and_every_worker(nats_url, run_id, null_pipeline):
+    procs = null_pipeline
     out = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

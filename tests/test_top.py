@@ -12,19 +12,6 @@ from tests.conftest import ROOT, logs
 
 pytestmark = pytest.mark.usefixtures("drop_run")
 
-CONFIG = """
-[sampler]
-group_size = 4
-max_inflight_tasks = 32
-[rollout]
-engine = "null"
-[learner]
-policy = "null"
-groups_per_step = 4
-step_window_s = 0.5
-"""
-
-
 def cells(line: str) -> list[str]:
     """The cells of one rendered table row."""
     return [c.strip() for c in line.split("│")[1:-1]]
@@ -37,10 +24,8 @@ def top_once(nats_url: str, run_id: str) -> str:
     return res.stdout
 
 
-def test_top_once_renders_every_panel_from_a_live_run(tmp_path, nats_url, run_id, spawn_worker):
-    cfg = tmp_path / "top.toml"
-    cfg.write_text(CONFIG)
-    procs = {role: spawn_worker(role, run_id, cfg) for role in ("learner", "verifier", "rollout", "sampler")}
+def test_top_once_renders_every_panel_from_a_live_run(tmp_path, nats_url, run_id, null_pipeline):
+    procs = null_pipeline
     out, deadline = "", time.monotonic() + 90
     while time.monotonic() < deadline:
         out = top_once(nats_url, run_id)

@@ -24,22 +24,18 @@ from bus.pull import Delivery, Reject, Retry, run_pull_loop, run_pull_stream
 from bus.streams import iter_stream
 from bus.subjects import DAY, ConsumerSpec, Registry
 from schemas import (
-    ChatMessage,
     DeadLetter,
     EvalResult,
     Reward,
     Task,
     TaskFate,
     TaskFates,
-    Trajectory,
-    Turn,
     WeightVersion,
     decode,
     encode,
-    pack_f32,
-    pack_i32,
 )
 from tests.conftest import settled_consumer
+from tests.messages import make_task, make_trajectory
 
 GARBAGE = b"\xc1\xc1 this is not msgpack \xff"
 
@@ -54,22 +50,6 @@ async def topology(js, run_id: str) -> Registry:
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     return reg
-
-
-def make_task(run_id: str, task_id: str = "arith-1-0", **kw) -> Task:
-    return Task(run_id=run_id, task_id=task_id, domain="arith", group_size=4,
-                prompt=[ChatMessage(role="user", content="2+3=")], verifier="arith",
-                verifier_params={"expression": "2+3"}, **kw)
-
-
-def make_trajectory(run_id: str, task: Task, index: int = 0, text: str = "5") -> Trajectory:
-    turns = [Turn(role="prompt", text="2+3=", token_ids=pack_i32([50, 43, 51, 61])),
-             Turn(role="assistant", text=text, token_ids=pack_i32([53, 1]), logprobs=pack_f32([-0.5, -0.25]),
-                  trainable=True, policy_version=3)]
-    return Trajectory(run_id=run_id, msg_id=f"{task.msg_id}-{index}", task_id=task.task_id, task_msg_id=task.msg_id,
-                      domain="arith", group_id=task.msg_id, group_size=task.group_size, sample_index=index,
-                      turns=turns, verifier="arith", verifier_params=task.verifier_params, final_text=text,
-                      policy_version=3, tokens=2)
 
 
 def loop_spec(reg: Registry, durable: str, ack_wait_s: float) -> ConsumerSpec:

@@ -27,7 +27,6 @@ from learner.weights import publish_version
 from rollout_workers.engines import NullEngine
 from rollout_workers.worker import build_trajectories
 from schemas import (
-    ChatMessage,
     DeadLetter,
     Reward,
     Task,
@@ -38,6 +37,7 @@ from schemas import (
     encode,
 )
 from tests.conftest import eventually, logs, settled_consumer
+from tests.messages import make_task
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
@@ -99,12 +99,6 @@ async def stored(js, reg: Registry, family: str, subject: str, cls):
     return [decode(data, cls) async for _, data in iter_stream(js, reg.stream(family), subject)]
 
 
-def make_task(run_id: str, task_id: str = "arith-1-0") -> Task:
-    return Task(run_id=run_id, task_id=task_id, domain="arith", group_size=GROUP_SIZE,
-                prompt=[ChatMessage(role="user", content="2+3=")], verifier="arith",
-                verifier_params={"expression": "2+3"})
-
-
 def wrong_version(msg) -> bytes:
     """A valid MessagePack map of `msg` claiming schema_version 99."""
     body = msgpack.unpackb(encode(msg))
@@ -143,7 +137,7 @@ async def test_rollout_dead_letters_bad_tasks_and_rolls_out_good_ones(js, run_id
     proc = spawn_worker("rollout", run_id, write_config(tmp_path), "--max-messages", "3", "--until-idle", "30")
     await wait_consumer(js, reg.stream("TASKS"), "rollout", tmp_path)
 
-    subject, task = reg.tasks("arith"), make_task(run_id)
+    subject, task = reg.tasks("arith"), make_task(run_id, group_size=GROUP_SIZE)
     bad = await publish_bad(js, subject, task)
     await publish(js, subject, task)
     await wait_exit(proc, 60, tmp_path)
@@ -164,7 +158,7 @@ async def test_verifier_dead_letters_bad_trajectories_and_scores_good_ones(js, r
     await wait_consumer(js, reg.stream("TRAJ"), "verifier", tmp_path)
 
     subject = reg.traj("arith")
-    right, wrong = trajectories(make_task(run_id))[:2]
+    right, wrong = trajectories(make_task(run_id, group_size=GROUP_SIZE))[:2]
     right = right.model_copy(update={"final_text": "5"})
     wrong = wrong.model_copy(update={"final_text": "7"})
     bad = await publish_bad(js, subject, right)
@@ -185,7 +179,7 @@ async def test_learner_dead_letters_bad_rewards_and_steps_on_good_ones(js, run_i
     proc = spawn_worker("learner", run_id, write_config(tmp_path), "--max-messages", "1")
     await wait_consumer(js, reg.stream("REWARDS"), "learner", tmp_path)
 
-    subject, task = reg.rewards("arith"), make_task(run_id)
+    subject, task = reg.rewards("arith"), make_task(run_id, group_size=GROUP_SIZE)
     scores = [1.0, 0.0, 0.0, 1.0]
     rewards = [Reward(run_id=run_id, msg_id=f"rw-{t.msg_id}", trajectory=t, reward=r, components={"correct": r})
                for t, r in zip(trajectories(task), scores, strict=True)]
@@ -232,7 +226,7 @@ async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path
     await eventually(a_saw_v1, 20, "worker A to receive weight version 1", tmp_path)
     await asyncio.sleep(0.5)
 
-    task = make_task(run_id)
+    task = make_task(run_id, group_size=GROUP_SIZE)
     await publish(js, reg.tasks("arith"), task)
 
     async def a_holds_task():

@@ -23,24 +23,7 @@ from learner.weights import (FileStore, load_state_file, model_segments, publish
 from rlbus.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
-
-TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", **TINY)
-
-
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def _perturb(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+from tests.tiny_weights import TINY, load_model, model_dir, perturb  # noqa: F401 - model_dir is a fixture
 
 
 def _same(a, b) -> bool:
@@ -68,7 +51,7 @@ async def _write(tmp_path, model, name="v000001.safetensors"):
 # -- writer ---------------------------------------------------------------------------
 
 def test_segments_are_the_safetensors_bytes(model_dir, tmp_path):
-    model = _load(model_dir)
+    model = load_model(model_dir)
     assert b"".join(state_segments(state_tensors(model))) == state_to_bytes(model)
     mixed = {"w": torch.randn(3, 4), "h": torch.randn(5).half(), "b": torch.randn(2).to(torch.bfloat16),
              "i": torch.arange(3), "m": torch.tensor([True, False]), "s": torch.tensor(2.5), "e": torch.zeros(0, 3),
@@ -79,8 +62,8 @@ def test_segments_are_the_safetensors_bytes(model_dir, tmp_path):
 
 
 async def test_file_store_writes_a_readable_safetensors_file(model_dir, tmp_path):
-    model = _load(model_dir)
-    _perturb(model, 1)
+    model = load_model(model_dir)
+    perturb(model, 1)
     uri, sha, size = await _write(tmp_path, model)
     path = tmp_path / "w" / "v000001.safetensors"
     assert uri == path.as_uri() and size == path.stat().st_size and sha == sha256_hex(path.read_bytes())
@@ -95,10 +78,10 @@ async def test_file_store_writes_a_readable_safetensors_file(model_dir, tmp_path
 # -- reader ---------------------------------------------------------------------------
 
 async def test_file_fast_path_round_trip_keeps_ties(model_dir, tmp_path):
-    src, dst = _load(model_dir), _load(model_dir)
+    src, dst = load_model(model_dir), load_model(model_dir)
     staging: dict = {}
     for v in (1, 2, 3):  # staging buffers are reused (swapped) across versions
-        _perturb(src, v)
+        perturb(src, v)
         uri, sha, _ = await _write(tmp_path, src, f"v{v:06d}.safetensors")
         assert load_state_file(dst, uri.removeprefix("file://"), sha, staging)
         assert _same(src, dst) and _tied(dst)
@@ -107,8 +90,8 @@ async def test_file_fast_path_round_trip_keeps_ties(model_dir, tmp_path):
 
 
 async def test_corrupt_or_truncated_file_leaves_the_model_untouched(model_dir, tmp_path):
-    src, dst = _load(model_dir), _load(model_dir)
-    _perturb(src, 5)
+    src, dst = load_model(model_dir), load_model(model_dir)
+    perturb(src, 5)
     uri, sha, size = await _write(tmp_path, src)
     path = tmp_path / "w" / "v000001.safetensors"
     good = path.read_bytes()
@@ -132,10 +115,10 @@ async def test_corrupt_or_truncated_file_leaves_the_model_untouched(model_dir, t
 
 
 async def test_fast_path_declines_other_dtype_and_lora(model_dir, tmp_path):
-    src = _load(model_dir)
-    _perturb(src, 7)
+    src = load_model(model_dir)
+    perturb(src, 7)
     uri, sha, _ = await _write(tmp_path, src)
-    half = _load(model_dir).to(torch.bfloat16)
+    half = load_model(model_dir).to(torch.bfloat16)
     snap = _snapshot(half)
     assert not load_state_file(half, uri.removeprefix("file://"), sha, {})
     assert _unchanged(half, snap)
@@ -153,7 +136,7 @@ async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, 
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     store = FileStore(tmp_path / "w")
-    publisher = _load(model_dir)
+    publisher = load_model(model_dir)
     engine = HFEngine(str(model_dir), threads=1)
     fetched: list[str] = []
     real_fetch = ww.fetch_weights
@@ -174,14 +157,14 @@ async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, 
             await asyncio.sleep(0.02)
 
     try:
-        _perturb(publisher, 1)
+        perturb(publisher, 1)
         await publish_version(js, reg, publisher, 1, 1, {}, store=store)
         await announced(1)
         assert await watcher.maybe_load(engine)
         assert fetched == [] and _same(engine.model, publisher) and _tied(engine.model)  # zero-copy path
 
         # a corrupted file: rejected, counted, engine keeps version 1
-        _perturb(publisher, 2)
+        perturb(publisher, 2)
         wv2 = await publish_version(js, reg, publisher, 2, 2, {}, store=store)
         path = tmp_path / "w" / "v000002.safetensors"
         data = bytearray(path.read_bytes())
@@ -195,7 +178,7 @@ async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, 
 
         # an engine in another dtype: the fast path declines, the generic path converts
         engine.model.to(torch.bfloat16)
-        _perturb(publisher, 3)
+        perturb(publisher, 3)
         await publish_version(js, reg, publisher, 3, 3, {}, store=store)
         await announced(3)
         assert await watcher.maybe_load(engine)

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from bus.conn import ensure_topology
 from bus.kv import WEIGHTS_LATEST, get_json
@@ -19,28 +18,9 @@ from rlbus.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode
+from tests.tiny_weights import TINY, load_model, model_dir, perturb  # noqa: F401 - model_dir is a fixture
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
-
-TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
-
-
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", **TINY)
-
-
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def _perturb(model, seed: int, scale: float = 0.1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 def _same_params(a, b) -> bool:
@@ -62,8 +42,8 @@ async def _until(cond, timeout: float = 10.0) -> None:
 # -- pure blob functions -------------------------------------------------------------
 
 def test_state_bytes_round_trip(model_dir):
-    src, dst = _load(model_dir), _load(model_dir)
-    _perturb(src, seed=1)
+    src, dst = load_model(model_dir), load_model(model_dir)
+    perturb(src, seed=1)
     assert not _same_params(src, dst)
     blob = state_to_bytes(src)
     assert blob == state_to_bytes(src)  # deterministic
@@ -79,14 +59,14 @@ def test_state_bytes_round_trip(model_dir):
 
 
 def test_load_blob_of_other_architecture_raises(model_dir, tmp_path):
-    blob = state_to_bytes(_load(model_dir))
-    llama = _load(build_tiny_model(tmp_path / "llama", arch="llama", **TINY))  # same sizes, no qkv bias
+    blob = state_to_bytes(load_model(model_dir))
+    llama = load_model(build_tiny_model(tmp_path / "llama", arch="llama", **TINY))  # same sizes, no qkv bias
     with pytest.raises(ValueError, match="does not fit"):
         load_state_bytes(llama, blob)
-    wider = _load(build_tiny_model(tmp_path / "wide", hidden_size=64, num_layers=1, num_heads=2))
+    wider = load_model(build_tiny_model(tmp_path / "wide", hidden_size=64, num_layers=1, num_heads=2))
     with pytest.raises((ValueError, RuntimeError)):
         load_state_bytes(wider, blob)
-    deeper = _load(build_tiny_model(tmp_path / "deep", hidden_size=32, num_layers=2, num_heads=2))
+    deeper = load_model(build_tiny_model(tmp_path / "deep", hidden_size=32, num_layers=2, num_heads=2))
     with pytest.raises(ValueError, match="missing"):
         load_state_bytes(deeper, blob)
 
@@ -114,7 +94,7 @@ async def test_get_blob_checks_sha(js, run_id, tmp_path):
 async def test_publish_version_announces_on_subject_and_kv(js, run_id, model_dir):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    model = _load(model_dir)
+    model = load_model(model_dir)
     wv = await publish_version(js, reg, model, version=1, step=7, metrics={"loss": 0.25})
     assert wv.version == 1 and wv.step == 7 and wv.dtype == "float32" and wv.metrics == {"loss": 0.25}
 
@@ -134,10 +114,10 @@ async def test_publish_version_announces_on_subject_and_kv(js, run_id, model_dir
 async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model_dir):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    publisher = _load(model_dir)
-    _perturb(publisher, seed=2)
+    publisher = load_model(model_dir)
+    perturb(publisher, seed=2)
     engine = HFEngine(str(model_dir), threads=1)
-    _perturb(engine.model, seed=3)
+    perturb(engine.model, seed=3)
     assert not _same_params(engine.model, publisher)
 
     v1 = await publish_version(js, reg, publisher, version=1, step=1, metrics={})
@@ -165,7 +145,7 @@ async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model
         assert counters["weights_rejected"] == 1
 
         # a later good version still loads
-        _perturb(publisher, seed=4)
+        perturb(publisher, seed=4)
         await publish_version(js, reg, publisher, version=3, step=3, metrics={})
         await _until(lambda: watcher.newest.version == 3)
         assert await watcher.maybe_load(engine)
@@ -181,7 +161,7 @@ async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model
 async def test_watcher_ignores_older_announcement(js, run_id, model_dir):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    model = _load(model_dir)
+    model = load_model(model_dir)
     watcher = WeightWatcher(js, reg, {})
     await watcher.start()
     try:

@@ -195,6 +195,53 @@ def check_loss_inputs(logp_new, logp_behavior, advantages, mask, *, clip_low: fl
     return use_kl
 
 
+class MaskedTokens:
+    """The masked-token bookkeeping every loss of the GRPO family shares (`policy_loss`,
+    `learner.objectives.objective_loss`), for ``logp_new`` / ``logp_behavior`` / ``mask``
+    of shape ``[B, T]``.
+
+    ``m`` is the bool mask, ``mf`` it in ``logp_new``'s dtype, ``zero`` a scalar 0.
+    ``log_ratio`` is ``logp_new - logp_behavior`` on masked tokens and exactly 0 elsewhere,
+    so inf/NaN padding never reaches ``exp`` nor the gradient (``torch.where`` routes 0 grad
+    there); gradients flow only into ``logp_new``. ``has_tok`` marks the sequences with at
+    least one masked token, ``denom_tok`` their token counts (>= 1), ``n_seq`` their number (>= 1).
+    """
+
+    def __init__(self, logp_new: torch.Tensor, logp_behavior: torch.Tensor, mask: torch.Tensor) -> None:
+        self.dtype = dtype = logp_new.dtype
+        self.m = m = mask != 0  # bool [B, T]
+        self.mf = mf = m.to(dtype)
+        self.zero = zero = torch.zeros((), dtype=dtype, device=logp_new.device)
+        self.log_ratio = torch.where(m, logp_new - logp_behavior.detach().to(dtype), zero)
+        n_tok = mf.sum(dim=1)  # [B]
+        self.has_tok = n_tok > 0
+        self.denom_tok = n_tok.clamp_min(1.0)
+        self.n_seq = self.has_tok.to(dtype).sum().clamp_min(1.0)
+
+    def seq_then_batch_mean(self, tok: torch.Tensor) -> torch.Tensor:
+        """Mean over each sequence's tokens, then over sequences with >= 1 token (GRPO eq. 3);
+        ``tok`` must be 0 on unmasked entries."""
+        seq = tok.sum(dim=1) / self.denom_tok
+        return torch.where(self.has_tok, seq, self.zero).sum() / self.n_seq
+
+    def kl_tokens(self, estimator, logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+        """``estimator(logp_new, logp_ref)`` per masked token, 0 elsewhere (padding never read)."""
+        m, zero = self.m, self.zero
+        new_s = torch.where(m, logp_new, zero)
+        ref_s = torch.where(m, logp_ref.detach().to(self.dtype), zero)
+        return torch.where(m, estimator(new_s, ref_s), zero)
+
+
+def clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
+                      select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's ``min(ratio * adv, clip(ratio, 1 - clip_low, 1 + clip_high) * adv)`` and where,
+    among ``select``, the clipped branch is strictly smaller (so it is chosen, with no gradient)."""
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    is_clipped = (clipped < unclipped) & select
+    return torch.where(is_clipped, clipped, unclipped), is_clipped
+
+
 def policy_loss(
     logp_new: torch.Tensor,
     logp_behavior: torch.Tensor,
@@ -242,39 +289,15 @@ def policy_loss(
     use_kl = check_loss_inputs(logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                                beta=beta, logp_ref=logp_ref)
 
-    dtype = logp_new.dtype
-    m = mask != 0  # bool [B, T]
-    mf = m.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=logp_new.device)
-
-    # Sanitise unmasked positions before exp so inf/NaN padding cannot leak
-    # into the loss or the gradient (torch.where routes 0 grad to them).
-    log_ratio = torch.where(m, logp_new - logp_behavior.detach().to(dtype), zero)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
-
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    is_clipped = (clipped < unclipped) & m
-    objective = torch.where(is_clipped, clipped, unclipped)
-    pg_tok = torch.where(m, -objective, zero)
-
-    n_tok = mf.sum(dim=1)  # [B]
-    has_tok = n_tok > 0
-    denom_tok = n_tok.clamp_min(1.0)
-    n_seq = has_tok.to(dtype).sum().clamp_min(1.0)
-
-    def _aggregate(tok: torch.Tensor) -> torch.Tensor:
-        seq = tok.sum(dim=1) / denom_tok  # unmasked entries are already 0
-        return torch.where(has_tok, seq, zero).sum() / n_seq
-
-    pg_loss = _aggregate(pg_tok)
+    mt = MaskedTokens(logp_new, logp_behavior, mask)
+    m = mt.m
+    ratio = torch.exp(mt.log_ratio)
+    adv = advantages.detach().to(mt.dtype).unsqueeze(1)  # [B, 1]
+    objective, is_clipped = clipped_objective(ratio, adv, clip_low, clip_high, m)
+    pg_loss = mt.seq_then_batch_mean(torch.where(m, -objective, mt.zero))
     if use_kl:
         assert logp_ref is not None
-        new_s = torch.where(m, logp_new, zero)
-        ref_s = torch.where(m, logp_ref.detach().to(dtype), zero)
-        kl_tok = torch.where(m, kl_k3(new_s, ref_s), zero)
-        kl = _aggregate(kl_tok)
+        kl = mt.seq_then_batch_mean(mt.kl_tokens(kl_k3, logp_new, logp_ref))
         loss = pg_loss + beta * kl
         kl_val = float(kl.detach())
     else:

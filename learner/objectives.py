@@ -43,7 +43,15 @@ from typing import Literal
 
 import torch
 
-from learner.losses import LossStats, check_loss_inputs, group_advantages, kl_k3, policy_loss
+from learner.losses import (
+    LossStats,
+    MaskedTokens,
+    check_loss_inputs,
+    clipped_objective,
+    group_advantages,
+    kl_k3,
+    policy_loss,
+)
 
 __all__ = [
     "KINDS",
@@ -297,23 +305,10 @@ def objective_loss(
         if max_len <= 0:
             raise ValueError(f"dr_grpo needs max_len > 0, got {max_len}")
 
-    dtype = logp_new.dtype
-    m = mask != 0
-    mf = m.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=logp_new.device)
-    # Sanitise padding before exp (see policy_loss): where() routes 0 grad there.
-    log_ratio = torch.where(m, logp_new - logp_behavior.detach().to(dtype), zero)
-    adv = advantages.detach().to(dtype)
-
-    n_tok = mf.sum(dim=1)  # [B]
-    has_tok = n_tok > 0
-    denom_tok = n_tok.clamp_min(1.0)
-    n_seq = has_tok.to(dtype).sum().clamp_min(1.0)
-    total_tok = mf.sum()
-
-    def seq_then_batch_mean(tok: torch.Tensor) -> torch.Tensor:
-        seq = tok.sum(dim=1) / denom_tok
-        return torch.where(has_tok, seq, zero).sum() / n_seq
+    mt = MaskedTokens(logp_new, logp_behavior, mask)  # padding sanitised before exp (see there)
+    m, zero, has_tok, log_ratio = mt.m, mt.zero, mt.has_tok, mt.log_ratio
+    adv = advantages.detach().to(mt.dtype)
+    total_tok = mt.mf.sum()
 
     if kind == "dr_grpo":
         const = float(shape[0] * max_len) if shape[0] > 0 else 1.0
@@ -327,33 +322,24 @@ def objective_loss(
             return tok.sum() / total_tok.clamp_min(1.0)
 
     else:  # grpo (k1 path) and gspo's KL term
-        aggregate = seq_then_batch_mean
+        aggregate = mt.seq_then_batch_mean
 
     if kind == "gspo":
-        seq_log_ratio = torch.where(has_tok, log_ratio.sum(dim=1) / denom_tok, zero)
+        seq_log_ratio = torch.where(has_tok, log_ratio.sum(dim=1) / mt.denom_tok, zero)
         ratio = torch.exp(seq_log_ratio)  # [B]
-        unclipped = ratio * adv
-        clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-        is_clipped = (clipped < unclipped) & has_tok
-        objective = torch.where(is_clipped, clipped, unclipped)
-        pg_loss = torch.where(has_tok, -objective, zero).sum() / n_seq
+        objective, is_clipped = clipped_objective(ratio, adv, clip_low, clip_high, has_tok)
+        pg_loss = torch.where(has_tok, -objective, zero).sum() / mt.n_seq
         stat_sel = has_tok
     else:
         ratio = torch.exp(log_ratio)  # [B, T]
-        a = adv.unsqueeze(1)
-        unclipped = ratio * a
-        clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * a
-        is_clipped = (clipped < unclipped) & m
-        objective = torch.where(is_clipped, clipped, unclipped)
+        objective, is_clipped = clipped_objective(ratio, adv.unsqueeze(1), clip_low, clip_high, m)
         pg_loss = aggregate(torch.where(m, -objective, zero))
         stat_sel = m
 
     if use_kl:
         assert logp_ref is not None
-        new_s = torch.where(m, logp_new, zero)
-        ref_s = torch.where(m, logp_ref.detach().to(dtype), zero)
         est = kl_k3 if kl == "k3" else kl_k1
-        kl_term = aggregate(torch.where(m, est(new_s, ref_s), zero))
+        kl_term = aggregate(mt.kl_tokens(est, logp_new, logp_ref))
         loss = pg_loss + beta * kl_term
         kl_val = float(kl_term.detach())
     else:

@@ -88,6 +88,20 @@ async def publish_groups(js, reg: Registry, tag: str, n: int) -> None:
     await publish_many(js, msgs)
 
 
+async def run_until_updates(js, reg: Registry, cfg, store, updates: int, what: str, tmp_path: Path):
+    """Run the curriculum service until its KV state counts `updates` groups (at most 20 s),
+    then stop it; returns (that state, the service's counters)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_curriculum(js, reg, cfg, stop, store))
+
+    async def observed():
+        value = await get_json(js, reg, CURRICULUM)
+        return value if value and value["updates"] == updates else None
+    value = await eventually(observed, 20, what, tmp_path)
+    stop.set()
+    return value, await asyncio.wait_for(task, 10)
+
+
 async def test_curriculum_service_shifts_weights_and_promotes(js, run_id, tmp_path):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
@@ -96,15 +110,8 @@ async def test_curriculum_service_shifts_weights_and_promotes(js, run_id, tmp_pa
     await asyncio.to_thread(store.ensure_run, run_id)
     await publish_groups(js, reg, "r1", 8)  # 32 samples per domain
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_curriculum(js, reg, cfg, stop, store))
-
-    async def all_observed():
-        value = await get_json(js, reg, CURRICULUM)
-        return value if value and value["updates"] == 16 else None
-    value = await eventually(all_observed, 20, "the curriculum to observe every group", tmp_path)
-    stop.set()
-    counters = await asyncio.wait_for(task, 10)
+    value, counters = await run_until_updates(js, reg, cfg, store, 16, "the curriculum to observe every group",
+                                              tmp_path)
 
     w = value["weights"]
     assert set(w) == {"arith", "math"} and abs(sum(w.values()) - 1) < 1e-9
@@ -123,15 +130,8 @@ async def test_curriculum_service_shifts_weights_and_promotes(js, run_id, tmp_pa
 
     # restart: the state comes back from KV; more of the same keeps the shares, counts on
     await publish_groups(js, reg, "r2", 2)
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_curriculum(js, reg, cfg, stop, store))
-
-    async def resumed():
-        new = await get_json(js, reg, CURRICULUM)
-        return new if new and new["updates"] == 20 else None
-    new = await eventually(resumed, 20, "the restarted curriculum to observe the new groups", tmp_path)
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    new, _ = await run_until_updates(js, reg, cfg, store, 20, "the restarted curriculum to observe the new groups",
+                                     tmp_path)
     assert new["version"] > value["version"] and new["levels"] == {"arith": 2, "math": 1}
     assert new["weights"]["math"] > 0.9
 

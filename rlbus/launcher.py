@@ -10,7 +10,9 @@ Guarantees:
   evaluates the newest version).
 - Everything of a run lives under `<run-dir>/<run_id>/`; `summary.json` is kept current
   during the run and completed (with per-message accounting) at the end, next to
-  `reward_curve.png`.
+  `reward_curve.png`. Its `domains` gives each domain's training rewards (count, mean,
+  verifier statuses) and the tool calls its episodes made, read from the rewards stream
+  by an ordered consumer (consumes nothing).
 - KV `status` = "stop-requested" (written by the scheduler with `scheduler.stop_on_plateau`)
   stops the run like a limit (stop_reason `stop_requested`); summary.json carries the
   scheduler's `plateau` verdict and `released_version` (KV `plateau`, `release.latest`).
@@ -42,7 +44,7 @@ from rlbus.accounting import account
 from rlbus.config import RunConfig, dump_config
 from rlbus.live import Snapshot, line, render
 from rlbus.plots import reward_curve
-from schemas import DecodeError, EvalResult, Metric, WeightVersion, decode
+from schemas import DecodeError, EvalResult, Metric, Reward, WeightVersion, decode
 
 log = structlog.get_logger()
 MAX_RESTARTS = 5
@@ -197,6 +199,30 @@ class Supervisor:
                 proc.kill()
 
 
+class DomainRewards:
+    """Training rewards of one domain as the run saw them: count, mean, verifier statuses,
+    and the tool calls its episodes made (by tool name, and episodes with at least one)."""
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+        self.statuses: dict[str, int] = {}
+        self.tool_calls: dict[str, int] = {}
+        self.episodes_with_tool_calls = 0
+
+    def add(self, r: Reward) -> None:
+        self.n += 1
+        self.total += r.reward
+        self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+        for call in r.trajectory.tool_calls:
+            self.tool_calls[call.tool] = self.tool_calls.get(call.tool, 0) + 1
+        self.episodes_with_tool_calls += bool(r.trajectory.tool_calls)
+
+    def as_dict(self) -> dict:
+        return {"rewards": self.n, "reward_mean": round(self.total / self.n, 4) if self.n else None,
+                "statuses": self.statuses, "tool_calls": self.tool_calls,
+                "episodes_with_tool_calls": self.episodes_with_tool_calls}
+
+
 class Monitor:
     """Live facts of the run, fed by core-NATS subscriptions (consumes nothing)."""
 
@@ -212,12 +238,14 @@ class Monitor:
         self.plateau: dict | None = None  # KV `plateau` (scheduler.gates)
         self.released_version: int | None = None  # KV `release.latest`
         self.stop_requested = False  # KV `status` == "stop-requested"
+        self.domain_rewards: dict[str, DomainRewards] = {}  # training rewards per domain
 
     async def start(self, nc) -> None:
         """Subscribe to telemetry, weight announcements and eval results."""
         await nc.subscribe(self.reg.metrics(), cb=self._on_metric)
         await nc.subscribe(self.reg.weights, cb=self._on_weights)
         await self.js.subscribe(self.reg.all("eval"), cb=self._on_eval, ordered_consumer=True)
+        await self.js.subscribe(self.reg.all("rewards"), cb=self._on_reward, ordered_consumer=True)
 
     async def _on_metric(self, raw) -> None:
         try:
@@ -233,6 +261,14 @@ class Monitor:
             return
         if "reward_mean" in wv.metrics:
             self.step_rewards[wv.step] = wv.metrics["reward_mean"]
+
+    async def _on_reward(self, raw) -> None:
+        try:
+            r = decode(raw.data, Reward)
+        except DecodeError:
+            return
+        if r.trajectory.purpose == "train":
+            self.domain_rewards.setdefault(r.trajectory.domain, DomainRewards()).add(r)
 
     async def _on_eval(self, raw) -> None:
         try:
@@ -303,7 +339,8 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "lost": counts.get("lost") if acc else None, "trained_twice": acc.trained_twice if acc else None,
         "learner_rollbacks": acc.rollbacks if acc else None,
         "task_fates": counts or None, "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
-        "eval": evals, "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
+        "eval": evals, "domains": {d: dr.as_dict() for d, dr in sorted(mon.domain_rewards.items())},
+        "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,
         "plateau": mon.plateau, "released_version": mon.released_version,
     }

@@ -101,6 +101,9 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     ev = s["eval"]["arith"]
     assert ev["n"] == 20 and 0.0 <= ev["baseline"] <= 1.0 and 0.0 <= ev["final"] <= 1.0
     assert ev["final_version"] >= 25
+    arith = s["domains"]["arith"]  # training rewards per domain, as the launcher saw them
+    assert arith["rewards"] > 0 and 0.0 <= arith["reward_mean"] <= 1.0, arith
+    assert set(arith["statuses"]) <= {"ok", "malformed"} and arith["tool_calls"] == {}, arith
     assert (run_path / "reward_curve.png").stat().st_size > 1000
     # the scheduler's recorder wrote the run store (SQLite in the run folder by default)
     import sqlite3

@@ -745,12 +745,17 @@ def _tracked_ids() -> set[str]:
 
 def get_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> WarmPool:
     """The process's pool for (image, limits, cpus); its size grows to the largest asked."""
+    return _shared_pool(WarmPool, (image, limits, cpus), image, limits, cpus, size, concurrency)
+
+
+def _shared_pool(cls, key: tuple, image: str, limits: Limits, cpus: float, size: int, concurrency: int | None):
+    """The open `cls` pool under `key` in `_pools` (a new one if none is open), its size raised
+    to at least `size`; the reaper runs once any pool exists."""
     client = get_client(concurrency)
-    key = (image, limits, cpus)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None or pool.closed:
-            pool = _pools[key] = WarmPool(client, image, limits, cpus, size)
+            pool = _pools[key] = cls(client, image, limits, cpus, size)
         else:
             with pool.cond:
                 pool.size = max(pool.size, size)
@@ -947,17 +952,7 @@ class AgentPool(WarmPool):
 
 def get_agent_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> AgentPool:
     """The process's agent pool for (image, limits, cpus); its size grows to the largest asked."""
-    client = get_client(concurrency)
-    key = (image, limits, cpus, "agent")
-    with _pools_lock:
-        pool = _pools.get(key)
-        if pool is None or pool.closed:
-            pool = _pools[key] = AgentPool(client, image, limits, cpus, size)
-        else:
-            with pool.cond:
-                pool.size = max(pool.size, size)
-    _start_reaper(client)
-    return pool
+    return _shared_pool(AgentPool, (image, limits, cpus, "agent"), image, limits, cpus, size, concurrency)
 
 
 class IsolatedRun:

@@ -7,7 +7,11 @@ of the sandbox is left once the test ends). A check only asserts; it never clean
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
+
+import pytest
 
 from sandbox_workers.base import Limits
 
@@ -15,6 +19,22 @@ from sandbox_workers.base import Limits
 def py(code: str) -> list[str]:
     """argv running `code` with the sandbox's python3."""
     return ["python3", "-c", code]
+
+
+@contextlib.contextmanager
+def host_listener():
+    """A listening TCP port on the host's 127.0.0.1 for a sandbox to try; on a clean exit,
+    asserts that nothing connected to it. The socket is closed either way."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.setblocking(False)
+    try:
+        yield srv.getsockname()[1]
+        with pytest.raises(BlockingIOError):
+            srv.accept()
+    finally:
+        srv.close()
 
 
 def infinite_loop_times_out(sbx) -> None:

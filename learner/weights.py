@@ -33,6 +33,18 @@ Guarantees:
   mismatch, non-contiguous parameter): the caller then uses the generic
   `fetch_weights` + `load_state_bytes`, which converts dtypes or fails loudly. Names are
   checked as strictly as `load_state_bytes` (unexpected or missing non-tied: ValueError).
+- `load_state_file_speculative(model, path, staging)` is the same read WITHOUT the hash
+  on the critical path: the staging tensors become the model's weights at once and the
+  returned `SpeculativeLoad` holds the previous weights (out of `staging`, so no later
+  read can overwrite them) until it is settled: `digest()` (in a thread) hashes exactly
+  the bytes read, then `commit()` (match: the previous weights become staging buffers)
+  or `rollback()` (mismatch: the previous weights are the model's again). Until then the
+  worker holds the weights twice, and a caller must treat the new weights as unverified
+  (the rollout worker publishes nothing generated with them before the check passed,
+  see `rollout_workers.weights_watch`). Structural faults (truncated, padded, unreadable
+  header) still raise ChecksumMismatch before anything is swapped; it returns None
+  (model untouched) where `load_state_file` would return False, and also when tied
+  aliases could not be kept by swapping (use `load_state_file`, verify-first).
 - `s3://` needs boto3; without it `make_store`/`fetch_weights` raise a clear error.
 """
 
@@ -361,6 +373,61 @@ def _file_plan(model, header: dict, data_len: int):
     return plan, swap
 
 
+def _open_file_plan(f, path, model):
+    """(prefix bytes, plan, swap) of an open safetensors file positioned after its header, or
+    None when the fast path does not apply (LoRA adapter, layout that does not fit the model);
+    raises ChecksumMismatch for a file that cannot be the announced one (truncated, padded,
+    unreadable header)."""
+    file_size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise ChecksumMismatch(f"{path}: not a safetensors file ({file_size} bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(file_size - 8, 100 << 20):
+        raise ChecksumMismatch(f"{path}: header length {n} does not fit a {file_size}-byte file")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise ChecksumMismatch(f"{path}: unreadable safetensors header ({exc})") from exc
+    meta = header.pop("__metadata__", None) or {}
+    if meta.get("rlbus.kind", "full") != "full":
+        return None
+    try:
+        data_end = max((int(spec["data_offsets"][1]) for spec in header.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ChecksumMismatch(f"{path}: malformed safetensors header ({exc!r})") from exc
+    if data_end != file_size - 8 - n:  # truncated or padded: cannot be the announced file
+        raise ChecksumMismatch(f"{path}: header describes {data_end} data bytes, file has {file_size - 8 - n}")
+    planned = _file_plan(model, header, file_size - 8 - n)
+    if planned is None:
+        return None
+    return head + raw, *planned
+
+
+def _read_plan(f, path, plan, staging: dict, h=None) -> dict:
+    """Read every planned tensor into its staging buffer (allocated when missing, of another
+    shape/dtype, or aliasing the live tensor), hashing the bytes into `h` if given; the
+    buffers by name. The file must end exactly there."""
+    import torch
+
+    bufs = {}
+    for name, target, begin, end in plan:
+        buf = staging.get(name)
+        t = target.data
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.data_ptr() == t.data_ptr():
+            buf = staging[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+        if end > begin:
+            mv = _byte_view(buf)
+            _readinto_full(f, mv)
+            if h is not None:
+                h.update(mv)
+        bufs[name] = buf
+    if f.read(1):
+        raise ChecksumMismatch(f"{path}: trailing bytes after the tensor data")
+    return bufs
+
+
 def load_state_file(model, path: str | Path, sha256: str, staging: dict) -> bool:
     """Zero-copy load of a safetensors file into `model` (see the module guarantees). `staging`
     is the caller's reusable dict of staging tensors. True if loaded, False if the fast path
@@ -368,44 +435,12 @@ def load_state_file(model, path: str | Path, sha256: str, staging: dict) -> bool
     import torch
 
     with open(path, "rb", buffering=0) as f:
-        file_size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise ChecksumMismatch(f"{path}: not a safetensors file ({file_size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(file_size - 8, 100 << 20):
-            raise ChecksumMismatch(f"{path}: header length {n} does not fit a {file_size}-byte file")
-        raw = f.read(n)
-        try:
-            header = json.loads(raw)
-        except ValueError as exc:
-            raise ChecksumMismatch(f"{path}: unreadable safetensors header ({exc})") from exc
-        meta = header.pop("__metadata__", None) or {}
-        if meta.get("rlbus.kind", "full") != "full":
+        opened = _open_file_plan(f, path, model)
+        if opened is None:
             return False
-        try:
-            data_end = max((int(spec["data_offsets"][1]) for spec in header.values()), default=0)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ChecksumMismatch(f"{path}: malformed safetensors header ({exc!r})") from exc
-        if data_end != file_size - 8 - n:  # truncated or padded: cannot be the announced file
-            raise ChecksumMismatch(f"{path}: header describes {data_end} data bytes, file has {file_size - 8 - n}")
-        planned = _file_plan(model, header, file_size - 8 - n)
-        if planned is None:
-            return False
-        plan, swap = planned
-        h = hashlib.sha256(head)
-        h.update(raw)
-        for name, target, begin, end in plan:
-            buf = staging.get(name)
-            t = target.data
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.data_ptr() == t.data_ptr():
-                buf = staging[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
-            if end > begin:
-                mv = _byte_view(buf)
-                _readinto_full(f, mv)
-                h.update(mv)
-        if f.read(1):
-            raise ChecksumMismatch(f"{path}: trailing bytes after the tensor data")
+        prefix, plan, swap = opened
+        h = hashlib.sha256(prefix)
+        _read_plan(f, path, plan, staging, h)
     actual = h.hexdigest()
     if actual != sha256:
         raise ChecksumMismatch(f"{Path(path).as_uri()}: sha256 {actual} != announced {sha256}")
@@ -418,3 +453,69 @@ def load_state_file(model, path: str | Path, sha256: str, staging: dict) -> bool
             else:
                 target.copy_(new)
     return True
+
+
+class SpeculativeLoad:
+    """A file's weights already swapped into the model, their sha256 not yet checked.
+
+    Holds the previous weights (taken OUT of the staging dict, so no later read can
+    overwrite them) until `commit()` (verified: they become staging buffers again) or
+    `rollback()` (mismatch: they are the model's weights again). `digest()` hashes exactly
+    the bytes that were read (header, then each tensor in file order), from the tensors now
+    serving; nothing may write them meanwhile (inference only reads its weights)."""
+
+    def __init__(self, path: str, prefix: bytes, plan: list, new: dict, previous: dict, staging: dict):
+        self.path, self._prefix, self._plan = path, prefix, plan
+        self._new, self._previous, self._staging = new, previous, staging
+        self.settled = False
+
+    def digest(self) -> str:
+        """sha256 (hex) of the file's bytes as loaded (hashlib releases the GIL: run it in a thread)."""
+        h = hashlib.sha256(self._prefix)
+        for name, _, begin, end in self._plan:
+            if end > begin:
+                h.update(_byte_view(self._new[name]))
+        return h.hexdigest()
+
+    def commit(self) -> None:
+        """Verified: keep the new weights; the previous ones become staging buffers."""
+        if self.settled:
+            return
+        self._staging.update(self._previous)
+        self._previous, self.settled = {}, True
+
+    def rollback(self) -> None:
+        """Rejected: the previous weights are the model's again; the new ones become staging buffers."""
+        if self.settled:
+            return
+        import torch
+
+        with torch.no_grad():
+            for name, target, _, _ in self._plan:
+                target.data = self._previous[name]
+        self._staging.update(self._new)
+        self._previous, self.settled = {}, True
+
+
+def load_state_file_speculative(model, path: str | Path, staging: dict) -> SpeculativeLoad | None:
+    """Read a safetensors file into staging tensors (no hashing) and swap them into `model` at
+    once; the returned `SpeculativeLoad` verifies (`digest`) and settles it (`commit` or
+    `rollback`). None when the file does not fit the zero-copy path, or when tied aliases
+    cannot be kept by swapping (the caller then uses the verify-first `load_state_file`);
+    model untouched. Raises ChecksumMismatch (model untouched) for a file that cannot be the
+    announced one (truncated, padded, unreadable header)."""
+    import torch
+
+    with open(path, "rb", buffering=0) as f:
+        opened = _open_file_plan(f, path, model)
+        if opened is None or not opened[2]:
+            return None
+        prefix, plan, _ = opened
+        new = _read_plan(f, path, plan, staging)
+    previous = {}
+    with torch.no_grad():
+        for name, target, _, _ in plan:
+            previous[name] = target.data
+            target.data = new[name]
+            staging.pop(name, None)  # the previous weights are held by the SpeculativeLoad, not staged
+    return SpeculativeLoad(str(path), prefix, plan, new, previous, staging)

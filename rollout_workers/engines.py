@@ -14,6 +14,13 @@ Guarantees:
   raises `ChecksumMismatch`, model untouched). It returns False (model untouched) for
   blobs it cannot load that way (LoRA adapters, another dtype/shape, a GPU model); the
   caller then uses `load_weights`. Costs one extra copy of the weights in memory.
+- `HFEngine.load_weights_file_speculative(path)` is the same read with the sha256 off
+  the critical path: the new weights serve at once and the returned
+  `learner.weights.SpeculativeLoad` (verify with `digest()` in a thread, then `commit()`
+  or `rollback()`) holds the previous weights until settled. None (model untouched) where
+  the verify-first path would decline, or for tied weights that swapping cannot keep.
+  While one is unsettled, every other load raises RuntimeError (it would overwrite the
+  weights being verified, or the ones a rollback restores).
 """
 
 from __future__ import annotations
@@ -51,11 +58,18 @@ class HFEngine:
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
+    def _check_settled(self) -> None:
+        pending = getattr(self, "_speculative", None)
+        if pending is not None and not pending.settled:
+            raise RuntimeError(f"speculative load of {pending.path} not verified yet: commit or roll it back first")
+
     def load_weights(self, blob: bytes) -> None:
         """Hot-load a safetensors blob into the model: full weights, or a LoRA adapter, which
         is merged into the base weights this engine started from (never into the previous version)."""
         from learner.lora import blob_kind, merged_state_blob
         from learner.weights import load_state_bytes
+
+        self._check_settled()
 
         if blob_kind(blob) == "lora":
             if self.base is None:
@@ -71,6 +85,7 @@ class HFEngine:
         path does not apply (see the module guarantees)."""
         from learner.weights import load_state_file
 
+        self._check_settled()
         if self.device.type != "cpu":
             return False
         if getattr(self, "_staging", None) is None:
@@ -79,6 +94,22 @@ class HFEngine:
             return False
         self.model.eval()
         return True
+
+    def load_weights_file_speculative(self, path: str):
+        """Swap a full-state safetensors file in before its sha256 is checked; the
+        `SpeculativeLoad` to verify and settle, or None if this path does not apply (see
+        the module guarantees)."""
+        from learner.weights import load_state_file_speculative
+
+        self._check_settled()
+        if self.device.type != "cpu":
+            return None
+        if getattr(self, "_staging", None) is None:
+            self._staging = {}
+        pending = load_state_file_speculative(self.model, path, self._staging)
+        if pending is not None:
+            self._speculative = pending
+        return pending
 
     def encode_batch(self, prompts: list[str] | list[list[int]]) -> dict:
         """Left-padded input_ids/attention_mask for text prompts, or for token-id prompts as given

@@ -16,6 +16,15 @@ Guarantees:
   sandboxes from the `sandbox` config section: local (`backend`), or sessions of the
   sandbox service when `sandbox.remote`. When the sandbox itself fails, the batch's tool
   tasks are retried (nak with delay), never published as low-reward trajectories.
+- No trajectory generated with a weight version leaves the worker before that version's
+  sha256 check passed. The watcher is speculative (`WeightWatcher(speculative=True)`): a
+  `file://` version serves as soon as it is read, and its sha256 is checked in the
+  background. `roll_out_batch` marks the weight history before its batch and, after
+  generating and before publishing, awaits the check of every version the engine held
+  meanwhile (`verified_since`). If one failed, the engine is already back on the previous
+  weights and that version is rejected; the batch is not published, its tasks are
+  retried (nak, redelivered and regenerated with good weights), counted in
+  `batches_discarded_unverified`.
 """
 
 from __future__ import annotations
@@ -81,13 +90,52 @@ async def sandbox_opener(cfg, ctx, s):
     return open_one
 
 
+async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: WeightWatcher,
+                         counters: dict[str, float], budget_s: float, run_tool_tasks=None) -> list:
+    """Generate a batch's trajectories and publish them once every weight version they may
+    come from is verified (else raise Retry for the whole batch: nothing is published)."""
+    deadline = time.monotonic() + budget_s
+    mark = watcher.mark()  # before loading: the weights held now, and everything loaded from here on
+    await watcher.maybe_load(engine)
+    by_shape: dict[tuple, list[Task]] = defaultdict(list)
+    for d in batch:
+        t = d.msg
+        by_shape[(bool(t.tools), t.group_size, t.max_tokens, t.temperature)].append(t)
+    items = []
+    for (tools, n, max_tokens, temperature), tasks in by_shape.items():
+        if tools:
+            try:
+                items += await run_tool_tasks(tasks, deadline)
+            except SandboxUnavailable as exc:
+                log.warning("rollout.sandbox_unavailable", error=str(exc))
+                raise Retry(delay=5.0, reason=str(exc)) from exc
+            continue
+        t0 = time.perf_counter()
+        groups = await asyncio.to_thread(engine.generate, [render_prompt(t) for t in tasks], n,
+                                         max_tokens, temperature)
+        each = (time.perf_counter() - t0) / max(1, n * len(tasks))
+        for task, samples in zip(tasks, groups, strict=True):
+            for traj in build_trajectories(task, samples, watcher.version, each):
+                items.append((reg.traj(task.domain), traj))
+    if not await watcher.verified_since(mark):  # the publish gate (see the module guarantees)
+        counters["batches_discarded_unverified"] = counters.get("batches_discarded_unverified", 0) + 1
+        log.warning("rollout.batch_discarded", reason="weights failed sha256 verification", tasks=len(batch),
+                    trajectories=len(items), serving_version=watcher.version)
+        raise Retry(delay=1.0, reason="generated with weights that failed sha256 verification")
+    await publish_many(js, items)
+    counters["tasks"] = counters.get("tasks", 0) + len(batch)
+    counters["trajectories"] = counters.get("trajectories", 0) + len(items)
+    counters["tokens"] = counters.get("tokens", 0) + sum(t.tokens for _, t in items)
+    return [None] * len(batch)
+
+
 async def run(cfg, ctx) -> dict[str, float]:
     """Run the rollout worker until stopped (or the context's test limits)."""
     rc = cfg.rollout
     async with worker_session("rollout", cfg, ctx) as s:
         engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.device, rc.threads,
                                          rc.vllm_tier)
-        watcher = WeightWatcher(s.js, s.reg, s.counters)
+        watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True)
         await watcher.start()
         if not await watcher.wait_first(s.stop):
             return s.counters
@@ -102,33 +150,8 @@ async def run(cfg, ctx) -> dict[str, float]:
             return [(s.reg.traj(ep.task.domain), to_trajectory(ep)) for ep in episodes]
 
         async def handle(batch: list[Delivery], budget_s: float):
-            deadline = time.monotonic() + budget_s
-            await watcher.maybe_load(engine)
-            by_shape: dict[tuple, list[Task]] = defaultdict(list)
-            for d in batch:
-                t = d.msg
-                by_shape[(bool(t.tools), t.group_size, t.max_tokens, t.temperature)].append(t)
-            items = []
-            for (tools, n, max_tokens, temperature), tasks in by_shape.items():
-                if tools:
-                    try:
-                        items += await run_tool_tasks(tasks, deadline)
-                    except SandboxUnavailable as exc:
-                        log.warning("rollout.sandbox_unavailable", error=str(exc))
-                        raise Retry(delay=5.0, reason=str(exc)) from exc
-                    continue
-                t0 = time.perf_counter()
-                groups = await asyncio.to_thread(engine.generate, [render_prompt(t) for t in tasks], n,
-                                                 max_tokens, temperature)
-                each = (time.perf_counter() - t0) / max(1, n * len(tasks))
-                for task, samples in zip(tasks, groups, strict=True):
-                    for traj in build_trajectories(task, samples, watcher.version, each):
-                        items.append((s.reg.traj(task.domain), traj))
-            await publish_many(s.js, items)
-            s.counters["tasks"] = s.counters.get("tasks", 0) + len(batch)
-            s.counters["trajectories"] = s.counters.get("trajectories", 0) + len(items)
-            s.counters["tokens"] = s.counters.get("tokens", 0) + sum(t.tokens for _, t in items)
-            return [None] * len(batch)
+            return await roll_out_batch(batch, js=s.js, reg=s.reg, engine=engine, watcher=watcher,
+                                        counters=s.counters, budget_s=budget_s, run_tool_tasks=run_tool_tasks)
 
         async def serve(pool: str, pc) -> None:
             ack_wait = pc.ack_wait_s or rc.ack_wait_s

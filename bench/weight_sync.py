@@ -5,20 +5,30 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
 - One embedded nats-server; the run's real topology (`ensure_topology`: streams, KV,
   object store). A Qwen2 model of about 100 MB in float32 (`rlbus.tiny_model`, hidden
   512, 6 layers, ~25M parameters) is built once.
-- OURS, once per weight store (`--stores`, default `file,nats`; the first one is the
+- OURS, once per weight store (`--stores`, default `file,file-vf,nats`; the first is the
   headline `ours`, the others are recorded under `stores`): two rollout-worker
   processes (this script with `--worker`), each a real `WeightWatcher` on its own NATS
-  connection holding a real `HFEngine` with the model. Each loops as the rollout worker
-  does between batches: `maybe_load(engine)` every 10 ms. The learner side (this
-  process) perturbs the weights and calls the real `learner.weights.publish_version`
-  with that store (`file`: a `FileStore` directory on the same filesystem as the copy
-  peer, i.e. `learner.weight_store = file:///dir`; `nats`: the run's object store, the
-  default). Time = from just before `publish_version` to the moment the LAST worker's
-  `maybe_load` returned, i.e. the blob was stored (sha256 computed), announced, read
-  by each worker, its sha256 checked and the weights loaded into the engine (wall
-  clock, `time.time()` in each process on the same machine). Repeated for `--versions`
-  versions per store; the median is reported, with per-phase times. Every version
-  file/object is kept (as a run keeps them: export and evaluation read old versions).
+  connection holding a real `HFEngine` with the model, speculative as in the rollout
+  worker (`WeightWatcher(speculative=True)`). Each loops as the rollout worker does
+  between batches: `mark()`, `maybe_load(engine)` every 10 ms, then
+  `verified_since(mark)` (the gate the worker passes before publishing a batch). The
+  learner side (this process) perturbs the weights and calls the real
+  `learner.weights.publish_version` with that store (`file`: a `FileStore` directory on
+  the same filesystem as the copy peer, i.e. `learner.weight_store = file:///dir`;
+  `file-vf`: the same store with verify-first workers, `WeightWatcher()` as before the
+  speculative path; `nats`: the run's object store, the default). Two times, both from
+  just before `publish_version` (wall clock, `time.time()` in each process on the same
+  machine), to the moment the LAST worker:
+  * SERVES the version (`ours`, `total_s`): `maybe_load` returned, i.e. the blob was
+    stored (the learner's sha256 computed), announced, read by each worker and its
+    weights are in the engine, generating. For `file`, the worker's sha256 check is
+    still running then, and no trajectory generated with it may leave the worker yet;
+  * has VERIFIED it (`verified_s`): its sha256 check passed, i.e. trajectories
+    generated with it may be published. For `file-vf` and `nats` (verify-first) the
+    two are the same moment.
+  Repeated for `--versions` versions per store; the median is reported, with per-phase
+  times. Every version file/object is kept (as a run keeps them: export and evaluation
+  read old versions).
 - PEER: a plain file copy of the same bytes (`shutil.copyfile` of the published blob
   from one file to another on the same filesystem, page cache, no fsync), median of
   as many copies; also recorded: copy to two destinations, and copy + fsync.
@@ -30,8 +40,9 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
   profit alone: it deletes its copies and reuses their pages). The time it took is
   recorded as `vm_prefault_s`.
 
-Writes bench/results/weight_sync.json with `ratio` = copy time / ours (design target
->= 0.5, i.e. ours at most 2x a file copy).
+Writes bench/results/weight_sync.json with `ratio` = copy time / ours (serving; design
+target >= 0.5, i.e. ours at most 2x a file copy) and, side by side, `ratio_verified` =
+copy time / verified_s.
 """
 
 from __future__ import annotations
@@ -59,8 +70,9 @@ READY_SUBJECT = "bench.weight_sync.ready"
 
 
 # ---------------------------------------------------------------------------- worker side
-async def worker(wid: str, url: str, run_id: str, model_dir: str) -> None:
-    """A rollout worker's weight path: WeightWatcher + HFEngine, reporting each load."""
+async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: bool) -> None:
+    """A rollout worker's weight path: WeightWatcher + HFEngine, reporting each load (serving)
+    and its verification (publishable)."""
     import nats
 
     from bus.subjects import Registry
@@ -71,7 +83,7 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str) -> None:
     nc = await nats.connect(url, name=f"bench-ws-{wid}")
     js = nc.jetstream(timeout=30)
     counters: dict[str, float] = {}
-    watcher = WeightWatcher(js, Registry(run_id), counters)
+    watcher = WeightWatcher(js, Registry(run_id), counters, speculative=speculative)
     await watcher.start()
     await nc.publish(READY_SUBJECT, json.dumps({"id": wid}).encode())
     stop = asyncio.Event()
@@ -80,10 +92,15 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str) -> None:
         newest = watcher.newest
         if newest is not None and newest.version > watcher.version:
             t_seen = time.time()
+            mark = watcher.mark()
             if await watcher.maybe_load(engine):
-                t_done = time.time()
-                await nc.publish(DONE_SUBJECT, json.dumps({"id": wid, "version": watcher.version, "t_seen": t_seen,
-                                                           "t_done": t_done}).encode())
+                t_done = time.time()  # serving: the new weights are in the engine
+                version = watcher.version
+                verified = await watcher.verified_since(mark)  # the rollout worker's publish gate
+                t_verified = time.time()
+                await nc.publish(DONE_SUBJECT, json.dumps({"id": wid, "version": version, "t_seen": t_seen,
+                                                           "t_done": t_done, "t_verified": t_verified,
+                                                           "verified": verified}).encode())
         await asyncio.sleep(0.01)
     await nc.close()
 
@@ -141,9 +158,10 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
     from learner.weights import FileStore, publish_version
 
     procs: list[subprocess.Popen] = []
-    run_id = f"ws{store_name}{int(time.time())}"
+    run_id = f"ws{store_name.replace('-', '')}{int(time.time())}"
     reg = Registry(run_id)
-    store = FileStore(tmp / f"weights-{run_id}") if store_name == "file" else None
+    store = FileStore(tmp / f"weights-{run_id}") if store_name.startswith("file") else None
+    speculative = store_name != "file-vf"
     nc = await nats.connect(server.url, name="bench-ws-learner")
     try:
         js = nc.jetstream(timeout=60)
@@ -163,7 +181,8 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
         for i in range(a.workers):
             log = open(tmp / f"worker-{store_name}-{i}.log", "wb")
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--url", server.url,
-                                           "--run-id", run_id, "--model", str(model_dir)], cwd=ROOT, env=env,
+                                           "--run-id", run_id, "--model", str(model_dir),
+                                           *([] if speculative else ["--verify-first"])], cwd=ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for _ in range(a.workers):
             await asyncio.wait_for(ready.get(), 180)
@@ -177,10 +196,13 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
             wv = await publish_version(js, reg, model, v, v, {}, store=store)
             t_pub = time.time()
             reports = [await asyncio.wait_for(done.get(), 120) for _ in range(a.workers)]
-            assert all(r["version"] == v for r in reports), reports
+            assert all(r["version"] == v and r["verified"] for r in reports), reports
             t_all = max(r["t_done"] for r in reports)
-            rows.append({"version": v, "total_s": round(t_all - t0, 4), "publish_s": round(t_pub - t0, 4),
+            t_verified = max(r["t_verified"] for r in reports)
+            rows.append({"version": v, "total_s": round(t_all - t0, 4), "verified_s": round(t_verified - t0, 4),
+                         "publish_s": round(t_pub - t0, 4),
                          "worker_fetch_load_s": [round(r["t_done"] - r["t_seen"], 4) for r in reports],
+                         "worker_verify_after_serving_s": [round(r["t_verified"] - r["t_done"], 4) for r in reports],
                          "announce_to_seen_s": [round(r["t_seen"] - t_pub, 4) for r in reports],
                          "uri_scheme": wv.uri.split(":", 1)[0]})
             print(store_name, json.dumps(rows[-1]))
@@ -226,16 +248,22 @@ async def measure(a) -> dict:
 
 def _median_phases(rows: list[dict]) -> dict:
     return {"median_total_s": statistics.median(r["total_s"] for r in rows),
+            "median_verified_s": statistics.median(r["verified_s"] for r in rows),
             "median_publish_s": statistics.median(r["publish_s"] for r in rows),
             "median_worker_fetch_load_s": statistics.median(x for r in rows for x in r["worker_fetch_load_s"]),
+            "median_worker_verify_after_serving_s": statistics.median(
+                x for r in rows for x in r["worker_verify_after_serving_s"]),
             "median_announce_to_seen_s": statistics.median(x for r in rows for x in r["announce_to_seen_s"])}
 
 
 STORE_PATHS = {
     "file": "publish_version with learner.weight_store = file:///dir (header + each tensor's memory written to a "
-            "temp file while a thread hashes the same buffers, rename, announce, KV) -> WeightWatcher.maybe_load "
-            "in each worker process (HFEngine.load_weights_file: readinto staging tensors, sha256 over the bytes "
-            "read, swap into the model)",
+            "temp file while a thread hashes the same buffers, rename, announce, KV) -> WeightWatcher(speculative="
+            "True).maybe_load in each worker process (HFEngine.load_weights_file_speculative: readinto staging "
+            "tensors, swap into the model = serving; previous weights kept) -> sha256 of the loaded bytes in a "
+            "background thread, then verified_since (the publish gate) = verified",
+    "file-vf": "the same file store, verify-first workers (WeightWatcher().maybe_load -> HFEngine.load_weights_file: "
+               "readinto staging tensors hashing the bytes read, compare, swap): serving = verified",
     "nats": "publish_version with the default NATS object store (chunks published pipelined straight from the "
             "tensors' memory, sha256 in a thread, meta, announce, KV) -> WeightWatcher.maybe_load in each worker "
             "process (ordered-consumer chunk fetch, sha256, HFEngine.load_weights)",
@@ -248,15 +276,17 @@ def main() -> dict:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--stores", default="file,nats", help="weight stores to measure; the first is `ours`")
+    ap.add_argument("--stores", default="file,file-vf,nats",
+                    help="weight stores to measure (file, file-vf, nats); the first is `ours`")
     ap.add_argument("--prefault-mb", type=int, default=3000, help="VM warm-up before measuring (0: none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--verify-first", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker is not None:
-        asyncio.run(worker(a.worker, a.url, a.run_id, a.model))
+        asyncio.run(worker(a.worker, a.url, a.run_id, a.model, not a.verify_first))
         return {}
     from importlib.metadata import version
 
@@ -267,6 +297,7 @@ def main() -> dict:
               for name, rows in m["by_store"].items()}
     head = a.stores.split(",")[0]
     ours = stores[head]["median_total_s"]
+    verified = stores[head]["median_verified_s"]
     result = {
         "name": "weight_sync",
         "ours": round(ours, 4),
@@ -274,6 +305,14 @@ def main() -> dict:
         "unit": "seconds for one weight version (lower is better)",
         "ratio": round(copy_s / ours, 4),
         "ratio_note": "file copy time / ours (higher is better)",
+        "ours_means": "serving: every worker's engine holds the new weights and generates with them; its sha256 "
+                      "check may still be running, and the rollout worker holds every trajectory generated with "
+                      "them until that check passed (a failed check restores the previous weights and retries "
+                      "the batch)",
+        "verified_s": round(verified, 4),
+        "ratio_verified": round(copy_s / verified, 4),
+        "verified_means": "every worker's sha256 check of the version passed: trajectories generated with it may "
+                          "leave the worker",
         "target_ratio": 0.5,
         "store": head,
         "peer_name": "shutil.copyfile of the same bytes, same filesystem, page cache, no fsync",
@@ -283,6 +322,7 @@ def main() -> dict:
         "rollout_workers": a.workers,
         "ours_detail": stores[head],
         "stores": {name: {"median_total_s": st["median_total_s"], "ratio": round(copy_s / st["median_total_s"], 4),
+                          "ratio_verified": round(copy_s / st["median_verified_s"], 4),
                           **{k: v for k, v in st.items() if k not in ("median_total_s",)}}
                    for name, st in stores.items()},
         "peer_detail": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m["copy"].items()},
@@ -296,9 +336,11 @@ def main() -> dict:
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    extra = ", ".join(f"{n} {st['median_total_s']}s" for n, st in stores.items() if n != head)
-    print(f"ours ({head} store) {result['ours']}s, copy {result['peer']}s, ratio copy/ours = {result['ratio']} "
-          f"(target >= 0.5); other stores: {extra or '-'}")
+    extra = ", ".join(f"{n} {st['median_total_s']}s (verified {st['median_verified_s']}s)"
+                      for n, st in stores.items() if n != head)
+    print(f"ours ({head} store) serving {result['ours']}s, verified {result['verified_s']}s, copy {result['peer']}s, "
+          f"ratio copy/serving = {result['ratio']}, copy/verified = {result['ratio_verified']} (target >= 0.5); "
+          f"other stores: {extra or '-'}")
     return result
 
 

@@ -31,8 +31,9 @@ Guarantees:
 - A Reward's msg_id derives from its trajectory's, so re-verifying a redelivered
   trajectory cannot create a second reward for the same sample.
 - Each trajectory is handled on its own (`bus.pull.run_pull_stream`, at most
-  `verifier.concurrency` at once): its Reward is published, then it is acked, while
-  the worker keeps fetching; a slow verification never holds back the others.
+  max(`verifier.batch`, `verifier.concurrency`) held, `verifier.concurrency` verifying):
+  its Reward is published, then it is acked, while the worker keeps fetching; a slow
+  verification never holds back the others.
 """
 
 from __future__ import annotations
@@ -296,9 +297,9 @@ async def run(cfg, ctx) -> dict[str, float]:
 
         sub = await pull_subscription(s.js, spec)
         # each trajectory is acked as soon as its own reward is out: one slow verification
-        # never holds back the fast ones fetched with it
+        # never holds back the fast ones fetched with it. Up to `batch` trajectories are held
+        # at once (their rewards publish concurrently), `concurrency` of them verifying.
         await run_pull_stream(s.js, s.reg, "verifier", sub, Trajectory, handle,
-                              inflight=max(1, scorer.concurrency) if scorer.concurrency > 0 else 1,
-                              fetch_batch=vc.batch, ack_wait_s=vc.ack_wait_s, max_messages=ctx.max_messages,
+                              inflight=max(vc.batch, scorer.concurrency), fetch_batch=vc.batch, ack_wait_s=vc.ack_wait_s, max_messages=ctx.max_messages,
                               until_idle=ctx.until_idle, stop=s.stop, counters=s.counters)
         return s.counters

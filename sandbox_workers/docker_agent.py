@@ -450,6 +450,17 @@ def run_ipcrm():
     os.waitpid(pid, 0)
 
 
+def _entries(d, problems):
+    """Names in directory `d` ([] if it does not exist; an unreadable one is a problem)."""
+    try:
+        return os.listdir(d)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        problems.append("list %s: %s" % (d, exc.strerror))
+        return []
+
+
 def wipe_and_prove():
     """Empty the writable places as 65534, then prove it; returns the problems found."""
     problems = []
@@ -459,27 +470,13 @@ def wipe_and_prove():
         except OSError as exc:
             problems.append("chmod /work: %s" % exc.strerror)
         for d in WIPE_DIRS:
-            try:
-                entries = os.listdir(d)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                problems.append("list %s: %s" % (d, exc.strerror))
-                continue
-            for entry in entries:
+            for entry in _entries(d, problems):
                 try:
                     remove_tree(d + "/" + entry)
                 except OSError:
                     pass
         for d in WIPE_DIRS:
-            try:
-                left = os.listdir(d)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                problems.append("list %s: %s" % (d, exc.strerror))
-                continue
-            problems += ["left %s/%s" % (d, e) for e in left[:5]]
+            problems += ["left %s/%s" % (d, e) for e in _entries(d, problems)[:5]]
     if ipc_left():
         run_ipcrm()
         problems += ipc_left()

@@ -136,20 +136,25 @@ async def test_speculative_declines_what_the_fast_path_declines(model_dir, tmp_p
     assert load_state_file_speculative(half, uri.removeprefix("file://"), {}) is None and _equals(half, snap)
 
 
+async def _speculative_rig(js, run_id, model_dir, tmp_path, monkeypatch):
+    """A run's topology, a file store, a publishing model, an engine and a started
+    speculative watcher with its sha256 digests held by a GatedDigest."""
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    counters: dict[str, float] = {}
+    watcher = WeightWatcher(js, reg, counters, speculative=True)
+    await watcher.start()
+    return (reg, FileStore(tmp_path / "w"), load_model(model_dir), HFEngine(str(model_dir), threads=1), counters,
+            watcher, GatedDigest(monkeypatch))
+
+
 # -- WeightWatcher(speculative=True) over real NATS -------------------------------------------
 
 @pytest.mark.usefixtures("drop_run")
 async def test_watcher_serves_before_the_check_and_rolls_back_a_bad_version(js, run_id, model_dir, tmp_path,
                                                                            monkeypatch):
-    reg = Registry(run_id)
-    await ensure_topology(js, reg)
-    store = FileStore(tmp_path / "w")
-    publisher = load_model(model_dir)
-    engine = HFEngine(str(model_dir), threads=1)
-    counters: dict[str, float] = {}
-    watcher = WeightWatcher(js, reg, counters, speculative=True)
-    await watcher.start()
-    gate = GatedDigest(monkeypatch)
+    reg, store, publisher, engine, counters, watcher, gate = await _speculative_rig(js, run_id, model_dir, tmp_path,
+                                                                                  monkeypatch)
     try:
         # v1: serves at once, the check still running
         perturb(publisher, 1)
@@ -223,15 +228,8 @@ async def _trajectories(js, reg) -> list[Trajectory]:
 @pytest.mark.usefixtures("drop_run")
 async def test_worker_publishes_only_verified_batches_and_retries_bad_ones(js, run_id, model_dir, tmp_path,
                                                                           monkeypatch):
-    reg = Registry(run_id)
-    await ensure_topology(js, reg)
-    store = FileStore(tmp_path / "w")
-    publisher = load_model(model_dir)
-    engine = HFEngine(str(model_dir), threads=1)
-    counters: dict[str, float] = {}
-    watcher = WeightWatcher(js, reg, counters, speculative=True)
-    await watcher.start()
-    gate = GatedDigest(monkeypatch)
+    reg, store, publisher, engine, counters, watcher, gate = await _speculative_rig(js, run_id, model_dir, tmp_path,
+                                                                                  monkeypatch)
     events: list[tuple] = []
     real_generate, real_publish = engine.generate, rw.publish_many
 

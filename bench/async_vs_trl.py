@@ -97,20 +97,22 @@ def main() -> dict:
 
     from bench.e2e_vs_trl import GROUP, PROMPTS_PER_STEP, accuracy, prepare_start, run_ours, run_trl
 
+    lr, eval_n = 3e-5, 200  # as measured (throughput, not accuracy, is this bench's figure)
+
     threads = os.cpu_count() or 2
     seconds = a.minutes * 60
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-async-") as d:
         tmp = Path(d)
-        start, sft = (Path(a.start), {"given": a.start}) if a.start else prepare_start(tmp, a.sft_seconds, a.sft_steps)
-        acc0 = accuracy(start, threads=threads)
+        start, sft = (Path(a.start), {"given": a.start}) if a.start else prepare_start(tmp, a.sft_seconds, a.sft_steps, eval_n)
+        acc0 = accuracy(start, eval_n, threads=threads)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin_dir(tmp)), str(ROOT),
                                                             os.environ.get("PYTHONPATH", "")]))
-        ours = run_ours(start, tmp, seconds, f"async{int(time.time())}", verifier="slow_arith",
+        ours = run_ours(start, tmp, seconds, f"async{int(time.time())}", verifier="slow_arith", lr=lr, eval_n=eval_n,
                         verifier_section="concurrency = 256\nbatch = 256", env=env)
-        acc_ours = accuracy(start, ours["state_dict"], threads)
+        acc_ours = accuracy(start, eval_n, ours["state_dict"], threads)
         reward = SlowArithReward()
-        peer = run_trl(start, tmp / "trl", seconds, reward, threads)
-        acc_peer = accuracy(Path(peer["final_dir"]), threads=threads)
+        peer = run_trl(start, tmp / "trl", seconds, reward, threads, lr=lr, eval_n=eval_n)
+        acc_peer = accuracy(Path(peer["final_dir"]), eval_n, threads=threads)
     s = ours["summary"]
     ours_rate = (s.get("trained_samples") or 0) / seconds
     peer_rate = peer["samples_trained"] / seconds

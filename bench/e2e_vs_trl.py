@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,25 +48,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULT = ROOT / "bench" / "results" / "e2e_vs_trl.json"
-EVAL_SEED, EVAL_N, DIFFICULTY, MAX_TOKENS = 1234, 200, 3, 6
-GROUP, PROMPTS_PER_STEP, LR, TEMPERATURE = 8, 16, 3e-5, 1.0
+EVAL_SEED, DIFFICULTY, MAX_TOKENS = 1234, 3, 6
+GROUP, PROMPTS_PER_STEP, TEMPERATURE = 8, 16, 1.0
+EVAL_N, LR = 1000, 1e-4  # defaults of --eval-n and --lr
 
 
 # ---------------------------------------------------------------------------- shared
-def heldout() -> list:
+def heldout(n: int | None = None) -> list:
+    """The held-out problems (`scheduler.evaluation.eval_set`); both sides never train on them."""
     from scheduler.evaluation import eval_set
 
-    return eval_set(EVAL_SEED, EVAL_N, DIFFICULTY)[0]
+    return eval_set(EVAL_SEED, n or EVAL_N, DIFFICULTY)[0]
 
 
-def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, seed: int = 0) -> tuple[Path, dict]:
+def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, seed: int = 0) -> tuple[Path, dict]:
     """Tiny model + SFT warm start (held-out problems excluded); returns (dir, sft summary)."""
     from learner.sft import run_sft
     from producers import arith
     from rlbus.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=128, num_layers=4, num_heads=4, seed=seed)
-    held = {p.expression for p in heldout()}
+    held = {p.expression for p in heldout(eval_n)}
 
     def demo(rng):
         while True:
@@ -78,7 +81,7 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, seed: int = 0) 
     return tmp / "start", stats
 
 
-def accuracy(model_dir: Path, state_dict=None, threads: int = 2) -> float:
+def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2) -> float:
     """Greedy held-out accuracy of a model dir (optionally with another state dict loaded)."""
     from rollout_workers.engines import HFEngine
     from scheduler.evaluation import greedy_accuracy
@@ -87,7 +90,7 @@ def accuracy(model_dir: Path, state_dict=None, threads: int = 2) -> float:
     if state_dict is not None:
         engine.model.load_state_dict(state_dict)
         engine.model.eval()
-    return greedy_accuracy(engine, heldout(), MAX_TOKENS)
+    return greedy_accuracy(engine, heldout(eval_n), MAX_TOKENS)
 
 
 def arith_reward(completions, answer, **_) -> list[float]:
@@ -97,13 +100,13 @@ def arith_reward(completions, answer, **_) -> list[float]:
     return [float(arith.parse_answer(c) == int(a)) for c, a in zip(completions, answer)]
 
 
-def trl_dataset(n: int, seed: int):
+def trl_dataset(n: int, seed: int, eval_n: int):
     """Training prompts for TRL: difficulty-3 arith, held-out problems excluded."""
     from datasets import Dataset
 
     from producers import arith
 
-    rng, held = random.Random(f"trl-{seed}"), {p.expression for p in heldout()}
+    rng, held = random.Random(f"trl-{seed}"), {p.expression for p in heldout(eval_n)}
     rows = {"prompt": [], "answer": []}
     while len(rows["prompt"]) < n:
         p = arith.generate(rng, DIFFICULTY)
@@ -113,7 +116,8 @@ def trl_dataset(n: int, seed: int):
     return Dataset.from_dict(rows)
 
 
-def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, seed: int = 0) -> dict:
+def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, lr: float, eval_n: int,
+            seed: int = 0) -> dict:
     """TRL GRPOTrainer from `start` for `seconds` of wall time; saves the model to `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -136,14 +140,14 @@ def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, see
     t0 = time.monotonic()
     args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
                       num_generations=GROUP, max_completion_length=MAX_TOKENS, temperature=TEMPERATURE,
-                      learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, loss_type="grpo",
+                      learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, loss_type="grpo",
                       epsilon=0.2, epsilon_high=0.28, max_grad_norm=1.0, weight_decay=0.0, optim="adamw_torch",
                       num_iterations=1, max_steps=10**6, use_cpu=True, bf16=False, report_to="none",
                       logging_steps=10, save_strategy="no", disable_tqdm=True, seed=seed)
     model = AutoModelForCausalLM.from_pretrained(start)
     tok = AutoTokenizer.from_pretrained(start)
     clock = WallClock(t0)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=trl_dataset(200_000, seed),
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=trl_dataset(200_000, seed, eval_n),
                           processing_class=tok, callbacks=[clock])
     trainer.train()
     wall = time.monotonic() - t0
@@ -161,7 +165,7 @@ run_id = "{run_id}"
 run_dir = "{run_dir}"
 max_minutes = {max_minutes}
 drain_seconds = 0.0
-seed = 0
+seed = {seed}
 
 [model]
 path = "{start}"
@@ -194,6 +198,7 @@ batch_tasks = 16
 lr = {lr}
 beta = 0.0
 groups_per_step = {groups}
+skip_zero_variance = {skip_zero_variance}
 max_staleness = 4
 checkpoint_every = 1000000
 
@@ -205,15 +210,17 @@ eval_every_versions = 1000000
 """
 
 
-def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, verifier: str = "", verifier_section: str = "",
+def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float = LR, eval_n: int = EVAL_N,
+             seed: int = 0, skip_zero_variance: bool = False, verifier: str = "", verifier_section: str = "",
              env: dict | None = None) -> dict:
     """`rlbus up` from `start` for `seconds` of sampling; returns the summary and final state dict."""
     import torch
 
     reserve = 25.0  # the launcher stops sampling this long before max_minutes (drain_seconds = 0)
     cfg = OURS_CONFIG.format(run_id=run_id, run_dir=tmp / "runs", max_minutes=round((seconds + reserve) / 60, 4),
-                             start=start, group=GROUP, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, lr=LR,
-                             groups=PROMPTS_PER_STEP, eval_n=EVAL_N,
+                             start=start, group=GROUP, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, lr=lr,
+                             groups=PROMPTS_PER_STEP, eval_n=eval_n, seed=seed,
+                             skip_zero_variance=str(skip_zero_variance).lower(),
                              verifier_line=f'verifier = "{verifier}"' if verifier else "",
                              verifier_section=verifier_section)
     path = tmp / f"{run_id}.toml"
@@ -234,72 +241,106 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, verifier: s
 
 
 # ---------------------------------------------------------------------------- main
+def _ours_detail(ours: dict, seconds: float) -> dict:
+    s = ours["summary"]
+    return {"steps": s.get("steps"), "trained_samples": s.get("trained_samples"),
+            "trajectories": s.get("trajectories"), "filtered": s.get("filtered"),
+            "weight_versions": s.get("weight_versions"), "dead_letters": s.get("dead_letters"),
+            "lost": s.get("lost"), "stop_reason": s.get("stop_reason"), "rlbus_up_wall_s": ours["wall_s"],
+            "samples_per_s": round((s.get("trained_samples") or 0) / seconds, 2),
+            "learner_state": ours["learner_state"]}
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget per side")
+    ap.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget per side and seed")
     ap.add_argument("--sft-seconds", type=float, default=60.0)
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--start", help="use this SFT checkpoint dir as the shared start (skips SFT)")
+    ap.add_argument("--seeds", type=int, default=1, help="RL runs per side from the same start (seeds 0..N-1)")
+    ap.add_argument("--lr", type=float, default=LR, help="learning rate, both sides")
+    ap.add_argument("--eval-n", type=int, default=EVAL_N, help="held-out problems (excluded from all training)")
+    ap.add_argument("--sides", default="ours,trl", help="which sides to run (scouting: one side)")
+    ap.add_argument("--no-dynamic-sampling", action="store_true",
+                    help="ours without learner.skip_zero_variance (DAPO dynamic sampling; TRL has none)")
+    ap.add_argument("--out", default=str(RESULT), help="result JSON path")
     a = ap.parse_args()
     from importlib.metadata import version
 
+    sides = set(a.sides.split(","))
+    dynamic = not a.no_dynamic_sampling
     threads = os.cpu_count() or 2
     seconds = a.minutes * 60
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-e2e-") as d:
         tmp = Path(d)
         t = time.monotonic()
-        start, sft = (Path(a.start), {"given": a.start}) if a.start else prepare_start(tmp, a.sft_seconds, a.sft_steps)
-        acc0 = accuracy(start, threads=threads)
-        print(f"start accuracy {acc0:.3f} after SFT {sft}", flush=True)
-        load = {"before_ours": os.getloadavg()}
-        ours = run_ours(start, tmp, seconds, f"e2e{int(time.time())}")
-        acc_ours = accuracy(start, ours["state_dict"], threads)
-        print(f"ours: accuracy {acc_ours:.3f}, {ours['summary'].get('trained_samples')} samples", flush=True)
-        load["before_trl"] = os.getloadavg()
-        peer = run_trl(start, tmp / "trl", seconds, arith_reward, threads)
-        acc_peer = accuracy(Path(peer["final_dir"]), threads=threads)
-        load["after_trl"] = os.getloadavg()
-        print(f"TRL: accuracy {acc_peer:.3f}, {peer['samples_trained']} samples", flush=True)
+        start, sft = ((Path(a.start), {"given": a.start}) if a.start
+                      else prepare_start(tmp, a.sft_seconds, a.sft_steps, a.eval_n))
+        acc0 = accuracy(start, a.eval_n, threads=threads)
+        print(f"start accuracy {acc0:.3f} (n={a.eval_n}) after SFT {sft}", flush=True)
+        for seed in range(a.seeds):
+            run: dict = {"seed": seed, "load_avg": {}}
+            if "ours" in sides:
+                run["load_avg"]["before_ours"] = os.getloadavg()
+                ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
+                                seed=seed, skip_zero_variance=dynamic)
+                run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
+                run["ours_detail"] = _ours_detail(ours, seconds)
+                print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
+                      f"{run['ours_detail']['trained_samples']} samples", flush=True)
+            if "trl" in sides:
+                run["load_avg"]["before_trl"] = os.getloadavg()
+                peer = run_trl(start, tmp / f"trl{seed}", seconds, arith_reward, threads, lr=a.lr, eval_n=a.eval_n,
+                               seed=seed)
+                run["peer_accuracy"] = accuracy(Path(peer["final_dir"]), a.eval_n, threads=threads)
+                run["peer_detail"] = ({k: v for k, v in peer.items() if k != "final_dir"}
+                                      | {"samples_per_s": round(peer["samples_trained"] / seconds, 2)})
+                print(f"seed {seed} TRL: accuracy {run['peer_accuracy']:.3f}, {peer['samples_trained']} samples",
+                      flush=True)
+            runs.append(run)
         total = time.monotonic() - t
-    gain_ours, gain_peer = acc_ours - acc0, acc_peer - acc0
-    s = ours["summary"]
+
+    def mean_gain(key: str) -> float | None:
+        vals = [r[key] - acc0 for r in runs if key in r]
+        return round(statistics.fmean(vals), 4) if vals else None
+
+    gain_ours, gain_peer = mean_gain("ours_accuracy"), mean_gain("peer_accuracy")
     result = {
         "name": "e2e_vs_trl",
-        "ours": round(gain_ours, 4),
-        "peer": round(gain_peer, 4),
-        "unit": "held-out greedy accuracy gain over the shared SFT start (fraction; 0.01 = 1 point)",
-        "ratio": round(gain_ours / gain_peer, 3) if gain_peer > 0 else None,
-        "ratio_note": "ours/peer gain; null when TRL gained nothing",
+        "ours": gain_ours,
+        "peer": gain_peer,
+        "unit": "held-out greedy accuracy gain over the shared SFT start, mean over seeds (fraction; 0.01 = 1 point)",
+        "ratio": round(gain_ours / gain_peer, 3) if gain_ours is not None and gain_peer else None,
+        "ratio_note": "ours/peer mean gain; null when a side did not run or TRL gained nothing",
+        "gains_per_seed": {"ours": [round(r["ours_accuracy"] - acc0, 4) for r in runs if "ours_accuracy" in r],
+                           "peer": [round(r["peer_accuracy"] - acc0, 4) for r in runs if "peer_accuracy" in r]},
         "target_ratio": 1.0,
         "peer_name": f"TRL {version('trl')} GRPOTrainer (HF generate on CPU), same hyper-parameters",
         "command": f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
-                   f"--sft-steps {a.sft_steps}",
+                   f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
+                   + (" --no-dynamic-sampling" if not dynamic else "")
+                   + (f" --sides {a.sides}" if sides != {"ours", "trl"} else ""),
         "budget_minutes_per_side": a.minutes,
         "start_accuracy": acc0,
-        "final_accuracy": {"ours": acc_ours, "peer": acc_peer},
-        "eval": {"set": "scheduler.evaluation.eval_set(1234, 200, 3)", "n": EVAL_N, "greedy": True,
-                 "max_tokens": MAX_TOKENS},
+        "eval": {"set": f"scheduler.evaluation.eval_set({EVAL_SEED}, {a.eval_n}, {DIFFICULTY})", "n": a.eval_n,
+                 "greedy": True, "max_tokens": MAX_TOKENS,
+                 "binomial_se_points": round(100 * (max(acc0, 0.01) * (1 - acc0) / a.eval_n) ** 0.5, 2)},
         "sft": sft,
-        "ours_detail": {"steps": s.get("steps"), "trained_samples": s.get("trained_samples"),
-                        "trajectories": s.get("trajectories"), "weight_versions": s.get("weight_versions"),
-                        "dead_letters": s.get("dead_letters"), "lost": s.get("lost"),
-                        "stop_reason": s.get("stop_reason"), "rlbus_up_wall_s": ours["wall_s"],
-                        "samples_per_s": round((s.get("trained_samples") or 0) / seconds, 2),
-                        "learner_state": ours["learner_state"],
-                        "config": "examples/demo.toml hyper-parameters; see OURS_CONFIG in this file"},
-        "peer_detail": {k: v for k, v in peer.items() if k != "final_dir"}
-                       | {"samples_per_s": round(peer["samples_trained"] / seconds, 2), "torch_threads": threads},
-        "settings": {"group_size": GROUP, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "beta": 0.0,
-                     "temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "difficulty": DIFFICULTY},
+        "runs": runs,
+        "settings": {"group_size": GROUP, "prompts_per_step": PROMPTS_PER_STEP, "lr": a.lr, "beta": 0.0,
+                     "temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "difficulty": DIFFICULTY,
+                     "ours_dynamic_sampling": dynamic, "torch_threads_trl": threads,
+                     "ours_config": "see OURS_CONFIG in this file"},
         "total_bench_s": round(total, 1),
         "torch": __import__("torch").__version__, "transformers": version("transformers"), "trl": version("trl"),
-        "python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": load,
+        "python": platform.python_version(), "cpus": os.cpu_count(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"gain ours {gain_ours:+.3f}, TRL {gain_peer:+.3f}, ratio {result['ratio']} (target >= 1.0); "
-          f"wrote {RESULT.relative_to(ROOT)}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"mean gain ours {gain_ours}, TRL {gain_peer}, ratio {result['ratio']} (target >= 1.0); wrote {out}")
     return result
 
 

@@ -89,7 +89,7 @@ def main() -> dict:
         if model_dir is None:
             from bench.e2e_vs_trl import prepare_start
 
-            model_dir, sft = prepare_start(Path(d), a.sft_seconds, 100_000)
+            model_dir, sft = prepare_start(Path(d), a.sft_seconds, 100_000, a.n)
         tiers = {t: measure_tier(model_dir, t, problems, a.max_tokens, a.group, a.repeats) for t in a.tiers.split(",")}
     std, fast = tiers["standard"], tiers.get("fast") or tiers[a.tiers.split(",")[-1]]
     delta = fast["greedy_accuracy"] - std["greedy_accuracy"]

@@ -5,11 +5,13 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
 - One embedded nats-server; the run's real topology (`ensure_topology`: streams, KV,
   object store). A Qwen2 model of about 100 MB in float32 (`rlbus.tiny_model`, hidden
   512, 6 layers, ~25M parameters) is built once.
-- OURS, once per weight store (`--stores`, default `file,file-vf,nats`; the first is the
-  headline `ours`, the others are recorded under `stores`): two rollout-worker
-  processes (this script with `--worker`), each a real `WeightWatcher` on its own NATS
-  connection holding a real `HFEngine` with the model, speculative as in the rollout
-  worker (`WeightWatcher(speculative=True)`). Each loops as the rollout worker does
+- OURS, once per weight path (`--stores`, default `file,file-spec,file-vf,nats`; the
+  first is the headline `ours`, the others are recorded under `stores`): two
+  rollout-worker processes (this script with `--worker`), each a real `WeightWatcher` on
+  its own NATS connection holding a real `HFEngine` with the model, speculative as in
+  the rollout worker (`WeightWatcher(speculative=True, nc=...)`, which loads on the
+  learner's `WeightPrefetch` hint, sent once the file is complete and before its
+  sha256 is; `file-spec`: the same without the hint, loading on the WeightVersion). Each loops as the rollout worker does
   between batches: `mark()`, `maybe_load(engine)` every 10 ms, then
   `verified_since(mark)` (the gate the worker passes before publishing a batch). The
   learner side (this process) perturbs the weights and calls the real
@@ -20,11 +22,12 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
   just before `publish_version` (wall clock, `time.time()` in each process on the same
   machine), to the moment the LAST worker:
   * SERVES the version (`ours`, `total_s`): `maybe_load` returned, i.e. the blob was
-    stored (the learner's sha256 computed), announced, read by each worker and its
-    weights are in the engine, generating. For `file`, the worker's sha256 check is
-    still running then, and no trajectory generated with it may leave the worker yet;
-  * has VERIFIED it (`verified_s`): its sha256 check passed, i.e. trajectories
-    generated with it may be published. For `file-vf` and `nats` (verify-first) the
+    stored, hinted (`file`; for the others: its sha256 computed and announced), read by
+    each worker and its weights are in the engine, generating. For `file` and
+    `file-spec` the sha256 checks are still running then (for `file`, the learner's
+    too), and no trajectory generated with it may leave the worker yet;
+  * has VERIFIED it (`verified_s`): its sha256 check passed (against the
+    WeightVersion's sha256), i.e. trajectories generated with it may be published. For `file-vf` and `nats` (verify-first) the
     two are the same moment.
   Repeated for `--versions` versions per store; the median is reported, with per-phase
   times. Every version file/object is kept (as a run keeps them: export and evaluation
@@ -39,6 +42,9 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
   neither side is timed on never-touched guest memory (the peer would otherwise
   profit alone: it deletes its copies and reuses their pages). The time it took is
   recorded as `vm_prefault_s`.
+
+`announce_to_seen_s` is negative when a worker saw the hint before `publish_version`
+returned (the learner was still hashing).
 
 Writes bench/results/weight_sync.json with `ratio` = copy time / ours (serving; design
 target >= 0.5, i.e. ours at most 2x a file copy) and, side by side, `ratio_verified` =
@@ -70,7 +76,7 @@ READY_SUBJECT = "bench.weight_sync.ready"
 
 
 # ---------------------------------------------------------------------------- worker side
-async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: bool) -> None:
+async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: bool, prefetch: bool) -> None:
     """A rollout worker's weight path: WeightWatcher + HFEngine, reporting each load (serving)
     and its verification (publishable)."""
     import nats
@@ -83,14 +89,14 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
     nc = await nats.connect(url, name=f"bench-ws-{wid}")
     js = nc.jetstream(timeout=30)
     counters: dict[str, float] = {}
-    watcher = WeightWatcher(js, Registry(run_id), counters, speculative=speculative)
+    watcher = WeightWatcher(js, Registry(run_id), counters, speculative=speculative,
+                            nc=nc if prefetch else None)
     await watcher.start()
     await nc.publish(READY_SUBJECT, json.dumps({"id": wid}).encode())
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     while not stop.is_set():
-        newest = watcher.newest
-        if newest is not None and newest.version > watcher.version:
+        if watcher.newest_version > watcher.version:
             t_seen = time.time()
             mark = watcher.mark()
             if await watcher.maybe_load(engine):
@@ -162,6 +168,7 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
     reg = Registry(run_id)
     store = FileStore(tmp / f"weights-{run_id}") if store_name.startswith("file") else None
     speculative = store_name != "file-vf"
+    prefetch = store_name == "file"  # file-spec: speculative workers, no prefetch hint (the path before it)
     nc = await nats.connect(server.url, name="bench-ws-learner")
     try:
         js = nc.jetstream(timeout=60)
@@ -182,7 +189,8 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
             log = open(tmp / f"worker-{store_name}-{i}.log", "wb")
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--url", server.url,
                                            "--run-id", run_id, "--model", str(model_dir),
-                                           *([] if speculative else ["--verify-first"])], cwd=ROOT, env=env,
+                                           *([] if speculative else ["--verify-first"]),
+                                           *([] if prefetch else ["--no-prefetch"])], cwd=ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for _ in range(a.workers):
             await asyncio.wait_for(ready.get(), 180)
@@ -193,7 +201,7 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
                     p.add_(1e-4)
             await asyncio.sleep(0.2)  # let the workers' loops idle (they poll every 10 ms)
             t0 = time.time()
-            wv = await publish_version(js, reg, model, v, v, {}, store=store)
+            wv = await publish_version(js, reg, model, v, v, {}, store=store, nc=nc if prefetch else None)
             t_pub = time.time()
             reports = [await asyncio.wait_for(done.get(), 120) for _ in range(a.workers)]
             assert all(r["version"] == v and r["verified"] for r in reports), reports
@@ -258,10 +266,14 @@ def _median_phases(rows: list[dict]) -> dict:
 
 STORE_PATHS = {
     "file": "publish_version with learner.weight_store = file:///dir (header + each tensor's memory written to a "
-            "temp file while a thread hashes the same buffers, rename, announce, KV) -> WeightWatcher(speculative="
-            "True).maybe_load in each worker process (HFEngine.load_weights_file_speculative: readinto staging "
-            "tensors, swap into the model = serving; previous weights kept) -> sha256 of the loaded bytes in a "
-            "background thread, then verified_since (the publish gate) = verified",
+            "temp file while a low-priority thread hashes the same buffers, rename, WeightPrefetch on core NATS, "
+            "then, hash done, WeightVersion announce, KV) -> WeightWatcher(speculative=True, nc).maybe_load in each "
+            "worker process on the prefetch (HFEngine.load_weights_file_speculative: readinto staging tensors, "
+            "swap into the model = serving; previous weights kept) -> sha256 of the loaded bytes in a "
+            "low-priority thread, compared with the WeightVersion's once it arrives, then verified_since (the "
+            "publish gate) = verified",
+    "file-spec": "as `file` without the prefetch hint: the worker starts loading on the WeightVersion, i.e. "
+                 "after the learner's sha256 is done (the headline path of session 3)",
     "file-vf": "the same file store, verify-first workers (WeightWatcher().maybe_load -> HFEngine.load_weights_file: "
                "readinto staging tensors hashing the bytes read, compare, swap): serving = verified",
     "nats": "publish_version with the default NATS object store (chunks published pipelined straight from the "
@@ -276,17 +288,18 @@ def main() -> dict:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--stores", default="file,file-vf,nats",
-                    help="weight stores to measure (file, file-vf, nats); the first is `ours`")
+    ap.add_argument("--stores", default="file,file-spec,file-vf,nats",
+                    help="weight paths to measure (file, file-spec, file-vf, nats); the first is `ours`")
     ap.add_argument("--prefault-mb", type=int, default=3000, help="VM warm-up before measuring (0: none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--verify-first", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-prefetch", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker is not None:
-        asyncio.run(worker(a.worker, a.url, a.run_id, a.model, not a.verify_first))
+        asyncio.run(worker(a.worker, a.url, a.run_id, a.model, not a.verify_first, not a.no_prefetch))
         return {}
     from importlib.metadata import version
 

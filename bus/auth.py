@@ -126,12 +126,12 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
     elif role == "rollout":
         pub += [f"traj.{r}.>"] + js_consume(s("TASKS")) + js_consume(s("WEIGHTS")) + js_read(kv_run)
         pub += js_consume(obj) + js_info(s("TRAJ"))
-        sub += [reg.weights]
+        sub += [reg.weights, reg.weights_prefetch]
     elif role == "verifier":
         pub += [f"rewards.{r}.>"] + js_consume(s("TRAJ")) + js_read(kv_hidden) + js_read(kv_rec) + js_read(kv_run)
         pub += js_info(s("REWARDS"))
     elif role == "learner":
-        pub += [f"weights.{r}", f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"$O.{reg.object_bucket}.>"]
+        pub += [f"weights.{r}", reg.weights_prefetch, f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"$O.{reg.object_bucket}.>"]
         pub += js_consume(s("REWARDS")) + js_consume(kv_run) + js_consume(obj) + js_read(s("LEDGER"))
         pub += js_info(s("WEIGHTS")) + [f"{API}.STREAM.PURGE.{obj}"]
     elif role == "scheduler":
@@ -164,11 +164,12 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
     - sampler: publish `tasks.R.>`, `ledger.R.>`; write KV `hidden-R` (put only, no read)
       and KV `run-R`; read KV `run-R`.
     - rollout: consume TASKS (durable `rollout`), publish `traj.R.>`, read WEIGHTS
-      (ordered consumer), KV `run-R` and object store `weights-R`; request the sandbox
+      (ordered consumer) and its core-NATS prefetch hints `weights.R.prefetch`, KV `run-R`
+      and object store `weights-R`; request the sandbox
       service. No hidden bucket, no `rewards.>`/`weights.>` publish.
     - verifier: consume TRAJ, publish `rewards.R.>`, read KV `hidden-R`, `toolrec-R`, `run-R`;
       request the sandbox service.
-    - learner: consume REWARDS, publish `weights.R` and `ledger.R.>`, write KV `run-R` and
+    - learner: consume REWARDS, publish `weights.R`, `weights.R.prefetch` and `ledger.R.>`, write KV `run-R` and
       object store `weights-R`, read LEDGER. No hidden bucket.
     - scheduler: consume/read every stream of the run but the hidden and toolrec buckets,
       delete DLQ messages, publish `eval.R.>`, `ledger.R.>`, write KV `run-R`, subscribe to

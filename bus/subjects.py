@@ -139,6 +139,12 @@ class Registry:
         """Subject of WeightVersion announcements."""
         return f"weights.{self.run_id}"
 
+    @property
+    def weights_prefetch(self) -> str:
+        """Core-NATS subject of WeightPrefetch hints (not in any stream: a hint lost costs
+        only latency, the WeightVersion on `weights` is authoritative)."""
+        return f"weights.{self.run_id}.prefetch"
+
     def metrics(self, role: str = "*", worker_id: str = "*") -> str:
         """Core-NATS telemetry subject (wildcards by default)."""
         return f"metrics.{self.run_id}.{role}.{worker_id}"

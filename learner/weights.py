@@ -21,7 +21,13 @@ Guarantees:
   announced sha256. `file://` writes go to a unique temp file, renamed into place
   (atomic on one filesystem; no fsync: a machine crash can lose the newest version,
   never expose a torn one under its final name). The sha256 is computed over the same
-  buffers that are written, in a thread while they are written.
+  buffers that are written, in a low-priority thread (`in_background_thread`) while
+  they are written. Given a core connection `nc`, a `file://` version also sends a
+  `WeightPrefetch` (version, uri, size; no sha256) on `weights.<run>.prefetch` the
+  moment the file is complete under its final name, before its hash is done; the
+  WeightVersion follows once it is. The hint is not stored: speculative rollout workers
+  start loading on it, and nothing they generate leaves them before the WeightVersion
+  arrived and their own hash of the loaded bytes matched it.
 - `load_state_file(model, path, sha256, staging)` is the zero-copy read of a `file://`
   blob: it reads each tensor's bytes straight into a reused staging tensor of the
   model's dtype/shape (`readinto`, no intermediate bytes), hashes exactly the bytes
@@ -51,6 +57,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -61,11 +68,16 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
+import structlog
+
 from bus.kv import WEIGHTS_LATEST, put_json
 from bus.objects import ChecksumMismatch, get_blob, put_blob, put_segments, sha256_hex, sha256_segments
 from bus.publish import publish
 from bus.subjects import Registry
-from schemas import WeightVersion
+from schemas import WeightPrefetch, WeightVersion, encode
+
+log = structlog.get_logger()
+BACKGROUND_NICE = 10  # nice increment of integrity-hash threads (see in_background_thread)
 
 
 def state_tensors(model) -> dict:
@@ -138,19 +150,29 @@ def model_segments(model) -> list:
     return state_segments(state_tensors(model)) or [memoryview(state_to_bytes(model))]
 
 
-def write_segments_file(path: Path, segments: list) -> tuple[str, int]:
-    """Write the concatenated segments to `path` atomically (unique temp file + rename) while
-    a thread hashes the same buffers; (sha256, size)."""
-    result: dict = {}
+def in_background_thread(fn, *args) -> concurrent.futures.Future:
+    """Run `fn(*args)` in a new thread at lowered CPU priority (Linux per-thread nice +10);
+    its Future. For integrity work off the critical path (hashing a weight file): the
+    process's own training or generation, and a loader's read, take the CPU first. A new
+    thread, not a pool's: a thread's nice cannot be lowered back without privileges."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
 
-    def hash_all():
+    def run():
         try:
-            result["sha"] = sha256_segments(segments)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            result["error"] = exc
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except (AttributeError, OSError):  # not Linux, or not allowed: same work, normal priority
+            pass
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            fut.set_exception(exc)
 
-    hasher = threading.Thread(target=hash_all, name="weights-sha256", daemon=True)
-    hasher.start()
+    threading.Thread(target=run, name=f"bg-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return fut
+
+
+def _write_file_atomic(path: Path, segments: list) -> int:
+    """Write the concatenated segments to a unique temp file renamed to `path`; the size."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     size = 0
     try:
@@ -164,15 +186,23 @@ def write_segments_file(path: Path, segments: list) -> tuple[str, int]:
                     mv = mv[n:]
         finally:
             os.close(fd)
-        hasher.join()
-        if "error" in result:
-            raise result["error"]
         os.replace(tmp, path)
     except BaseException:
-        hasher.join()
         tmp.unlink(missing_ok=True)
         raise
-    return result["sha"], size
+    return size
+
+
+def write_segments_file(path: Path, segments: list) -> tuple[str, int]:
+    """Write the concatenated segments to `path` atomically (unique temp file + rename) while
+    a thread hashes the same buffers; (sha256, size). Returns only after the hash is done
+    (the buffers may then change)."""
+    digest = in_background_thread(sha256_segments, segments)
+    try:
+        size = _write_file_atomic(path, segments)
+    finally:
+        concurrent.futures.wait([digest])
+    return digest.result(), size
 
 
 def load_state_bytes(model, blob: bytes) -> None:
@@ -221,15 +251,25 @@ class FileStore:
         """Write `data` atomically as `root/name`; (file:// uri, sha256, size)."""
         return await self.put_segments(name, [memoryview(data)])
 
-    async def put_segments(self, name: str, segments: list) -> tuple[str, str, int]:
-        """Write the concatenated buffers atomically as `root/name` (no joined copy); (uri, sha256, size)."""
-        return await asyncio.to_thread(self._write, name, segments)
-
-    def _write(self, name: str, segments: list) -> tuple[str, str, int]:
+    async def put_segments(self, name: str, segments: list, on_written=None) -> tuple[str, str, int]:
+        """Write the concatenated buffers atomically as `root/name` (no joined copy) while a
+        low-priority thread hashes them; (uri, sha256, size). `on_written(uri, size)` (async)
+        is awaited as soon as the file is complete under its final name, before the hash
+        is done (the prefetch hint); its failure is logged, not raised. Returns only after
+        the hash is done (the buffers may then change)."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = (self.root / name).resolve()
-        sha, size = write_segments_file(path, segments)
-        return path.as_uri(), sha, size
+        digest = in_background_thread(sha256_segments, segments)
+        try:
+            size = await asyncio.to_thread(_write_file_atomic, path, segments)
+            if on_written is not None:
+                try:
+                    await on_written(path.as_uri(), size)
+                except Exception as exc:  # noqa: BLE001 - a lost hint costs latency only
+                    log.warning("learner.weights_prefetch_failed", uri=path.as_uri(), error=str(exc))
+        finally:
+            await asyncio.wait([asyncio.wrap_future(digest)])
+        return path.as_uri(), digest.result(), size
 
 
 def _boto3_client():
@@ -297,12 +337,24 @@ def model_blob(model) -> bytes:
 
 
 async def publish_version(js, reg: Registry, model, version: int, step: int, metrics: dict[str, float],
-                          store=None) -> WeightVersion:
-    """Store the model's weights (in `store`, default the run's object store) and announce them as `version`."""
+                          store=None, nc=None) -> WeightVersion:
+    """Store the model's weights (in `store`, default the run's object store) and announce them as `version`.
+
+    With a `FileStore` and a core connection `nc`, a `WeightPrefetch` goes out on
+    `reg.weights_prefetch` as soon as the file is complete, before its sha256 is."""
     store = store or NatsStore(js, reg.object_bucket)
     name = f"v{version:06d}.safetensors"
+
+    async def prefetch(uri: str, size: int) -> None:
+        hint = WeightPrefetch(run_id=reg.run_id, version=version, step=step, uri=uri, bytes=size)
+        await nc.publish(reg.weights_prefetch, encode(hint))
+        await nc.flush()
+
     if model is None:
         uri, sha, size = await store.put(name, b"null-policy")
+    elif isinstance(store, FileStore):
+        uri, sha, size = await store.put_segments(name, await asyncio.to_thread(model_segments, model),
+                                                  on_written=prefetch if nc is not None else None)
     elif hasattr(store, "put_segments"):
         uri, sha, size = await store.put_segments(name, await asyncio.to_thread(model_segments, model))
     else:  # a store with only put(name, bytes)

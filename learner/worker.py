@@ -202,7 +202,8 @@ class Learner:
         if self.step % self.lc.publish_every == 0:
             self.version += 1
             await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step,
-                                  {**metrics, "samples_trained": float(self.samples_trained)}, store=self.store)
+                                  {**metrics, "samples_trained": float(self.samples_trained)}, store=self.store,
+                                  nc=self.s.nc)
             c["version"] = self.version
         if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
             await self.save_checkpoint()

@@ -135,7 +135,7 @@ async def run(cfg, ctx) -> dict[str, float]:
     async with worker_session("rollout", cfg, ctx) as s:
         engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.device, rc.threads,
                                          rc.vllm_tier)
-        watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True)
+        watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True, nc=s.nc)
         await watcher.start()
         if not await watcher.wait_first(s.stop):
             return s.counters

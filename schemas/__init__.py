@@ -15,6 +15,7 @@ from schemas.messages import (  # noqa: F401
     ToolCall,
     Trajectory,
     Turn,
+    WeightPrefetch,
     WeightVersion,
     decode,
     encode,

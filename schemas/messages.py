@@ -276,6 +276,27 @@ class WeightVersion(Message):
     """Learner metrics at publication."""
 
 
+class WeightPrefetch(Message):
+    """A hint, before its `WeightVersion`: the blob of `version` is complete at `uri`.
+
+    Sent on core NATS (not stored) by a learner with a `file://` store the moment the
+    file is renamed into place, while its sha256 is still being computed. A speculative
+    rollout worker may load and serve it at once, but publishes nothing generated with
+    it until the `WeightVersion` of the same version and uri arrives and the file's
+    sha256 matches. Losing a prefetch costs only latency: the `WeightVersion` alone
+    is enough."""
+
+    KIND: ClassVar[str] = "weight_prefetch"
+    version: int = Field(ge=0)
+    """The version number its `WeightVersion` will carry."""
+    step: int = Field(ge=0)
+    """Learner step that produced it."""
+    uri: str
+    """Where the complete blob is (`file://...`)."""
+    bytes: int = Field(ge=0)
+    """Blob size."""
+
+
 class DeadLetter(Message):
     """A message a stage could not process, with the reason and the original bytes."""
 
@@ -365,7 +386,7 @@ class TaskFates(Message):
 
 KINDS: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Task, Trajectory, Reward, WeightVersion, DeadLetter, Metric, EvalResult, TaskFates)
+    for cls in (Task, Trajectory, Reward, WeightVersion, WeightPrefetch, DeadLetter, Metric, EvalResult, TaskFates)
 }
 
 

@@ -113,8 +113,10 @@ def test_config_renders_every_user_and_no_secret_by_default():
     rollout = role_permissions("rollout", [RUN])
     flat = " ".join(rollout["publish"]["allow"] + rollout["subscribe"]["allow"])
     assert f"hidden-{RUN}" not in flat and "rewards." not in flat and f"weights.{RUN}" not in rollout["publish"]["allow"]
-    # its inbox, the weights announcements, and its own role's heartbeats (the container healthcheck)
-    assert rollout["subscribe"]["allow"] == sorted(["_INBOX_rollout.>", f"weights.{RUN}", f"metrics.{RUN}.rollout.*"])
+    # its inbox, the weights announcements and prefetch hints, and its own role's heartbeats (healthcheck)
+    assert rollout["subscribe"]["allow"] == sorted(["_INBOX_rollout.>", f"weights.{RUN}", f"weights.{RUN}.prefetch",
+                                                    f"metrics.{RUN}.rollout.*"])
+    assert f"weights.{RUN}.prefetch" in role_permissions("learner", [RUN])["publish"]["allow"]
     with pytest.raises(ValueError, match="run id"):
         server_auth_config([])
 

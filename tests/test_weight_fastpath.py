@@ -23,24 +23,13 @@ from learner.weights import (FileStore, load_state_file, model_segments, publish
 from rlbus.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
-from tests.tiny_weights import TINY, load_model, model_dir, perturb  # noqa: F401 - model_dir is a fixture
+from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
+    TINY, equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, tied,
+)
 
 
-def _same(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def _snapshot(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _unchanged(model, snap) -> bool:
-    return all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
-
-
-def _tied(model) -> bool:
-    return model.get_input_embeddings().weight is model.lm_head.weight
 
 
 async def _write(tmp_path, model, name="v000001.safetensors"):
@@ -84,7 +73,7 @@ async def test_file_fast_path_round_trip_keeps_ties(model_dir, tmp_path):
         perturb(src, v)
         uri, sha, _ = await _write(tmp_path, src, f"v{v:06d}.safetensors")
         assert load_state_file(dst, uri.removeprefix("file://"), sha, staging)
-        assert _same(src, dst) and _tied(dst)
+        assert same_weights(src, dst) and tied(dst)
         assert dst.lm_head.weight.data_ptr() == dst.get_input_embeddings().weight.data_ptr()
     assert dst.generate(torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False).shape == (1, 4)
 
@@ -96,22 +85,22 @@ async def test_corrupt_or_truncated_file_leaves_the_model_untouched(model_dir, t
     path = tmp_path / "w" / "v000001.safetensors"
     good = path.read_bytes()
     staging: dict = {}
-    snap = _snapshot(dst)
+    snap = snapshot(dst)
     corrupt = bytearray(good)
     corrupt[-7] ^= 0xFF  # a byte of the last tensor: everything before it was already read
     path.write_bytes(bytes(corrupt))
     with pytest.raises(ChecksumMismatch):
         load_state_file(dst, path, sha, staging)
-    assert _unchanged(dst, snap) and _tied(dst)
+    assert equals_snapshot(dst, snap) and tied(dst)
     path.write_bytes(good[: size // 2])
     with pytest.raises(ChecksumMismatch):
         load_state_file(dst, path, sha, staging)
-    assert _unchanged(dst, snap)
+    assert equals_snapshot(dst, snap)
     path.write_bytes(good)
     with pytest.raises(ChecksumMismatch):
         load_state_file(dst, path, "0" * 64, staging)
-    assert _unchanged(dst, snap)
-    assert load_state_file(dst, path, sha, staging) and _same(src, dst)  # the intact file still loads
+    assert equals_snapshot(dst, snap)
+    assert load_state_file(dst, path, sha, staging) and same_weights(src, dst)  # the intact file still loads
 
 
 async def test_fast_path_declines_other_dtype_and_lora(model_dir, tmp_path):
@@ -119,9 +108,9 @@ async def test_fast_path_declines_other_dtype_and_lora(model_dir, tmp_path):
     perturb(src, 7)
     uri, sha, _ = await _write(tmp_path, src)
     half = load_model(model_dir).to(torch.bfloat16)
-    snap = _snapshot(half)
+    snap = snapshot(half)
     assert not load_state_file(half, uri.removeprefix("file://"), sha, {})
-    assert _unchanged(half, snap)
+    assert equals_snapshot(half, snap)
     lora = tmp_path / "lora.safetensors"
     lora.write_bytes(save({"a": torch.zeros(2)}, metadata={"rlbus.kind": "lora"}))
     assert not load_state_file(half, lora, sha256_hex(lora.read_bytes()), {})
@@ -161,7 +150,7 @@ async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, 
         await publish_version(js, reg, publisher, 1, 1, {}, store=store)
         await announced(1)
         assert await watcher.maybe_load(engine)
-        assert fetched == [] and _same(engine.model, publisher) and _tied(engine.model)  # zero-copy path
+        assert fetched == [] and same_weights(engine.model, publisher) and tied(engine.model)  # zero-copy path
 
         # a corrupted file: rejected, counted, engine keeps version 1
         perturb(publisher, 2)
@@ -170,11 +159,11 @@ async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, 
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 1
         path.write_bytes(bytes(data))
-        snap = _snapshot(engine.model)
+        snap = snapshot(engine.model)
         await announced(2)
         assert not await watcher.maybe_load(engine)
         assert counters["weights_rejected"] == 1 and watcher.version == 1 and wv2.msg_id in watcher.rejected
-        assert _unchanged(engine.model, snap)
+        assert equals_snapshot(engine.model, snap)
 
         # an engine in another dtype: the fast path declines, the generic path converts
         engine.model.to(torch.bfloat16)

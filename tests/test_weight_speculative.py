@@ -30,24 +30,13 @@ from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, decode
 from tests.messages import make_task
-from tests.tiny_weights import load_model, model_dir, perturb  # noqa: F401 - model_dir is a fixture
+from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
+    equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, tied, until,
+)
 
 
-def _same(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def _snapshot(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _equals(model, snap) -> bool:
-    return all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
-
-
-def _tied(model) -> bool:
-    return model.get_input_embeddings().weight is model.lm_head.weight
 
 
 def _corrupt(path) -> None:
@@ -55,12 +44,6 @@ def _corrupt(path) -> None:
     data[len(data) // 2] ^= 1  # a byte inside the tensor data: the file still parses
     path.write_bytes(bytes(data))
 
-
-async def _until(check, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 class GatedDigest:
@@ -88,26 +71,26 @@ async def test_speculative_load_swaps_first_then_commits_or_rolls_back(model_dir
     src, dst = load_model(model_dir), load_model(model_dir)
     store = FileStore(tmp_path / "w")
     staging: dict = {}
-    before = _snapshot(dst)
+    before = snapshot(dst)
     perturb(src, 1)
     uri, sha, _ = await store.put_segments("v1.safetensors", model_segments(src))
     load = load_state_file_speculative(dst, uri.removeprefix("file://"), staging)
-    assert load is not None and _same(src, dst) and _tied(dst)  # serving the new weights, unverified
+    assert load is not None and same_weights(src, dst) and tied(dst)  # serving the new weights, unverified
     assert load.digest() == sha
     assert not staging  # the previous weights are held by the load, not offered as staging buffers
     load.commit()
-    assert staging and _same(src, dst)  # verified: previous weights are now staging buffers
+    assert staging and same_weights(src, dst)  # verified: previous weights are now staging buffers
 
     perturb(src, 2)
-    good = _snapshot(dst)
+    good = snapshot(dst)
     uri, sha, _ = await store.put_segments("v2.safetensors", model_segments(src))
     _corrupt(tmp_path / "w" / "v2.safetensors")
     load = load_state_file_speculative(dst, uri.removeprefix("file://"), staging)
-    assert load is not None and not _equals(dst, good)  # the corrupt bytes are serving
+    assert load is not None and not equals_snapshot(dst, good)  # the corrupt bytes are serving
     assert load.digest() != sha
     load.rollback()
-    assert _equals(dst, good) and _tied(dst)  # exactly the previous weights again
-    assert not _equals(dst, before)
+    assert equals_snapshot(dst, good) and tied(dst)  # exactly the previous weights again
+    assert not equals_snapshot(dst, before)
 
 
 async def test_engine_refuses_other_loads_while_a_check_is_pending(model_dir, tmp_path):
@@ -132,8 +115,8 @@ async def test_speculative_declines_what_the_fast_path_declines(model_dir, tmp_p
     perturb(src, 4)
     uri, _, _ = await FileStore(tmp_path / "w").put_segments("v1.safetensors", model_segments(src))
     half = load_model(model_dir).to(torch.bfloat16)
-    snap = _snapshot(half)
-    assert load_state_file_speculative(half, uri.removeprefix("file://"), {}) is None and _equals(half, snap)
+    snap = snapshot(half)
+    assert load_state_file_speculative(half, uri.removeprefix("file://"), {}) is None and equals_snapshot(half, snap)
 
 
 async def _speculative_rig(js, run_id, model_dir, tmp_path, monkeypatch):
@@ -159,10 +142,10 @@ async def test_watcher_serves_before_the_check_and_rolls_back_a_bad_version(js, 
         # v1: serves at once, the check still running
         perturb(publisher, 1)
         await publish_version(js, reg, publisher, 1, 1, {}, store=store)
-        await _until(lambda: watcher.newest is not None and watcher.newest.version == 1)
+        await until(lambda: watcher.newest is not None and watcher.newest.version == 1)
         mark = watcher.mark()
         assert await watcher.maybe_load(engine)
-        assert watcher.version == 1 and _same(engine.model, publisher) and _tied(engine.model)
+        assert watcher.version == 1 and same_weights(engine.model, publisher) and tied(engine.model)
         check = asyncio.create_task(watcher.verified_since(mark))
         await asyncio.to_thread(gate.started.wait, 10)
         await asyncio.sleep(0.05)
@@ -173,16 +156,16 @@ async def test_watcher_serves_before_the_check_and_rolls_back_a_bad_version(js, 
         assert await check and counters["weights_verified"] == 1
 
         # v2: corrupted file; it serves, the check fails, v1 is back, v2 is rejected
-        v1_state = _snapshot(engine.model)
+        v1_state = snapshot(engine.model)
         perturb(publisher, 2)
         wv2 = await publish_version(js, reg, publisher, 2, 2, {}, store=store)
         _corrupt(tmp_path / "w" / "v000002.safetensors")
-        await _until(lambda: watcher.newest.version == 2)
+        await until(lambda: watcher.newest.version == 2)
         mark = watcher.mark()
         assert await watcher.maybe_load(engine)
         assert not await watcher.verified_since(mark)
-        assert watcher.version == 1 and counters["weight_version"] == 1 and _equals(engine.model, v1_state)
-        assert _tied(engine.model)
+        assert watcher.version == 1 and counters["weight_version"] == 1 and equals_snapshot(engine.model, v1_state)
+        assert tied(engine.model)
         assert wv2.msg_id in watcher.rejected and counters["weights_rejected"] == 1
         assert counters["weights_rolled_back"] == 1
         assert not await watcher.maybe_load(engine) and counters["weights_rejected"] == 1  # never again
@@ -191,10 +174,10 @@ async def test_watcher_serves_before_the_check_and_rolls_back_a_bad_version(js, 
         # v3: good again, loads over the rolled-back state
         perturb(publisher, 3)
         await publish_version(js, reg, publisher, 3, 3, {}, store=store)
-        await _until(lambda: watcher.newest.version == 3)
+        await until(lambda: watcher.newest.version == 3)
         mark = watcher.mark()
         assert await watcher.maybe_load(engine) and await watcher.verified_since(mark)
-        assert watcher.version == 3 and _same(engine.model, publisher) and counters["weights_verified"] == 2
+        assert watcher.version == 3 and same_weights(engine.model, publisher) and counters["weights_verified"] == 2
     finally:
         gate.release()
         await watcher._sub.unsubscribe()
@@ -213,8 +196,8 @@ async def test_watcher_default_stays_verify_first(js, run_id, model_dir, tmp_pat
     try:
         perturb(publisher, 1)
         await publish_version(js, reg, publisher, 1, 1, {}, store=FileStore(tmp_path / "w"))
-        await _until(lambda: watcher.newest is not None)
-        assert await watcher.maybe_load(engine) and not called and _same(engine.model, publisher)
+        await until(lambda: watcher.newest is not None)
+        assert await watcher.maybe_load(engine) and not called and same_weights(engine.model, publisher)
     finally:
         await watcher._sub.unsubscribe()
 
@@ -259,12 +242,12 @@ async def test_worker_publishes_only_verified_batches_and_retries_bad_ones(js, r
         # good v1: generated while its check runs, published only after it passed
         perturb(publisher, 1)
         await publish_version(js, reg, publisher, 1, 1, {}, store=store)
-        await _until(lambda: watcher.newest is not None)
+        await until(lambda: watcher.newest is not None)
         outcome = await one_batch(make_task(run_id, "arith-1", group_size=2, max_tokens=3))
         assert outcome.get("ack") == 1 and "retry" not in outcome
         assert events == [("generate", 1), ("publish", [1, 1], 1)]  # verified (count 1) before publishing
         assert [t.policy_version for t in await _trajectories(js, reg)] == [1, 1]
-        v1_state = _snapshot(engine.model)
+        v1_state = snapshot(engine.model)
 
         # corrupted v2: generated with it, then the check fails -> nothing published, task retried
         gate.go.clear()
@@ -272,14 +255,14 @@ async def test_worker_publishes_only_verified_batches_and_retries_bad_ones(js, r
         perturb(publisher, 2)
         wv2 = await publish_version(js, reg, publisher, 2, 2, {}, store=store)
         _corrupt(tmp_path / "w" / "v000002.safetensors")
-        await _until(lambda: watcher.newest.version == 2)
+        await until(lambda: watcher.newest.version == 2)
         task2 = make_task(run_id, "arith-2", group_size=2, max_tokens=3)
         outcome = await one_batch(task2)
         assert outcome.get("retry") == 1 and "ack" not in outcome
         assert events == [("generate", 2)]  # generated with the unverified v2, never published
         assert counters["batches_discarded_unverified"] == 1
         assert len(await _trajectories(js, reg)) == 2  # still only v1's
-        assert watcher.version == 1 and _equals(engine.model, v1_state)  # back on the previous weights
+        assert watcher.version == 1 and equals_snapshot(engine.model, v1_state)  # back on the previous weights
         assert wv2.msg_id in watcher.rejected and counters["weights_rejected"] == 1
 
         # the retried task is redelivered and regenerated with the good weights

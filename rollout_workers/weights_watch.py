@@ -132,12 +132,32 @@ class WeightWatcher:
     async def wait_first(self, stop: asyncio.Event) -> bool:
         """Wait until some version is announced (or stop); True if one is."""
         while not stop.is_set():
+            if self.newest_version >= 0:
+                return True
             try:
                 await asyncio.wait_for(self._announced.wait(), 1.0)
-                return True
             except asyncio.TimeoutError:
                 log.info("rollout.waiting_for_weights")
+            self._announced.clear()
         return False
+
+    async def wait_for_newer(self, timeout: float) -> bool:
+        """Wait until a version newer than the loaded one is announced or hinted (True), or
+        `timeout` seconds pass (False): how an idle worker reacts to new weights at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.newest_version <= self.version:
+            self._announced.clear()
+            if self.newest_version > self.version:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._announced.wait(), remaining)
+            except asyncio.TimeoutError:
+                return self.newest_version > self.version
+        return True
 
     @property
     def version(self) -> int:

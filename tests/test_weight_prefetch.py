@@ -80,10 +80,11 @@ async def test_hint_serves_before_the_learner_hash_and_the_gate_waits_for_the_ve
     js, reg, store, publisher, engine, counters, watcher = await _rig(nc, run_id, model_dir, tmp_path)
     gate = GatedLearnerHash(monkeypatch)
     try:
+        assert not await watcher.wait_for_newer(0.1)  # nothing announced yet
         perturb(publisher, 1)
         publishing = asyncio.create_task(publish_version(js, reg, publisher, 1, 1, {}, store=store, nc=nc))
-        await until(lambda: watcher.prefetch is not None)
-        assert gate.started.is_set() and not publishing.done()  # the learner is still hashing
+        assert await watcher.wait_for_newer(10)  # woken by the hint
+        assert watcher.prefetch is not None and gate.started.is_set() and not publishing.done()  # still hashing
         assert watcher.newest is None and watcher.newest_version == 1
         mark = watcher.mark()
         assert await watcher.maybe_load(engine)

@@ -1,33 +1,38 @@
 """End-to-end benchmark: accuracy gained in a fixed wall-clock budget, ours vs TRL GRPOTrainer.
 
-What it measures (`python bench/e2e_vs_trl.py [--minutes 4]`, about 2*minutes + 5 min):
+What it measures (`python bench/e2e_vs_trl.py [--minutes 4] [--seeds 3]`, about
+seeds * 2 * (minutes + 0.5) + 1 min):
 
 - START: the demo's tiny qwen2 (hidden 128, 4 layers, char tokenizer) built with
   `rlbus.tiny_model`, then `learner.sft.run_sft` on difficulty-3 arith (held-out problems
   excluded) for a fixed budget (`--sft-seconds`, `--sft-steps`). Both sides start from
-  this same checkpoint directory.
-- EVAL: greedy accuracy on the scheduler's fixed held-out set (`scheduler.evaluation.
-  eval_set(1234, 200, 3)`), scored by the same `greedy_accuracy` (HFEngine, temperature
-  0, 6 new tokens) for the start and for both final models.
+  this same checkpoint directory, for every seed.
+- EVAL: greedy accuracy on the scheduler's fixed held-out set
+  (`scheduler.evaluation.eval_set(1234, --eval-n, 3)`, default 1000 problems, never
+  trained on by either side), scored by the same `greedy_accuracy` (HFEngine,
+  temperature 0, 6 new tokens) for the start and for every final model.
 - OURS: `rlbus up` (a subprocess, embedded NATS, every role its own process) on a
   generated config equal to `examples/demo.toml` where it matters (G=8, 16 groups per
-  step, lr 3e-5, beta 0, temperature 1, 6 tokens, max staleness 4), with
-  `model.path` = the start checkpoint and SFT off. The launcher stops the run so that
-  sampling stops `--minutes` after `rlbus up` started (set-up included; no drain, so no
-  training happens after the budget beyond the step in flight). The final policy is
-  the learner's checkpoint written at stop. In-run evaluation is pushed out
-  (`eval_every_versions` huge) so it does not steal CPU from training.
+  step, `--lr`, beta 0, temperature 1, 6 tokens, max staleness 4), with `model.path` =
+  the start checkpoint, SFT off, `run.seed` = the seed, and `learner.skip_zero_variance`
+  on (DAPO's dynamic sampling: groups whose rewards are all equal carry no signal and are
+  not trained; `--no-dynamic-sampling` turns it off; TRL has no equivalent). The
+  launcher stops the run so that sampling stops `--minutes` after `rlbus up` started
+  (set-up included; no drain, so no training happens after the budget beyond the step
+  in flight). The final policy is the learner's checkpoint written at stop. In-run
+  evaluation is pushed out (`eval_every_versions` huge) so it does not steal CPU.
 - PEER: TRL `GRPOTrainer` in one process with the arith reward function (exact integer
   match, the same as our `arith` verifier), the same hyper-parameters (16 prompts x
-  G=8 per step, lr 3e-5 constant, beta 0, loss_type "grpo", clip 0.2/0.28, grad clip 1,
-  temperature 1, 6 completion tokens), `torch` threads = all CPUs; a callback stops
-  training once `--minutes` have passed since the trainer was constructed.
-- Figures: `ours`/`peer` = final accuracy - start accuracy (points, as fractions);
-  `ratio` = ours/peer (design target >= 1.0). Samples trained and steps are recorded.
+  G=8 per step, `--lr` constant, beta 0, loss_type "grpo", clip 0.2/0.28, grad clip 1,
+  temperature 1, 6 completion tokens), seed = the seed, `torch` threads = all CPUs; a
+  callback stops training once `--minutes` have passed since the trainer was constructed.
+- Figures: per seed, final accuracy - start accuracy (points, as fractions); `ours` and
+  `peer` are the means over seeds, `ratio` = ours/peer (design target >= 1.0), and
+  `gains_per_seed` keeps every run. Samples trained and steps are recorded per run.
 
-The machine may be shared with other processes: the two sides run one after the other,
-so load differences between the two windows enter the result; `load_avg` is recorded
-at each phase.
+The machine may be shared with other processes: the two sides run one after the other
+(ours, then TRL, per seed), so load differences between the windows enter the result;
+`load_avg` is recorded before each side.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 RESULT = ROOT / "bench" / "results" / "e2e_vs_trl.json"
 EVAL_SEED, DIFFICULTY, MAX_TOKENS = 1234, 3, 6
 GROUP, PROMPTS_PER_STEP, TEMPERATURE = 8, 16, 1.0
-EVAL_N, LR = 1000, 1e-4  # defaults of --eval-n and --lr
+EVAL_N, LR = 1000, 3e-5  # defaults of --eval-n and --lr (1e-4 and 3e-4 degraded both sides in scouting)
 
 
 # ---------------------------------------------------------------------------- shared

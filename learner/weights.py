@@ -39,12 +39,16 @@ Guarantees:
   mismatch, non-contiguous parameter): the caller then uses the generic
   `fetch_weights` + `load_state_bytes`, which converts dtypes or fails loudly. Names are
   checked as strictly as `load_state_bytes` (unexpected or missing non-tied: ValueError).
-- `load_state_file_speculative(model, path, staging)` is the same read WITHOUT the hash
-  on the critical path: the staging tensors become the model's weights at once and the
-  returned `SpeculativeLoad` holds the previous weights (out of `staging`, so no later
-  read can overwrite them) until it is settled: `digest()` (in a thread) hashes exactly
-  the bytes read, then `commit()` (match: the previous weights become staging buffers)
-  or `rollback()` (mismatch: the previous weights are the model's again). Until then the
+- `load_state_file_speculative(model, path, staging)` is the same load WITHOUT the hash
+  on the critical path, and by default without the copy: tensors viewing a private
+  (copy-on-write) memory map of the file, every page faulted in, become the model's
+  weights at once (misaligned tensors: read into staging tensors instead). The file must
+  not be rewritten in place while mapped (the file store never does). The returned
+  `SpeculativeLoad` holds the previous weights (out of `staging`, so no later read can
+  overwrite them) until it is settled: `digest()` (in a thread) hashes exactly the bytes
+  that serve, then `commit()` (match: the previous weights are released, kept as staging
+  buffers after a read) or `rollback()` (mismatch: the previous weights are the model's
+  again). Until then the
   worker holds the weights twice, and a caller must treat the new weights as unverified
   (the rollout worker publishes nothing generated with them before the check passed,
   see `rollout_workers.weights_watch`). Structural faults (truncated, padded, unreadable
@@ -511,15 +515,17 @@ class SpeculativeLoad:
     """A file's weights already swapped into the model, their sha256 not yet checked.
 
     Holds the previous weights (taken OUT of the staging dict, so no later read can
-    overwrite them) until `commit()` (verified: they become staging buffers again) or
+    overwrite them) until `commit()` (verified: the previous weights are released, as
+    staging buffers for a later read when the new ones were read, not mapped) or
     `rollback()` (mismatch: they are the model's weights again). `digest()` hashes exactly
-    the bytes that were read (header, then each tensor in file order), from the tensors now
+    the bytes that serve (header, then each tensor in file order), from the tensors now
     serving; nothing may write them meanwhile (inference only reads its weights)."""
 
-    def __init__(self, path: str, prefix: bytes, plan: list, new: dict, previous: dict, staging: dict):
+    def __init__(self, path: str, prefix: bytes, plan: list, new: dict, previous: dict, staging: dict,
+                 mapped: bool = False):
         self.path, self._prefix, self._plan = path, prefix, plan
         self._new, self._previous, self._staging = new, previous, staging
-        self.settled = False
+        self.mapped, self.settled = mapped, False
 
     def digest(self) -> str:
         """sha256 (hex) of the file's bytes as loaded (hashlib releases the GIL: run it in a thread)."""
@@ -530,14 +536,16 @@ class SpeculativeLoad:
         return h.hexdigest()
 
     def commit(self) -> None:
-        """Verified: keep the new weights; the previous ones become staging buffers."""
+        """Verified: keep the new weights; release the previous ones."""
         if self.settled:
             return
-        self._staging.update(self._previous)
+        if not self.mapped:  # read loads reuse them as staging buffers
+            self._staging.update(self._previous)
         self._previous, self.settled = {}, True
 
     def rollback(self) -> None:
-        """Rejected: the previous weights are the model's again; the new ones become staging buffers."""
+        """Rejected: the previous weights are the model's again (read, not mapped, new weights
+        become staging buffers)."""
         if self.settled:
             return
         import torch
@@ -545,17 +553,47 @@ class SpeculativeLoad:
         with torch.no_grad():
             for name, target, _, _ in self._plan:
                 target.data = self._previous[name]
-        self._staging.update(self._new)
-        self._previous, self.settled = {}, True
+        if not self.mapped:
+            self._staging.update(self._new)
+        self._new, self._previous, self.settled = {}, {}, True
 
 
-def load_state_file_speculative(model, path: str | Path, staging: dict) -> SpeculativeLoad | None:
-    """Read a safetensors file into staging tensors (no hashing) and swap them into `model` at
-    once; the returned `SpeculativeLoad` verifies (`digest`) and settles it (`commit` or
-    `rollback`). None when the file does not fit the zero-copy path, or when tied aliases
-    cannot be kept by swapping (the caller then uses the verify-first `load_state_file`);
-    model untouched. Raises ChecksumMismatch (model untouched) for a file that cannot be the
-    announced one (truncated, padded, unreadable header)."""
+PAGE = 4096
+
+
+def _map_plan(path, prefix: bytes, plan: list) -> dict | None:
+    """Tensors viewing a private (copy-on-write) memory map of the file, one per planned
+    name, with every page already faulted in; None when a tensor's offset is not aligned to
+    its element size (the caller reads instead)."""
+    import torch
+
+    size = os.stat(path).st_size
+    base = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)  # MAP_PRIVATE
+    start, views = len(prefix), {}
+    for name, target, begin, end in plan:
+        t = target.data
+        if (start + begin) % t.element_size():
+            return None
+        views[name] = base[start + begin:start + end].view(t.dtype).view(t.shape)
+    if size:
+        int(base[::PAGE].sum())  # fault every page in now, not in the first forward pass
+    return views
+
+
+def load_state_file_speculative(model, path: str | Path, staging: dict, mapped: bool = True
+                                ) -> SpeculativeLoad | None:
+    """Swap a safetensors file's tensors into `model` at once, before any hashing; the
+    returned `SpeculativeLoad` verifies (`digest`) and settles it (`commit` or `rollback`).
+
+    `mapped` (default): the new tensors view a private memory map of the file (no copy: the
+    page cache serves them; every page faulted in before the swap). The file must not be
+    rewritten in place while mapped (the file store never does: a new file per version,
+    renamed into place; truncating a mapped file would crash the reader with SIGBUS).
+    Falls back to reading when a tensor is misaligned. Not mapped: read into staging
+    tensors (`readinto`). None when the file does not fit the zero-copy path, or when tied
+    aliases cannot be kept by swapping (the caller then uses the verify-first
+    `load_state_file`); model untouched. Raises ChecksumMismatch (model untouched) for a
+    file that cannot be the announced one (truncated, padded, unreadable header)."""
     import torch
 
     with open(path, "rb", buffering=0) as f:
@@ -563,11 +601,14 @@ def load_state_file_speculative(model, path: str | Path, staging: dict) -> Specu
         if opened is None or not opened[2]:
             return None
         prefix, plan, _ = opened
-        new = _read_plan(f, path, plan, staging)
+        new = _map_plan(path, prefix, plan) if mapped else None
+        mapped = new is not None
+        if new is None:
+            new = _read_plan(f, path, plan, staging)
     previous = {}
     with torch.no_grad():
         for name, target, _, _ in plan:
             previous[name] = target.data
             target.data = new[name]
             staging.pop(name, None)  # the previous weights are held by the SpeculativeLoad, not staged
-    return SpeculativeLoad(str(path), prefix, plan, new, previous, staging)
+    return SpeculativeLoad(str(path), prefix, plan, new, previous, staging, mapped=mapped)

@@ -14,7 +14,7 @@ Guarantees:
   `load_weights_file(path, sha256)` when it has one, else `fetch_weights` +
   `load_weights`.
 - Speculative (`WeightWatcher(..., speculative=True)`, what the rollout worker uses):
-  a `file://` full-state version is read into staging tensors and swapped in at once
+  a `file://` full-state version is mapped (or read) and swapped in at once
   (`engine.load_weights_file_speculative`), so the engine serves it without waiting for
   the hash; its sha256 is checked in a background thread (overlapping generation) while
   the previous weights are kept aside untouched. On a match they are released

@@ -13,7 +13,10 @@ WeightWatcher(speculative=True)) and the rollout worker's publish gate
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import struct
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,30 +70,54 @@ class GatedDigest:
 
 # -- learner.weights / HFEngine -------------------------------------------------------------
 
-async def test_speculative_load_swaps_first_then_commits_or_rolls_back(model_dir, tmp_path):
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+async def test_speculative_load_swaps_first_then_commits_or_rolls_back(model_dir, tmp_path, mapped):
     src, dst = load_model(model_dir), load_model(model_dir)
     store = FileStore(tmp_path / "w")
     staging: dict = {}
     before = snapshot(dst)
     perturb(src, 1)
     uri, sha, _ = await store.put_segments("v1.safetensors", model_segments(src))
-    load = load_state_file_speculative(dst, uri.removeprefix("file://"), staging)
-    assert load is not None and same_weights(src, dst) and tied(dst)  # serving the new weights, unverified
+    load = load_state_file_speculative(dst, uri.removeprefix("file://"), staging, mapped=mapped)
+    assert load is not None and load.mapped == mapped
+    assert same_weights(src, dst) and tied(dst)  # serving the new weights, unverified
     assert load.digest() == sha
     assert not staging  # the previous weights are held by the load, not offered as staging buffers
     load.commit()
-    assert staging and same_weights(src, dst)  # verified: previous weights are now staging buffers
+    # verified: read loads keep the previous weights as staging buffers, mapped ones release them
+    assert bool(staging) == (not mapped) and same_weights(src, dst)
 
     perturb(src, 2)
     good = snapshot(dst)
     uri, sha, _ = await store.put_segments("v2.safetensors", model_segments(src))
     _corrupt(tmp_path / "w" / "v2.safetensors")
-    load = load_state_file_speculative(dst, uri.removeprefix("file://"), staging)
+    load = load_state_file_speculative(dst, uri.removeprefix("file://"), staging, mapped=mapped)
     assert load is not None and not equals_snapshot(dst, good)  # the corrupt bytes are serving
     assert load.digest() != sha
     load.rollback()
     assert equals_snapshot(dst, good) and tied(dst)  # exactly the previous weights again
     assert not equals_snapshot(dst, before)
+
+
+async def test_mapped_load_is_private_and_misaligned_files_are_read(model_dir, tmp_path):
+    src, dst, dst2 = load_model(model_dir), load_model(model_dir), load_model(model_dir)
+    perturb(src, 5)
+    uri, sha, _ = await FileStore(tmp_path / "w").put_segments("v1.safetensors", model_segments(src))
+    path = Path(uri.removeprefix("file://"))
+    original = path.read_bytes()
+    load = load_state_file_speculative(dst, str(path), {})
+    assert load is not None and load.mapped and same_weights(src, dst)
+    with torch.no_grad():
+        next(dst.parameters()).add_(1.0)  # a private mapping: copy-on-write, the file is untouched
+    assert path.read_bytes() == original and load.digest() != sha
+    load.rollback()
+    # a header one byte longer moves every tensor off its dtype alignment: read, not mapped
+    (n,) = struct.unpack("<Q", original[:8])
+    shifted = struct.pack("<Q", n + 1) + original[8:8 + n] + b" " + original[8 + n:]
+    (tmp_path / "w" / "v2.safetensors").write_bytes(shifted)
+    load2 = load_state_file_speculative(dst2, str(tmp_path / "w" / "v2.safetensors"), {})
+    assert load2 is not None and not load2.mapped and same_weights(src, dst2)
+    assert load2.digest() == hashlib.sha256(shifted).hexdigest()
 
 
 async def test_engine_refuses_other_loads_while_a_check_is_pending(model_dir, tmp_path):

@@ -60,8 +60,11 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
                              "--run-id", run_id, "--max-steps", "25" if victim == "rollout" else "60",
                              # the rollout variant evaluates through the pipeline (purpose=eval tasks)
-                             "--set", f"scheduler.eval_mode={'pipeline' if victim == 'rollout' else 'local'}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             "--set", f"scheduler.eval_mode={'pipeline' if victim == 'rollout' else 'local'}",
+                             # the rollout variant publishes weights as files: prefetch hints, mapped loads
+                             *(["--set", f"learner.weight_store=file://{tmp_path}/weights"] if victim == "rollout"
+                               else [])],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     run_path = tmp_path / "runs" / run_id
     try:
         # wait for the learner to have stepped, then kill a rollout worker hard
@@ -105,6 +108,12 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     assert arith["rewards"] > 0 and 0.0 <= arith["reward_mean"] <= 1.0, arith
     assert set(arith["statuses"]) <= {"ok", "malformed"} and arith["tool_calls"] == {}, arith
     assert (run_path / "reward_curve.png").stat().st_size > 1000
+    if victim == "rollout":  # file:// weights: mapped speculatively (on a hint when it comes first), all verified
+        rollout_log = (run_path / "logs" / "rollout.log").read_text()
+        assert '"speculative": true' in rollout_log and "rollout.weights_verified" in rollout_log
+        assert "weights_rejected" not in rollout_log and "weights_rolled_back" not in rollout_log
+        assert "weights_prefetch_failed" not in rollout_log
+        assert len(list((tmp_path / "weights").glob("v*.safetensors"))) >= 25
     # the scheduler's recorder wrote the run store (SQLite in the run folder by default)
     import sqlite3
 

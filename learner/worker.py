@@ -191,6 +191,8 @@ class Learner:
         self.last_step_at = time.monotonic()
         if samples:
             await self.after_step(metrics)
+        elif ready or expired:  # consumed without a step (all filtered): the sampler's gate must see it
+            await self.progress()
 
     async def after_step(self, metrics: dict[str, float]) -> None:
         """Publish weights every K steps, checkpoint every C, report progress."""

@@ -202,6 +202,27 @@ async def test_learner_dead_letters_bad_rewards_and_steps_on_good_ones(js, run_i
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
+async def test_learner_reports_tasks_it_consumed_without_a_step(js, run_id, tmp_path, spawn_worker):
+    """A window whose groups are all filtered (zero reward variance) trains nothing, yet its
+    tasks are done: learner.progress must say so, or a sampler gate as small as one step's
+    tasks never opens again (found with max_staleness = 1)."""
+    reg = await topology(js, run_id)
+    config = tmp_path / "filtered.toml"
+    config.write_text(CONFIG + "skip_zero_variance = true\n")
+    spawn_worker("learner", run_id, config)
+    await wait_consumer(js, reg.stream("REWARDS"), "learner", tmp_path)
+    subject, task = reg.rewards("arith"), make_task(run_id, group_size=GROUP_SIZE)
+    await publish_many(js, [(subject, Reward(run_id=run_id, msg_id=f"rw-{t.msg_id}", trajectory=t, reward=0.0,
+                                             components={"correct": 0.0})) for t in trajectories(task)])
+
+    async def consumed():
+        progress = await get_json(js, reg, LEARNER_PROGRESS)
+        return progress if progress and progress["tasks_done"] == 1 else None
+
+    progress = await eventually(consumed, 30, "learner.progress to count the filtered task", tmp_path)
+    assert progress["step"] == 0 and progress["samples_trained"] == 0
+
+
 # -- a killed rollout worker's task goes to another worker ----------------------------------
 
 async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path, spawn_worker):

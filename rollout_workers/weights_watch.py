@@ -94,11 +94,18 @@ class WeightWatcher:
                 await sub.unsubscribe()
         self._sub = self._prefetch_sub = None
 
-    async def _on_msg(self, raw) -> None:
+    @staticmethod
+    def _decoded(raw, kind, event: str):
+        """The message, or None after a warning naming the bad field (the watch goes on)."""
         try:
-            wv = decode(raw.data, WeightVersion)
+            return decode(raw.data, kind)
         except DecodeError as exc:
-            log.warning("rollout.weights_announcement_invalid", field=exc.field, reason=exc.reason)
+            log.warning(event, field=exc.field, reason=exc.reason)
+            return None
+
+    async def _on_msg(self, raw) -> None:
+        wv = self._decoded(raw, WeightVersion, "rollout.weights_announcement_invalid")
+        if wv is None:
             return
         self.steps[wv.version] = wv.step
         if self.newest is None or wv.version > self.newest.version:
@@ -113,12 +120,8 @@ class WeightWatcher:
         seen.set()
 
     async def _on_prefetch(self, raw) -> None:
-        try:
-            hint = decode(raw.data, WeightPrefetch)
-        except DecodeError as exc:
-            log.warning("rollout.weights_prefetch_invalid", field=exc.field, reason=exc.reason)
-            return
-        if urlparse(hint.uri).scheme == "file" and hint.version > self.newest_version:
+        hint = self._decoded(raw, WeightPrefetch, "rollout.weights_prefetch_invalid")
+        if hint is not None and urlparse(hint.uri).scheme == "file" and hint.version > self.newest_version:
             self.steps[hint.version] = hint.step
             self.prefetch = hint
             self._announced.set()

@@ -196,3 +196,19 @@ async def test_hint_the_engine_cannot_load_speculatively_is_skipped(nc, run_id, 
 def test_weight_version_is_still_the_only_authority():
     """The hint carries no sha256: nothing can be verified against it alone."""
     assert "sha256" not in WeightPrefetch.model_fields and "sha256" in WeightVersion.model_fields
+
+
+@pytest.mark.usefixtures("drop_run")
+async def test_malformed_hint_is_ignored_and_the_watch_goes_on(nc, run_id, model_dir, tmp_path):
+    js, reg, store, publisher, engine, counters, watcher = await _rig(nc, run_id, model_dir, tmp_path)
+    try:
+        await nc.publish(reg.weights_prefetch, b"\xc1not msgpack")
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert watcher.prefetch is None and watcher.newest_version == -1
+        perturb(publisher, 1)
+        await publish_version(js, reg, publisher, 1, 1, {}, store=store, nc=nc)
+        assert await watcher.wait_for_newer(10) and await watcher.maybe_load(engine)
+        assert await watcher.verified_since(0) and watcher.version == 1
+    finally:
+        await watcher.close()

@@ -217,8 +217,9 @@ eval_every_versions = 1000000
 
 def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float = LR, eval_n: int = EVAL_N,
              seed: int = 0, skip_zero_variance: bool = False, verifier: str = "", verifier_section: str = "",
-             env: dict | None = None) -> dict:
-    """`rlbus up` from `start` for `seconds` of sampling; returns the summary and final state dict."""
+             env: dict | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    """`rlbus up` from `start` for `seconds` of sampling (`overrides`: `--set KEY=VALUE` each);
+    returns the summary and final state dict."""
     import torch
 
     reserve = 25.0  # the launcher stops sampling this long before max_minutes (drain_seconds = 0)
@@ -232,7 +233,8 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
     path.write_text(cfg)
     t0 = time.monotonic()
     log = open(tmp / f"{run_id}.log", "wb")
-    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(path)], cwd=ROOT, stdout=log,
+    sets = [arg for kv in overrides for arg in ("--set", kv)]
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(path), *sets], cwd=ROOT, stdout=log,
                           stderr=subprocess.STDOUT, env=env or dict(os.environ), timeout=seconds + 600)
     wall = time.monotonic() - t0
     run_path = tmp / "runs" / run_id
@@ -240,9 +242,28 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
         raise RuntimeError(f"rlbus up failed ({proc.returncode}); see {tmp / f'{run_id}.log'}:\n"
                            + (tmp / f"{run_id}.log").read_text(errors="replace")[-3000:])
     summary = json.loads((run_path / "summary.json").read_text())
+    summary["learner_step_means"] = step_means(run_path / "logs" / "learner.log")
     payload = torch.load(run_path / "checkpoints" / "learner.pt", map_location="cpu", weights_only=False)
     return {"summary": summary, "state_dict": payload["model"], "wall_s": round(wall, 1),
             "learner_state": {k: v for k, v in payload["state"].items() if k != "trained"}}
+
+
+def step_means(learner_log: Path, fields=("clip_frac", "ratio_mean", "staleness_mean", "grad_norm",
+                                           "adv_abs_mean", "reward_mean")) -> dict[str, float]:
+    """Means over the run's `learner.step` log lines of the given metrics (off-policy health)."""
+    import re
+
+    sums = dict.fromkeys(fields, 0.0)
+    counts = dict.fromkeys(fields, 0)
+    text = learner_log.read_text(errors="replace") if learner_log.exists() else ""
+    for line in text.splitlines():
+        if "learner.step" not in line:
+            continue
+        for key, val in re.findall(r"(\w+)=(-?[\d.]+(?:e[-+]?\d+)?)\b", line):
+            if key in sums:
+                sums[key] += float(val)
+                counts[key] += 1
+    return {k: round(sums[k] / counts[k], 4) for k in fields if counts[k]}
 
 
 # ---------------------------------------------------------------------------- main
@@ -252,6 +273,7 @@ def _ours_detail(ours: dict, seconds: float) -> dict:
             "trajectories": s.get("trajectories"), "filtered": s.get("filtered"),
             "weight_versions": s.get("weight_versions"), "dead_letters": s.get("dead_letters"),
             "lost": s.get("lost"), "stop_reason": s.get("stop_reason"), "rlbus_up_wall_s": ours["wall_s"],
+            "learner_step_means": s.get("learner_step_means"),
             "samples_per_s": round((s.get("trained_samples") or 0) / seconds, 2),
             "learner_state": ours["learner_state"]}
 
@@ -268,6 +290,8 @@ def main() -> dict:
     ap.add_argument("--sides", default="ours,trl", help="which sides to run (scouting: one side)")
     ap.add_argument("--no-dynamic-sampling", action="store_true",
                     help="ours without learner.skip_zero_variance (DAPO dynamic sampling; TRL has none)")
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of ours' config (rlbus up --set), e.g. learner.max_staleness=1; repeatable")
     ap.add_argument("--out", default=str(RESULT), help="result JSON path")
     a = ap.parse_args()
     from importlib.metadata import version
@@ -289,7 +313,7 @@ def main() -> dict:
             if "ours" in sides:
                 run["load_avg"]["before_ours"] = os.getloadavg()
                 ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
-                                seed=seed, skip_zero_variance=dynamic)
+                                seed=seed, skip_zero_variance=dynamic, overrides=tuple(a.ours_set))
                 run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
                 run["ours_detail"] = _ours_detail(ours, seconds)
                 print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
@@ -325,6 +349,7 @@ def main() -> dict:
         "command": f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
                    f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
                    + (" --no-dynamic-sampling" if not dynamic else "")
+                   + "".join(f" --ours-set {kv}" for kv in a.ours_set)
                    + (f" --sides {a.sides}" if sides != {"ours", "trl"} else ""),
         "budget_minutes_per_side": a.minutes,
         "start_accuracy": acc0,
@@ -335,7 +360,7 @@ def main() -> dict:
         "runs": runs,
         "settings": {"group_size": GROUP, "prompts_per_step": PROMPTS_PER_STEP, "lr": a.lr, "beta": 0.0,
                      "temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "difficulty": DIFFICULTY,
-                     "ours_dynamic_sampling": dynamic, "torch_threads_trl": threads,
+                     "ours_dynamic_sampling": dynamic, "ours_overrides": a.ours_set, "torch_threads_trl": threads,
                      "ours_config": "see OURS_CONFIG in this file"},
         "total_bench_s": round(total, 1),
         "torch": __import__("torch").__version__, "transformers": version("transformers"), "trl": version("trl"),

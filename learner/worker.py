@@ -175,6 +175,8 @@ class Learner:
         metrics = {}
         if samples:
             metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id, self.lc)
+            lags = [self.version - s.reward.trajectory.policy_version for s in samples]
+            metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
             self.step += 1
             self.samples_trained += len(samples)
             self.trained.update(s.reward.msg_id for s in samples)

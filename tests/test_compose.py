@@ -3,9 +3,9 @@
 `make images` (which also writes compose/.env, the NATS passwords), then `docker compose up`
 of compose/docker-compose.yml with the smoke config, 2 rollout and 2 verifier replicas,
 NATS authentication on (one user per role): the learner steps, `rlbus status` sees both
-rollout workers, `rlbus tail` prints rewards, a SIGKILLed rollout container's tasks are
-redelivered, rollout scales 1 -> 3 -> 1 mid-run, and the drained run's accounting has
-lost = 0. The stack is torn down (no containers, no volumes) whatever happens.
+rollout workers, `rlbus tail` prints rewards, a frozen rollout container's tasks are
+redelivered to the other replica and the container is then SIGKILLed, rollout scales
+1 -> 3 -> 1 mid-run, and the drained run's accounting has lost = 0. The stack is torn down (no containers, no volumes) whatever happens.
 
 Every host-side check logs in as the read-only `monitor` user from compose/.env (as
 `set -a; . compose/.env; set +a` would); the test also shows that a login without
@@ -310,26 +310,34 @@ def test_compose_stack(images):
 
         figures["learner_samples_per_s_2_rollout"] = stack.learner_rate(20)
 
-        # SIGKILL one rollout container mid-run: its unacked tasks come back after ack_wait (10 s)
-        # (docker does not restart a container killed by hand; the other replica takes its tasks)
+        # A rollout container that stops mid-run loses nothing: freeze one (docker pause: it can
+        # neither ack nor extend its tasks), and the tasks it holds come back to the other replica
+        # after ack_wait (10 s); then SIGKILL it. Whether a worker holds tasks at a given instant
+        # is chance (a tiny batch is generated in ~0.1 s and the sampler's gate keeps the queue
+        # short), so a freeze that shows no redelivery means the victim held nothing: it is thawed
+        # and the freeze tried again. Only a frozen holder's tasks can be redelivered (the live
+        # replica extends its own with in_progress), so a redelivery proves the victim held some.
+        redelivered, attempts = 0, 0
         victim = stack.containers("rollout")[0]
-        # kill only while the victim surely holds tasks: more tasks pending acks than one
-        # replica fetches per batch (smoke config: 4) means both replicas hold some
-        wait_until = time.monotonic() + 60
-        before = consumer_state(stack.url, stack.run_id)["rollout"]
-        while before["ack_pending"] <= 4 and time.monotonic() < wait_until:
-            time.sleep(0.2)
+        while redelivered == 0 and attempts < 10:
+            attempts += 1
             before = consumer_state(stack.url, stack.run_id)["rollout"]
+            subprocess.run(["docker", "pause", victim], check=True, capture_output=True)
+            deadline = time.monotonic() + 10 + 12
+            while time.monotonic() < deadline and redelivered == 0:
+                time.sleep(1)
+                now = consumer_state(stack.url, stack.run_id)["rollout"]
+                redelivered = now["redeliveries_total"] - before["redeliveries_total"]
+            if redelivered == 0:
+                subprocess.run(["docker", "unpause", victim], check=True, capture_output=True)
+                time.sleep(2)
+        figures["rollout_freeze_attempts"] = attempts
+        figures["rollout_tasks_redelivered_from_frozen"] = redelivered
+        assert redelivered >= 1, f"no task of a frozen rollout worker was redelivered in {attempts} tries"
+        # SIGKILL while frozen: its redelivered tasks are never acked by it (no duplicates below)
         subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
-        redelivered, deadline = 0, time.monotonic() + 90
-        while time.monotonic() < deadline and redelivered == 0:
-            redelivered = consumer_state(stack.url, stack.run_id)["rollout"]["redeliveries_total"] - before["redeliveries_total"]
-            time.sleep(1)
-        figures["rollout_ack_pending_at_kill"] = before["ack_pending"]
-        figures["rollout_tasks_redelivered_after_kill"] = redelivered
-        assert redelivered >= 1, f"no task of the killed rollout worker was redelivered (before: {before})"
         step_at_kill = stack.status()["step"]
-        stack.wait_step(step_at_kill + 3, 300)  # the pipeline keeps going (the container restarts too)
+        stack.wait_step(step_at_kill + 3, 300)  # the pipeline keeps going on the other replica
 
         # elastic: 1 -> 3 -> 1 rollout replicas during the run
         stack.compose("up", "-d", "--no-deps", "--no-recreate", "--scale", "rollout=1", "rollout")

@@ -250,18 +250,20 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
 
 def step_means(learner_log: Path, fields=("clip_frac", "ratio_mean", "staleness_mean", "grad_norm",
                                            "adv_abs_mean", "reward_mean")) -> dict[str, float]:
-    """Means over the run's `learner.step` log lines of the given metrics (off-policy health)."""
-    import re
-
+    """Means over the run's `learner.step` events (JSON log lines) of the given metrics (off-policy health)."""
     sums = dict.fromkeys(fields, 0.0)
     counts = dict.fromkeys(fields, 0)
     text = learner_log.read_text(errors="replace") if learner_log.exists() else ""
     for line in text.splitlines():
-        if "learner.step" not in line:
+        if '"learner.step"' not in line:
             continue
-        for key, val in re.findall(r"(\w+)=(-?[\d.]+(?:e[-+]?\d+)?)\b", line):
-            if key in sums:
-                sums[key] += float(val)
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        for key in fields:
+            if isinstance(event.get(key), (int, float)):
+                sums[key] += float(event[key])
                 counts[key] += 1
     return {k: round(sums[k] / counts[k], 4) for k in fields if counts[k]}
 
@@ -273,7 +275,7 @@ def _ours_detail(ours: dict, seconds: float) -> dict:
             "trajectories": s.get("trajectories"), "filtered": s.get("filtered"),
             "weight_versions": s.get("weight_versions"), "dead_letters": s.get("dead_letters"),
             "lost": s.get("lost"), "stop_reason": s.get("stop_reason"), "rlbus_up_wall_s": ours["wall_s"],
-            "learner_step_means": s.get("learner_step_means"),
+            "learner_step_means": s.get("learner_step_means"), "cpu_seconds": s.get("cpu_seconds"),
             "samples_per_s": round((s.get("trained_samples") or 0) / seconds, 2),
             "learner_state": ours["learner_state"]}
 

@@ -289,6 +289,24 @@ class Monitor:
                 out[role] = out.get(role, 0.0) + values.get(STAGE_COUNTER[role], 0.0)
         return out
 
+    def cpu_seconds(self, server_pid: int | None = None) -> dict[str, float]:
+        """CPU seconds per role (the last heartbeat of each worker, summed over a role's
+        workers, restarted ones included), the launcher's own, and nats-server's (when this
+        launcher started it and /proc is readable): where a run's cores went."""
+        out: dict[str, float] = {}
+        for wid, values in self.workers.items():
+            if "cpu_seconds" in values:
+                out[self.roles[wid]] = round(out.get(self.roles[wid], 0.0) + values["cpu_seconds"], 1)
+        t = os.times()
+        out["launcher"] = round(t.user + t.system, 1)
+        if server_pid:
+            try:
+                fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out["nats-server"] = round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
     async def refresh(self, elapsed: float) -> Snapshot:
         """Update the snapshot from telemetry, KV and stream states."""
         s = self.snap
@@ -418,7 +436,8 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
         snap.phase = "stopped"
         await mon.refresh(time.monotonic() - t0)
         acc = await account(js, reg)
-        summary = summary_dict(snap, mon, acc, {"stop_reason": stop_reason, "failure": failure})
+        summary = summary_dict(snap, mon, acc, {"stop_reason": stop_reason, "failure": failure,
+                                                "cpu_seconds": mon.cpu_seconds(server_pid)})
         summary_path.write_text(json.dumps(summary, indent=2))
         steps = sorted(mon.step_rewards.items())
         evals = {d: [(e.step, e.score) for e in per.values()] for d, per in mon.domain_evals.items()}

@@ -106,3 +106,56 @@ async def test_infra_failures_retry_then_dead_letter_never_zero(js, run_id, tmp_
     assert counters["infra_errors"] == len(bad) * max_deliver and counters["retry"] == len(bad) * (max_deliver - 1)
     info = await settled_consumer(js, reg.stream("TRAJ"), "verifier")
     assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+def test_inline_policy_warmup_threshold_and_fallback():
+    from verifier_workers.worker import InlinePolicy
+
+    p = InlinePolicy(below_s=0.001, warmup=3, alpha=0.5)
+    assert not p.inline("v")
+    for _ in range(2):
+        p.observe("v", 0.0001)
+    assert not p.inline("v"), "inline before warmup calls were measured"
+    p.observe("v", 0.0001)
+    assert p.inline("v")
+    p.observe("v", 0.01)  # one slow call: mean 0.00505 > 0.001 -> back to threads
+    assert not p.inline("v") and p.mean["v"] == pytest.approx(0.00505)
+    assert not p.inline("other")
+
+
+async def test_cheap_verifier_goes_inline_slow_one_stays_in_threads(js, run_id, tmp_path):
+    import time
+
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    seen: dict[str, list[str]] = {"t_fast": [], "t_slow": []}
+
+    def fast(traj, hidden=None):
+        seen["t_fast"].append(threading.current_thread().name)
+        return verify_arith(traj)
+
+    def slow(traj, hidden=None):
+        seen["t_slow"].append(threading.current_thread().name)
+        time.sleep(0.002)  # 2 ms: above INLINE_BELOW_S
+        return verify_arith(traj)
+
+    registry.register("t_fast", fast, replace=True)
+    registry.register("t_slow", slow, replace=True)
+    try:
+        trajs = [make_traj(run_id, i, "t_fast") for i in range(120)] + [make_traj(run_id, 200 + i, "t_slow")
+                                                                         for i in range(60)]
+        await publish_many(js, [(reg.traj("arith"), t) for t in trajs])
+        cfg = RunConfig(verifier=VerifierSection(batch=8, concurrency=2))
+        counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
+                                                run_path=tmp_path, until_idle=2.0))
+    finally:
+        registry.unregister("t_fast")
+        registry.unregister("t_slow")
+    rewards = [decode(d, Reward) async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))]
+    assert len(rewards) == 180 and all(r.reward == 1.0 for r in rewards)
+    main = threading.main_thread().name
+    fast_inline = sum(name == main for name in seen["t_fast"])
+    assert seen["t_fast"][:32].count(main) == 0, "inline before the warm-up was measured"
+    assert fast_inline >= 60, f"a microsecond verifier stayed in threads ({fast_inline} of 120 inline)"
+    assert main not in seen["t_slow"], "a 2 ms verifier ran on the loop thread"
+    assert counters["verified_inline"] == fast_inline

@@ -24,6 +24,10 @@ Guarantees:
 - Verifiers run off the event loop in worker threads, at most `verifier.concurrency` at
   once (default 4; 0 runs them inline on the loop thread, where math-verify's SIGALRM
   time-outs work), so a slow verifier (code, model) never stalls acks and in_progress.
+  A verifier measured to be cheap runs inline instead (`InlinePolicy`: after
+  `INLINE_WARMUP` threaded calls, while the moving mean of its verify time stays under
+  `INLINE_BELOW_S`): handing a microsecond check (arith) to a thread costs far more
+  than the check. One slow inline call raises the mean and sends it back to threads.
 - Tool-result integrity: every observation block in a trajectory's tool and model turns
   must match a recorded execution (`sandbox_workers.integrity`, checked with the run's
   tool secret); a trajectory with a forged block scores 0 with status `tamper` and a
@@ -61,6 +65,8 @@ from verifier_workers.verifiers import Verdict, VerifierInputError, get_verifier
 log = structlog.get_logger()
 
 DEFAULT_CONCURRENCY = 4
+INLINE_BELOW_S = 0.0005  # a verifier whose mean verify time is below this runs on the loop thread
+INLINE_WARMUP = 32  # threaded calls measured before a verifier may run inline
 DEFAULT_RETRY_BASE_S = 1.0
 DEFAULT_RETRY_MAX_S = 60.0
 MIN_NAK_S = 0.01
@@ -224,6 +230,29 @@ def tamper_reward(traj: Trajectory, forged: list) -> Reward:
                   status="tamper", details=f"forged tool observations: {reasons}"[:2000])
 
 
+class InlinePolicy:
+    """Which verifiers are cheap enough to run on the event loop thread.
+
+    Per verifier name: a moving mean (factor `alpha`) of measured verify seconds. A
+    verifier runs inline once `warmup` calls were measured and while the mean is below
+    `below_s`; any slow call (inline or not) raises the mean, so a verifier that turns
+    slow goes back to threads after a call or two.
+    """
+
+    def __init__(self, below_s: float = INLINE_BELOW_S, warmup: int = INLINE_WARMUP, alpha: float = 0.1):
+        self.below_s, self.warmup, self.alpha = below_s, warmup, alpha
+        self.mean: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def inline(self, verifier: str) -> bool:
+        return self.calls.get(verifier, 0) >= self.warmup and self.mean[verifier] < self.below_s
+
+    def observe(self, verifier: str, seconds: float) -> None:
+        n = self.calls.get(verifier, 0)
+        self.mean[verifier] = seconds if n == 0 else self.mean[verifier] + self.alpha * (seconds - self.mean[verifier])
+        self.calls[verifier] = n + 1
+
+
 class Scorer:
     """Scores deliveries concurrently (bounded), mapping failures to pull-loop outcomes."""
 
@@ -234,6 +263,8 @@ class Scorer:
         # its own threads: the loop's default executor has only min(32, cpus + 4) of them
         self.executor = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="verify")
         self.js, self.reg, self.secret = js, reg, secret
+        self.inline_policy = InlinePolicy()
+        self.inline_calls = 0
 
     async def forged(self, traj: Trajectory) -> list:
         """Observation blocks of `traj` that no recorded execution vouches for."""
@@ -251,8 +282,17 @@ class Scorer:
     async def _score(self, traj: Trajectory, payload: dict | None) -> Reward:
         if self.concurrency <= 0:
             return score(traj, payload)
+        if self.inline_policy.inline(traj.verifier):
+            self.inline_calls += 1
+            t0 = time.perf_counter()
+            try:
+                return score(traj, payload)
+            finally:
+                self.inline_policy.observe(traj.verifier, time.perf_counter() - t0)
         async with self.slots:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, score, traj, payload)
+            reward = await asyncio.get_running_loop().run_in_executor(self.executor, score, traj, payload)
+        self.inline_policy.observe(traj.verifier, reward.verify_seconds)
+        return reward
 
     async def one(self, d: Delivery) -> Reward | Retry | Reject:
         """A Reward, or the outcome that replaces it."""
@@ -289,6 +329,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             if isinstance(result, Reward):
                 await publish_many(s.js, [(s.reg.rewards(d.msg.domain), result)])
                 c["rewards"] = c.get("rewards", 0) + 1
+                c["verified_inline"] = scorer.inline_calls
                 c["reward_sum"] = c.get("reward_sum", 0) + result.reward
                 return None
             if isinstance(result, Retry) or (isinstance(result, Reject) and result.error_type == "infra_error"):

@@ -21,6 +21,10 @@ seeds * 2 * (minutes + 0.5) + 1 min):
   (set-up included; no drain, so no training happens after the budget beyond the step
   in flight). The final policy is the learner's checkpoint written at stop. In-run
   evaluation is pushed out (`eval_every_versions` huge) so it does not steal CPU.
+  Weights go through a `file://` store in the bench's temp dir, as on any single
+  machine (written once per version, mapped by the rollout worker; removed after each
+  run); `--ours-weights nats` sends them through the NATS object store instead.
+  `--ours-set KEY=VALUE` overrides any other field (scouting).
 - PEER: TRL `GRPOTrainer` in one process with the arith reward function (exact integer
   match, the same as our `arith` verifier), the same hyper-parameters (16 prompts x
   G=8 per step, `--lr` constant, beta 0, loss_type "grpo", clip 0.2/0.28, grad clip 1,
@@ -42,6 +46,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -206,6 +211,7 @@ groups_per_step = {groups}
 skip_zero_variance = {skip_zero_variance}
 max_staleness = 4
 checkpoint_every = 1000000
+weight_store = "{weight_store}"
 
 [scheduler]
 curriculum = false
@@ -217,18 +223,22 @@ eval_every_versions = 1000000
 
 def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float = LR, eval_n: int = EVAL_N,
              seed: int = 0, skip_zero_variance: bool = False, verifier: str = "", verifier_section: str = "",
-             env: dict | None = None, overrides: tuple[str, ...] = ()) -> dict:
+             env: dict | None = None, overrides: tuple[str, ...] = (), weights: str = "file") -> dict:
     """`rlbus up` from `start` for `seconds` of sampling (`overrides`: `--set KEY=VALUE` each);
     returns the summary and final state dict."""
     import torch
 
     reserve = 25.0  # the launcher stops sampling this long before max_minutes (drain_seconds = 0)
+    # one machine: weights go through a folder (written once, mapped by the rollout worker)
+    # rather than through the NATS object store (chunked through the server, ~4 MB a step)
+    weight_dir = tmp / f"weights-{run_id}"
+    weight_store = f"file://{weight_dir}" if weights == "file" else "nats"
     cfg = OURS_CONFIG.format(run_id=run_id, run_dir=tmp / "runs", max_minutes=round((seconds + reserve) / 60, 4),
                              start=start, group=GROUP, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, lr=lr,
                              groups=PROMPTS_PER_STEP, eval_n=eval_n, seed=seed,
                              skip_zero_variance=str(skip_zero_variance).lower(),
                              verifier_line=f'verifier = "{verifier}"' if verifier else "",
-                             verifier_section=verifier_section)
+                             verifier_section=verifier_section, weight_store=weight_store)
     path = tmp / f"{run_id}.toml"
     path.write_text(cfg)
     t0 = time.monotonic()
@@ -244,6 +254,9 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
     summary = json.loads((run_path / "summary.json").read_text())
     summary["learner_step_means"] = step_means(run_path / "logs" / "learner.log")
     payload = torch.load(run_path / "checkpoints" / "learner.pt", map_location="cpu", weights_only=False)
+    if weight_dir.exists():  # every version's file (~4 MB each, >1000 a run): not needed after the run
+        summary["weight_files"] = len(list(weight_dir.glob("v*.safetensors")))
+        shutil.rmtree(weight_dir)
     return {"summary": summary, "state_dict": payload["model"], "wall_s": round(wall, 1),
             "learner_state": {k: v for k, v in payload["state"].items() if k != "trained"}}
 
@@ -292,6 +305,9 @@ def main() -> dict:
     ap.add_argument("--sides", default="ours,trl", help="which sides to run (scouting: one side)")
     ap.add_argument("--no-dynamic-sampling", action="store_true",
                     help="ours without learner.skip_zero_variance (DAPO dynamic sampling; TRL has none)")
+    ap.add_argument("--ours-weights", choices=("file", "nats"), default="file",
+                    help="ours' weight store: a folder in the bench's temp dir (default: one machine) or the NATS "
+                         "object store")
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field of ours' config (rlbus up --set), e.g. learner.max_staleness=1; repeatable")
     ap.add_argument("--out", default=str(RESULT), help="result JSON path")
@@ -315,7 +331,8 @@ def main() -> dict:
             if "ours" in sides:
                 run["load_avg"]["before_ours"] = os.getloadavg()
                 ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
-                                seed=seed, skip_zero_variance=dynamic, overrides=tuple(a.ours_set))
+                                seed=seed, skip_zero_variance=dynamic, overrides=tuple(a.ours_set),
+                                weights=a.ours_weights)
                 run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
                 run["ours_detail"] = _ours_detail(ours, seconds)
                 print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
@@ -351,6 +368,7 @@ def main() -> dict:
         "command": f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
                    f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
                    + (" --no-dynamic-sampling" if not dynamic else "")
+                   + (" --ours-weights nats" if a.ours_weights == "nats" else "")
                    + "".join(f" --ours-set {kv}" for kv in a.ours_set)
                    + (f" --sides {a.sides}" if sides != {"ours", "trl"} else ""),
         "budget_minutes_per_side": a.minutes,
@@ -362,7 +380,8 @@ def main() -> dict:
         "runs": runs,
         "settings": {"group_size": GROUP, "prompts_per_step": PROMPTS_PER_STEP, "lr": a.lr, "beta": 0.0,
                      "temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "difficulty": DIFFICULTY,
-                     "ours_dynamic_sampling": dynamic, "ours_overrides": a.ours_set, "torch_threads_trl": threads,
+                     "ours_dynamic_sampling": dynamic, "ours_overrides": a.ours_set, "ours_weights": a.ours_weights,
+                     "torch_threads_trl": threads,
                      "ours_config": "see OURS_CONFIG in this file"},
         "total_bench_s": round(total, 1),
         "torch": __import__("torch").__version__, "transformers": version("transformers"), "trl": version("trl"),

@@ -44,7 +44,7 @@ from rlbus.accounting import account
 from rlbus.config import RunConfig, dump_config
 from rlbus.live import Snapshot, line, render
 from rlbus.plots import reward_curve
-from schemas import DecodeError, EvalResult, Metric, Reward, WeightVersion, decode
+from schemas import DecodeError, EvalResult, Metric, RewardGlance, WeightVersion, decode, glance_reward
 
 log = structlog.get_logger()
 MAX_RESTARTS = 5
@@ -209,13 +209,13 @@ class DomainRewards:
         self.tool_calls: dict[str, int] = {}
         self.episodes_with_tool_calls = 0
 
-    def add(self, r: Reward) -> None:
+    def add(self, r: RewardGlance) -> None:
         self.n += 1
         self.total += r.reward
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
-        for call in r.trajectory.tool_calls:
-            self.tool_calls[call.tool] = self.tool_calls.get(call.tool, 0) + 1
-        self.episodes_with_tool_calls += bool(r.trajectory.tool_calls)
+        for tool, _ in r.tool_calls:
+            self.tool_calls[tool] = self.tool_calls.get(tool, 0) + 1
+        self.episodes_with_tool_calls += bool(r.tool_calls)
 
     def as_dict(self) -> dict:
         return {"rewards": self.n, "reward_mean": round(self.total / self.n, 4) if self.n else None,
@@ -264,11 +264,11 @@ class Monitor:
 
     async def _on_reward(self, raw) -> None:
         try:
-            r = decode(raw.data, Reward)
+            r = glance_reward(raw.data)  # every reward of the run passes here: the light view
         except DecodeError:
             return
-        if r.trajectory.purpose == "train":
-            self.domain_rewards.setdefault(r.trajectory.domain, DomainRewards()).add(r)
+        if r.purpose == "train":
+            self.domain_rewards.setdefault(r.domain, DomainRewards()).add(r)
 
     async def _on_eval(self, raw) -> None:
         try:

@@ -19,17 +19,16 @@ import math
 import structlog
 
 from bus.kv import put_json
-from schemas import DecodeError, Reward, decode
+from schemas import DecodeError, RewardGlance, glance_reward
 
 log = structlog.get_logger()
 
 DURATIONS = "durations"
 
 
-def episode_seconds(reward: Reward) -> float:
+def episode_seconds(reward: RewardGlance) -> float:
     """Generation time plus tool time of the rewarded episode."""
-    t = reward.trajectory
-    return max(0.0, float(t.generate_seconds) + sum(c.duration_ms for c in t.tool_calls) / 1000.0)
+    return max(0.0, float(reward.generate_seconds) + sum(ms for _, ms in reward.tool_calls) / 1000.0)
 
 
 def update(table: dict[str, dict[str, float]], domain: str, level: int, seconds: float, alpha: float = 0.1) -> None:
@@ -49,12 +48,12 @@ async def track_durations(js, reg, stop: asyncio.Event, every_s: float = 5.0) ->
     async def on_msg(raw) -> None:
         nonlocal seen
         try:
-            r = decode(raw.data, Reward)
+            r = glance_reward(raw.data)  # every reward passes here: the observer's light view
         except DecodeError:
             return
-        if r.trajectory.purpose != "train":
+        if r.purpose != "train":
             return
-        update(table, r.trajectory.domain, r.trajectory.difficulty, episode_seconds(r))
+        update(table, r.domain, r.difficulty, episode_seconds(r))
         seen += 1
 
     sub = await js.subscribe(reg.all("rewards"), cb=on_msg, ordered_consumer=True)

@@ -202,3 +202,38 @@ def test_decode_error_is_a_value_error_with_field_in_message():
     del body["domain"]
     with pytest.raises(ValueError, match="domain"):
         decode(_pack(body))
+
+
+def test_glance_reward_reads_what_decode_reads():
+    from schemas import ToolCall, glance_reward
+
+    calls = [ToolCall(turn=1, tool="python", code="print(1)", duration_ms=120.0),
+             ToolCall(turn=1, tool="run_tests", code="", duration_ms=30.5)]
+    for traj in (_traj(), _traj(difficulty=4, purpose="eval", generate_seconds=0.25, tool_calls=calls)):
+        r = Reward(run_id=RUN, trajectory=traj, reward=0.5, status="invalid")
+        g = glance_reward(encode(r))
+        full = decode(encode(r), Reward)
+        assert (g.run_id, g.reward, g.status, g.domain, g.difficulty, g.purpose, g.generate_seconds) == (
+            full.run_id, full.reward, full.status, full.trajectory.domain, full.trajectory.difficulty,
+            full.trajectory.purpose, full.trajectory.generate_seconds)
+        assert g.tool_calls == tuple((c.tool, c.duration_ms) for c in full.trajectory.tool_calls)
+
+
+def test_glance_reward_refuses_what_is_not_a_reward():
+    from schemas import glance_reward
+
+    reward = Reward(run_id=RUN, trajectory=_traj(), reward=1.0)
+    bad = [b"\xc1", _pack([1, 2]), encode(_traj()),  # not msgpack, not a map, another kind
+           _pack({**_body(reward), "schema_version": SCHEMA_VERSION + 1})]
+    body = _body(reward)
+    body["trajectory"] = {**body["trajectory"], "domain": 7}
+    bad.append(_pack(body))
+    body = _body(reward)
+    del body["reward"]
+    bad.append(_pack(body))
+    body = _body(reward)
+    body["trajectory"] = {**body["trajectory"], "difficulty": "3"}
+    bad.append(_pack(body))
+    for data in bad:
+        with pytest.raises(DecodeError):
+            glance_reward(data)

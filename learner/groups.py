@@ -46,6 +46,11 @@ class Group:
         """All expected samples arrived."""
         return len(self.samples) >= self.size
 
+    @property
+    def informative(self) -> bool:
+        """Its rewards differ (a group whose rewards are all equal has zero advantages)."""
+        return len({s.reward.reward for s in self.samples.values()}) > 1
+
 
 class GroupPool:
     """Rewards waiting to be trained, grouped by task."""
@@ -65,20 +70,33 @@ class GroupPool:
         group.samples[t.sample_index] = sample
         return True
 
-    def pop_ready(self, now: float, limit: int) -> tuple[list[Group], list[Group]]:
-        """(ready groups, at most `limit`; expired groups with < 2 samples)."""
+    def _ready(self, now: float) -> list[Group]:
+        """Complete groups, then late ones with at least 2 samples."""
         complete = [g for g in self.groups.values() if g.complete]
+        return complete + [g for g in self.groups.values()
+                           if not g.complete and now - g.first_seen >= self.deadline_s and len(g.samples) >= 2]
+
+    def pop_ready(self, now: float, limit: int, informative_only: bool = False) -> tuple[list[Group], list[Group]]:
+        """(ready groups, at most `limit`; expired groups with < 2 samples).
+
+        With `informative_only` the limit counts only groups whose rewards differ, and
+        every ready group whose rewards are all equal is returned too (to be filtered):
+        DAPO's dynamic sampling fills a batch with `limit` informative groups."""
         late = [g for g in self.groups.values() if not g.complete and now - g.first_seen >= self.deadline_s]
-        ready = (complete + [g for g in late if len(g.samples) >= 2])[:limit]
+        ready = self._ready(now)
+        if informative_only:
+            ready = [g for g in ready if g.informative][:limit] + [g for g in ready if not g.informative]
+        else:
+            ready = ready[:limit]
         expired = [g for g in late if len(g.samples) < 2]
         for g in ready + expired:
             del self.groups[g.group_id]
         return ready, expired
 
-    def count_ready(self, now: float) -> int:
-        """Groups that `pop_ready` would return."""
-        return sum(1 for g in self.groups.values()
-                   if g.complete or (now - g.first_seen >= self.deadline_s and len(g.samples) >= 2))
+    def count_ready(self, now: float, informative_only: bool = False) -> int:
+        """Groups that `pop_ready` would return (only those whose rewards differ, with
+        `informative_only`)."""
+        return sum(1 for g in self._ready(now) if not informative_only or g.informative)
 
     def pending(self) -> list[Group]:
         """Groups still waiting (for accounting at stop)."""

@@ -135,13 +135,16 @@ class Learner:
         least `min_groups_per_step`; a window that closes short is logged with its reason
         (once per window) and extended."""
         now = time.monotonic()
-        ready = self.pool.count_ready(now)
+        refill = self.lc.skip_zero_variance and self.lc.refill_skipped
+        ready = self.pool.count_ready(now, informative_only=refill)
         if ready >= self.lc.groups_per_step:
             return True
         if now - self.last_step_at < self.lc.step_window_s:
             return False
         if ready >= self.lc.min_groups_per_step:
             return True
+        if refill and self.pool.count_ready(now) > 0:
+            return True  # only groups to filter: consume them (the sampler's gate counts them done)
         if self.short_window_at != self.last_step_at:
             self.short_window_at = self.last_step_at
             self.s.counters["short_windows"] = self.s.counters.get("short_windows", 0) + 1
@@ -153,7 +156,8 @@ class Learner:
     async def step_once(self) -> None:
         """Pop ready groups, filter, train, ack, record, publish, checkpoint."""
         now = time.monotonic()
-        ready, expired = self.pool.pop_ready(now, self.lc.groups_per_step)
+        ready, expired = self.pool.pop_ready(now, self.lc.groups_per_step,
+                                             informative_only=self.lc.skip_zero_variance and self.lc.refill_skipped)
         fates = [TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="partial group with < 2 samples after deadline")
                  for g in expired]
         to_ack = [s.raw for g in expired for s in g.samples.values()]

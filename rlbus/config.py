@@ -311,6 +311,10 @@ class LearnerSection(Section):
     """torch threads of this process."""
     skip_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no signal)."""
+    refill_skipped: bool = False
+    """With skip_zero_variance: only groups whose rewards differ count towards
+    groups_per_step, so a step waits for that many (DAPO's dynamic sampling fills the
+    batch); off: a step pops groups_per_step groups and trains the ones that differ."""
     off_policy: Literal["none", "tis", "decoupled"] = "none"
     """Correction for stale samples (learner/offpolicy.py): `none` clips the ratio against the behaviour
     log-probs; `tis` truncated importance sampling; `decoupled` PPO with a proximal policy (AReaL)."""

@@ -51,6 +51,22 @@ def test_complete_groups_pop_first():
     assert pool.pending() == []
 
 
+def test_informative_only_fills_the_limit_with_groups_whose_rewards_differ():
+    """DAPO dynamic sampling: the limit counts informative groups; all-equal ones come along to be filtered."""
+    pool = GroupPool(deadline_s=10.0)
+    for name, values in (("same1", (1.0, 1.0)), ("mixed1", (0.0, 1.0)), ("same0", (0.0, 0.0)),
+                         ("mixed2", (1.0, 0.0)), ("mixed3", (0.0, 0.5))):
+        for i, v in enumerate(values):
+            pool.add(ps(name, i, size=2, value=v), now=0.0)
+    assert pool.count_ready(now=1.0) == 5
+    assert pool.count_ready(now=1.0, informative_only=True) == 3
+    ready, expired = pool.pop_ready(now=1.0, limit=2, informative_only=True)
+    assert [g.group_id for g in ready] == ["mixed1", "mixed2", "same1", "same0"] and expired == []
+    assert [g.informative for g in ready] == [True, True, False, False]
+    assert [g.group_id for g in pool.pending()] == ["mixed3"]
+    assert pool.count_ready(now=1.0, informative_only=True) == 1
+
+
 def test_complete_group_ready_before_deadline_partial_not():
     pool = GroupPool(deadline_s=10.0)
     pool.add(ps("a", 0, size=3), now=0.0)

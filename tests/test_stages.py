@@ -202,13 +202,15 @@ async def test_learner_dead_letters_bad_rewards_and_steps_on_good_ones(js, run_i
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
-async def test_learner_reports_tasks_it_consumed_without_a_step(js, run_id, tmp_path, spawn_worker):
+@pytest.mark.parametrize("refill", [False, True], ids=["pop-then-filter", "refill"])
+async def test_learner_reports_tasks_it_consumed_without_a_step(js, run_id, tmp_path, spawn_worker, refill):
     """A window whose groups are all filtered (zero reward variance) trains nothing, yet its
     tasks are done: learner.progress must say so, or a sampler gate as small as one step's
-    tasks never opens again (found with max_staleness = 1)."""
+    tasks never opens again (found with max_staleness = 1). With `refill_skipped` such a
+    group never counts towards a step, and must still be consumed when the window closes."""
     reg = await topology(js, run_id)
     config = tmp_path / "filtered.toml"
-    config.write_text(CONFIG + "skip_zero_variance = true\n")
+    config.write_text(CONFIG + "skip_zero_variance = true\n" + ("refill_skipped = true\n" if refill else ""))
     spawn_worker("learner", run_id, config)
     await wait_consumer(js, reg.stream("REWARDS"), "learner", tmp_path)
     subject, task = reg.rewards("arith"), make_task(run_id, group_size=GROUP_SIZE)

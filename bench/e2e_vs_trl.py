@@ -254,9 +254,7 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
     summary = json.loads((run_path / "summary.json").read_text())
     summary["learner_step_means"] = step_means(run_path / "logs" / "learner.log")
     payload = torch.load(run_path / "checkpoints" / "learner.pt", map_location="cpu", weights_only=False)
-    if weight_dir.exists():  # every version's file (~4 MB each, >1000 a run): not needed after the run
-        summary["weight_files"] = len(list(weight_dir.glob("v*.safetensors")))
-        shutil.rmtree(weight_dir)
+    shutil.rmtree(weight_dir, ignore_errors=True)  # every version's file (~4 MB each, >1000 a run)
     return {"summary": summary, "state_dict": payload["model"], "wall_s": round(wall, 1),
             "learner_state": {k: v for k, v in payload["state"].items() if k != "trained"}}
 

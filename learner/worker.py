@@ -130,20 +130,24 @@ class Learner:
                 self.s.counters["duplicates"] = self.s.counters.get("duplicates", 0) + 1
                 await d.raw.ack()
 
+    @property
+    def refill(self) -> bool:
+        """DAPO batch filling: only groups whose rewards differ count towards a step."""
+        return self.lc.skip_zero_variance and self.lc.refill_skipped
+
     def should_step(self) -> bool:
         """A full batch (`groups_per_step` ready groups), or the time window closed with at
         least `min_groups_per_step`; a window that closes short is logged with its reason
         (once per window) and extended."""
         now = time.monotonic()
-        refill = self.lc.skip_zero_variance and self.lc.refill_skipped
-        ready = self.pool.count_ready(now, informative_only=refill)
+        ready = self.pool.count_ready(now, informative_only=self.refill)
         if ready >= self.lc.groups_per_step:
             return True
         if now - self.last_step_at < self.lc.step_window_s:
             return False
         if ready >= self.lc.min_groups_per_step:
             return True
-        if refill and self.pool.count_ready(now) > 0:
+        if self.refill and self.pool.count_ready(now) > 0:
             return True  # only groups to filter: consume them (the sampler's gate counts them done)
         if self.short_window_at != self.last_step_at:
             self.short_window_at = self.last_step_at
@@ -156,8 +160,7 @@ class Learner:
     async def step_once(self) -> None:
         """Pop ready groups, filter, train, ack, record, publish, checkpoint."""
         now = time.monotonic()
-        ready, expired = self.pool.pop_ready(now, self.lc.groups_per_step,
-                                             informative_only=self.lc.skip_zero_variance and self.lc.refill_skipped)
+        ready, expired = self.pool.pop_ready(now, self.lc.groups_per_step, informative_only=self.refill)
         fates = [TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="partial group with < 2 samples after deadline")
                  for g in expired]
         to_ack = [s.raw for g in expired for s in g.samples.values()]

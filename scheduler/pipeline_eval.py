@@ -16,6 +16,10 @@ Guarantees:
   reward did not arrive within the timeout counts as wrong and is reported (`missing`).
 - The version a round reports is the policy version most of its trajectories were
   generated with (weights may change during a round); the range is logged.
+- A round is abandoned, and reports nothing, as soon as the caller's `stop` event is set:
+  at shutdown the rollout and verifier workers are stopped first, so a round in flight
+  (for instance one whose tasks a killed worker held until `ack_wait`) could never finish,
+  and waiting for it would keep the scheduler from its final evaluation.
 """
 
 from __future__ import annotations
@@ -108,19 +112,26 @@ class PipelineEval:
         if round_id in self.rounds:
             self.rounds[round_id].add(r)
 
-    async def evaluate(self) -> tuple[dict[str, tuple[float, int, str]], int | None]:
-        """One round: {domain: (score, n, sha256)} and the policy version most trajectories used."""
+    async def evaluate(self, stop: asyncio.Event | None = None) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:
+        """One round: {domain: (score, n, sha256)} and the policy version most trajectories used;
+        None when `stop` was set before the round completed (the round is abandoned)."""
         round_id, self.next_round = self.next_round, self.next_round + 1
         tasks = eval_tasks(self.suite, self.reg.run_id, round_id)
         rnd = self.rounds[round_id] = Round(round_id, dict(Counter(t.domain for t in tasks)))
         t0 = time.monotonic()
         await publish_many(self.js, [(self.reg.tasks(t.domain), t) for t in tasks])
+        waits = [asyncio.ensure_future(rnd.done.wait())] + ([asyncio.ensure_future(stop.wait())] if stop else [])
         try:
-            await asyncio.wait_for(rnd.done.wait(), self.timeout_s)
-        except asyncio.TimeoutError:
-            pass
-        del self.rounds[round_id]
+            await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            del self.rounds[round_id]
         self.last = {"round": round_id, "tasks": len(tasks), "rewards": len(rnd.got)}
+        if stop is not None and stop.is_set() and not rnd.done.is_set():
+            log.warning("scheduler.eval_round_abandoned", round=round_id, tasks=len(tasks), rewards=len(rnd.got),
+                        seconds=round(time.monotonic() - t0, 1), why="stopping before the round completed")
+            return None
         versions = Counter(r.trajectory.policy_version for r in rnd.got.values())
         scores = {}
         for name, s in self.suite.sets.items():

@@ -115,7 +115,10 @@ async def run(cfg, ctx) -> dict[str, float]:
                 await publish_eval(watcher.loaded.version, watcher.loaded.step, watcher.loaded.metrics)
                 return
             asked = watcher.newest.version
-            scores, version = await pipeline.evaluate()
+            result = await pipeline.evaluate(stop=s.stop)
+            if result is None:
+                return  # stopping: the final evaluation below scores the newest version locally
+            scores, version = result
             version = asked if version is None else version
             await record_scores(scores, version, watcher.steps.get(version, 0), None)
             last_eval = max(asked, version)

@@ -75,3 +75,33 @@ async def test_round_through_rollout_and_verifier_workers(js, run_id, tmp_path, 
         return info.num_ack_pending == 0 and info.num_pending == 0 and progress.get("samples_trained", 0) == 0
     await eventually(learner_skipped_them, 30, "the learner to ack the eval rewards without training", tmp_path)
     assert learner.poll() is None
+
+
+async def test_round_is_abandoned_when_stop_is_set(js, run_id, tmp_path):
+    """At shutdown the rollout and verifier workers go first: a round in flight can never
+    finish, so `stop` must end it at once, with no score (not a score of missing = wrong)."""
+    import asyncio
+    import time
+
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    suite = EvalSuite.from_config(load_config(_write(tmp_path)))
+    pe = PipelineEval(js, reg, suite, timeout_s=600)  # no worker runs: the round would wait 600 s
+    await pe.start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(1.0, stop.set)
+    t0 = time.monotonic()
+    try:
+        result = await pe.evaluate(stop=stop)
+    finally:
+        await pe.stop()
+    assert result is None and time.monotonic() - t0 < 10
+    assert pe.rounds == {} and pe.last["tasks"] == 12 and pe.last["rewards"] == 0
+    # without a stop, a round that times out reports its missing problems as wrong
+    pe.timeout_s = 1.0
+    await pe.start()
+    try:
+        scores, version = await pe.evaluate()
+    finally:
+        await pe.stop()
+    assert scores["arith"][:2] == (0.0, 12) and version is None

@@ -17,6 +17,8 @@ Guarantees:
   sha256 equals the expected one: a corrupt or swapped blob is never returned. The
   result is one `bytes` object (built once from the chunks, no intermediate copies).
 - `file://` URIs are read from the local filesystem with the same check.
+- A blob that is not in its store (never written, or deleted by weight retention)
+  raises `BlobGone`, never a store-specific error.
 - Objects written by nats-py's `ObjectStore.put` (or the `nats` CLI) read back here,
   and objects written here read back with nats-py's `ObjectStore.get`.
 """
@@ -42,6 +44,10 @@ GET_TIMEOUT_S = 30.0            # longest wait for the next chunk of an object
 
 class ChecksumMismatch(ValueError):
     """The blob's sha256 differs from the one announced."""
+
+
+class BlobGone(LookupError):
+    """The blob is not (or no longer) in its store, e.g. deleted by weight retention."""
 
 
 def sha256_hex(data) -> str:
@@ -163,11 +169,19 @@ async def _get_object(js: JetStreamContext, bucket: str, name: str, uri: str) ->
 
 async def get_blob(js: JetStreamContext, uri: str, expected_sha256: str) -> bytes:
     """Fetch a blob by URI and verify its sha256."""
+    from nats.js.errors import NotFoundError
+
     parsed = urlparse(uri)
     if parsed.scheme == SCHEME:
-        data, actual = await _get_object(js, parsed.netloc, parsed.path.lstrip("/"), uri)
+        try:
+            data, actual = await _get_object(js, parsed.netloc, parsed.path.lstrip("/"), uri)
+        except NotFoundError as exc:
+            raise BlobGone(f"{uri}: not in the object store ({type(exc).__name__})") from exc
     elif parsed.scheme == "file":
-        data = await asyncio.to_thread(Path(parsed.path).read_bytes)
+        try:
+            data = await asyncio.to_thread(Path(parsed.path).read_bytes)
+        except FileNotFoundError as exc:
+            raise BlobGone(f"{uri}: no such file") from exc
         actual = await asyncio.to_thread(sha256_hex, data)
     else:
         raise ValueError(f"unsupported weight URI scheme {parsed.scheme!r} in {uri!r}")

@@ -78,6 +78,7 @@ from bus.kv import WEIGHTS_LATEST, put_json
 from bus.objects import ChecksumMismatch, get_blob, put_blob, put_segments, sha256_hex, sha256_segments
 from bus.publish import publish
 from bus.subjects import Registry
+from learner.retention import version_name
 from schemas import WeightPrefetch, WeightVersion, encode
 
 log = structlog.get_logger()
@@ -244,6 +245,25 @@ class NatsStore:
         """Store the concatenated buffers (chunked straight from them); (uri, sha256, size)."""
         return await put_segments(self.js, self.bucket, name, segments)
 
+    async def names(self) -> list[str]:
+        """Names of the objects stored (deleted ones excluded)."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            infos = await (await self.js.object_store(self.bucket)).list(ignore_deletes=True)
+        except NotFoundError:  # nats-py's answer for an empty bucket
+            return []
+        return [i.name for i in infos if not i.deleted]
+
+    async def delete(self, name: str) -> None:
+        """Delete object `name` (its chunks are purged; a missing one is no error)."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            await (await self.js.object_store(self.bucket)).delete(name)
+        except NotFoundError:
+            pass
+
 
 class FileStore:
     """A directory on a filesystem every reader mounts (local disk, NFS, a shared volume)."""
@@ -275,6 +295,17 @@ class FileStore:
             await asyncio.wait([asyncio.wrap_future(digest)])
         return path.as_uri(), digest.result(), size
 
+    async def names(self) -> list[str]:
+        """Names of the files in the directory (temp files of unfinished writes excluded)."""
+        if not self.root.is_dir():
+            return []
+        return [p.name for p in await asyncio.to_thread(lambda: list(self.root.iterdir())) if not p.name.startswith(".")]
+
+    async def delete(self, name: str) -> None:
+        """Unlink `root/name` (a missing file is no error). A reader that already opened or
+        mapped it keeps reading it: the file lives on until it is closed."""
+        await asyncio.to_thread((self.root / name).unlink, True)
+
 
 def _boto3_client():
     try:
@@ -292,13 +323,29 @@ class S3Store:
 
     async def put(self, name: str, data: bytes) -> tuple[str, str, int]:
         """Upload `data`; (s3:// uri, sha256, size)."""
-        key = f"{self.prefix}/{name}" if self.prefix else name
+        key = self._key(name)
         await asyncio.to_thread(self.client.put_object, Bucket=self.bucket, Key=key, Body=data)
         return f"s3://{self.bucket}/{key}", sha256_hex(data), len(data)
 
     async def put_segments(self, name: str, segments: list) -> tuple[str, str, int]:
         """Upload the concatenated buffers (joined: boto3 wants one body); (s3:// uri, sha256, size)."""
         return await self.put(name, b"".join(segments))
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    async def names(self) -> list[str]:
+        """Names (keys without the prefix) under the prefix."""
+        def list_all() -> list[str]:
+            out, start = [], (self.prefix + "/") if self.prefix else ""
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+                out += [o["Key"][len(start):] for o in page.get("Contents", [])]
+            return out
+        return await asyncio.to_thread(list_all)
+
+    async def delete(self, name: str) -> None:
+        """Delete the object (S3 answers a missing key with success)."""
+        await asyncio.to_thread(self.client.delete_object, Bucket=self.bucket, Key=self._key(name))
 
 
 def make_store(spec: str, js=None, reg: Registry | None = None):
@@ -347,7 +394,7 @@ async def publish_version(js, reg: Registry, model, version: int, step: int, met
     With a `FileStore` and a core connection `nc`, a `WeightPrefetch` goes out on
     `reg.weights_prefetch` as soon as the file is complete, before its sha256 is."""
     store = store or NatsStore(js, reg.object_bucket)
-    name = f"v{version:06d}.safetensors"
+    name = version_name(version)
 
     async def prefetch(uri: str, size: int) -> None:
         hint = WeightPrefetch(run_id=reg.run_id, version=version, step=step, uri=uri, bytes=size)

@@ -20,6 +20,8 @@ Guarantees:
   superseded), and re-reads REWARDS from the checkpoint's position, skipping what the
   checkpoint already trained: every reward ends up trained exactly once in the model's
   lineage. Weight version numbers stay monotonic across restarts.
+- The weight store holds the newest `learner.keep_versions` versions plus version 0 and
+  the released one; older blobs are deleted after each publish (`learner.retention`).
 - At most one learner per run trains at a time: it must hold the KV lease `learner.lease`
   (see `learner.lease`); a second one waits, and one that loses its lease stops.
 """
@@ -39,6 +41,7 @@ from learner import checkpoint
 from learner.lease import LearnerLease
 from learner.groups import Group, GroupPool, PooledSample, split_stale
 from learner.step import load_models, train_step
+from learner.retention import Retention
 from learner.weights import make_store, publish_version
 from rlbus.runtime import worker_session
 from schemas import Reward, TaskFate, TaskFates
@@ -63,6 +66,7 @@ class Learner:
         self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
         self.ledger_seq = 0  # LEDGER sequence of this learner's last record (checkpointed)
         self.store = make_store(self.lc.weight_store, s.js, s.reg)  # where weight blobs go (nats, file://, s3://)
+        self.retention = Retention(self.store, self.lc.keep_versions, s.js, s.reg)  # deletes superseded blobs
 
     def state(self, rewards_ack_floor: int = 0) -> dict:
         """What a checkpoint records besides model/optimizer: counters, the trained set,
@@ -216,6 +220,7 @@ class Learner:
                                   {**metrics, "samples_trained": float(self.samples_trained)}, store=self.store,
                                   nc=self.s.nc)
             c["version"] = self.version
+            c["weights_deleted"] = c.get("weights_deleted", 0) + await self.retention.after_publish(self.version)
         if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
             await self.save_checkpoint()
         if self.step % OVERRIDES_EVERY == 0:

@@ -350,6 +350,10 @@ class LearnerSection(Section):
     """Module names that get LoRA adapters."""
     weight_store: str = "nats"
     """Where weight blobs go: `nats` (run object store), `file:///dir`, or `s3://bucket/prefix` (boto3)."""
+    keep_versions: int = Field(default=16, ge=0)
+    """Weight versions kept in the store: after each publish, versions older than the newest
+    `keep_versions` are deleted, except version 0 and the released one (learner/retention.py);
+    0 keeps every version. Readers load only the newest, so a small number is safe."""
 
 
 class SchedulerSection(Section):

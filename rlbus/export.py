@@ -12,7 +12,8 @@ Guarantees:
 - `--version`: a number, `latest` (KV `weights.latest`) or `released` (KV
   `release.latest`, else the run store's newest released `gate_checks` row, see
   `scheduler.gates`). A numbered version is looked up in the WEIGHTS stream, else in the
-  run store's `weight_versions`.
+  run store's `weight_versions`. A version deleted by the learner's retention
+  (`learner.keep_versions`) fails with an error that says which versions are kept.
 - The server URL is `--nats-url`, else `nats_url` in `<run>/run.json`. When no server
   answers, `latest` falls back to the newest learner checkpoint
   (`<run>/checkpoints/learner.pt`) and says so (its step may be past the last published
@@ -138,6 +139,7 @@ async def fetch_version_blob(nats_url: str, run_id: str, version: str, db_url: s
     from bus.conn import connect
     from bus.kv import WEIGHTS_LATEST, get_json
     from bus.subjects import Registry
+    from bus.objects import BlobGone
     from learner.weights import fetch_weights
 
     reg = Registry(run_id)
@@ -152,7 +154,12 @@ async def fetch_version_blob(nats_url: str, run_id: str, version: str, db_url: s
         else:
             number = await _released_version(js, reg, db_url, run_path) if version == "released" else int(version)
             uri, sha, step = await _find_version(js, reg, number, db_url, run_path)
-        blob = await fetch_weights(uri, sha, js, reg)
+        try:
+            blob = await fetch_weights(uri, sha, js, reg)
+        except BlobGone as exc:
+            raise ExportError(f"version {number} is no longer in the weight store ({exc}): the learner keeps only "
+                              "the newest learner.keep_versions versions, version 0 and the released one; export "
+                              "--version latest or released, or a newer number") from exc
     finally:
         await nc.close()
     return blob, Source("blob", number, step, sha, uri)

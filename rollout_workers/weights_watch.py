@@ -38,6 +38,11 @@ Guarantees:
   batch only then, so no trajectory generated with a version leaves the worker before
   that version's sha256 check passed. Callers that do not gate (the scheduler's
   evaluation) keep the default, verify-first.
+- A version whose blob is gone from its store (deleted by the learner's retention once
+  `learner.keep_versions` newer versions exist) is skipped: when a newer version is
+  announced it is logged as `rollout.weights_gone` and counted (`weights_gone`), the
+  engine keeps its current weights and loads the newer one next; when it is the newest
+  announced version, that is a fault and it is rejected as above.
 """
 
 from __future__ import annotations
@@ -48,11 +53,12 @@ from urllib.parse import urlparse
 import structlog
 from nats.js.api import DeliverPolicy
 
-from bus.objects import ChecksumMismatch
+from bus.objects import BlobGone, ChecksumMismatch
 from learner.weights import fetch_weights, in_background_thread
 from schemas import DecodeError, WeightPrefetch, WeightVersion, decode
 
 log = structlog.get_logger()
+GONE = (BlobGone, FileNotFoundError)  # a deleted file:// blob surfaces as FileNotFoundError from the loaders
 PREFETCH_WAIT_S = 30.0  # how long a prefetched version waits for its WeightVersion ...
 PREFETCH_WAIT_BYTES_PER_S = 50e6  # ... plus its size at this rate (the learner hashes it meanwhile)
 RECENT_VERSIONS = 32  # WeightVersions remembered by number, for prefetch checks
@@ -225,6 +231,9 @@ class WeightWatcher:
                     pending = await asyncio.to_thread(engine.load_weights_file_speculative, parsed.path)
                 except ChecksumMismatch as exc:
                     pending = exc
+                except GONE as exc:
+                    self._gone(wv, exc)
+                    return False
                 if isinstance(pending, ChecksumMismatch) or pending is None:
                     if isinstance(wv, WeightPrefetch):  # the WeightVersion will decide, on its own path
                         self._drop_prefetch(wv, str(pending or "no speculative path for this file"),
@@ -249,11 +258,25 @@ class WeightWatcher:
             except ChecksumMismatch as exc:
                 self._reject(wv, str(exc))
                 return False
+            except GONE as exc:
+                self._gone(wv, exc)
+                return False
             if not loaded:
                 await asyncio.to_thread(engine.load_weights, blob)
             self._now_serving(wv, "ok")
             self._loaded_log(wv, speculative=False)
             return True
+
+    def _gone(self, wv: WeightVersion | WeightPrefetch, exc: Exception) -> None:
+        """The blob of `wv` is not in its store: skip it if superseded, else reject it."""
+        if isinstance(wv, WeightPrefetch):
+            self._drop_prefetch(wv, f"blob gone: {exc}")
+        elif self.newest is not None and self.newest.version > wv.version:
+            self.rejected.add(wv.msg_id)
+            self.counters["weights_gone"] = self.counters.get("weights_gone", 0) + 1
+            log.info("rollout.weights_gone", version=wv.version, newest=self.newest.version, reason=str(exc))
+        else:
+            self._reject(wv, f"blob gone from the store: {exc}")
 
     def _loaded_log(self, wv: WeightVersion, speculative: bool) -> None:
         self.counters["weights_loaded"] = self.counters.get("weights_loaded", 0) + 1

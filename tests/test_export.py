@@ -66,6 +66,14 @@ async def _publish(nats_url: str, run_id: str, models: list, released: int | Non
     await nc.close()
 
 
+async def _delete_blob(nats_url: str, run_id: str, name: str) -> None:
+    from learner.weights import NatsStore
+
+    nc = await connect(nats_url, name="test-export-delete")
+    await NatsStore(nc.jetstream(timeout=10), Registry(run_id).object_bucket).delete(name)
+    await nc.close()
+
+
 async def _drop(nats_url: str, run_id: str) -> None:
     nc = await connect(nats_url, name="test-export-drop")
     await delete_run(nc.jetstream(timeout=10), Registry(run_id))
@@ -107,6 +115,11 @@ def test_export_numbered_latest_and_released_versions_load_with_the_published_lo
                               "--out", str(tmp_path / "cli")], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert cli.returncode == 0, cli.stderr
         assert torch.allclose(_loaded_logits(tmp_path / "cli"), _logits(models[2]), atol=1e-6)
+
+        asyncio.run(_delete_blob(nats_url, run_id, "v000001.safetensors"))  # what weight retention does
+        with pytest.raises(ExportError, match="keep_versions"):
+            export(run_path, tmp_path / "gone", "1")
+        assert not (tmp_path / "gone").exists()
     finally:
         asyncio.run(_drop(nats_url, run_id))
 

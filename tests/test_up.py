@@ -62,8 +62,9 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
                              # the rollout variant evaluates through the pipeline (purpose=eval tasks)
                              "--set", f"scheduler.eval_mode={'pipeline' if victim == 'rollout' else 'local'}",
                              # the rollout variant publishes weights as files: prefetch hints, mapped loads
-                             *(["--set", f"learner.weight_store=file://{tmp_path}/weights"] if victim == "rollout"
-                               else [])],
+                             # and keeps only the newest 4 (plus 0 and the released one) while workers load them
+                             *(["--set", f"learner.weight_store=file://{tmp_path}/weights",
+                                "--set", "learner.keep_versions=4"] if victim == "rollout" else [])],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     run_path = tmp_path / "runs" / run_id
     try:
@@ -116,7 +117,9 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
         assert '"speculative": true' in rollout_log and "rollout.weights_verified" in rollout_log
         assert "weights_rejected" not in rollout_log and "weights_rolled_back" not in rollout_log
         assert "weights_prefetch_failed" not in rollout_log
-        assert len(list((tmp_path / "weights").glob("v*.safetensors"))) >= 25
+        kept = sorted(p.name for p in (tmp_path / "weights").glob("v*.safetensors"))
+        assert kept[0] == "v000000.safetensors" and 5 <= len(kept) <= 6, kept  # 0, the newest 4, maybe the released
+        assert int(kept[-1][1:7]) >= 25, kept
     # the scheduler's recorder wrote the run store (SQLite in the run folder by default)
     import sqlite3
 

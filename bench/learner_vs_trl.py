@@ -25,7 +25,10 @@ What it measures (`python bench/learner_vs_trl.py`, about 2 minutes):
   default).
 
 Writes bench/results/learner_vs_trl.json: per shape, ours/peer tokens/s and `ratio`;
-the top-level `ratio` is the geometric mean over shapes (target >= 1.0).
+the top-level `ratio` is the geometric mean over shapes (target >= 1.0). Also
+`gradient_agreement` (see `gradient_agreement`): the cosine and norm ratio of one
+unclipped SGD step of each side on the same batch, which shows both sides train the same
+objective, so the speed ratio compares like with like.
 """
 
 from __future__ import annotations
@@ -178,6 +181,39 @@ class Peer:
         self.model.zero_grad(set_to_none=True)
 
 
+def gradient_agreement(model_dir: Path, tmp: Path, shape: str = "demo", seed: int = 0) -> dict:
+    """Do both sides compute the SAME update direction on the same batch? One plain SGD step
+    (lr 1, no clipping) from identical models on identical completions, where half the
+    groups have rewards that differ and half are all zero (they must contribute nothing on
+    either side): the cosine and norm ratio of the two parameter deltas. Same objective,
+    same advantages, same token reduction: cosine 1 and norm ratio 1 up to float error."""
+    import torch
+
+    n_prompts, group, max_new = SHAPES[shape]
+    rewards = make_rewards(model_dir, n_prompts, group, max_new, seed)
+    for j, r in enumerate(rewards):
+        g = j // group
+        r.reward = float((j * 7 + g) % 3 == 0) if g % 2 == 0 else 0.0
+    inputs = trl_inputs(rewards, pad_id=0)
+    ours, peer = Ours(model_dir, rewards, 1.0), Peer(model_dir, inputs, group, max_new, 1.0, tmp)
+    ours.opt = torch.optim.SGD(ours.policy.parameters(), lr=1.0)
+    ours.lc.grad_clip = 1e12
+    t = peer.trainer
+    t.optimizer = torch.optim.SGD(peer.model.parameters(), lr=1.0)
+    t.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda _: 1.0)
+    t.args.max_grad_norm = 1e12
+    deltas = []
+    for model, side in ((ours.policy, ours), (peer.model, peer)):
+        before = [p.detach().clone() for p in model.parameters()]
+        side.step()
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+    d_ours, d_peer = deltas
+    return {"shape": shape, "cosine": round(float(torch.nn.functional.cosine_similarity(d_ours, d_peer, dim=0)), 6),
+            "norm_ratio": round(float(d_ours.norm() / d_peer.norm()), 6),
+            "groups_with_signal": sum(len({r.reward for r in rewards[i:i + group]}) > 1
+                                      for i in range(0, len(rewards), group)), "groups": n_prompts}
+
+
 def measure_shape(name: str, model_dir: Path, tmp: Path, rounds: int, per_round: int, lr: float, seed: int) -> dict:
     n_prompts, group, max_new = SHAPES[name]
     rewards = make_rewards(model_dir, n_prompts, group, max_new, seed)
@@ -224,6 +260,8 @@ def main() -> dict:
         for name in a.shapes.split(","):
             shapes[name] = measure_shape(name, model_dir, tmp, a.rounds, a.per_round, 1e-6, 0)
             print(name, json.dumps(shapes[name]))
+        agreement = gradient_agreement(model_dir, tmp)
+        print("gradient agreement", json.dumps(agreement))
     ratio = math.exp(sum(math.log(s["ratio"]) for s in shapes.values()) / len(shapes))
     result = {
         "name": "learner_vs_trl",
@@ -236,6 +274,7 @@ def main() -> dict:
         "peer_name": f"TRL {version('trl')} GRPOTrainer.training_step (+clip, AdamW step) on prepared inputs",
         "command": "python bench/learner_vs_trl.py" + (f" --threads {a.threads}" if a.threads != 1 else ""),
         "shapes": shapes,
+        "gradient_agreement": agreement,
         "model": {"arch": "qwen2", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "vocab": 99},
         "settings": {"threads": a.threads, "rounds": a.rounds, "per_round": a.per_round, "beta": 0.0,
                      "loss": "grpo (token-level clipped ratio, eps 0.2/0.28)", "optimizer": "AdamW, clip 1.0"},

@@ -135,8 +135,9 @@ class Ours:
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=self.lc.weight_decay)
         self.samples = [PooledSample(r, None) for r in rewards]
 
-    def step(self) -> None:
-        self.train_step(self.policy, None, self.opt, self.samples, 0, self.lc)
+    def step(self, samples=None, loss_scale: float = 1.0) -> None:
+        self.train_step(self.policy, None, self.opt, self.samples if samples is None else samples, 0, self.lc,
+                        loss_scale=loss_scale)
 
 
 class Peer:
@@ -181,13 +182,20 @@ class Peer:
         self.model.zero_grad(set_to_none=True)
 
 
-def gradient_agreement(model_dir: Path, tmp: Path, shape: str = "demo", seed: int = 0) -> dict:
+def gradient_agreement(model_dir: Path, tmp: Path, shape: str = "demo", seed: int = 0, skip: str = "none") -> dict:
     """Do both sides compute the SAME update direction on the same batch? One plain SGD step
     (lr 1, no clipping) from identical models on identical completions, where half the
     groups have rewards that differ and half are all zero (they must contribute nothing on
     either side): the cosine and norm ratio of the two parameter deltas. Same objective,
-    same advantages, same token reduction: cosine 1 and norm ratio 1 up to float error."""
+    same advantages, same token reduction: cosine 1 and norm ratio 1 up to float error.
+
+    `skip`: what ours does with the all-equal groups (TRL always trains them): `none`
+    trains them too; `keep_scale` skips them as `learner.skipped_keep_scale` does (the
+    same gradient: cosine 1, norm ratio 1); `dapo` skips them and normalises over the
+    rest (the same direction, a larger norm)."""
     import torch
+
+    from learner.step import skipped_loss_scale
 
     n_prompts, group, max_new = SHAPES[shape]
     rewards = make_rewards(model_dir, n_prompts, group, max_new, seed)
@@ -202,13 +210,17 @@ def gradient_agreement(model_dir: Path, tmp: Path, shape: str = "demo", seed: in
     t.optimizer = torch.optim.SGD(peer.model.parameters(), lr=1.0)
     t.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda _: 1.0)
     t.args.max_grad_norm = 1e12
+    trained = [p for i, p in enumerate(ours.samples)
+               if skip == "none" or len({r.reward for r in rewards[i - i % group:i - i % group + group]}) > 1]
+    skipped = [p.reward for p in ours.samples if p not in trained]
+    scale = skipped_loss_scale(ours.lc.objective, [p.reward for p in trained], skipped) if skip == "keep_scale" else 1.0
     deltas = []
-    for model, side in ((ours.policy, ours), (peer.model, peer)):
+    for model, step in ((ours.policy, lambda: ours.step(trained, scale)), (peer.model, peer.step)):
         before = [p.detach().clone() for p in model.parameters()]
-        side.step()
+        step()
         deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
     d_ours, d_peer = deltas
-    return {"shape": shape, "cosine": round(float(torch.nn.functional.cosine_similarity(d_ours, d_peer, dim=0)), 6),
+    return {"shape": shape, "skip": skip, "cosine": round(float(torch.nn.functional.cosine_similarity(d_ours, d_peer, dim=0)), 6),
             "norm_ratio": round(float(d_ours.norm() / d_peer.norm()), 6),
             "groups_with_signal": sum(len({r.reward for r in rewards[i:i + group]}) > 1
                                       for i in range(0, len(rewards), group)), "groups": n_prompts}

@@ -287,8 +287,27 @@ def replay_backward(policy, lc, replay=None) -> float:
 # ------------------------------------------------------------------ the step
 
 
-def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int, lc, replay=None) -> dict[str, float]:
-    """One update on the given samples (runs in a worker thread); returns step metrics."""
+def skipped_loss_scale(kind: str, trained: list, skipped: list) -> float:
+    """The factor that turns a loss normalised over the `trained` rewards into the loss over
+    `trained` + `skipped` (all-equal groups, advantage 0: they would add nothing to the sum,
+    only to the normaliser): sequences for `grpo`, `gspo` and `dr_grpo` (its normaliser is
+    sequences x width), generated tokens for `dapo`. 1.0 when nothing was skipped."""
+    if not skipped:
+        return 1.0
+    if kind == "dapo":
+        from schemas import unpack_i32
+
+        def tokens(rs) -> int:  # the tokens the loss mask counts: those of trainable turns
+            return sum(len(unpack_i32(t.token_ids)) for r in rs for t in r.trajectory.turns if t.trainable)
+        return tokens(trained) / max(1, tokens(trained) + tokens(skipped))
+    return len(trained) / (len(trained) + len(skipped))
+
+
+def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int, lc, replay=None,
+               loss_scale: float = 1.0) -> dict[str, float]:
+    """One update on the given samples (runs in a worker thread); returns step metrics.
+    `loss_scale` multiplies the policy loss's gradient (not the replay NLL's): see
+    `skipped_loss_scale`."""
     if policy is None:  # null policy: the bus benchmark measures everything but the math
         return {"reward_mean": sum(s.reward.reward for s in samples) / len(samples), "samples": len(samples)}
     import torch
@@ -307,6 +326,11 @@ def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int,
     else:
         chunks = plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size)
         parts = accumulate(policy, ref, batch, adv, chunks, lc)
+    if loss_scale != 1.0:
+        for p in policy.parameters():
+            if p.grad is not None:
+                p.grad.mul_(loss_scale)
+        extra["loss_scale"] = loss_scale
     if lc.off_policy != "none":
         extra.update(offpolicy_stats(parts))
     if lc.replay_share > 0:

@@ -40,7 +40,7 @@ from bus.pull import decode_batch, fetch
 from learner import checkpoint
 from learner.lease import LearnerLease
 from learner.groups import Group, GroupPool, PooledSample, split_stale
-from learner.step import load_models, train_step
+from learner.step import load_models, skipped_loss_scale, train_step
 from learner.retention import Retention
 from learner.weights import make_store, publish_version
 from rlbus.runtime import worker_session
@@ -169,6 +169,7 @@ class Learner:
                  for g in expired]
         to_ack = [s.raw for g in expired for s in g.samples.values()]
         train_groups: list[Group] = []
+        skipped: list = []  # rewards of all-equal groups (for learner.skipped_keep_scale)
         for g in ready:
             stale = split_stale(g, self.version, self.lc.max_staleness)
             self.s.counters["stale_samples"] = self.s.counters.get("stale_samples", 0) + len(stale)
@@ -178,6 +179,7 @@ class Learner:
                 fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="stale"))
             elif self.lc.skip_zero_variance and max(rewards) == min(rewards):
                 fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="zero reward variance"))
+                skipped += [s.reward for s in g.samples.values()]
             else:
                 train_groups.append(g)
                 continue
@@ -185,7 +187,10 @@ class Learner:
         samples = [s for g in train_groups for s in g.samples.values()]
         metrics = {}
         if samples:
-            metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id, self.lc)
+            scale = (skipped_loss_scale(self.lc.objective, [s.reward for s in samples], skipped)
+                     if self.lc.skipped_keep_scale else 1.0)
+            metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id,
+                                              self.lc, loss_scale=scale)
             lags = [self.version - s.reward.trajectory.policy_version for s in samples]
             metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
             self.step += 1

@@ -319,6 +319,12 @@ class LearnerSection(Section):
     sampler bounds tasks in flight by groups_per_step x publish_every x max_staleness:
     raise sampler.max_inflight_tasks and max_staleness with it (the e2e bench ran it with
     112 and 7 for 16 groups a step, where about 38 % of groups differ)."""
+    skipped_keep_scale: bool = False
+    """With skip_zero_variance: normalise each step's loss over every sample of the groups it
+    popped, the skipped all-equal ones included, as if they had been trained (their
+    advantages are 0, so they add only to the normaliser). Skipping is then a pure
+    speed-up: the step's gradient equals the full-batch GRPO/DAPO gradient, which is what
+    TRL computes by training them. Off: normalised over the trained samples only (DAPO)."""
     off_policy: Literal["none", "tis", "decoupled"] = "none"
     """Correction for stale samples (learner/offpolicy.py): `none` clips the ratio against the behaviour
     log-probs; `tis` truncated importance sampling; `decoupled` PPO with a proximal policy (AReaL)."""

@@ -242,3 +242,17 @@ def test_every_objective_runs_a_step_on_a_tiny_model(engine, objective):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.model.parameters())
     if objective == "dr_grpo":
         assert adv.abs().max().item() == pytest.approx(0.5)  # no std normalisation
+
+
+# -- learner.skipped_keep_scale ---------------------------------------------------------
+
+def test_skipped_loss_scale_by_objective():
+    """Hand-computed: 2 trained samples of 2 and 3 tokens, 2 skipped of 4 and 1 tokens."""
+    from learner.step import skipped_loss_scale
+
+    trained = [reward("a", 0, comp=(8, 9)), reward("a", 1, comp=(8, 9, 10))]
+    skipped = [reward("b", 0, comp=(8, 9, 10, 11), value=0.0), reward("b", 1, comp=(8,), value=0.0)]
+    assert skipped_loss_scale("dapo", trained, skipped) == pytest.approx(5 / 10)  # tokens
+    for kind in ("grpo", "gspo", "dr_grpo"):
+        assert skipped_loss_scale(kind, trained, skipped) == pytest.approx(2 / 4)  # sequences
+    assert skipped_loss_scale("dapo", trained, []) == 1.0

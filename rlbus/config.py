@@ -323,8 +323,9 @@ class LearnerSection(Section):
     """With skip_zero_variance: normalise each step's loss over every sample of the groups it
     popped, the skipped all-equal ones included, as if they had been trained (their
     advantages are 0, so they add only to the normaliser). Skipping is then a pure
-    speed-up: the step's gradient equals the full-batch GRPO/DAPO gradient, which is what
-    TRL computes by training them. Off: normalised over the trained samples only (DAPO)."""
+    speed-up: with beta = 0 the step's gradient equals the full-batch GRPO/DAPO gradient,
+    which is what TRL computes by training them (with beta > 0 the skipped samples' KL
+    terms are missing either way). Off: normalised over the trained samples only (DAPO)."""
     off_policy: Literal["none", "tis", "decoupled"] = "none"
     """Correction for stale samples (learner/offpolicy.py): `none` clips the ratio against the behaviour
     log-probs; `tis` truncated importance sampling; `decoupled` PPO with a proximal policy (AReaL)."""

@@ -298,6 +298,7 @@ def main() -> dict:
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--start", help="use this SFT checkpoint dir as the shared start (skips SFT)")
     ap.add_argument("--seeds", type=int, default=1, help="RL runs per side from the same start (seeds 0..N-1)")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1")
     ap.add_argument("--lr", type=float, default=LR, help="learning rate, both sides")
     ap.add_argument("--eval-n", type=int, default=EVAL_N, help="held-out problems (excluded from all training)")
     ap.add_argument("--sides", default="ours,trl", help="which sides to run (scouting: one side)")
@@ -324,7 +325,7 @@ def main() -> dict:
                       else prepare_start(tmp, a.sft_seconds, a.sft_steps, a.eval_n))
         acc0 = accuracy(start, a.eval_n, threads=threads)
         print(f"start accuracy {acc0:.3f} (n={a.eval_n}) after SFT {sft}", flush=True)
-        for seed in range(a.seeds):
+        for seed in range(a.first_seed, a.first_seed + a.seeds):
             run: dict = {"seed": seed, "load_avg": {}}
             if "ours" in sides:
                 run["load_avg"]["before_ours"] = os.getloadavg()
@@ -365,6 +366,7 @@ def main() -> dict:
         "peer_name": f"TRL {version('trl')} GRPOTrainer (HF generate on CPU), same hyper-parameters",
         "command": f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
                    f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
+                   + (f" --first-seed {a.first_seed}" if a.first_seed else "")
                    + (" --no-dynamic-sampling" if not dynamic else "")
                    + (" --ours-weights nats" if a.ours_weights == "nats" else "")
                    + "".join(f" --ours-set {kv}" for kv in a.ours_set)

@@ -45,7 +45,6 @@ class Retention:
     def __init__(self, store, keep: int, js=None, reg=None) -> None:
         self.store, self.keep, self.js, self.reg = store, keep, js, reg
         self.stored: set[int] | None = None  # versions believed in the store; None: not listed yet
-        self.deleted = 0
 
     async def released(self) -> int | None:
         """The scheduler's released version (KV `release.latest`), if any."""
@@ -86,5 +85,4 @@ class Retention:
                 continue
             self.stored.discard(v)
             deleted += 1
-        self.deleted += deleted
         return deleted

@@ -71,13 +71,15 @@ def heldout(n: int | None = None) -> list:
     return eval_set(EVAL_SEED, n or EVAL_N, DIFFICULTY)[0]
 
 
-def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, seed: int = 0) -> tuple[Path, dict]:
+def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, seed: int = 0, hidden: int = 128,
+                  layers: int = 4) -> tuple[Path, dict]:
     """Tiny model + SFT warm start (held-out problems excluded); returns (dir, sft summary)."""
     from learner.sft import run_sft
     from producers import arith
     from rlbus.tiny_model import build_tiny_model
 
-    base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=128, num_layers=4, num_heads=4, seed=seed)
+    base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=4,
+                            seed=seed)
     held = {p.expression for p in heldout(eval_n)}
 
     def demo(rng):
@@ -91,14 +93,19 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
     return tmp / "start", stats
 
 
-def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2) -> float:
-    """Greedy held-out accuracy of a model dir (optionally with another state dict loaded)."""
+def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, blob: bytes | None = None) -> float:
+    """Greedy held-out accuracy of a model dir (optionally with another state dict, or a
+    published weight blob, loaded)."""
+    from learner.weights import load_state_bytes
     from rollout_workers.engines import HFEngine
     from scheduler.evaluation import greedy_accuracy
 
     engine = HFEngine(str(model_dir), "cpu", threads)
     if state_dict is not None:
         engine.model.load_state_dict(state_dict)
+    if blob is not None:
+        load_state_bytes(engine.model, blob)
+    if state_dict is not None or blob is not None:
         engine.model.eval()
     return greedy_accuracy(engine, heldout(eval_n), MAX_TOKENS)
 
@@ -127,8 +134,11 @@ def trl_dataset(n: int, seed: int, eval_n: int):
 
 
 def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, lr: float, eval_n: int,
-            seed: int = 0) -> dict:
-    """TRL GRPOTrainer from `start` for `seconds` of wall time; saves the model to `out`."""
+            seed: int = 0, marks: tuple[float, ...] = ()) -> dict:
+    """TRL GRPOTrainer from `start` for `seconds` of wall time; saves the model to `out`.
+
+    `marks` (seconds since the trainer was constructed): the policy as it stood at each
+    mark (after the last step that ended before it) is kept in memory, for a learning curve."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -139,11 +149,17 @@ def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, 
         """Stop training once the budget is spent (checked after every optimizer step)."""
 
         def __init__(self, t0: float):
-            self.t0, self.steps = t0, 0
+            self.t0, self.steps, self.snapshots, self.pending = t0, 0, {}, sorted(marks)
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, args, state, control, model=None, **kw):
             self.steps = state.global_step
-            if time.monotonic() - self.t0 >= seconds:
+            elapsed = time.monotonic() - self.t0
+            while self.pending and elapsed >= self.pending[0]:  # the policy of the previous step stood at the mark
+                mark = self.pending.pop(0)
+                self.snapshots[mark] = (state.global_step - 1, self.previous)
+            self.previous = ({k: v.detach().clone() for k, v in model.state_dict().items()}
+                             if marks and model is not None else None)
+            if elapsed >= seconds:
                 control.should_training_stop = True
             return control
 
@@ -157,6 +173,7 @@ def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, 
     model = AutoModelForCausalLM.from_pretrained(start)
     tok = AutoTokenizer.from_pretrained(start)
     clock = WallClock(t0)
+    clock.previous = {k: v.detach().clone() for k, v in model.state_dict().items()} if marks else None
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=trl_dataset(200_000, seed, eval_n),
                           processing_class=tok, callbacks=[clock])
     trainer.train()
@@ -166,7 +183,7 @@ def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, 
     steps = trainer.state.global_step
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"steps": steps, "samples_trained": steps * PROMPTS_PER_STEP * GROUP, "wall_s": round(wall, 1),
-            "reward_curve": rewards, "final_dir": str(out / "final")}
+            "reward_curve": rewards, "final_dir": str(out / "final"), "snapshots": clock.snapshots}
 
 
 OURS_CONFIG = """
@@ -223,9 +240,14 @@ eval_every_versions = 1000000
 
 def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float = LR, eval_n: int = EVAL_N,
              seed: int = 0, skip_zero_variance: bool = False, verifier: str = "", verifier_section: str = "",
-             env: dict | None = None, overrides: tuple[str, ...] = (), weights: str = "file") -> dict:
+             env: dict | None = None, overrides: tuple[str, ...] = (), weights: str = "file",
+             marks: tuple[float, ...] = ()) -> dict:
     """`rlbus up` from `start` for `seconds` of sampling (`overrides`: `--set KEY=VALUE` each);
-    returns the summary and final state dict."""
+    returns the summary and final state dict.
+
+    `marks` (seconds since `rlbus up` started; needs `weights="file"`): the weight blob of
+    the newest version the learner had published at each mark, for a learning curve (the
+    run keeps every version: `learner.keep_versions = 0`)."""
     import torch
 
     reserve = 25.0  # the launcher stops sampling this long before max_minutes (drain_seconds = 0)
@@ -241,7 +263,11 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
                              verifier_section=verifier_section, weight_store=weight_store)
     path = tmp / f"{run_id}.toml"
     path.write_text(cfg)
-    t0 = time.monotonic()
+    if marks:
+        if weights != "file":
+            raise ValueError("learning-curve marks need the file:// weight store")
+        overrides = (*overrides, "learner.keep_versions=0")
+    t0, t0_wall = time.monotonic(), time.time()
     log = open(tmp / f"{run_id}.log", "wb")
     sets = [arg for kv in overrides for arg in ("--set", kv)]
     proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(path), *sets], cwd=ROOT, stdout=log,
@@ -254,9 +280,35 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
     summary = json.loads((run_path / "summary.json").read_text())
     summary["learner_step_means"] = step_means(run_path / "logs" / "learner.log")
     payload = torch.load(run_path / "checkpoints" / "learner.pt", map_location="cpu", weights_only=False)
+    blobs = curve_blobs(run_path / "logs" / "learner.log", weight_dir, t0_wall, marks)
     shutil.rmtree(weight_dir, ignore_errors=True)  # every version's file (~4 MB each, >1000 a run)
     return {"summary": summary, "state_dict": payload["model"], "wall_s": round(wall, 1),
-            "learner_state": {k: v for k, v in payload["state"].items() if k != "trained"}}
+            "learner_state": {k: v for k, v in payload["state"].items() if k != "trained"}, "blobs": blobs}
+
+
+def curve_blobs(learner_log: Path, weight_dir: Path, t0_wall: float, marks: tuple[float, ...]) -> dict:
+    """{mark: (version, blob)}: the newest version whose `learner.step` event was logged by
+    `t0_wall + mark` (version 0, the start, when none was)."""
+    from datetime import datetime
+
+    from learner.retention import version_name
+
+    published: list[tuple[float, int]] = []
+    text = learner_log.read_text(errors="replace") if learner_log.exists() else ""
+    for line in text.splitlines():
+        if '"learner.step"' in line:
+            try:
+                event = json.loads(line)
+                published.append((datetime.fromisoformat(event["timestamp"]).timestamp(), int(event["version"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    out = {}
+    for mark in marks:
+        versions = [v for t, v in published if t <= t0_wall + mark]
+        version = max(versions, default=0)
+        path = weight_dir / version_name(version)
+        out[mark] = (version, path.read_bytes() if version and path.exists() else None)
+    return out
 
 
 def step_means(learner_log: Path, fields=("clip_frac", "ratio_mean", "staleness_mean", "grad_norm",
@@ -277,6 +329,33 @@ def step_means(learner_log: Path, fields=("clip_frac", "ratio_mean", "staleness_
                 sums[key] += float(event[key])
                 counts[key] += 1
     return {k: round(sums[k] / counts[k], 4) for k in fields if counts[k]}
+
+
+def plot_curves(result: dict, path: Path) -> None:
+    """Accuracy against seconds into the budget, one thin line per run, the mean bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    acc0 = result["start_accuracy"]
+    for key, label, color in (("ours_curve", "rlbus", "tab:blue"), ("peer_curve", "TRL GRPOTrainer", "tab:orange")):
+        curves = [[(0.0, acc0)] + [(m, a) for m, _, a in r[key] if a is not None] for r in result["runs"] if key in r]
+        for c in curves:
+            ax.plot(*zip(*c), color=color, alpha=0.3, lw=1)
+        if curves and len({len(c) for c in curves}) == 1:
+            xs = [x for x, _ in curves[0]]
+            ax.plot(xs, [statistics.fmean(c[i][1] for c in curves) for i in range(len(xs))], color=color, lw=2.5,
+                    label=f"{label} (mean of {len(curves)})")
+    ax.set_xlabel("seconds into the budget (set-up included)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(f"e2e: {result['model']} start {acc0:.1%}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- main
@@ -309,6 +388,11 @@ def main() -> dict:
                          "object store")
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field of ours' config (rlbus up --set), e.g. learner.max_staleness=1; repeatable")
+    ap.add_argument("--hidden", type=int, default=128, help="the tiny model's hidden size (the demo's: 128)")
+    ap.add_argument("--layers", type=int, default=4, help="the tiny model's layers (the demo's: 4)")
+    ap.add_argument("--curve", default="", metavar="S,S,...",
+                    help="also evaluate each side's policy as it stood at these seconds into its budget "
+                         "(e.g. 60,120,180): a learning curve per run, plotted next to the result JSON")
     ap.add_argument("--out", default=str(RESULT), help="result JSON path")
     a = ap.parse_args()
     from importlib.metadata import version
@@ -317,12 +401,16 @@ def main() -> dict:
     dynamic = not a.no_dynamic_sampling
     threads = os.cpu_count() or 2
     seconds = a.minutes * 60
+    marks = tuple(sorted(float(x) for x in a.curve.split(",") if x.strip()))
+    if any(not 0 < m < seconds for m in marks):
+        ap.error(f"--curve marks must lie inside the budget (0, {seconds:g}) seconds")
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-e2e-") as d:
         tmp = Path(d)
         t = time.monotonic()
         start, sft = ((Path(a.start), {"given": a.start}) if a.start
-                      else prepare_start(tmp, a.sft_seconds, a.sft_steps, a.eval_n))
+                      else prepare_start(tmp, a.sft_seconds, a.sft_steps, a.eval_n, hidden=a.hidden,
+                                         layers=a.layers))
         acc0 = accuracy(start, a.eval_n, threads=threads)
         print(f"start accuracy {acc0:.3f} (n={a.eval_n}) after SFT {sft}", flush=True)
         for seed in range(a.first_seed, a.first_seed + a.seeds):
@@ -331,16 +419,26 @@ def main() -> dict:
                 run["load_avg"]["before_ours"] = os.getloadavg()
                 ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
                                 seed=seed, skip_zero_variance=dynamic, overrides=tuple(a.ours_set),
-                                weights=a.ours_weights)
+                                weights=a.ours_weights, marks=marks)
                 run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
+                if marks:
+                    run["ours_curve"] = [
+                        [mark, version, None if version and blob is None
+                         else (acc0 if not version else accuracy(start, a.eval_n, threads=threads, blob=blob))]
+                        for mark, (version, blob) in ours["blobs"].items()] + [[seconds, "final", run["ours_accuracy"]]]
                 run["ours_detail"] = _ours_detail(ours, seconds)
                 print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
                       f"{run['ours_detail']['trained_samples']} samples", flush=True)
             if "trl" in sides:
                 run["load_avg"]["before_trl"] = os.getloadavg()
                 peer = run_trl(start, tmp / f"trl{seed}", seconds, arith_reward, threads, lr=a.lr, eval_n=a.eval_n,
-                               seed=seed)
+                               seed=seed, marks=marks)
                 run["peer_accuracy"] = accuracy(Path(peer["final_dir"]), a.eval_n, threads=threads)
+                if marks:
+                    run["peer_curve"] = [[mark, step, accuracy(start, a.eval_n, state, threads)]
+                                         for mark, (step, state) in sorted(peer.pop("snapshots").items())]
+                    run["peer_curve"].append([seconds, "final", run["peer_accuracy"]])
+                peer.pop("snapshots", None)
                 run["peer_detail"] = ({k: v for k, v in peer.items() if k != "final_dir"}
                                       | {"samples_per_s": round(peer["samples_trained"] / seconds, 2)})
                 print(f"seed {seed} TRL: accuracy {run['peer_accuracy']:.3f}, {peer['samples_trained']} samples",
@@ -370,8 +468,14 @@ def main() -> dict:
                    + (" --no-dynamic-sampling" if not dynamic else "")
                    + (" --ours-weights nats" if a.ours_weights == "nats" else "")
                    + "".join(f" --ours-set {kv}" for kv in a.ours_set)
+                   + (f" --hidden {a.hidden} --layers {a.layers}" if (a.hidden, a.layers) != (128, 4) else "")
+                   + (f" --curve {a.curve}" if marks else "")
                    + (f" --sides {a.sides}" if sides != {"ours", "trl"} else ""),
         "budget_minutes_per_side": a.minutes,
+        "model": {"arch": "qwen2", "hidden_size": a.hidden, "layers": a.layers} if not a.start else {"given": a.start},
+        "curve_note": ("per run, [seconds into the budget, weight version (ours) or optimizer steps done (TRL), held-out "
+                       "accuracy]: the policy as it stood at that time (TRL: after the last step that ended before it)")
+        if marks else None,
         "start_accuracy": acc0,
         "eval": {"set": f"scheduler.evaluation.eval_set({EVAL_SEED}, {a.eval_n}, {DIFFICULTY})", "n": a.eval_n,
                  "greedy": True, "max_tokens": MAX_TOKENS,
@@ -391,6 +495,8 @@ def main() -> dict:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    if marks:
+        plot_curves(result, out.with_suffix(".png"))
     print(f"mean gain ours {gain_ours}, TRL {gain_peer}, ratio {result['ratio']} (target >= 1.0); wrote {out}")
     return result
 

@@ -1,0 +1,46 @@
+"""The e2e bench's learning-curve bookkeeping: which of our weight versions stood at each
+mark, and the plot. (The bench itself is a 30-minute run, in `bench/`, not a test.)"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from bench.e2e_vs_trl import curve_blobs, plot_curves
+from learner.retention import version_name
+
+
+def _event(t: float, version: int, name: str = "learner.step") -> str:
+    stamp = datetime.fromtimestamp(t, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+    return json.dumps({"event": name, "timestamp": stamp, "step": version, "version": version})
+
+
+def test_each_mark_gets_the_newest_version_published_by_then(tmp_path):
+    t0 = 1_800_000_000.0
+    log = tmp_path / "learner.log"
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    lines = [_event(t0 + 5, 1), "not json", _event(t0 + 9, 2), _event(t0 + 9.5, 99, "learner.window_short"),
+             _event(t0 + 21, 3), _event(t0 + 40, 4)]
+    log.write_text("\n".join(lines) + "\n")
+    for v in (1, 2, 3):  # version 4 was deleted (retention) -> no blob, but the version is still reported
+        (weights / version_name(v)).write_bytes(f"blob{v}".encode())
+
+    got = curve_blobs(log, weights, t0, (3.0, 10.0, 20.0, 30.0, 45.0))
+
+    assert got[3.0] == (0, None)  # nothing published yet: the start
+    assert got[10.0] == (2, b"blob2")  # the window_short event is not a publish
+    assert got[20.0] == (2, b"blob2")
+    assert got[30.0] == (3, b"blob3")
+    assert got[45.0] == (4, None)
+
+
+def test_plot_draws_both_sides(tmp_path):
+    result = {"start_accuracy": 0.05, "model": {"hidden_size": 128},
+              "runs": [{"ours_curve": [[60, 10, 0.07], [240, "final", 0.09]],
+                        "peer_curve": [[60, 8, 0.06], [240, "final", 0.08]]},
+                       {"ours_curve": [[60, 11, 0.08], [240, "final", 0.10]],
+                        "peer_curve": [[60, 9, 0.05], [240, "final", 0.07]]}]}
+    out = tmp_path / "curve.png"
+    plot_curves(result, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

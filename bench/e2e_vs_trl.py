@@ -30,6 +30,14 @@ seeds * 2 * (minutes + 0.5) + 1 min):
   G=8 per step, `--lr` constant, beta 0, loss_type "grpo", clip 0.2/0.28, grad clip 1,
   temperature 1, 6 completion tokens), seed = the seed, `torch` threads = all CPUs; a
   callback stops training once `--minutes` have passed since the trainer was constructed.
+- CURVES (`--curve 30,60,...`): each side's policy as it stood at those seconds into its
+  budget is evaluated after the run, the same way as the final one (ours: the newest
+  version the learner had logged by then, every version kept for the run; TRL: a copy of
+  the weights taken after the last optimizer step that ended before the mark). Written
+  per run as `ours_curve` / `peer_curve` and plotted next to the JSON (`.png`). They show
+  whether a budget ends on a plateau, where the ratio measures noise, or on a slope.
+  `curve_mean_gain` averages each run's curve points (marks and end) minus the start:
+  a time-averaged gain, less at the mercy of one checkpoint than the end point.
 - Figures: per seed, final accuracy - start accuracy (points, as fractions); `ours` and
   `peer` are the means over seeds, `ratio` = ours/peer (design target >= 1.0), and
   `gains_per_seed` keeps every run. Samples trained and steps are recorded per run.
@@ -331,6 +339,23 @@ def step_means(learner_log: Path, fields=("clip_frac", "ratio_mean", "staleness_
     return {k: round(sums[k] / counts[k], 4) for k in fields if counts[k]}
 
 
+def curve_gains(result: dict) -> dict | None:
+    """Time-averaged gain: per run, the mean over the curve's points (the marks and the end)
+    of accuracy - start, then the mean over runs per side and their ratio. It weighs every
+    point of a run's budget equally, so it rewards getting there sooner and is less at the
+    mercy of one checkpoint than the end point alone (the figure the design target names)."""
+    acc0, out = result["start_accuracy"], {}
+    for side, key in (("ours", "ours_curve"), ("peer", "peer_curve")):
+        per_run = [round(statistics.fmean(a - acc0 for _, _, a in r[key] if a is not None), 4)
+                   for r in result["runs"] if r.get(key)]
+        out[side] = round(statistics.fmean(per_run), 4) if per_run else None
+        out[f"{side}_per_seed"] = per_run
+    if out["ours"] is None and out["peer"] is None:
+        return None
+    out["ratio"] = round(out["ours"] / out["peer"], 3) if out["ours"] is not None and out["peer"] else None
+    return out
+
+
 def plot_curves(result: dict, path: Path) -> None:
     """Accuracy against seconds into the budget, one thin line per run, the mean bold."""
     import matplotlib
@@ -350,7 +375,10 @@ def plot_curves(result: dict, path: Path) -> None:
                     label=f"{label} (mean of {len(curves)})")
     ax.set_xlabel("seconds into the budget (set-up included)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title(f"e2e: {result['model']} start {acc0:.1%}")
+    model = result.get("model") or {}
+    shape = (f"hidden {model['hidden_size']} x {model.get('layers', '?')} layers" if "hidden_size" in model
+             else f"start {model.get('given', '?')}")
+    ax.set_title(f"e2e, {shape}: start {acc0:.1%}, lr {result.get('settings', {}).get('lr', '?')}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -492,6 +520,8 @@ def main() -> dict:
         "python": platform.python_version(), "cpus": os.cpu_count(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if marks:
+        result["curve_mean_gain"] = curve_gains(result)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -44,3 +44,17 @@ def test_plot_draws_both_sides(tmp_path):
     out = tmp_path / "curve.png"
     plot_curves(result, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_curve_mean_gain_averages_each_runs_points_then_the_runs():
+    from bench.e2e_vs_trl import curve_gains
+
+    result = {"start_accuracy": 0.10,
+              "runs": [{"ours_curve": [[60, 5, 0.12], [120, 9, None], [240, "final", 0.14]],
+                        "peer_curve": [[60, 4, 0.10], [240, "final", 0.12]]},
+                       {"ours_curve": [[60, 5, 0.10], [240, "final", 0.12]],
+                        "peer_curve": [[60, 4, 0.11], [240, "final", 0.11]]}]}
+    got = curve_gains(result)
+    assert got["ours_per_seed"] == [0.03, 0.01] and got["peer_per_seed"] == [0.01, 0.01]
+    assert got["ours"] == 0.02 and got["peer"] == 0.01 and got["ratio"] == 2.0
+    assert curve_gains({"start_accuracy": 0.1, "runs": [{}]}) is None

@@ -166,7 +166,7 @@ def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, 
                 mark = self.pending.pop(0)
                 self.snapshots[mark] = (state.global_step - 1, self.previous)
             self.previous = ({k: v.detach().clone() for k, v in model.state_dict().items()}
-                             if marks and model is not None else None)
+                             if self.pending and model is not None else None)
             if elapsed >= seconds:
                 control.should_training_stop = True
             return control
@@ -302,14 +302,11 @@ def curve_blobs(learner_log: Path, weight_dir: Path, t0_wall: float, marks: tupl
     from learner.retention import version_name
 
     published: list[tuple[float, int]] = []
-    text = learner_log.read_text(errors="replace") if learner_log.exists() else ""
-    for line in text.splitlines():
-        if '"learner.step"' in line:
-            try:
-                event = json.loads(line)
-                published.append((datetime.fromisoformat(event["timestamp"]).timestamp(), int(event["version"])))
-            except (ValueError, KeyError, TypeError):
-                continue
+    for event in step_events(learner_log):
+        try:
+            published.append((datetime.fromisoformat(event["timestamp"]).timestamp(), int(event["version"])))
+        except (ValueError, KeyError, TypeError):
+            continue
     out = {}
     for mark in marks:
         versions = [v for t, v in published if t <= t0_wall + mark]
@@ -319,19 +316,23 @@ def curve_blobs(learner_log: Path, weight_dir: Path, t0_wall: float, marks: tupl
     return out
 
 
+def step_events(learner_log: Path):
+    """The run's `learner.step` events (JSON log lines; unparsable lines are skipped)."""
+    text = learner_log.read_text(errors="replace") if learner_log.exists() else ""
+    for line in text.splitlines():
+        if '"learner.step"' in line:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
 def step_means(learner_log: Path, fields=("clip_frac", "ratio_mean", "staleness_mean", "grad_norm",
                                            "adv_abs_mean", "reward_mean")) -> dict[str, float]:
     """Means over the run's `learner.step` events (JSON log lines) of the given metrics (off-policy health)."""
     sums = dict.fromkeys(fields, 0.0)
     counts = dict.fromkeys(fields, 0)
-    text = learner_log.read_text(errors="replace") if learner_log.exists() else ""
-    for line in text.splitlines():
-        if '"learner.step"' not in line:
-            continue
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
+    for event in step_events(learner_log):
         for key in fields:
             if isinstance(event.get(key), (int, float)):
                 sums[key] += float(event[key])
@@ -450,10 +451,14 @@ def main() -> dict:
                                 weights=a.ours_weights, marks=marks)
                 run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
                 if marks:
-                    run["ours_curve"] = [
-                        [mark, version, None if version and blob is None
-                         else (acc0 if not version else accuracy(start, a.eval_n, threads=threads, blob=blob))]
-                        for mark, (version, blob) in ours["blobs"].items()] + [[seconds, "final", run["ours_accuracy"]]]
+                    run["ours_curve"] = []
+                    for mark, (weight_version, blob) in ours["blobs"].items():
+                        if weight_version == 0:
+                            acc = acc0  # nothing published yet: the start
+                        else:  # None when the version's file was gone
+                            acc = accuracy(start, a.eval_n, threads=threads, blob=blob) if blob else None
+                        run["ours_curve"].append([mark, weight_version, acc])
+                    run["ours_curve"].append([seconds, "final", run["ours_accuracy"]])
                 run["ours_detail"] = _ours_detail(ours, seconds)
                 print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
                       f"{run['ours_detail']['trained_samples']} samples", flush=True)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow bench clean wheelhouse images compose-env
+.PHONY: demo test test-slow lint bench clean wheelhouse images compose-env
 
 # The environment: torch's CPU wheel first (so nothing pulls a CUDA build), then the
 # project with its dev and bench extras.
@@ -23,6 +23,10 @@ test: $(VENV)
 
 test-slow: $(VENV)
 	$(BIN)/python -m pytest -q -m slow
+
+# ruff (configured in pyproject.toml): pyflakes, isort, bugbear, a 60-statement cap per function.
+lint: $(VENV)
+	$(BIN)/ruff check .
 
 bench: $(VENV)
 	@for f in bench/*.py; do case $$f in */__init__.py) ;; *) echo "== $$f"; $(BIN)/python $$f || exit 1;; esac; done

@@ -111,9 +111,9 @@ checkpoint_every = 1000000
 def trajectory_payload_bytes() -> int:
     """Size of a real encoded Trajectory as the null rollout worker builds it."""
     from producers.domains import make_source
-    from rlbus.config import load_config
     from rollout_workers.engines import NullEngine
     from rollout_workers.worker import build_trajectories, render_prompt
+    from schemas.config import load_config
 
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(CONFIG)

@@ -104,7 +104,7 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
 def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, blob: bytes | None = None) -> float:
     """Greedy held-out accuracy of a model dir (optionally with another state dict, or a
     published weight blob, loaded)."""
-    from learner.weights import load_state_bytes
+    from bus.weight_blobs import load_state_bytes
     from rollout_workers.engines import HFEngine
     from scheduler.evaluation import greedy_accuracy
 
@@ -120,9 +120,9 @@ def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, bl
 
 def arith_reward(completions, answer, **_) -> list[float]:
     """TRL reward function: 1.0 when the completion is exactly the integer answer."""
-    from producers import arith
+    from schemas.answers import arith_answer
 
-    return [float(arith.parse_answer(c) == int(a)) for c, a in zip(completions, answer)]
+    return [float(arith_answer(c) == int(a)) for c, a in zip(completions, answer)]
 
 
 def trl_dataset(n: int, seed: int, eval_n: int):

@@ -122,7 +122,7 @@ class Ours:
         from transformers import AutoModelForCausalLM
 
         from learner.groups import PooledSample
-        from rlbus.config import LearnerSection
+        from schemas.config import LearnerSection
 
         try:
             from learner.step import train_step
@@ -260,8 +260,9 @@ def main() -> dict:
     ap.add_argument("--per-round", type=int, default=4)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     a = ap.parse_args()
-    import torch
     from importlib.metadata import version
+
+    import torch
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)

@@ -168,7 +168,8 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
 
     from bus.conn import ensure_topology
     from bus.subjects import Registry
-    from learner.weights import FileStore, publish_version
+    from bus.weight_stores import FileStore
+    from learner.weights import publish_version
 
     procs: list[subprocess.Popen] = []
     run_id = f"ws{store_name.replace('-', '')}{int(time.time())}"
@@ -240,7 +241,7 @@ async def measure(a) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bus.server import EmbeddedNats
-    from learner.weights import state_to_bytes
+    from bus.weight_blobs import state_to_bytes
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-ws-") as d:

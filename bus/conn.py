@@ -68,7 +68,7 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
     `await check_permitted(nc)` raises `PermissionDenied` for it. `options` go to
     `nats.connect` as they are (e.g. `max_reconnect_attempts=0` for a one-shot probe).
     """
-    from bus.auth import client_creds_file, client_credentials, inbox_prefix, tls_context
+    from bus.auth import client_credentials, client_creds_file, inbox_prefix, tls_context
 
     try:
         creds = client_creds_file(creds)

@@ -24,9 +24,10 @@ import uuid
 import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from bus.kv import LEARNER_LEASE
+
 log = structlog.get_logger()
 
-LEASE_KEY = "learner.lease"
 
 
 def lost_race(exc: Exception) -> bool:
@@ -48,17 +49,17 @@ class LearnerLease:
 
     async def _try(self, kv) -> bool:
         try:
-            entry = await kv.get(LEASE_KEY)
+            entry = await kv.get(LEARNER_LEASE)
         except (KeyNotFoundError, NotFoundError):
             entry = None
         try:
             if entry is None or not entry.value:
-                self.revision = await kv.create(LEASE_KEY, self._value()) if entry is None else \
-                    await kv.update(LEASE_KEY, self._value(), last=entry.revision)
+                self.revision = await kv.create(LEARNER_LEASE, self._value()) if entry is None else \
+                    await kv.update(LEARNER_LEASE, self._value(), last=entry.revision)
                 return True
             held = json.loads(entry.value)
             if held.get("owner") == self.owner or held.get("expires", 0) < time.time():
-                self.revision = await kv.update(LEASE_KEY, self._value(), last=entry.revision)
+                self.revision = await kv.update(LEARNER_LEASE, self._value(), last=entry.revision)
                 return True
             log.info("learner.lease_busy", holder=held.get("owner"), expires_in=round(held["expires"] - time.time(), 1))
             return False
@@ -86,7 +87,7 @@ class LearnerLease:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             try:
-                self.revision = await kv.update(LEASE_KEY, self._value(), last=self.revision)
+                self.revision = await kv.update(LEARNER_LEASE, self._value(), last=self.revision)
             except Exception as exc:  # noqa: BLE001 - a network blip is retried, a lost race fences us
                 if lost_race(exc):
                     self.lost = True
@@ -99,6 +100,6 @@ class LearnerLease:
         """Give the lease up (only if still ours)."""
         try:
             kv = await self.js.key_value(self.reg.kv_bucket)
-            await kv.update(LEASE_KEY, b"", last=self.revision)
+            await kv.update(LEARNER_LEASE, b"", last=self.revision)
         except Exception as exc:  # noqa: BLE001 - best effort; it expires anyway
             log.info("learner.lease_release_skipped", error=repr(exc))

@@ -28,7 +28,7 @@ import re
 
 import structlog
 
-from bus.kv import get_json
+from bus.kv import RELEASE_LATEST, get_json
 
 log = structlog.get_logger()
 VERSION_NAME = re.compile(r"^v(\d{6,})\.safetensors$")
@@ -50,7 +50,6 @@ class Retention:
         """The scheduler's released version (KV `release.latest`), if any."""
         if self.js is None or self.reg is None:
             return None
-        from scheduler.gates import RELEASE_LATEST
 
         return int(((await get_json(self.js, self.reg, RELEASE_LATEST)) or {}).get("version", -1))
 

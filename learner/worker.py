@@ -34,20 +34,20 @@ import time
 import structlog
 
 from bus.conn import ensure_consumer, ensure_consumer_from
-from bus.kv import LEARNER_PROGRESS, get_json, put_json
+from bus.kv import LEARNER_OVERRIDES, LEARNER_PROGRESS, WEIGHTS_LATEST, get_json, put_json
 from bus.publish import publish
 from bus.pull import decode_batch, fetch
+from bus.session import worker_session
+from bus.weight_stores import make_store
 from learner import checkpoint
-from learner.lease import LearnerLease
 from learner.groups import Group, GroupPool, PooledSample, split_stale
-from learner.step import load_models, skipped_loss_scale, train_step
+from learner.lease import LearnerLease
 from learner.retention import Retention
-from learner.weights import make_store, publish_version
-from rlbus.runtime import worker_session
+from learner.step import load_models, skipped_loss_scale, train_step
+from learner.weights import publish_version
 from schemas import Reward, TaskFate, TaskFates
 
 log = structlog.get_logger()
-LEARNER_OVERRIDES = "learner.overrides"  # written by the scheduler's forgetting guard
 OVERRIDES_EVERY = 5  # steps between reads of the overrides
 
 
@@ -106,7 +106,7 @@ class Learner:
         except Exception:
             info = None
         progressed = info is not None and (info.delivered.stream_seq > 0 or (info.ack_floor and info.ack_floor.stream_seq > 0))
-        latest = await get_json(js, reg, "weights.latest") or {}
+        latest = await get_json(js, reg, WEIGHTS_LATEST) or {}
         if saved:
             self.step, self.tasks_done = saved["step"], saved["tasks_done"]
             self.tasks_done_by_pool = dict(saved.get("tasks_done_by_pool") or {"short": self.tasks_done})
@@ -290,7 +290,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         if policy is not None:
             saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
         await L.restore(saved)
-        if (await get_json(s.js, s.reg, "weights.latest")) is None:
+        if (await get_json(s.js, s.reg, WEIGHTS_LATEST)) is None:
             await publish_version(s.js, s.reg, policy, 0, 0, {}, store=L.store)
         elif s.counters.get("resumed_from_step") is not None:
             L.version += 1  # the restored weights, announced under a new (monotonic) version

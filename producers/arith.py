@@ -3,7 +3,7 @@
 Guarantees:
 - Difficulty is an int >= 1 and sets the number of digits and operators
   (see `LEVELS`); the same (seed, difficulty) always yields the same problem stream.
-- The gold answer is exact integer arithmetic, computed by `evaluate`, never `eval`.
+- The gold answer is exact integer arithmetic, computed by `schemas.answers.arith_value`, never `eval`.
 - `heldout_set(seed, n, difficulty)` is a fixed, seeded evaluation set; `is_heldout`
   lets the sampler keep those problems out of training.
 - Prompt format shared by SFT, rollout and evaluation: the model sees `"<expr>="`
@@ -13,8 +13,9 @@ Guarantees:
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
+
+from schemas.answers import arith_value
 
 # difficulty -> (digits per operand, number of operators, operators allowed)
 LEVELS: dict[int, tuple[int, int, str]] = {
@@ -25,9 +26,6 @@ LEVELS: dict[int, tuple[int, int, str]] = {
     5: (3, 1, "+-"),
     6: (2, 2, "+-*"),
 }
-
-_TOKEN = re.compile(r"\s*(\d+|[+\-*])")
-
 
 @dataclass(frozen=True)
 class ArithProblem:
@@ -66,38 +64,7 @@ def generate(rng: random.Random, difficulty: int) -> ArithProblem:
         parts.append(rng.choice(ops))
         parts.append(str(rng.randint(lo, hi)))
     expression = "".join(parts)
-    return ArithProblem(expression, evaluate(expression))
-
-
-def evaluate(expression: str) -> int:
-    """Exact value of an expression of non-negative integers and + - * (usual precedence).
-
-    Raises ValueError on anything else, so a malformed expression is an error, not a 0.
-    """
-    tokens = _TOKEN.findall(expression)
-    if "".join(tokens) != expression.replace(" ", "") or not tokens:
-        raise ValueError(f"not an arith expression: {expression!r}")
-    terms: list[int] = []
-    sign, product, expect_number = 1, None, True
-    pending_op = "+"
-    for tok in tokens:
-        if expect_number:
-            if not tok.isdigit():
-                raise ValueError(f"expected a number in {expression!r}, got {tok!r}")
-            n = int(tok)
-            product = n if pending_op != "*" else product * n
-            expect_number = False
-        else:
-            if tok == "*":
-                pending_op = "*"
-            else:
-                terms.append(sign * product)
-                sign, pending_op = (1 if tok == "+" else -1), tok
-            expect_number = True
-    if expect_number:
-        raise ValueError(f"expression ends with an operator: {expression!r}")
-    terms.append(sign * product)
-    return sum(terms)
+    return ArithProblem(expression, arith_value(expression))
 
 
 def heldout_set(seed: int, n: int, difficulty: int) -> list[ArithProblem]:
@@ -110,11 +77,3 @@ def heldout_set(seed: int, n: int, difficulty: int) -> list[ArithProblem]:
         p = generate(rng, difficulty)
         seen.setdefault(p.expression, p)
     return list(seen.values())
-
-
-def parse_answer(completion: str) -> int | None:
-    """The integer the model answered: the whole completion, stripped; None if it is not one."""
-    text = completion.strip()
-    if re.fullmatch(r"-?\d{1,12}", text):
-        return int(text)
-    return None

@@ -17,7 +17,7 @@ Guarantees:
 from __future__ import annotations
 
 from producers.domains import DomainContext, StaticSource
-from producers.jsonl_source import DATA, load, resolve, items
+from producers.jsonl_source import DATA, items, load, resolve
 
 FORMATS = ("json", "csv", "svg")
 

@@ -29,12 +29,11 @@ import random
 
 import structlog
 
-from bus.kv import CURRICULUM, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
-from bus.publish import publish, publish_many
 from bus.hidden import put_hidden
-from scheduler.durations import DURATIONS
+from bus.kv import CURRICULUM, DURATIONS, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
+from bus.publish import publish, publish_many
+from bus.session import worker_session
 from producers.domains import Drawn, make_source
-from rlbus.runtime import worker_session
 from schemas import TaskFate, TaskFates
 
 log = structlog.get_logger()

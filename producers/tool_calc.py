@@ -21,7 +21,6 @@ Guarantees:
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 
 from producers.domains import DomainContext, Drawn, finish_task
@@ -29,7 +28,6 @@ from schemas import ChatMessage
 from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, tool_turn_text
 
 TOOL = "python"
-_ANSWER = re.compile(r"^\s*=?\s*(-?\d+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -65,12 +63,6 @@ def heldout_set(seed: int, n: int, level: int) -> list[Problem]:
         p = generate(rng, level)
         seen.setdefault(p.expression, p)
     return list(seen.values())
-
-
-def parse_answer(text: str) -> int | None:
-    """The integer of a final answer `=123` / `123`, else None."""
-    m = _ANSWER.match(text or "")
-    return int(m.group(1)) if m else None
 
 
 def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset()) -> list[tuple[str, bool]]:

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler")
+from bus.subjects import ROLES
 
 EPILOG = """examples:
   rlbus up examples/demo.toml                      # the demo: tiny model, SFT, then RL on arith
@@ -43,7 +43,7 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 
 # Commands that live with their subsystem: each module defines `register(sub)`, which adds
 # its parser and sets `func=callable(args) -> int` as the parser default.
-COMMAND_MODULES = ("sandbox_workers.cli", "verifier_workers.cli", "rlbus.top", "rlbus.export", "rlbus.report",
+COMMAND_MODULES = ("sandbox_workers.cli", "rlbus.verify", "rlbus.top", "rlbus.export", "rlbus.report",
                    "rlbus.init_cmd")
 
 
@@ -236,9 +236,9 @@ def _dlq(args) -> int:
 
 
 def _worker(args) -> int:
-    from rlbus.config import load_config
+    from bus.session import WorkerContext
     from rlbus.log import configure_logging
-    from rlbus.runtime import WorkerContext
+    from schemas.config import load_config
 
     cfg = load_config(args.config, args.set)
     run_id = args.run_id or cfg.run.run_id
@@ -289,9 +289,9 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "dlq":
         return _dlq(args)
     if args.command == "up":
-        from rlbus.config import ConfigError, load_config
         from rlbus.launcher import up
         from rlbus.log import configure_logging
+        from schemas.config import ConfigError, load_config
 
         overrides = list(args.set)
         for flag, key in (("run_dir", "run.run_dir"), ("run_id", "run.run_id"), ("max_steps", "run.max_steps"),

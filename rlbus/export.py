@@ -115,8 +115,7 @@ async def _find_version(js, reg, version: int, db_url: str | None, run_path: Pat
 
 
 async def _released_version(js, reg, db_url: str | None, run_path: Path) -> int:
-    from bus.kv import get_json
-    from scheduler.gates import RELEASE_LATEST
+    from bus.kv import RELEASE_LATEST, get_json
     from scheduler.store import open_store
 
     rel = await get_json(js, reg, RELEASE_LATEST)
@@ -138,9 +137,9 @@ async def fetch_version_blob(nats_url: str, run_id: str, version: str, db_url: s
     """The blob of `version` (a number, `latest` or `released`) and where it came from."""
     from bus.conn import connect
     from bus.kv import WEIGHTS_LATEST, get_json
-    from bus.subjects import Registry
     from bus.objects import BlobGone
-    from learner.weights import fetch_weights
+    from bus.subjects import Registry
+    from bus.weight_stores import fetch_weights
 
     reg = Registry(run_id)
     nc = await connect(nats_url, name="rlbus-export")
@@ -155,7 +154,7 @@ async def fetch_version_blob(nats_url: str, run_id: str, version: str, db_url: s
             number = await _released_version(js, reg, db_url, run_path) if version == "released" else int(version)
             uri, sha, step = await _find_version(js, reg, number, db_url, run_path)
         try:
-            blob = await fetch_weights(uri, sha, js, reg)
+            blob = await fetch_weights(uri, sha, js)
         except BlobGone as exc:
             raise ExportError(f"version {number} is no longer in the weight store ({exc}): the learner keeps only "
                               "the newest learner.keep_versions versions, version 0 and the released one; export "
@@ -175,8 +174,7 @@ def model_from_blob(start: Path, blob: bytes):
     """The start model with the blob's weights (a LoRA adapter blob merged in)."""
     from safetensors.torch import load
 
-    from learner.lora import apply_adapter_blob, blob_kind
-    from learner.weights import load_state_bytes
+    from bus.weight_blobs import apply_adapter_blob, blob_kind, load_state_bytes
 
     model = _load_start(start)
     if blob_kind(blob) == "lora":

@@ -30,8 +30,8 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from rlbus.config import ConfigError
     from rlbus.init_run import init_run
+    from schemas.config import ConfigError
 
     try:
         init_run(args.config, args.set, args.run_id, args.run_dir, args.nats_url)

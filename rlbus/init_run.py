@@ -41,7 +41,8 @@ import sys
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler")
+from bus.subjects import ROLES, Registry
+
 DEFAULT_CONFIG = "examples/demo.toml"
 
 
@@ -79,8 +80,8 @@ def init_run(config: str, overrides: list[str], run_id: str, run_dir: str, nats_
     """Prepare the run folder (config.json, model/start, secret) and, with a URL, the run's topology."""
     from rich.console import Console
 
-    from rlbus.config import dump_config, load_config
     from rlbus.launcher import prepare_model
+    from schemas.config import dump_config, load_config
 
     cfg = load_config(config, overrides)
     cfg.run.run_id, cfg.run.run_dir = run_id, str(run_dir)  # the server URL stays out: it may hold credentials
@@ -141,7 +142,7 @@ async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeo
             seen.set()
 
     try:
-        await nc.subscribe(f"metrics.{run_id}.{role}.*", cb=on_msg)
+        await nc.subscribe(Registry(run_id).metrics(role), cb=on_msg)
         try:
             await asyncio.wait_for(seen.wait(), timeout)
         except TimeoutError:

@@ -41,10 +41,10 @@ from bus.kv import LEARNER_PROGRESS, STATUS, get_json
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
 from rlbus.accounting import account
-from rlbus.config import RunConfig, dump_config
 from rlbus.live import Snapshot, line, render
 from rlbus.plots import reward_curve
 from schemas import DecodeError, EvalResult, Metric, RewardGlance, WeightVersion, decode, glance_reward
+from schemas.config import RunConfig, dump_config
 
 log = structlog.get_logger()
 MAX_RESTARTS = 5
@@ -328,7 +328,7 @@ class Monitor:
             s.dead_letters = (await self.js.stream_info(self.reg.stream("DLQ"))).state.messages
         except Exception:
             pass
-        from scheduler.gates import PLATEAU, RELEASE_LATEST, STOP_REQUESTED
+        from bus.kv import PLATEAU, RELEASE_LATEST, STOP_REQUESTED
 
         self.plateau = await get_json(self.js, self.reg, PLATEAU)
         self.released_version = ((await get_json(self.js, self.reg, RELEASE_LATEST)) or {}).get("version")

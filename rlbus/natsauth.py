@@ -26,7 +26,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from bus.auth import ENV_PASSWORD, ENV_USER, MONITOR, USERS, password_env, random_passwords, server_auth_config, write_env
+from bus.auth import (
+    ENV_PASSWORD,
+    ENV_USER,
+    MONITOR,
+    USERS,
+    password_env,
+    random_passwords,
+    server_auth_config,
+    write_env,
+)
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "compose" / "nats-auth.conf.tmpl"
 PLACEHOLDER = "@RLBUS_AUTHORIZATION@"

@@ -210,10 +210,10 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
                  bucket_s: float = 10.0) -> Path:
     """Write `<run>/report.md` and `<run>/plots/*.png`; returns the report's path."""
     from scheduler.store import (
+        DB_URL_ENV,
         CurriculumUpdateRow,
         DeadLetterRow,
         EvalResultRow,
-        DB_URL_ENV,
         GateCheckRow,
         RewardRow,
         RunRow,

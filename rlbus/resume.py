@@ -8,7 +8,7 @@ Guarantees:
   learners; the learner's KV lease guards the latter as well).
 - Workers the dead launcher left (pids in `run.json`, checked against their command
   line so a recycled pid is never signalled) are stopped: SIGTERM, then SIGKILL after a
-  grace period. They normally stopped by themselves already (see `rlbus.runtime`).
+  grace period. They normally stopped by themselves already (see `bus.session`).
 - The NATS server: the recorded one is reused when it still answers (its pid is kept so
   the resumed launcher stops it at the end); otherwise a new embedded server is started
   on the run's own store directory, so every stream and bucket is still there.
@@ -23,7 +23,7 @@ import signal
 import time
 from pathlib import Path
 
-from rlbus.config import ConfigError, RunConfig, load_config
+from schemas.config import ConfigError, RunConfig, load_config
 
 LIMIT_KEYS = {"max_steps", "max_minutes", "drain_seconds"}
 

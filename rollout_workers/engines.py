@@ -66,8 +66,7 @@ class HFEngine:
     def load_weights(self, blob: bytes) -> None:
         """Hot-load a safetensors blob into the model: full weights, or a LoRA adapter, which
         is merged into the base weights this engine started from (never into the previous version)."""
-        from learner.lora import blob_kind, merged_state_blob
-        from learner.weights import load_state_bytes
+        from bus.weight_blobs import blob_kind, load_state_bytes, merged_state_blob
 
         self._check_settled()
 
@@ -83,7 +82,7 @@ class HFEngine:
     def load_weights_file(self, path: str, sha256: str) -> bool:
         """Hot-load a full-state safetensors file without an intermediate blob; False if this
         path does not apply (see the module guarantees)."""
-        from learner.weights import load_state_file
+        from rollout_workers.weight_loading import load_state_file
 
         self._check_settled()
         if self.device.type != "cpu":
@@ -99,7 +98,7 @@ class HFEngine:
         """Swap a full-state safetensors file in before its sha256 is checked; the
         `SpeculativeLoad` to verify and settle, or None if this path does not apply (see
         the module guarantees)."""
-        from learner.weights import load_state_file_speculative
+        from rollout_workers.weight_loading import load_state_file_speculative
 
         self._check_settled()
         if self.device.type != "cpu":

@@ -54,7 +54,7 @@ import structlog
 from nats.js.api import DeliverPolicy
 
 from bus.objects import BlobGone, ChecksumMismatch
-from learner.weights import fetch_weights, in_background_thread
+from bus.weight_stores import fetch_weights, in_background_thread
 from schemas import DecodeError, WeightPrefetch, WeightVersion, decode
 
 log = structlog.get_logger()
@@ -254,7 +254,7 @@ class WeightWatcher:
                 if fast is not None and parsed.scheme == "file":
                     loaded = await asyncio.to_thread(fast, parsed.path, wv.sha256)
                 if not loaded:
-                    blob = await fetch_weights(wv.uri, wv.sha256, self.js, self.reg)
+                    blob = await fetch_weights(wv.uri, wv.sha256, self.js)
             except ChecksumMismatch as exc:
                 self._reject(wv, str(exc))
                 return False

@@ -38,7 +38,7 @@ import structlog
 from bus.conn import pull_subscription
 from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
-from rlbus.runtime import worker_session
+from bus.session import worker_session
 from rollout_workers.agent import SandboxUnavailable, run_episodes, to_trajectory
 from rollout_workers.engines import make_engine
 from rollout_workers.weights_watch import WeightWatcher

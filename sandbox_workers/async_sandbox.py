@@ -27,8 +27,8 @@ from sandbox_workers.base import ExecResult, Limits, Sandbox
 from sandbox_workers.factory import open_sandbox
 
 if TYPE_CHECKING:
-    from rlbus.config import SandboxSection
     from sandbox_workers.integrity import ExecRecorder
+    from schemas.config import SandboxSection
 
 
 class SandboxClosed(RuntimeError):

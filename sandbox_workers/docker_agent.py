@@ -352,7 +352,7 @@ def write_files(files):
                     os.mkdir(d, 0o755)
                 except FileExistsError:
                     if os.path.islink(d) or not os.path.isdir(d):
-                        raise ValueError("not a directory: %r" % d)
+                        raise ValueError("not a directory: %r" % d) from None
             fd = os.open(d + "/" + parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             try:
                 write_all(fd, data)

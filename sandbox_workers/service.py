@@ -335,7 +335,7 @@ def service_secret(ctx) -> bytes:
 
 async def run(cfg, ctx) -> None:
     """The sandbox worker process: serve sessions until stopped, then close them all."""
-    from rlbus.runtime import worker_session
+    from bus.session import worker_session
 
     async with worker_session("sandbox", cfg, ctx) as ws:
         service = SandboxService(ws.nc, ws.js, ws.reg, cfg.sandbox, service_secret(ctx), ws.counters)

@@ -40,6 +40,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError, NotFoundError
 
+from bus.kv import DLQ_REPLAYED
 from bus.publish import publish
 from bus.streams import iter_stream
 from bus.subjects import Registry
@@ -50,7 +51,6 @@ log = structlog.get_logger()
 ADVISORY_PREFIX = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
 STAGE_OF_FAMILY = {"TASKS": "rollout", "TRAJ": "verifier", "REWARDS": "learner"}
 DELETE_FAMILIES = ("TASKS", "TRAJ")
-REPLAY_KEY = "dlq.replayed.{seq}"
 REPLAY_OF_HEADER = "Rlbus-Replay-Of"
 ORIGINAL_ID_HEADER = "Rlbus-Original-Msg-Id"
 
@@ -180,7 +180,7 @@ async def replayed(js: JetStreamContext, reg: Registry, seq: int) -> dict | None
     """The replay record of DLQ sequence `seq`, or None if it was never replayed."""
     kv = await js.key_value(reg.kv_bucket)
     try:
-        entry = await kv.get(REPLAY_KEY.format(seq=seq))
+        entry = await kv.get(DLQ_REPLAYED.format(seq=seq))
     except (KeyNotFoundError, NotFoundError):
         return None
     return json.loads(entry.value) if entry and entry.value else None
@@ -201,6 +201,6 @@ async def replay(js: JetStreamContext, reg: Registry, seqs: list[int]) -> int:
         record = {"seq": seq, "subject": letter.original_subject, "msg_id": headers["Nats-Msg-Id"],
                   "stream": ack.stream, "stream_seq": ack.seq, "duplicate": bool(ack.duplicate),
                   "replayed_at": time.time()}
-        await kv.put(REPLAY_KEY.format(seq=seq), json.dumps(record).encode())
+        await kv.put(DLQ_REPLAYED.format(seq=seq), json.dumps(record).encode())
         log.info("dlq.replayed", **record)
     return stored

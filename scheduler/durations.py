@@ -18,12 +18,11 @@ import math
 
 import structlog
 
-from bus.kv import put_json
+from bus.kv import DURATIONS, put_json
 from schemas import DecodeError, RewardGlance, glance_reward
 
 log = structlog.get_logger()
 
-DURATIONS = "durations"
 
 
 def episode_seconds(reward: RewardGlance) -> float:

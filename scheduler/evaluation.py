@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from producers import arith, tool_calc
 from schemas import ChatMessage, Task
+from schemas.answers import arith_answer, calc_answer
 
 
 def eval_set(seed: int, n: int, difficulty: int) -> tuple[list[arith.ArithProblem], str]:
@@ -33,7 +34,7 @@ def greedy_accuracy(engine, problems: list[arith.ArithProblem], max_tokens: int,
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
         groups = engine.generate([p.prompt for p in chunk], 1, max_tokens, 0.0)
-        correct += sum(arith.parse_answer(g[0].text) == p.answer for p, g in zip(chunk, groups, strict=True))
+        correct += sum(arith_answer(g[0].text) == p.answer for p, g in zip(chunk, groups, strict=True))
     return correct / max(1, len(problems))
 
 
@@ -50,7 +51,7 @@ async def tool_calc_accuracy(engine, problems: list[tool_calc.Problem], max_toke
                       tools=[tool_calc.TOOL], verifier="tool_calc", verifier_params={"expression": p.expression})
                  for p in chunk]
         episodes = await run_episodes(engine, tasks, version=lambda: 0, open_sandbox=open_sandbox)
-        correct += sum(tool_calc.parse_answer(ep.final_text) == p.answer for ep, p in zip(episodes, chunk, strict=True))
+        correct += sum(calc_answer(ep.final_text) == p.answer for ep, p in zip(episodes, chunk, strict=True))
     return correct / max(1, len(problems))
 
 

@@ -43,15 +43,20 @@ from dataclasses import asdict, dataclass, field
 
 import structlog
 
-from bus.kv import LEARNER_PROGRESS, STATUS, get_json, put_json
+from bus.kv import (
+    GATES_BASELINE,
+    LEARNER_OVERRIDES,
+    LEARNER_PROGRESS,
+    PLATEAU,
+    RELEASE_LATEST,
+    STATUS,
+    STOP_REQUESTED,
+    get_json,
+    put_json,
+)
 
 log = structlog.get_logger()
 
-RELEASE_LATEST = "release.latest"
-LEARNER_OVERRIDES = "learner.overrides"
-PLATEAU = "plateau"
-GATES_BASELINE = "gates.baseline"
-STOP_REQUESTED = "stop-requested"
 PLATEAU_UNIT = "eval score per 1000 trained samples"
 PER_SAMPLES = 1000.0
 _EPS = 1e-9

@@ -30,24 +30,23 @@ import asyncio
 
 import structlog
 
-from bus.kv import get_json, put_json
+from bus.kv import EVAL_BASELINE, get_json, put_json
 from bus.publish import publish
-from rlbus.runtime import worker_session
+from bus.session import worker_session
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
-from schemas import EvalResult
+from scheduler.costs import track_costs
 from scheduler.curriculum_service import run_curriculum
 from scheduler.dlq import capture_max_deliveries
-from scheduler.costs import track_costs
 from scheduler.durations import track_durations
 from scheduler.evaluation import EvalSuite
-from scheduler.pipeline_eval import PipelineEval
 from scheduler.gates import Gates, add_general_set
+from scheduler.pipeline_eval import PipelineEval
 from scheduler.recorder import record
 from scheduler.store import open_store
+from schemas import EvalResult
 
 log = structlog.get_logger()
-BASELINE_KEY = "eval.baseline"
 
 
 async def run(cfg, ctx) -> dict[str, float]:
@@ -123,12 +122,12 @@ async def run(cfg, ctx) -> dict[str, float]:
             await record_scores(scores, version, watcher.steps.get(version, 0), None)
             last_eval = max(asked, version)
 
-        if await get_json(s.js, s.reg, BASELINE_KEY) is None:
+        if await get_json(s.js, s.reg, EVAL_BASELINE) is None:
             # The baseline is the starting checkpoint exactly as the learner publishes it as
             # version 0 (same files), evaluated before any blob is loaded: however late the
             # scheduler starts, the baseline is never a later version.
             await publish_eval(0, 0)
-            await put_json(s.js, s.reg, BASELINE_KEY, {"version": 0, "score": s.counters["eval_score"]})
+            await put_json(s.js, s.reg, EVAL_BASELINE, {"version": 0, "score": s.counters["eval_score"]})
 
         if not await watcher.wait_first(s.stop):
             await stop_curriculum()

@@ -8,6 +8,7 @@ of undecodable and foreign messages, and redelivery after ack_wait.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgpack
@@ -18,8 +19,6 @@ from nats.js.api import DiscardPolicy, RetentionPolicy
 from bus.conn import ensure_topology, pull_subscription
 from bus.kv import get_json, put_json
 from bus.publish import publish, publish_many
-import asyncio
-
 from bus.pull import Delivery, Reject, Retry, run_pull_loop, run_pull_stream
 from bus.streams import iter_stream
 from bus.subjects import DAY, ConsumerSpec, Registry

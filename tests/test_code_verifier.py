@@ -15,8 +15,8 @@ import pytest
 
 from producers import humaneval_source as he
 from producers.domains import DomainContext
-from rlbus.config import DomainConfig, load_config
 from schemas import Trajectory, encode
+from schemas.config import DomainConfig, load_config
 from verifier_workers import registry
 from verifier_workers.code_verifier import SandboxInfraError, candidate_program, extract_code, verify_code
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from rlbus.config import ConfigError, RunConfig, Section, load_config
+from schemas.config import ConfigError, RunConfig, Section, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

@@ -21,10 +21,10 @@ from bus.publish import publish_many
 from bus.streams import iter_stream
 from bus.subjects import Registry
 from producers.sampler import plan
-from rlbus.config import load_config
 from scheduler.curriculum_service import DURABLE, run_curriculum
 from scheduler.store import CurriculumUpdateRow, open_store
 from schemas import Reward, Task, TaskFates, Trajectory, Turn, decode
+from schemas.config import load_config
 from tests.conftest import eventually, logs
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards

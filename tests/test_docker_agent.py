@@ -250,6 +250,7 @@ def test_concurrent_runs_and_zero_api_calls_in_steady_state(db):
 
 def docker_score(text: str, hidden: dict | None = None, **params):
     from test_code_verifier import HIDDEN_ADD, traj
+
     from verifier_workers.code_verifier import verify_code
 
     hidden = hidden or HIDDEN_ADD
@@ -298,8 +299,9 @@ def test_harness_supervisor_is_non_dumpable_in_the_agent(db):
     import hashlib
     import marshal
 
-    from verifier_workers.code_verifier import counted_tests, harness_source
     from test_code_verifier import ADD, GOOD_ADD
+
+    from verifier_workers.code_verifier import counted_tests, harness_source
 
     job = marshal.dumps({"nonce": "ab" * 32, "entry_point": "add", "prompt": "", "timeout_s": 5.0}, 4)
     tests = counted_tests(ADD).encode()

@@ -16,13 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bus.conn import connect, delete_run, ensure_topology
-from bus.kv import put_json
+from bus.kv import RELEASE_LATEST, put_json
 from bus.subjects import Registry
 from learner import checkpoint
 from learner.weights import publish_version
 from rlbus.export import ExportError, export
 from rlbus.tiny_model import build_tiny_model
-from scheduler.gates import RELEASE_LATEST
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
@@ -67,7 +66,7 @@ async def _publish(nats_url: str, run_id: str, models: list, released: int | Non
 
 
 async def _delete_blob(nats_url: str, run_id: str, name: str) -> None:
-    from learner.weights import NatsStore
+    from bus.weight_stores import NatsStore
 
     nc = await connect(nats_url, name="test-export-delete")
     await NatsStore(nc.jetstream(timeout=10), Registry(run_id).object_bucket).delete(name)

@@ -9,7 +9,6 @@ import pytest
 from bus.conn import ensure_topology
 from bus.kv import LEARNER_PROGRESS, STATUS, get_json, put_json
 from bus.subjects import Registry
-from rlbus.config import RunConfig
 from scheduler.gates import (
     LEARNER_OVERRIDES,
     PLATEAU,
@@ -26,6 +25,7 @@ from scheduler.gates import (
     release_gate,
 )
 from scheduler.store import GateCheckRow, open_store
+from schemas.config import RunConfig
 
 
 # -- release gate -------------------------------------------------------------------------

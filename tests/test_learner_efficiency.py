@@ -11,12 +11,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.groups import PooledSample
-from learner.pcgrad import pcgrad
 from learner.objectives import aggregate_tokens
-from learner.step import (compute_context, enable_activation_checkpointing, load_models, padding_fraction,
-                          plan_micro_batches, train_step)
-from rlbus.config import LearnerSection
+from learner.pcgrad import pcgrad
+from learner.step import (
+    compute_context,
+    enable_activation_checkpointing,
+    load_models,
+    padding_fraction,
+    plan_micro_batches,
+    train_step,
+)
 from rlbus.tiny_model import build_tiny_model
+from schemas.config import LearnerSection
 from tests.test_learner_units import reward
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64)

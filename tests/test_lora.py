@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.lora import apply_adapter_blob, blob_kind, is_lora, merged_state_blob
+from bus.weight_blobs import apply_adapter_blob, blob_kind, load_state_bytes, merged_state_blob, state_to_bytes
+from learner.lora import is_lora
 from learner.step import load_models, train_step
-from learner.weights import load_state_bytes, model_blob, state_to_bytes
-from rlbus.config import LearnerSection
+from learner.weights import model_segments
 from rlbus.tiny_model import build_tiny_model
+from schemas.config import LearnerSection
 from tests.test_learner_efficiency import samples
 
 
@@ -38,7 +39,7 @@ def test_lora_trains_adapters_and_blob_reproduces_logits(model_dir):
     assert metrics["kl"] > 0.0
     assert all(torch.equal(p, base_before[n]) for n, p in policy.named_parameters() if not p.requires_grad)
 
-    blob = model_blob(policy)
+    blob = b"".join(model_segments(policy))
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     full = state_to_bytes(base)
     assert blob_kind(blob) == "lora" and blob_kind(full) == "full"

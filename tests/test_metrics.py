@@ -3,7 +3,7 @@
 The in-process test runs a real `worker_session` on the session's nats-server with a
 real pull loop and scrapes it; the process test starts `rlbus worker learner` (null
 policy) with RLBUS_METRICS_PORT and scrapes it (it needs the one-line hook in
-`rlbus/runtime.py`, and says so when it is missing).
+`bus/session.py`, and says so when it is missing).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import pytest
 from bus.publish import publish_many
 from bus.pull import run_pull_loop
 from bus.server import free_port
-from rlbus.config import RunConfig
-from rlbus.metrics import ENV_PORT, start_metrics_server
-from rlbus.runtime import WorkerContext, worker_session
+from bus.session import WorkerContext, worker_session
+from bus.telemetry import ENV_PORT, start_metrics_server
 from schemas import ChatMessage, Task
+from schemas.config import RunConfig
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("drop_run")
@@ -81,7 +81,7 @@ def test_port_zero_is_off_and_busy_base_port_moves_up(monkeypatch):
 
 def test_worker_process_serves_metrics(tmp_path, nats_url, run_id, spawn_worker):
     if "start_metrics_server" not in (ROOT / "rlbus" / "runtime.py").read_text():
-        pytest.skip("rlbus/runtime.py does not call rlbus.metrics.start_metrics_server yet (one-line hook)")
+        pytest.skip("bus/session.py does not call bus.telemetry.start_metrics_server yet (one-line hook)")
     cfg = tmp_path / "m.toml"
     cfg.write_text('[learner]\npolicy = "null"\n')
     port = free_port()

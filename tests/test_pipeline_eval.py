@@ -10,9 +10,9 @@ from bus.conn import ensure_topology
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.subjects import Registry
 from producers import arith
-from rlbus.config import load_config
 from scheduler.evaluation import EvalSuite
 from scheduler.pipeline_eval import PipelineEval, eval_tasks
+from schemas.config import load_config
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.usefixtures("drop_run")

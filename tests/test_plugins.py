@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from producers import domains
-from rlbus.config import load_config
 from schemas import Trajectory
+from schemas.config import load_config
 from verifier_workers import registry
 from verifier_workers.verifiers import VerifierInputError
 from verifier_workers.worker import score

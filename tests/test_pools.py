@@ -8,8 +8,8 @@ import random
 from bus.subjects import Registry
 from producers.domains import make_source
 from producers.sampler import make_tasks, pool_caps, pool_for
-from rlbus.config import load_config
 from scheduler.durations import update
+from schemas.config import load_config
 
 CFG = ["sampler.max_inflight_tasks=100", "learner.groups_per_step=4", "learner.max_staleness=3",
        "sampler.domains.arith.pool=short", "sampler.domains.slow.kind=sleep", "sampler.domains.slow.pool=long",

@@ -18,8 +18,8 @@ from learner.groups import PooledSample
 from learner.replay import ReplayStream, load_pairs, replay_nll
 from learner.sft import make_batch
 from learner.step import train_step
-from rlbus.config import LearnerSection
 from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
+from schemas.config import LearnerSection
 from tests.test_learner_units import reward
 
 REPLAY = Path(__file__).resolve().parents[1] / "examples" / "data" / "replay.jsonl"

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from rlbus.report import build_report, capability_cost, reward_by_domain, staleness, throughput, version_steps
-from schemas import EvalResult, WeightVersion
 from scheduler.store import (
     EvalResultRow,
     GateCheckRow,
@@ -18,6 +17,7 @@ from scheduler.store import (
     WeightVersionRow,
     open_store,
 )
+from schemas import EvalResult, WeightVersion
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000.0

@@ -36,7 +36,7 @@ def test_resume_refuses_a_different_config(tmp_path):
     run_path.mkdir()
     (tmp_path / "a.toml").write_text(CONFIG)
     (tmp_path / "b.toml").write_text(CONFIG.replace("lr = 1e-4", "lr = 5e-4"))
-    from rlbus.config import dump_config, load_config
+    from schemas.config import dump_config, load_config
 
     dump_config(load_config(tmp_path / "a.toml"), run_path / "config.json")
     assert resumed_config(run_path, str(tmp_path / "a.toml"), ["run.max_steps=40"]).run.max_steps == 40

@@ -24,7 +24,6 @@ from nats.js.errors import NotFoundError
 
 from bus.conn import connect
 from bus.subjects import Registry
-from rlbus.config import SandboxSection
 from sandbox_workers.async_sandbox import (
     LocalAsyncSandbox,
     SandboxClosed,
@@ -40,6 +39,7 @@ from sandbox_workers.remote import (
     pack,
     unpack,
 )
+from schemas.config import SandboxSection
 from tests.conftest import ROOT, eventually, logs
 from tests.proc_scan import live_pids
 

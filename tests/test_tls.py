@@ -14,7 +14,7 @@ import pytest
 from bus.auth import random_passwords, security_options, server_auth_config, tls_context
 from bus.conn import connect
 from bus.server import EmbeddedNats, tls_block
-from rlbus.config import RunConfig
+from schemas.config import RunConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates")
 

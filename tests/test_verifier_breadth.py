@@ -12,9 +12,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from producers.domains import DomainContext, make_source
-from rlbus.config import DomainConfig, RunConfig
-from schemas import ChatMessage, ToolCall, Trajectory, Turn, encode
+from producers.domains import make_source
+from schemas import ToolCall, Trajectory, Turn, encode
+from schemas.config import RunConfig
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.verifiers import VerifierInputError
@@ -264,7 +264,7 @@ def test_non_finite_component_is_a_verifier_crash():
 def ctx_for(tmp_path: Path, toml: str) -> RunConfig:
     p = tmp_path / "run.toml"
     p.write_text(toml)
-    from rlbus.config import load_config
+    from schemas.config import load_config
 
     return load_config(p)
 
@@ -398,7 +398,7 @@ def test_judge_domain_points_at_the_model_verifier(tmp_path, tiny_models):
 
 def test_domains_example_config_loads_every_builtin_kind():
     from producers.domains import BUILTINS, kind_of
-    from rlbus.config import load_config
+    from schemas.config import load_config
 
     cfg = load_config(ROOT / "examples/domains.toml")
     bench_only = {"sleep"}  # the scheduling benchmark's kind, not a task domain

@@ -13,15 +13,15 @@ import pytest
 from bus.conn import ensure_topology
 from bus.publish import publish_many
 from bus.pull import Reject, Retry
+from bus.session import WorkerContext
 from bus.streams import iter_stream
 from bus.subjects import Registry
-from rlbus.config import RunConfig, VerifierSection
-from rlbus.runtime import WorkerContext
 from schemas import DeadLetter, Reward, Trajectory, Turn, decode
+from schemas.config import RunConfig, VerifierSection
 from tests.conftest import settled_consumer
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import Verdict, verify_arith
+from verifier_workers.verifiers import verify_arith
 from verifier_workers.worker import RetryPolicy, run
 
 pytestmark = pytest.mark.usefixtures("drop_run")

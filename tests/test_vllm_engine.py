@@ -11,7 +11,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from learner.weights import state_to_bytes
+from bus.weight_blobs import state_to_bytes
 
 HAS_CUDA = False
 try:

@@ -18,18 +18,23 @@ import bus.objects as objects
 from bus.conn import ensure_topology
 from bus.objects import ChecksumMismatch, get_blob, put_blob, put_segments, sha256_hex
 from bus.subjects import Registry
-from learner.weights import (FileStore, load_state_file, model_segments, publish_version, state_segments,
-                             state_tensors, state_to_bytes)
+from bus.weight_blobs import state_segments, state_tensors, state_to_bytes
+from bus.weight_stores import FileStore
+from learner.weights import model_segments, publish_version
 from rlbus.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
+from rollout_workers.weight_loading import load_state_file
 from rollout_workers.weights_watch import WeightWatcher
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    TINY, equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, tied,
+    TINY,
+    equals_snapshot,
+    load_model,
+    model_dir,
+    perturb,
+    same_weights,
+    snapshot,
+    tied,
 )
-
-
-
-
 
 
 async def _write(tmp_path, model, name="v000001.safetensors"):

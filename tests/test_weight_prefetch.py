@@ -21,21 +21,25 @@ import threading
 import pytest
 import torch
 
+import bus.weight_stores as ws
 import learner.weights as lw
 import rollout_workers.weights_watch as ww
 from bus.conn import connect, ensure_topology
 from bus.subjects import Registry
-from learner.weights import FileStore, publish_version
+from bus.weight_stores import FileStore
+from learner.weights import publish_version
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightPrefetch, WeightVersion, encode
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, until,
+    equals_snapshot,
+    load_model,
+    model_dir,
+    perturb,
+    same_weights,
+    snapshot,
+    until,
 )
-
-
-
-
 
 
 class GatedLearnerHash:
@@ -43,14 +47,14 @@ class GatedLearnerHash:
 
     def __init__(self, monkeypatch):
         self.go, self.started = threading.Event(), threading.Event()
-        real = lw.sha256_segments
+        real = ws.sha256_segments
 
         def gated(segments):
             self.started.set()
             assert self.go.wait(30)
             return real(segments)
 
-        monkeypatch.setattr(lw, "sha256_segments", gated)
+        monkeypatch.setattr(ws, "sha256_segments", gated)
 
     def release(self) -> None:
         self.go.set()

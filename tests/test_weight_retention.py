@@ -13,14 +13,14 @@ import threading
 import pytest
 
 from bus.conn import ensure_topology
-from bus.kv import put_json
+from bus.kv import RELEASE_LATEST, put_json
 from bus.objects import BlobGone
 from bus.subjects import Registry
+from bus.weight_stores import FileStore, NatsStore, fetch_weights
 from learner.retention import Retention, version_name
-from learner.weights import FileStore, NatsStore, fetch_weights, publish_version
+from learner.weights import publish_version
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
-from scheduler.gates import RELEASE_LATEST
 from tests.tiny_weights import load_model, model_dir, perturb, same_weights, until  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.usefixtures("drop_run")
@@ -45,7 +45,7 @@ async def test_retention_keeps_newest_version_zero_and_the_released_one(js, run_
     assert await retention.after_publish(10) == 6  # 1-3 and 5-7; 4 is released, 8-10 are the newest 3
     assert _versions(await store.names()) == [0, 4, 8, 9, 10] and "notes.txt" in await store.names()
     with pytest.raises(BlobGone):
-        await fetch_weights(uris[5], "0" * 64, js, reg)
+        await fetch_weights(uris[5], "0" * 64, js)
 
     await put_json(js, reg, RELEASE_LATEST, {"version": 9, "step": 9})  # a newer release replaces 4
     await store.put(version_name(11), b"blob 11")

@@ -21,25 +21,30 @@ from pathlib import Path
 import pytest
 import torch
 
-import learner.weights as lw
+import rollout_workers.weight_loading as lw
 import rollout_workers.worker as rw
 from bus.conn import ensure_topology, pull_subscription
 from bus.publish import publish
 from bus.pull import run_pull_loop
 from bus.streams import iter_stream
 from bus.subjects import Registry
-from learner.weights import FileStore, load_state_file_speculative, model_segments, publish_version
+from bus.weight_stores import FileStore
+from learner.weights import model_segments, publish_version
 from rollout_workers.engines import HFEngine
+from rollout_workers.weight_loading import load_state_file_speculative
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, decode
 from tests.messages import make_task
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, tied, until,
+    equals_snapshot,
+    load_model,
+    model_dir,
+    perturb,
+    same_weights,
+    snapshot,
+    tied,
+    until,
 )
-
-
-
-
 
 
 def _corrupt(path) -> None:

@@ -13,7 +13,9 @@ from bus.conn import ensure_topology
 from bus.kv import WEIGHTS_LATEST, get_json
 from bus.objects import ChecksumMismatch
 from bus.subjects import Registry
-from learner.weights import FileStore, NatsStore, fetch_weights, load_state_bytes, make_store, publish_version
+from bus.weight_blobs import load_state_bytes
+from bus.weight_stores import FileStore, NatsStore, fetch_weights, make_store
+from learner.weights import publish_version
 from rlbus.tiny_model import build_tiny_model
 
 HAS_BOTO3 = importlib.util.find_spec("boto3") is not None
@@ -61,5 +63,5 @@ async def test_publish_version_to_file_store(js, run_id, tmp_path):
     assert latest["uri"] == wv.uri and latest["sha256"] == wv.sha256
     fresh = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "o", hidden_size=32, num_layers=1,
                                                                   num_heads=2, seed=1))
-    load_state_bytes(fresh, await fetch_weights(wv.uri, wv.sha256, js, reg))
+    load_state_bytes(fresh, await fetch_weights(wv.uri, wv.sha256, js))
     assert all((a == b).all() for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -13,13 +13,20 @@ from bus.kv import WEIGHTS_LATEST, get_json
 from bus.objects import ChecksumMismatch, get_blob, put_blob, sha256_hex
 from bus.publish import publish
 from bus.subjects import Registry
-from learner.weights import load_state_bytes, publish_version, state_to_bytes
+from bus.weight_blobs import load_state_bytes, state_to_bytes
+from learner.weights import publish_version
 from rlbus.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    load_model, model_dir, perturb, same_weights, snapshot, TINY, until,
+    TINY,
+    load_model,
+    model_dir,
+    perturb,
+    same_weights,
+    snapshot,
+    until,
 )
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards

@@ -305,7 +305,7 @@ class Supervisor:
         try:
             msg = marshal.loads(_read_exact(self.resp_fd, n, self.deadline))
         except Exception as exc:  # malformed, absurdly nested
-            raise RunnerTamper("reply refused: %s: %s" % (type(exc).__name__, exc))
+            raise RunnerTamper("reply refused: %s: %s" % (type(exc).__name__, exc)) from exc
         if type(msg) is not dict or not plain(msg):
             raise RunnerTamper("malformed reply")
         if msg.get("kind") == "tamper":
@@ -317,7 +317,7 @@ class Supervisor:
         try:
             send(self.req_fd, {"kind": "call", "args": args, "kwargs": kwargs})
         except OSError:
-            raise RunnerGone()
+            raise RunnerGone() from None
         msg = self.recv()
         if msg.get("kind") == "value":
             return msg.get("value")
@@ -375,7 +375,7 @@ def supervise(pid, req_fd, resp_fd, job, tests, tests_sha):
         try:
             send(req_fd, {"kind": "fin"})
         except OSError:
-            raise RunnerGone()
+            raise RunnerGone() from None
         if sup.recv().get("kind") != "fin":
             raise RunnerTamper("bad fin")
         out.update(passed=counter.passed, failed=counter.failed)

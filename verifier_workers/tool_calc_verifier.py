@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 
-from producers.tool_calc import parse_answer
 from schemas import Trajectory
+from schemas.answers import calc_answer
 from verifier_workers.verifiers import Verdict, VerifierInputError
 
 _EXPR = re.compile(r"^(\d{1,12})\*(\d{1,12})$")
@@ -26,7 +26,7 @@ def verify_tool_calc(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     if not m:
         raise VerifierInputError("tool_calc task without verifier_params.expression of the form a*b")
     gold = int(m.group(1)) * int(m.group(2))
-    answer = parse_answer(traj.final_text)
+    answer = calc_answer(traj.final_text)
     used_tool = any(c.exit_code == 0 and not c.timed_out for c in traj.tool_calls)
     return Verdict({"correct": float(answer == gold), "format": float(answer is not None),
                     "used_tool": float(used_tool)}, details=f"answer={answer!r} calls={len(traj.tool_calls)}")

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from producers import arith
 from schemas import Trajectory
+from schemas.answers import arith_answer, arith_value
 
 
 class VerifierInputError(ValueError):
@@ -51,10 +51,10 @@ def verify_arith(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     if not isinstance(expression, str):
         raise VerifierInputError("arith task without a string verifier_params.expression")
     try:
-        gold = arith.evaluate(expression)
+        gold = arith_value(expression)
     except ValueError as exc:
         raise VerifierInputError(str(exc)) from None
-    answer = arith.parse_answer(traj.final_text)
+    answer = arith_answer(traj.final_text)
     return Verdict({"correct": float(answer == gold), "format": float(answer is not None)},
                    details=f"answer={answer!r}")
 

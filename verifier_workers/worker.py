@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from concurrent.futures import ThreadPoolExecutor
 import re
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
@@ -56,7 +56,7 @@ from bus.conn import pull_subscription
 from bus.hidden import HiddenCache, HiddenDataMissing
 from bus.publish import publish_many
 from bus.pull import Delivery, Reject, Retry, run_pull_stream
-from rlbus.runtime import worker_session
+from bus.session import worker_session
 from schemas import Reward, Trajectory
 from verifier_workers.errors import VerifierCrash, VerifierInfraError
 from verifier_workers.registry import compose

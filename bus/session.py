@@ -24,8 +24,8 @@ import structlog
 
 from bus.conn import connect, ensure_topology
 from bus.subjects import Registry
-from bus.telemetry import report_forever
-from rlbus.config import RunConfig
+from bus.telemetry import report_forever, start_metrics_server
+from schemas.config import RunConfig
 
 log = structlog.get_logger()
 
@@ -84,7 +84,6 @@ async def watch_launcher(role: str, stop: asyncio.Event, every: float = 1.0) -> 
 async def worker_session(role: str, cfg: RunConfig, ctx: WorkerContext):
     """Connect, ensure topology, report telemetry, and map signals to `stop`."""
     from bus.auth import security_options, topology_role
-    from rlbus.metrics import start_metrics_server
 
     nc = await connect(ctx.nats_url, name=f"rlbus-{role}", **security_options(cfg.run))
     js = nc.jetstream(timeout=30)

@@ -1,0 +1,65 @@
+"""Answer formats that a domain and its verifier agree on, so neither imports the other.
+
+A producer renders a task and, for SFT, a demonstration in one of these formats; the
+verifier (controlled side) reads the completion back with the same function. They live
+below both roles.
+
+Guarantees:
+- `arith_value` is exact integer arithmetic over non-negative integers and `+ - *` with
+  the usual precedence, never `eval`; anything else raises ValueError (a malformed
+  expression is an error, not a 0).
+- `arith_answer` / `calc_answer` return the integer answered, or None when the
+  completion is not one: a wrong format scores as wrong, never as an exception.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TOKEN = re.compile(r"\s*(\d+|[+\-*])")
+_CALC_ANSWER = re.compile(r"^\s*=?\s*(-?\d+)\s*$")
+
+
+def arith_value(expression: str) -> int:
+    """Exact value of an expression of non-negative integers and + - * (usual precedence).
+
+    Raises ValueError on anything else, so a malformed expression is an error, not a 0.
+    """
+    tokens = _TOKEN.findall(expression)
+    if "".join(tokens) != expression.replace(" ", "") or not tokens:
+        raise ValueError(f"not an arith expression: {expression!r}")
+    terms: list[int] = []
+    sign, product, expect_number = 1, None, True
+    pending_op = "+"
+    for tok in tokens:
+        if expect_number:
+            if not tok.isdigit():
+                raise ValueError(f"expected a number in {expression!r}, got {tok!r}")
+            n = int(tok)
+            product = n if pending_op != "*" else product * n
+            expect_number = False
+        else:
+            if tok == "*":
+                pending_op = "*"
+            else:
+                terms.append(sign * product)
+                sign, pending_op = (1 if tok == "+" else -1), tok
+            expect_number = True
+    if expect_number:
+        raise ValueError(f"expression ends with an operator: {expression!r}")
+    terms.append(sign * product)
+    return sum(terms)
+
+
+def arith_answer(completion: str) -> int | None:
+    """The integer the model answered: the whole completion, stripped; None if it is not one."""
+    text = completion.strip()
+    if re.fullmatch(r"-?\d{1,12}", text):
+        return int(text)
+    return None
+
+
+def calc_answer(text: str) -> int | None:
+    """The integer of a final answer `=123` / `123`, else None."""
+    m = _CALC_ANSWER.match(text or "")
+    return int(m.group(1)) if m else None

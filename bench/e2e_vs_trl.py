@@ -84,6 +84,7 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
     """Tiny model + SFT warm start (held-out problems excluded); returns (dir, sft summary)."""
     from learner.sft import run_sft
     from producers import arith
+    from producers.demos import batches_of
     from rlbus.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=4,
@@ -96,8 +97,8 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
             if p.expression not in held:
                 return p.prompt, p.completion
 
-    stats = run_sft(base, tmp / "start", demo, seconds=sft_seconds, max_steps=sft_steps, batch_size=64, lr=3e-3,
-                    seed=seed, threads=os.cpu_count() or 2, progress=False)
+    stats = run_sft(base, tmp / "start", batches_of(demo, seed, 64), seconds=sft_seconds, max_steps=sft_steps,
+                    lr=3e-3, seed=seed, threads=os.cpu_count() or 2, progress=False)
     return tmp / "start", stats
 
 
@@ -399,7 +400,7 @@ def _ours_detail(ours: dict, seconds: float) -> dict:
             "learner_state": ours["learner_state"]}
 
 
-def main() -> dict:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget per side and seed")
     ap.add_argument("--sft-seconds", type=float, default=60.0)
@@ -424,15 +425,72 @@ def main() -> dict:
                          "(e.g. 60,120,180): a learning curve per run, plotted next to the result JSON")
     ap.add_argument("--out", default=str(RESULT), help="result JSON path")
     a = ap.parse_args()
+    a.marks = tuple(sorted(float(x) for x in a.curve.split(",") if x.strip()))
+    if any(not 0 < m < a.minutes * 60 for m in a.marks):
+        ap.error(f"--curve marks must lie inside the budget (0, {a.minutes * 60:g}) seconds")
+    return a
+
+
+def ours_side(a, run: dict, start: Path, tmp: Path, acc0: float, threads: int) -> None:
+    """One seed of ours: train for the budget, then its accuracy, curve and details into `run`."""
+    seed, seconds, marks = run["seed"], a.minutes * 60, a.marks
+    run["load_avg"]["before_ours"] = os.getloadavg()
+    ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
+                    seed=seed, skip_zero_variance=not a.no_dynamic_sampling, overrides=tuple(a.ours_set),
+                    weights=a.ours_weights, marks=marks)
+    run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
+    if marks:
+        run["ours_curve"] = []
+        for mark, (weight_version, blob) in ours["blobs"].items():
+            if weight_version == 0:
+                acc = acc0  # nothing published yet: the start
+            else:  # None when the version's file was gone
+                acc = accuracy(start, a.eval_n, threads=threads, blob=blob) if blob else None
+            run["ours_curve"].append([mark, weight_version, acc])
+        run["ours_curve"].append([seconds, "final", run["ours_accuracy"]])
+    run["ours_detail"] = _ours_detail(ours, seconds)
+    print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
+          f"{run['ours_detail']['trained_samples']} samples", flush=True)
+
+
+def trl_side(a, run: dict, start: Path, tmp: Path, threads: int) -> None:
+    """One seed of TRL: train for the budget, then its accuracy, curve and details into `run`."""
+    seed, seconds, marks = run["seed"], a.minutes * 60, a.marks
+    run["load_avg"]["before_trl"] = os.getloadavg()
+    peer = run_trl(start, tmp / f"trl{seed}", seconds, arith_reward, threads, lr=a.lr, eval_n=a.eval_n,
+                   seed=seed, marks=marks)
+    run["peer_accuracy"] = accuracy(Path(peer["final_dir"]), a.eval_n, threads=threads)
+    if marks:
+        run["peer_curve"] = [[mark, step, accuracy(start, a.eval_n, state, threads)]
+                             for mark, (step, state) in sorted(peer.pop("snapshots").items())]
+        run["peer_curve"].append([seconds, "final", run["peer_accuracy"]])
+    peer.pop("snapshots", None)
+    run["peer_detail"] = ({k: v for k, v in peer.items() if k != "final_dir"}
+                          | {"samples_per_s": round(peer["samples_trained"] / seconds, 2)})
+    print(f"seed {seed} TRL: accuracy {run['peer_accuracy']:.3f}, {peer['samples_trained']} samples", flush=True)
+
+
+def command_line(a) -> str:
+    """The command that reproduces this result."""
+    return (f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
+            f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
+            + (f" --first-seed {a.first_seed}" if a.first_seed else "")
+            + (" --no-dynamic-sampling" if a.no_dynamic_sampling else "")
+            + (" --ours-weights nats" if a.ours_weights == "nats" else "")
+            + "".join(f" --ours-set {kv}" for kv in a.ours_set)
+            + (f" --hidden {a.hidden} --layers {a.layers}" if (a.hidden, a.layers) != (128, 4) else "")
+            + (f" --curve {a.curve}" if a.marks else "")
+            + (f" --sides {a.sides}" if set(a.sides.split(",")) != {"ours", "trl"} else ""))
+
+
+def main() -> dict:
     from importlib.metadata import version
 
+    a = parse_args()
     sides = set(a.sides.split(","))
     dynamic = not a.no_dynamic_sampling
     threads = os.cpu_count() or 2
-    seconds = a.minutes * 60
-    marks = tuple(sorted(float(x) for x in a.curve.split(",") if x.strip()))
-    if any(not 0 < m < seconds for m in marks):
-        ap.error(f"--curve marks must lie inside the budget (0, {seconds:g}) seconds")
+    marks = a.marks
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-e2e-") as d:
         tmp = Path(d)
@@ -445,37 +503,9 @@ def main() -> dict:
         for seed in range(a.first_seed, a.first_seed + a.seeds):
             run: dict = {"seed": seed, "load_avg": {}}
             if "ours" in sides:
-                run["load_avg"]["before_ours"] = os.getloadavg()
-                ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
-                                seed=seed, skip_zero_variance=dynamic, overrides=tuple(a.ours_set),
-                                weights=a.ours_weights, marks=marks)
-                run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
-                if marks:
-                    run["ours_curve"] = []
-                    for mark, (weight_version, blob) in ours["blobs"].items():
-                        if weight_version == 0:
-                            acc = acc0  # nothing published yet: the start
-                        else:  # None when the version's file was gone
-                            acc = accuracy(start, a.eval_n, threads=threads, blob=blob) if blob else None
-                        run["ours_curve"].append([mark, weight_version, acc])
-                    run["ours_curve"].append([seconds, "final", run["ours_accuracy"]])
-                run["ours_detail"] = _ours_detail(ours, seconds)
-                print(f"seed {seed} ours: accuracy {run['ours_accuracy']:.3f}, "
-                      f"{run['ours_detail']['trained_samples']} samples", flush=True)
+                ours_side(a, run, start, tmp, acc0, threads)
             if "trl" in sides:
-                run["load_avg"]["before_trl"] = os.getloadavg()
-                peer = run_trl(start, tmp / f"trl{seed}", seconds, arith_reward, threads, lr=a.lr, eval_n=a.eval_n,
-                               seed=seed, marks=marks)
-                run["peer_accuracy"] = accuracy(Path(peer["final_dir"]), a.eval_n, threads=threads)
-                if marks:
-                    run["peer_curve"] = [[mark, step, accuracy(start, a.eval_n, state, threads)]
-                                         for mark, (step, state) in sorted(peer.pop("snapshots").items())]
-                    run["peer_curve"].append([seconds, "final", run["peer_accuracy"]])
-                peer.pop("snapshots", None)
-                run["peer_detail"] = ({k: v for k, v in peer.items() if k != "final_dir"}
-                                      | {"samples_per_s": round(peer["samples_trained"] / seconds, 2)})
-                print(f"seed {seed} TRL: accuracy {run['peer_accuracy']:.3f}, {peer['samples_trained']} samples",
-                      flush=True)
+                trl_side(a, run, start, tmp, threads)
             runs.append(run)
         total = time.monotonic() - t
 
@@ -495,15 +525,7 @@ def main() -> dict:
                            "peer": [round(r["peer_accuracy"] - acc0, 4) for r in runs if "peer_accuracy" in r]},
         "target_ratio": 1.0,
         "peer_name": f"TRL {version('trl')} GRPOTrainer (HF generate on CPU), same hyper-parameters",
-        "command": f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
-                   f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
-                   + (f" --first-seed {a.first_seed}" if a.first_seed else "")
-                   + (" --no-dynamic-sampling" if not dynamic else "")
-                   + (" --ours-weights nats" if a.ours_weights == "nats" else "")
-                   + "".join(f" --ours-set {kv}" for kv in a.ours_set)
-                   + (f" --hidden {a.hidden} --layers {a.layers}" if (a.hidden, a.layers) != (128, 4) else "")
-                   + (f" --curve {a.curve}" if marks else "")
-                   + (f" --sides {a.sides}" if sides != {"ours", "trl"} else ""),
+        "command": command_line(a),
         "budget_minutes_per_side": a.minutes,
         "model": {"arch": "qwen2", "hidden_size": a.hidden, "layers": a.layers} if not a.start else {"given": a.start},
         "curve_note": ("per run, [seconds into the budget, weight version (ours) or optimizer steps done (TRL), held-out "

@@ -68,6 +68,43 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
     `await check_permitted(nc)` raises `PermissionDenied` for it. `options` go to
     `nats.connect` as they are (e.g. `max_reconnect_attempts=0` for a one-shot probe).
     """
+    extra, who, user, creds = _login_options(user, password, creds, tls_ca, tls_cert, tls_key)
+    events = _ConnectionEvents(url, name, who)
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: every node's URL, comma-separated
+    settings = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
+                    error_cb=events.on_error, pending_size=64 * 1024 * 1024)
+    settings.update(extra)
+    settings.update(options)
+    attempt = asyncio.ensure_future(nats.connect(servers, **settings))
+    refused = asyncio.ensure_future(events.login_refused.wait())
+    try:
+        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (e.g. a caller's wait_for): stop trying to connect as well
+        attempt.cancel()
+        raise
+    finally:
+        refused.cancel()
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        pass  # connected (to another server of the list, if one refused)
+    elif events.login_refused.is_set():
+        attempt.cancel()
+        with contextlib.suppress(BaseException):
+            await attempt
+        how = f"with .creds file {creds}" if creds else (f"as user {user!r}" if user else "without credentials")
+        log.error("bus.login_refused", url=url, user=who)
+        raise NatsAuthError(f"NATS server {url} refused the login {how} (authorization violation); set "
+                            f"RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (e.g. `set -a; . compose/.env; set +a`), "
+                            f"or pass --nats-creds FILE")
+    nc = attempt.result()
+    events.connected = True
+    nc._rlbus_denied = events.denied  # read by check_permitted
+    nc._rlbus_user = who
+    return nc
+
+
+def _login_options(user, password, creds, tls_ca, tls_cert, tls_key) -> tuple[dict, str | None, str | None, str | None]:
+    """(nats.connect options, who for logs, user, creds file) from arguments or the environment."""
     from bus.auth import client_credentials, client_creds_file, inbox_prefix, tls_context
 
     try:
@@ -89,59 +126,35 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
         extra.update(user=user, password=password or "", inbox_prefix=inbox_prefix(user))
     if tls is not None:
         extra["tls"] = tls
-    who = user or ("creds:" + creds if creds else None)
-    denied: list[str] = []
-    login_refused = asyncio.Event()
-    connected = False
+    return extra, user or ("creds:" + creds if creds else None), user, creds
 
-    async def on_disconnect():
-        log.info("bus.disconnected", url=url)  # also fires on a deliberate close
 
-    async def on_reconnect():
-        log.info("bus.reconnected", url=url)
+class _ConnectionEvents:
+    """nats-py callbacks of one connection: permission violations kept, a refused login signalled."""
 
-    async def on_error(exc):
+    def __init__(self, url: str, name: str, who: str | None):
+        self.url, self.name, self.who = url, name, who
+        self.denied: list[str] = []
+        self.login_refused = asyncio.Event()
+        self.connected = False
+
+    async def on_disconnect(self):
+        log.info("bus.disconnected", url=self.url)  # also fires on a deliberate close
+
+    async def on_reconnect(self):
+        log.info("bus.reconnected", url=self.url)
+
+    async def on_error(self, exc):
         text = str(exc)
         if _PERMISSION in text.lower():
-            denied.append(text)
-            log.error("bus.permission_denied", user=who, connection=name, error=text.removeprefix("nats: "))
-        elif _AUTH_VIOLATION in text.lower() and not connected:
-            login_refused.set()
-        elif not connected:  # no server yet (starting, unreachable): connect keeps trying unless told not to
-            log.info("bus.connect_failed", url=url, error=text)
+            self.denied.append(text)
+            log.error("bus.permission_denied", user=self.who, connection=self.name, error=text.removeprefix("nats: "))
+        elif _AUTH_VIOLATION in text.lower() and not self.connected:
+            self.login_refused.set()
+        elif not self.connected:  # no server yet (starting, unreachable): connect keeps trying unless told not to
+            log.info("bus.connect_failed", url=self.url, error=text)
         else:
             log.warning("bus.error", error=text)
-
-    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: every node's URL, comma-separated
-    settings = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect, error_cb=on_error, pending_size=64 * 1024 * 1024)
-    settings.update(extra)
-    settings.update(options)
-    attempt = asyncio.ensure_future(nats.connect(servers, **settings))
-    refused = asyncio.ensure_future(login_refused.wait())
-    try:
-        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled (e.g. a caller's wait_for): stop trying to connect as well
-        attempt.cancel()
-        raise
-    finally:
-        refused.cancel()
-    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
-        pass  # connected (to another server of the list, if one refused)
-    elif login_refused.is_set():
-        attempt.cancel()
-        with contextlib.suppress(BaseException):
-            await attempt
-        how = f"with .creds file {creds}" if creds else (f"as user {user!r}" if user else "without credentials")
-        log.error("bus.login_refused", url=url, user=who)
-        raise NatsAuthError(f"NATS server {url} refused the login {how} (authorization violation); set "
-                            f"RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (e.g. `set -a; . compose/.env; set +a`), "
-                            f"or pass --nats-creds FILE")
-    nc = attempt.result()
-    connected = True
-    nc._rlbus_denied = denied  # read by check_permitted
-    nc._rlbus_user = who
-    return nc
 
 
 async def check_permitted(nc: nats.NATS, since: int = 0) -> int:

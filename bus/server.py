@@ -73,6 +73,11 @@ class EmbeddedNats:
         """Client URL of the server."""
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's pid (None before `start`)."""
+        return self.proc.pid if self.proc else None
+
     def start(self, timeout: float = 15.0) -> "EmbeddedNats":
         """Start the server and wait until it accepts TCP connections."""
         self.store_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from bus.conn import connect, ensure_topology
 from bus.subjects import Registry
@@ -28,6 +30,18 @@ from bus.telemetry import report_forever, start_metrics_server
 from schemas.config import RunConfig
 
 log = structlog.get_logger()
+
+
+# What `WorkerContext.max_messages` (`rlbus worker ROLE --max-messages N`) counts in each
+# role: every role reads it once, into a variable named for its own unit.
+ROLE_LIMIT = {
+    "sampler": "tasks published",
+    "rollout": "tasks taken, per duration pool",
+    "verifier": "trajectories fetched",
+    "learner": "optimizer steps",
+    "scheduler": "evaluations (the baseline included)",
+    "sandbox": "(no limit; stops on until_idle)",
+}
 
 
 @dataclass
@@ -38,7 +52,9 @@ class WorkerContext:
     nats_url: str
     run_path: Path
     max_messages: int | None = None
+    """Stop after this many units of the role's work (see ROLE_LIMIT); None = no limit."""
     until_idle: float | None = None
+    """Stop after this many seconds with nothing to do; None = never."""
     configured_model: str = ""
 
     @property
@@ -55,8 +71,8 @@ class WorkerContext:
 class Session:
     """A live bus session of one worker."""
 
-    nc: object
-    js: object
+    nc: NATS
+    js: JetStreamContext
     reg: Registry
     cfg: RunConfig
     ctx: WorkerContext

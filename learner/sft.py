@@ -1,19 +1,18 @@
 """Supervised warm start: teach a small causal LM the answer format before RL.
 
 Guarantees:
-- `run_sft` trains on sequences drawn from `demos(rng)`: a `(prompt, completion)` pair
-  (the loss covers the completion), or, for multi-turn episodes, a list of
+- `run_sft` trains on batches taken from any iterator of demo lists (what makes them,
+  e.g. `producers.demos`, is the caller's business). A demo is a `(prompt, completion)`
+  pair (the loss covers the completion), or, for multi-turn episodes, a list of
   `(text, trainable)` segments (the loss covers the trainable ones: the model's own
   turns, never prompts or tool observations). Every sequence ends with a supervised
   `<eos>`; prompt, context and padding are masked with -100. Batches are right-padded.
-- A `demos` object with a `batch(rng, n)` method supplies whole batches (e.g. one domain
-  per batch, so short and long demonstrations are not padded together).
 - It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
   first, and always takes at least one step.
 - AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress
   (the larger of step fraction and time fraction), gradient clipping at 1.0.
-- The same `seed` and demos give the same sample stream; weights also depend on timing
-  when the time budget is what stops the run.
+- The same `seed` and batches give the same weights, unless the time budget is what
+  stops the run.
 - The trained model and tokenizer are written to `out_dir` with `save_pretrained`, and
   the returned summary dict is also written as `out_dir/sft.json`.
 """
@@ -22,17 +21,16 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 Segments = list[tuple[str, bool]]
-Demos = Callable[[random.Random], "tuple[str, str] | Segments"]
+Demo = "tuple[str, str] | Segments"
 
 
 def as_segments(demo) -> Segments:
@@ -75,24 +73,23 @@ def lr_factor(progress: float, step: int, warmup: int) -> float:
 def run_sft(
     model_dir: str | Path,
     out_dir: str | Path,
-    demos: Demos,
+    batches: Iterable[list[Demo]],
     *,
     seconds: float,
     max_steps: int,
-    batch_size: int = 64,
     lr: float = 3e-3,
     seed: int = 0,
     threads: int = 2,
     progress: bool = True,
 ) -> dict:
-    """Supervised fine-tuning on demos until `seconds` or `max_steps`; returns a summary.
+    """Supervised fine-tuning on `batches` until `seconds` or `max_steps`; returns a summary.
 
     Summary keys: steps, final_loss (mean of the last 10 step losses), first_loss,
-    seconds (training wall time), samples (sequences seen), lr, batch_size.
+    seconds (training wall time), samples (sequences seen), lr, batch_size (of the first batch).
     """
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    rng = random.Random(seed)
+    batches = iter(batches)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -115,7 +112,7 @@ def run_sft(
     )
     task = bar.add_task("sft", total=1.0, step=0, loss=float("nan"))
     losses: list[float] = []
-    step, t0 = 0, time.monotonic()
+    step, samples, batch_size, t0 = 0, 0, 0, time.monotonic()
     with bar:
         while True:
             elapsed = time.monotonic() - t0
@@ -124,7 +121,9 @@ def run_sft(
                 break
             for group in optimizer.param_groups:
                 group["lr"] = lr * lr_factor(done, step, warmup)
-            drawn = demos.batch(rng, batch_size) if hasattr(demos, "batch") else [demos(rng) for _ in range(batch_size)]
+            drawn = next(batches)
+            samples += len(drawn)
+            batch_size = batch_size or len(drawn)
             batch = make_batch(tokenizer, drawn)
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
@@ -148,7 +147,7 @@ def run_sft(
         "final_loss": sum(tail) / len(tail),
         "first_loss": losses[0],
         "seconds": round(train_seconds, 3),
-        "samples": step * batch_size,
+        "samples": samples,
         "lr": lr,
         "batch_size": batch_size,
     }

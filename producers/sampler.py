@@ -32,9 +32,10 @@ import structlog
 from bus.hidden import put_hidden
 from bus.kv import CURRICULUM, DURATIONS, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.publish import publish, publish_many
-from bus.session import worker_session
+from bus.session import WorkerContext, worker_session
 from producers.domains import Drawn, make_source
 from schemas import TaskFate, TaskFates
+from schemas.config import RunConfig
 
 log = structlog.get_logger()
 
@@ -121,9 +122,10 @@ def make_tasks(sources: dict, rng: random.Random, start: int, room: dict[str, in
     return out
 
 
-async def run(cfg, ctx) -> dict[str, float]:
+async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the sampler until stopped (or `ctx.max_messages` tasks published)."""
     sc = cfg.sampler
+    max_tasks = ctx.max_messages  # for the sampler the generic limit counts tasks published (None: no limit)
     async with worker_session("sampler", cfg, ctx) as s:
         sources = {name: make_source(s.reg.run_id, name, cfg) for name in sc.domains}
         hidden_stored: set[str] = set()
@@ -134,7 +136,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         rng = random.Random(f"sampler-{cfg.run.seed}-{published}")
         s.counters["published"] = published
         while not s.stop.is_set():
-            if ctx.max_messages is not None and published >= ctx.max_messages:
+            if max_tasks is not None and published >= max_tasks:
                 break
             held = await inflight_by_pool(s.js, s.reg, by_pool)
             room = {p: caps.get(p, 0) - held.get(p, 0) for p in caps}
@@ -142,7 +144,7 @@ async def run(cfg, ctx) -> dict[str, float]:
             weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
             durations = await get_json(s.js, s.reg, DURATIONS)
             pools_of = {d: pool_for(d, levels[d], sc.domains[d], durations, cfg.rollout.pools) for d in sc.domains}
-            limit = sc.publish_batch if ctx.max_messages is None else min(sc.publish_batch, ctx.max_messages - published)
+            limit = sc.publish_batch if max_tasks is None else min(sc.publish_batch, max_tasks - published)
             drawn = make_tasks(sources, rng, published, room, limit, weights, levels, pools_of)
             if not drawn:
                 s.counters["gate_waits"] = s.counters.get("gate_waits", 0) + 1

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from bus.session import ROLE_LIMIT
 from bus.subjects import ROLES
 
 EPILOG = """examples:
@@ -86,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--run-id", help="run id (default: run.run_id)")
     w.add_argument("--run-dir", help="parent folder of runs (default: run.run_dir)")
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    w.add_argument("--max-messages", type=int, help="stop after N messages/steps (tests)")
+    w.add_argument("--max-messages", type=int, metavar="N",
+                   help="stop after N units of the role's work (tests): "
+                        + "; ".join(f"{role}: {unit}" for role, unit in ROLE_LIMIT.items()))
     w.add_argument("--until-idle", type=float, help="stop after S seconds without work (tests)")
 
     im = sub.add_parser("init-model", help="build a tiny HF-format causal LM (char tokenizer) locally")
@@ -272,6 +275,108 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"rlbus {args.command}: {exc}")
 
 
+def _up(args: argparse.Namespace) -> int:
+    from rlbus.launcher import up
+    from rlbus.log import configure_logging
+    from schemas.config import ConfigError, load_config
+
+    overrides = list(args.set)
+    for flag, key in (("run_dir", "run.run_dir"), ("run_id", "run.run_id"), ("max_steps", "run.max_steps"),
+                      ("max_minutes", "run.max_minutes"), ("nats_url", "run.nats_url")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if args.resume:
+        return _resume(args, overrides)
+    if not args.config:
+        sys.exit("rlbus up: give a CONFIG (e.g. examples/demo.toml), or --resume <run-dir>/<run_id>")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
+    return up(cfg, args.config)
+
+
+def _resume(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rlbus.launcher import up
+    from rlbus.log import configure_logging
+    from rlbus.resume import ResumeError, resumed_config
+    from schemas.config import ConfigError
+
+    if args.run_id or args.run_dir:
+        sys.exit("rlbus up --resume: the run folder names the run; drop --run-id/--run-dir")
+    try:
+        cfg = resumed_config(Path(args.resume), args.config, [o for o in overrides if not o.startswith("run.nats_url")])
+    except (ResumeError, ConfigError) as exc:
+        sys.exit(f"rlbus up --resume: {exc}")
+    if args.nats_url:
+        cfg.run.nats_url = args.nats_url
+    configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
+    try:
+        return up(cfg, args.config, resume=Path(args.resume))
+    except ResumeError as exc:
+        sys.exit(f"rlbus up --resume: {exc}")
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from rlbus.tiny_model import build_tiny_model
+
+    path = build_tiny_model(Path(args.out), arch=args.arch, hidden_size=args.hidden_size,
+                            num_layers=args.num_layers, num_heads=args.num_heads, seed=args.seed)
+    print(f"tiny model written to {path}")
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from learner.sft import run_sft
+    from producers import arith
+    from producers.demos import batches_of
+
+    def demo(rng):
+        p = arith.generate(rng, args.difficulty)
+        return p.prompt, p.completion
+
+    stats = run_sft(Path(args.model), Path(args.out), batches_of(demo, args.seed, args.batch_size),
+                    seconds=args.seconds, max_steps=args.max_steps, lr=args.lr, seed=args.seed,
+                    threads=args.threads, progress=True)
+    print(stats)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from rlbus.status import StatusError, collect, find_run, render
+
+    try:
+        run_id, url = find_run(Path(args.run_dir) if args.run_dir else None, args.run_id, args.nats_url)
+        if not url:
+            raise StatusError("pass --nats-url, or --run-dir to read it from the run's run.json")
+        status = asyncio.run(collect(url, run_id, args.listen))
+    except StatusError as exc:
+        sys.exit(f"rlbus status: {exc}")
+    if args.json:
+        print(json.dumps(status))
+    else:
+        for table in render(status):
+            Console().print(table)
+    return 0
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from bus.tail import tail
+
+    asyncio.run(tail(args.nats_url, args.subject, args.json, args.max, timeout=args.timeout))
+    return 0
+
+
+COMMANDS = {"worker": _worker, "dlq": _dlq, "up": _up, "init-model": _init_model, "sft": _sft, "status": _status,
+            "tail": _tail}
+
+
 def _main(args: argparse.Namespace) -> int:
     # models load from local paths only; transformers' own progress bars are noise here
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -284,90 +389,8 @@ def _main(args: argparse.Namespace) -> int:
         configure_logging(args.command, level="WARNING")
     if getattr(args, "func", None) is not None:
         return int(args.func(args) or 0)
-    if args.command == "worker":
-        return _worker(args)
-    if args.command == "dlq":
-        return _dlq(args)
-    if args.command == "up":
-        from rlbus.launcher import up
-        from rlbus.log import configure_logging
-        from schemas.config import ConfigError, load_config
-
-        overrides = list(args.set)
-        for flag, key in (("run_dir", "run.run_dir"), ("run_id", "run.run_id"), ("max_steps", "run.max_steps"),
-                          ("max_minutes", "run.max_minutes"), ("nats_url", "run.nats_url")):
-            value = getattr(args, flag)
-            if value is not None:
-                overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
-        if args.resume:
-            from rlbus.resume import ResumeError, resumed_config
-
-            if args.run_id or args.run_dir:
-                sys.exit("rlbus up --resume: the run folder names the run; drop --run-id/--run-dir")
-            try:
-                cfg = resumed_config(Path(args.resume), args.config, [o for o in overrides if not o.startswith("run.nats_url")])
-            except (ResumeError, ConfigError) as exc:
-                sys.exit(f"rlbus up --resume: {exc}")
-            if args.nats_url:
-                cfg.run.nats_url = args.nats_url
-            configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
-            try:
-                return up(cfg, args.config, resume=Path(args.resume))
-            except ResumeError as exc:
-                sys.exit(f"rlbus up --resume: {exc}")
-        if not args.config:
-            sys.exit("rlbus up: give a CONFIG (e.g. examples/demo.toml), or --resume <run-dir>/<run_id>")
-        try:
-            cfg = load_config(args.config, overrides)
-        except ConfigError as exc:
-            sys.exit(str(exc))
-        configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
-        return up(cfg, args.config)
-    if args.command == "init-model":
-        from rlbus.tiny_model import build_tiny_model
-
-        path = build_tiny_model(Path(args.out), arch=args.arch, hidden_size=args.hidden_size,
-                                num_layers=args.num_layers, num_heads=args.num_heads, seed=args.seed)
-        print(f"tiny model written to {path}")
-        return 0
-    if args.command == "sft":
-        from learner.sft import run_sft
-        from producers import arith
-
-        def demo(rng):
-            p = arith.generate(rng, args.difficulty)
-            return p.prompt, p.completion
-
-        stats = run_sft(Path(args.model), Path(args.out), demo, seconds=args.seconds, max_steps=args.max_steps,
-                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads, progress=True)
-        print(stats)
-        return 0
-    if args.command == "status":
-        import json as _json
-
-        from rich.console import Console
-
-        from rlbus.status import StatusError, collect, find_run, render
-
-        try:
-            run_id, url = find_run(Path(args.run_dir) if args.run_dir else None, args.run_id, args.nats_url)
-            if not url:
-                raise StatusError("pass --nats-url, or --run-dir to read it from the run's run.json")
-            status = asyncio.run(collect(url, run_id, args.listen))
-        except StatusError as exc:
-            sys.exit(f"rlbus status: {exc}")
-        if args.json:
-            print(_json.dumps(status))
-        else:
-            for table in render(status):
-                Console().print(table)
-        return 0
-    if args.command == "tail":
-        from bus.tail import tail
-
-        asyncio.run(tail(args.nats_url, args.subject, args.json, args.max, timeout=args.timeout))
-        return 0
-    return 2
+    command = COMMANDS.get(args.command)
+    return command(args) if command else 2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.sft import make_batch, run_sft
 from producers import arith
+from producers.demos import batches_of
 from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
 
 ALL_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -94,7 +95,7 @@ def test_short_sft_reduces_loss(tmp_path):
     threads_before = torch.get_num_threads()  # run_sft sets the process-wide count
     try:
         summary = run_sft(
-            base, out, demos, seconds=12, max_steps=50, batch_size=32, lr=1e-2, threads=1,
+            base, out, batches_of(demos, 0, 32), seconds=12, max_steps=50, lr=1e-2, threads=1,
             progress=False,
         )
     finally:

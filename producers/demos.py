@@ -1,0 +1,66 @@
+"""SFT demonstrations from the configured domains, as an endless iterator of batches.
+
+The domains that make tasks also make their worked demonstrations; this module mixes
+them for the SFT warm start (`learner.sft.run_sft` takes any iterator of demo batches
+and knows nothing of domains).
+
+Guarantees:
+- `sft_batches(cfg, batch_size)` draws each batch from ONE domain, chosen by its static
+  weight (`sft_weight`, else `weight`): short arith and long tool episodes are never
+  padded together, so each step costs what its domain costs.
+- arith demonstrates at `sft.difficulty`, every other domain at its starting level;
+  held-out eval problems are never demonstrated (each source excludes its own).
+- The same seed and config give the same stream of batches.
+- A config where no domain can demonstrate itself is a clear error naming the fix.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+from producers.domains import make_source
+from schemas.config import RunConfig
+
+Demo = "tuple[str, str] | list[tuple[str, bool]]"  # a (prompt, completion) pair or (text, trainable) segments
+
+
+class DomainDemos:
+    """Demonstrations of several domains mixed by weight, one domain per batch."""
+
+    def __init__(self, sources: list, weights: list[float], levels: list[int]) -> None:
+        self.sources, self.weights, self.levels = sources, weights, levels
+
+    def batches(self, seed: int, batch_size: int) -> Iterator[list]:
+        """An endless stream of batches of `batch_size` demos, each from one domain."""
+        rng = random.Random(seed)
+        while True:
+            k = rng.choices(range(len(self.sources)), weights=self.weights)[0]
+            yield [self.sources[k].demonstration(rng, self.levels[k]) for _ in range(batch_size)]
+
+
+def domain_demos(cfg: RunConfig) -> DomainDemos:
+    """Every configured domain that can demonstrate itself, by static weight."""
+    sources, weights, levels = [], [], []
+    for name, dc in cfg.sampler.domains.items():
+        src = make_source("sft", name, cfg)
+        share = dc.weight if dc.sft_weight is None else dc.sft_weight
+        if hasattr(src, "demonstration") and share > 0:
+            sources.append(src)
+            weights.append(share)
+            levels.append(cfg.sft.difficulty if name == "arith" else dc.initial_level)
+    if not sources:
+        raise ValueError("sft.enabled but no configured domain has demonstrations; set sft.enabled=false")
+    return DomainDemos(sources, weights, levels)
+
+
+def sft_batches(cfg: RunConfig, batch_size: int) -> Iterator[list]:
+    """The run's SFT batches (see the module guarantees), seeded by `run.seed`."""
+    return domain_demos(cfg).batches(cfg.run.seed, batch_size)
+
+
+def batches_of(demo: Callable[[random.Random], object], seed: int, batch_size: int) -> Iterator[list]:
+    """An endless stream of batches from a one-demo function `demo(rng)`."""
+    rng = random.Random(seed)
+    while True:
+        yield [demo(rng) for _ in range(batch_size)]

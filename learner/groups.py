@@ -9,12 +9,21 @@ Guarantees:
   `expired` so the caller can record them as filtered with a reason.
 - Samples older than `max_staleness` versions (relative to `current_version`) are
   filtered per sample with reason `stale`.
+- `partition` decides a step window without side effects: every popped task gets exactly
+  one fate (trained, or filtered with its reason) and every popped sample's message is in
+  the ack set exactly once; the groups passed in are left unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from schemas import Reward, TaskFate
+
+EXPIRED_REASON = "partial group with < 2 samples after deadline"
+STALE_REASON = "stale"  # fewer than 2 samples left once stale ones are dropped
+ZERO_VARIANCE_REASON = "zero reward variance"
 
 
 @dataclass
@@ -108,3 +117,50 @@ def split_stale(group: Group, current_version: int, max_staleness: int) -> list[
     stale = [i for i, s in group.samples.items()
              if current_version - s.reward.trajectory.policy_version > max_staleness]
     return [group.samples.pop(i) for i in stale]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What one step window does with the groups it popped (see `partition`)."""
+
+    train: list[Group]
+    """Groups to train, stale samples removed (copies; the popped groups are untouched)."""
+    fates: list[TaskFate]
+    """One per popped task: `filtered` with its reason, or `trained` with its reward msg_ids
+    (recorded only after the step that trains them)."""
+    to_ack: list[Any]
+    """Raw bus messages of every popped sample, acked after the step (filtered ones included)."""
+    skipped: list[Reward]
+    """Rewards of the all-equal groups dropped by `skip_zero_variance` (for `skipped_keep_scale`)."""
+    stale_samples: int
+    """Samples dropped for being more than `max_staleness` versions old."""
+
+
+def partition(ready: list[Group], expired: list[Group], version: int, *, max_staleness: int,
+              skip_zero_variance: bool) -> Partition:
+    """Split a window's popped groups (`GroupPool.pop_ready`) at policy `version` into
+    what trains, what is filtered (and why) and what to ack."""
+    fates = [TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason=EXPIRED_REASON) for g in expired]
+    to_ack = [s.raw for g in expired for s in g.samples.values()]
+    train: list[Group] = []
+    skipped: list[Reward] = []
+    stale_samples = 0
+    for popped in ready:
+        g = replace(popped, samples=dict(popped.samples))
+        stale = split_stale(g, version, max_staleness)
+        stale_samples += len(stale)
+        to_ack += [s.raw for s in stale]
+        rewards = [s.reward.reward for s in g.samples.values()]
+        if len(g.samples) < 2:
+            fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason=STALE_REASON))
+        elif skip_zero_variance and max(rewards) == min(rewards):
+            fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason=ZERO_VARIANCE_REASON))
+            skipped += [s.reward for s in g.samples.values()]
+        else:
+            train.append(g)
+            continue
+        to_ack += [s.raw for s in g.samples.values()]
+    fates += [TaskFate(task_msg_id=g.task_msg_id, fate="trained", reward_msg_ids=[s.reward.msg_id for s in g.samples.values()])
+              for g in train]
+    to_ack += [s.raw for g in train for s in g.samples.values()]
+    return Partition(train, fates, to_ack, skipped, stale_samples)

@@ -32,20 +32,22 @@ import asyncio
 import time
 
 import structlog
+from nats.js.errors import NotFoundError
 
 from bus.conn import ensure_consumer, ensure_consumer_from
 from bus.kv import LEARNER_OVERRIDES, LEARNER_PROGRESS, WEIGHTS_LATEST, get_json, put_json
 from bus.publish import publish
 from bus.pull import decode_batch, fetch
-from bus.session import worker_session
+from bus.session import WorkerContext, worker_session
 from bus.weight_stores import make_store
 from learner import checkpoint
-from learner.groups import Group, GroupPool, PooledSample, split_stale
+from learner.groups import Group, GroupPool, PooledSample, partition
 from learner.lease import LearnerLease
 from learner.retention import Retention
 from learner.step import load_models, skipped_loss_scale, train_step
 from learner.weights import publish_version
 from schemas import Reward, TaskFate, TaskFates
+from schemas.config import RunConfig
 
 log = structlog.get_logger()
 OVERRIDES_EVERY = 5  # steps between reads of the overrides
@@ -76,12 +78,15 @@ class Learner:
                 "rewards_ack_floor": rewards_ack_floor, "ledger_seq": self.ledger_seq}
 
     async def rewards_position(self) -> int:
-        """Stream sequence below which every reward is acked (0 if unknown)."""
+        """Stream sequence below which every reward is acked (0 if the consumer is missing)."""
         try:
             info = await self.s.js.consumer_info(self.s.reg.stream("REWARDS"), "learner")
-            return info.ack_floor.stream_seq if info.ack_floor else 0
-        except Exception:
+        except NotFoundError:
             return 0
+        # Any other error (timeout, no responders, 503) propagates: answering 0 would checkpoint
+        # an ack floor of 0, and the next resume would replay the whole REWARDS log and re-decide
+        # (re-record) every reward the checkpoint had already filtered.
+        return info.ack_floor.stream_seq if info.ack_floor else 0
 
     async def save_checkpoint(self) -> None:
         """Write model, optimizer, RNG and state atomically."""
@@ -103,7 +108,7 @@ class Learner:
         spec = reg.learner_consumer()
         try:
             info = await js.consumer_info(spec.stream, spec.durable)
-        except Exception:
+        except NotFoundError:  # a fresh run; a transient error must not pass for one (it propagates)
             info = None
         progressed = info is not None and (info.delivered.stream_seq > 0 or (info.ack_floor and info.ack_floor.stream_seq > 0))
         latest = await get_json(js, reg, WEIGHTS_LATEST) or {}
@@ -162,55 +167,43 @@ class Learner:
         return False
 
     async def step_once(self) -> None:
-        """Pop ready groups, filter, train, ack, record, publish, checkpoint."""
-        now = time.monotonic()
-        ready, expired = self.pool.pop_ready(now, self.lc.groups_per_step, informative_only=self.refill)
-        fates = [TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="partial group with < 2 samples after deadline")
-                 for g in expired]
-        to_ack = [s.raw for g in expired for s in g.samples.values()]
-        train_groups: list[Group] = []
-        skipped: list = []  # rewards of all-equal groups (for learner.skipped_keep_scale)
-        for g in ready:
-            stale = split_stale(g, self.version, self.lc.max_staleness)
-            self.s.counters["stale_samples"] = self.s.counters.get("stale_samples", 0) + len(stale)
-            to_ack += [s.raw for s in stale]
-            rewards = [s.reward.reward for s in g.samples.values()]
-            if len(g.samples) < 2:
-                fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="stale"))
-            elif self.lc.skip_zero_variance and max(rewards) == min(rewards):
-                fates.append(TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason="zero reward variance"))
-                skipped += [s.reward for s in g.samples.values()]
-            else:
-                train_groups.append(g)
-                continue
-            to_ack += [s.raw for s in g.samples.values()]
-        samples = [s for g in train_groups for s in g.samples.values()]
-        metrics = {}
-        if samples:
-            scale = (skipped_loss_scale(self.lc.objective, [s.reward for s in samples], skipped)
-                     if self.lc.skipped_keep_scale else 1.0)
-            metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id,
-                                              self.lc, loss_scale=scale)
-            lags = [self.version - s.reward.trajectory.policy_version for s in samples]
-            metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
-            self.step += 1
-            self.samples_trained += len(samples)
-            self.trained.update(s.reward.msg_id for s in samples)
-            fates += [TaskFate(task_msg_id=g.task_msg_id, fate="trained",
-                               reward_msg_ids=[s.reward.msg_id for s in g.samples.values()]) for g in train_groups]
-            to_ack += [s.raw for s in samples]
-        self.tasks_done += len(ready) + len(expired)
-        for g in list(ready) + list(expired):
-            pool = next(iter(g.samples.values())).reward.trajectory.pool if g.samples else "short"
-            self.tasks_done_by_pool[pool] = self.tasks_done_by_pool.get(pool, 0) + 1
-        await self.record(fates)
-        for raw in to_ack:
+        """One window: collect the ready groups -> partition them -> train -> record, ack,
+        report (acks come after the step, so a crash in it redelivers the window)."""
+        ready, expired = self.pool.pop_ready(time.monotonic(), self.lc.groups_per_step, informative_only=self.refill)
+        part = partition(ready, expired, self.version, max_staleness=self.lc.max_staleness,
+                         skip_zero_variance=self.lc.skip_zero_variance)
+        self.s.counters["stale_samples"] = self.s.counters.get("stale_samples", 0) + part.stale_samples
+        samples = [s for g in part.train for s in g.samples.values()]
+        metrics = await self.train(samples, part.skipped) if samples else {}
+        self.count_done(ready + expired)
+        await self.record(part.fates)
+        for raw in part.to_ack:
             await raw.ack()
         self.last_step_at = time.monotonic()
         if samples:
             await self.after_step(metrics)
         elif ready or expired:  # consumed without a step (all filtered): the sampler's gate must see it
             await self.progress()
+
+    async def train(self, samples: list[PooledSample], skipped: list[Reward]) -> dict[str, float]:
+        """One optimizer step on `samples`; returns its metrics (staleness included)."""
+        scale = (skipped_loss_scale(self.lc.objective, [s.reward for s in samples], skipped)
+                 if self.lc.skipped_keep_scale else 1.0)
+        metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id,
+                                          self.lc, loss_scale=scale)
+        lags = [self.version - s.reward.trajectory.policy_version for s in samples]
+        metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
+        self.step += 1
+        self.samples_trained += len(samples)
+        self.trained.update(s.reward.msg_id for s in samples)
+        return metrics
+
+    def count_done(self, groups: list[Group]) -> None:
+        """Count consumed tasks, in total and per pool (what the sampler's per-pool gates subtract)."""
+        self.tasks_done += len(groups)
+        for g in groups:
+            pool = next(iter(g.samples.values())).reward.trajectory.pool if g.samples else "short"
+            self.tasks_done_by_pool[pool] = self.tasks_done_by_pool.get(pool, 0) + 1
 
     async def after_step(self, metrics: dict[str, float]) -> None:
         """Publish weights every K steps, checkpoint every C, report progress."""
@@ -265,14 +258,15 @@ async def bind_learner_consumer(js, reg):
     spec = reg.learner_consumer()
     try:
         await js.consumer_info(spec.stream, spec.durable)
-    except Exception:
+    except NotFoundError:  # only a missing durable is (re)created; other errors propagate
         await ensure_consumer(js, spec)
     return await js.pull_subscribe_bind(spec.durable, stream=spec.stream)
 
 
-async def run(cfg, ctx) -> dict[str, float]:
+async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the learner until stopped (or `ctx.max_messages` steps)."""
     lc = cfg.learner
+    max_steps = ctx.max_messages  # for the learner the generic message limit counts optimizer steps (None: no limit)
     if lc.policy != "null":
         import torch
     async with worker_session("learner", cfg, ctx) as s:
@@ -299,7 +293,7 @@ async def run(cfg, ctx) -> dict[str, float]:
         await L.progress()
         sub = await bind_learner_consumer(s.js, s.reg)
         while not s.stop.is_set():
-            if ctx.max_messages is not None and L.step >= ctx.max_messages:
+            if max_steps is not None and L.step >= max_steps:
                 break
             await L.take(await fetch(sub, 512, 0.2))
             while L.should_step() and not s.stop.is_set():

@@ -1,21 +1,19 @@
 """The resident agent of a docker sandbox: runs one command per request, then proves the container clean.
 
-Standalone, stdlib only: the host starts it as the container's main process (under
-`docker-init`) with `python3 -I -S -c <this file's source>` (the sandbox image carries
-no project code, so the source travels in the container's command and is always the
-host's version), attaches to the container's stdin/stdout (the container has no
-network) and talks to it with the framed protocol below. `python3 -I -S
-docker_agent.py` works as well (that is how the tests run it outside docker).
+Standalone, stdlib only (Python 3.9+), in three parts joined into one program, in this
+order: `sandbox_workers.docker_agent_protocol` (the frames both sides speak),
+`sandbox_workers.docker_agent_clean` (the agent's file work, kill, wipe and proof) and
+this module (the zygote, one run, the request loop). The sandbox image carries no
+project code: the host joins the parts (`sandbox_workers.docker_oneshot.agent_source`,
+which drops their imports of each other) and starts the program as the container's
+main process (under `docker-init`) with `python3 -I -S -c <program>`, so the agent is
+always the host's version. It attaches to the container's stdin/stdout (the container
+has no network) and speaks the protocol of `docker_agent_protocol`. From the repository
+root, `python3 -S -m sandbox_workers.docker_agent` runs the same code from the package
+(only ever inside a throwaway container: it kills every process it can and empties
+/work and /tmp).
 
-Protocol (both directions: a 4-byte big-endian length, then the payload):
-- host -> agent: `marshal` data (the host is the only writer of the agent's stdin),
-  `{"op": "ping"}` or `{"op": "run", "files": [(path, bytes)...], "argv": [...] |
-  "python": path, "timeout": s, "cap": bytes per stream, "report": [paths], "limits":
-  {"cpu": s, "fsize": bytes, "nofile": n}}`.
-- agent -> host: `REPLY` (fixed fields, no object decoding on the host) + stdout +
-  stderr + message. The first frame, unasked, is a `hello`.
-
-One `run`:
+One `run` (any other op gets an `ERROR` reply):
 1. The agent (uid 0) writes `files` in order into /work with its effective uid set to
    the sandbox user (65534): `seteuid` only, its real and saved uid stay 0.
 2. A child forked BEFORE this request was read (the "zygote": it never held these
@@ -37,7 +35,10 @@ One `run`:
    repaired first), SysV IPC removed (`ipcrm -a`, only when /proc/sysvipc lists
    something), then checked: the dirs are empty, /proc/sysvipc is empty, the only pids
    are 1 and the agent. The reply carries `clean`; the host discards a container that
-   is not clean. Then the next zygote is forked and the agent reads the next request.
+   is not clean, and the agent exits after such a reply. Then the next zygote is forked
+   and the agent reads the next request.
+A request whose files cannot be written gets an `ERROR` reply after the same kill,
+wipe and proof (steps 3-4); nothing runs.
 
 Threat model (the command is hostile; the agent and the host are trusted):
 - Capabilities: the container drops all and adds back only SETUID, SETGID (to become
@@ -68,33 +69,44 @@ import io
 import marshal
 import os
 import select
-import stat
-import struct
 import sys
 import time
 
+from sandbox_workers.docker_agent_clean import (
+    CHILD_ENV,
+    USER,
+    WORK,
+    kill_all,
+    oom_kills,
+    report_exists,
+    wipe_and_prove,
+    write_files,
+)
+from sandbox_workers.docker_agent_protocol import (
+    CLEAN,
+    ERROR,
+    HEADER,
+    HELLO,
+    MAX_REQUEST,
+    RESULT,
+    TIMED_OUT,
+    TRUNC_ERR,
+    TRUNC_OUT,
+    VERSION,
+    HeadTail,
+    read_exact,
+    send,
+    write_all,
+)
+
 # what a fresh `python3 -I -S harness.py` holds once the harness imported its modules
+# (computed after every part's imports: the joined program imports them all above this)
 for _name in ("typing", "math", "_sha256"):
     try:
         __import__(_name)
     except ImportError:  # pragma: no cover
         pass
 BASE_MODULES = frozenset(sys.modules)
-
-VERSION = 1
-USER = 65534
-WORK = "/work"
-WIPE_DIRS = ("/work", "/tmp", "/dev/mqueue")
-MAX_REQUEST = 256 * 1024 * 1024
-HEADER = struct.Struct(">I")
-REPLY = struct.Struct(">BiBIdIIII")
-"""kind, exit_code, flags, oom_kills, duration_s, exists mask, len stdout, len stderr, len message."""
-HELLO, RESULT, ERROR = 0, 1, 2
-TIMED_OUT, TRUNC_OUT, TRUNC_ERR, CLEAN = 1, 2, 4, 8
-OOM_FILES = ("/sys/fs/cgroup/memory/memory.oom_control", "/sys/fs/cgroup/memory.events")
-CHILD_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": WORK,
-             "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-
 
 try:
     from _sha256 import sha256
@@ -109,8 +121,8 @@ CODE_CACHE_MAX = 8
 
 
 def remember_code(req):
-    path = req.get("python")
-    source = next((bytes(data) for p, data in req.get("files") or () if p == path), None)
+    path = req["python"]
+    source = next((bytes(data) for p, data in req["files"] if p == path), None)
     if source is None:
         return
     key = (sha256(source).digest(), path)
@@ -123,58 +135,6 @@ def remember_code(req):
     if len(CODE_CACHE) >= CODE_CACHE_MAX:
         CODE_CACHE.pop(next(iter(CODE_CACHE)))
     CODE_CACHE[key] = code
-
-
-# ------------------------------------------------------------------ framing
-def write_all(fd, data):
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def read_exact(fd, n):
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.read(fd, min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def send(kind, exit_code=0, flags=0, oom=0, duration=0.0, exists=0, out=b"", err=b"", msg=b""):
-    head = REPLY.pack(kind, exit_code, flags, oom, duration, exists, len(out), len(err), len(msg))
-    body = head + out + err + msg
-    write_all(1, HEADER.pack(len(body)) + body)
-
-
-class HeadTail:
-    """Keeps the first cap//2 and last cap - cap//2 bytes of a stream."""
-
-    def __init__(self, cap):
-        self.head_cap = cap // 2
-        self.tail_cap = cap - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, chunk):
-        self.total += len(chunk)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        if chunk and self.tail_cap:
-            self.tail += chunk
-            if len(self.tail) > self.tail_cap:
-                del self.tail[:len(self.tail) - self.tail_cap]
-
-    def value(self):
-        dropped = self.total - len(self.head) - len(self.tail)
-        if dropped <= 0:
-            return bytes(self.head + self.tail), False
-        return bytes(self.head) + ("\n...[truncated %d bytes]...\n" % dropped).encode() + bytes(self.tail), True
 
 
 # ------------------------------------------------------------------ the zygote (child side)
@@ -230,11 +190,9 @@ def zygote(go_fd, out_fd, err_fd):
     req = marshal.loads(read_exact(go_fd, HEADER.unpack(head)[0]))
     import resource
 
-    lim = req.get("limits") or {}
-    for res, value in ((resource.RLIMIT_CPU, lim.get("cpu")), (resource.RLIMIT_FSIZE, lim.get("fsize")),
-                       (resource.RLIMIT_NOFILE, lim.get("nofile")), (resource.RLIMIT_CORE, 0)):
-        if value is None:
-            continue
+    lim = req["limits"]
+    for res, value in ((resource.RLIMIT_CPU, lim["cpu"]), (resource.RLIMIT_FSIZE, lim["fsize"]),
+                       (resource.RLIMIT_NOFILE, lim["nofile"]), (resource.RLIMIT_CORE, 0)):
         hard = resource.getrlimit(res)[1]
         value = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
         # cpu: SIGXCPU at the soft limit, SIGKILL a second later
@@ -319,202 +277,35 @@ class Zygote:
         return self.status is not None
 
 
-# ------------------------------------------------------------------ the agent's own work
-class AsUser:
-    """Effective uid/gid 65534 for file work (real and saved uid stay 0)."""
-
-    def __enter__(self):
-        os.setegid(USER)
-        os.seteuid(USER)
-
-    def __exit__(self, *exc):
-        os.seteuid(0)
-        os.setegid(0)
+# ------------------------------------------------------------------ one run, in steps
+def refuse_files(z, exc):
+    """The files could not be written: kill, wipe and prove, then an ERROR reply; True if clean."""
+    problems = [] if kill_all(z) else ["processes survive"]
+    z.close()  # its pipes and process handle: a refused request must not leak descriptors
+    problems += wipe_and_prove()
+    send(ERROR, flags=0 if problems else CLEAN, msg=("cannot write the files: %s" % exc).encode())
+    return not problems
 
 
-def safe_path(path):
-    if path.startswith(WORK + "/"):
-        path = path[len(WORK) + 1:]
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts or path.startswith("/"):
-        raise ValueError("bad path %r" % path)
-    return parts
-
-
-def write_files(files):
-    with AsUser():
-        for path, data in files:
-            parts = safe_path(path)
-            d = WORK
-            for part in parts[:-1]:
-                d = d + "/" + part
-                try:
-                    os.mkdir(d, 0o755)
-                except FileExistsError:
-                    if os.path.islink(d) or not os.path.isdir(d):
-                        raise ValueError("not a directory: %r" % d) from None
-            fd = os.open(d + "/" + parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            try:
-                write_all(fd, data)
-            finally:
-                os.close(fd)
-
-
-def oom_kills():
-    for name in OOM_FILES:
-        try:
-            with open(name) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
-        except (OSError, ValueError):
-            continue
-    return 0
-
-
-def others():
-    me = os.getpid()
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
-
-
-def kill_all(z, wait_s=3.0):
-    """SIGKILL every process but pid 1 and the agent, reap ours; True once none is left."""
-    end = time.monotonic() + wait_s
-    delay = 0.0005
-    while True:
-        try:
-            os.kill(-1, 9)
-        except OSError:
-            pass
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if not pid:
-                break
-            if z is not None and pid == z.pid and z.status is None:
-                z.status = status
-        if not others():
-            return True
-        if time.monotonic() > end:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-
-
-def remove_tree(path):
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        try:
-            os.chmod(path, 0o700)
-        except OSError:
-            pass
-        for entry in os.listdir(path):
-            remove_tree(path + "/" + entry)
-        os.rmdir(path)
-    else:
-        os.unlink(path)
-
-
-def ipc_left():
-    left = []
-    for kind in ("shm", "msg", "sem"):
-        try:
-            with open("/proc/sysvipc/" + kind) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        left += ["%s %s" % (kind, r.split()[1] if len(r.split()) > 1 else "?") for r in rows if r.strip()]
-    return left
-
-
-def run_ipcrm():
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setresgid(USER, USER, USER)
-            os.setresuid(USER, USER, USER)
-            fd = os.open("/dev/null", os.O_RDWR)
-            for i in (0, 1, 2):
-                os.dup2(fd, i)
-            os.closerange(3, 1 << 16)
-            os.execvpe("ipcrm", ["ipcrm", "-a"], dict(CHILD_ENV))
-        finally:
-            os._exit(127)
-    os.waitpid(pid, 0)
-
-
-def _entries(d, problems):
-    """Names in directory `d` ([] if it does not exist; an unreadable one is a problem)."""
-    try:
-        return os.listdir(d)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        problems.append("list %s: %s" % (d, exc.strerror))
-        return []
-
-
-def wipe_and_prove():
-    """Empty the writable places as 65534, then prove it; returns the problems found."""
-    problems = []
-    with AsUser():
-        try:
-            os.chmod(WORK, 0o700)
-        except OSError as exc:
-            problems.append("chmod /work: %s" % exc.strerror)
-        for d in WIPE_DIRS:
-            for entry in _entries(d, problems):
-                try:
-                    remove_tree(d + "/" + entry)
-                except OSError:
-                    pass
-        for d in WIPE_DIRS:
-            problems += ["left %s/%s" % (d, e) for e in _entries(d, problems)[:5]]
-    if ipc_left():
-        run_ipcrm()
-        problems += ipc_left()
-    if others():
-        problems += ["pid %d" % p for p in others()[:5]]
-    return problems
-
-
-def run(req, z):
-    t0 = time.monotonic()
-    timeout = max(float(req.get("timeout", 30.0)), 0.001)
-    cap = int(req.get("cap", 1 << 20))
-    out, err = HeadTail(cap), HeadTail(cap)
-    try:
-        write_files(req.get("files") or [])
-    except (OSError, ValueError) as exc:
-        problems = [] if kill_all(z) else ["processes survive"]
-        problems += wipe_and_prove()
-        flags = 0 if problems else CLEAN
-        send(ERROR, flags=flags, msg=("cannot write the files: %s" % exc).encode())
-        return not problems
-    before = oom_kills()
+def start(z, req):
+    """Hand the command to the zygote (one that died already shows up as the command's status)."""
     go = marshal.dumps({k: req.get(k) for k in ("argv", "python", "limits")}, 4)
     try:
         write_all(z.go, HEADER.pack(len(go)) + go)
     except OSError:
         pass
-    deadline = t0 + timeout
-    timed_out = False
-    open_fds = {z.out: out, z.err: err}
+
+
+def collect(z, deadline, open_fds):
+    """Feed the command's pipes (fd -> HeadTail; a pipe at EOF is removed) until the command
+    exits or the deadline passes; True when it was still running at the deadline."""
     watch = [z.pidfd] if z.pidfd is not None else []
     while True:
         if z.poll():
-            break
+            return False
         left = deadline - time.monotonic()
         if left <= 0:
-            timed_out = not z.poll()
-            break
+            return not z.poll()
         ready, _, _ = select.select(list(open_fds) + watch, [], [], min(left, 0.05 if not watch else left))
         for fd in ready:
             if fd in open_fds:
@@ -523,8 +314,11 @@ def run(req, z):
                     open_fds[fd].feed(chunk)
                 else:
                     del open_fds[fd]
-    killed = kill_all(z)
-    for fd, buf in list(open_fds.items()):  # every writer is dead (or reported): drain
+
+
+def drain(open_fds):
+    """Read what the pipes still hold once every writer is dead (at most ~1 s per pipe)."""
+    for fd, buf in list(open_fds.items()):
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
             r, _, _ = select.select([fd], [], [], 0.1)
@@ -534,24 +328,37 @@ def run(req, z):
             if not chunk:
                 break
             buf.feed(chunk)
+
+
+def exit_code(z, timed_out):
+    """137 for a command killed at the deadline (or never reaped), else its status as a shell shows it."""
+    if timed_out or z.status is None:
+        return 137
+    code = os.waitstatus_to_exitcode(z.status)
+    return 128 - code if code < 0 else code
+
+
+def run(req, z):
+    """Serve one `run` request with the zygote `z` (steps 1-4 above); True when the container is proven clean."""
+    t0 = time.monotonic()
+    timeout = max(float(req["timeout"]), 0.001)
+    cap = int(req["cap"])
+    out, err = HeadTail(cap), HeadTail(cap)
+    try:
+        write_files(req["files"])
+    except (OSError, ValueError) as exc:
+        return refuse_files(z, exc)
+    before = oom_kills()
+    start(z, req)
+    open_fds = {z.out: out, z.err: err}
+    timed_out = collect(z, t0 + timeout, open_fds)
+    killed = kill_all(z)
+    drain(open_fds)
     z.close()
-    exists = 0
-    with AsUser():
-        for i, path in enumerate((req.get("report") or [])[:32]):
-            try:
-                if os.path.lexists(WORK + "/" + "/".join(safe_path(path))):
-                    exists |= 1 << i
-            except ValueError:
-                pass
+    exists = report_exists(req["report"])
     oom = max(0, oom_kills() - before)
     problems = ([] if killed else ["processes survive the kill"]) + wipe_and_prove()
-    if timed_out:
-        code = 137
-    elif z.status is None:
-        code = 137
-    else:
-        code = os.waitstatus_to_exitcode(z.status)
-        code = 128 - code if code < 0 else code
+    code = exit_code(z, timed_out)
     out_b, out_t = out.value()
     err_b, err_t = err.value()
     flags = (TIMED_OUT if timed_out else 0) | (TRUNC_OUT if out_t else 0) | (TRUNC_ERR if err_t else 0) \
@@ -562,7 +369,6 @@ def run(req, z):
 
 def main():
     os.chdir("/")
-    z = None
     problems = ([] if os.getuid() == 0 else ["agent is not root"])
     if not kill_all(None, 1.0):
         problems.append("foreign processes")
@@ -583,9 +389,6 @@ def main():
             return 0
         req = marshal.loads(data)
         del data
-        if req.get("op") == "ping":
-            send(HELLO, VERSION, CLEAN)
-            continue
         if req.get("op") != "run":
             send(ERROR, msg=b"unknown op")
             continue

@@ -60,8 +60,9 @@ their guarantees are in `sandbox_workers.docker_oneshot`.
 Module layout (each module's docstring states its own guarantees):
 `sandbox_workers.docker_engine` (the client, ownership labels, the reaper),
 `sandbox_workers.docker_pool` (container settings, exec over the socket, the warm pool
-and clean-up), `sandbox_workers.docker_oneshot` (agent containers, `run_isolated`), and
-this module (`DockerSandbox`; it re-exports the names other code imports from here, so
+and clean-up), `sandbox_workers.docker_oneshot` (agent containers, `run_isolated`), the
+agent program that runs inside them (`sandbox_workers.docker_agent`, with
+`docker_agent_protocol` and `docker_agent_clean`), and this module (`DockerSandbox`; it re-exports the names other code imports from here, so
 `from sandbox_workers.docker_backend import ...` keeps working).
 
 Blocking API (like the process backend): call it from a thread in async code. The
@@ -106,7 +107,7 @@ from sandbox_workers.docker_oneshot import (  # noqa: F401 - re-exported
     AGENT_LABEL,
     AGENT_MAX_USES,
     AGENT_MEMORY_MB,
-    AGENT_PATH,
+    AGENT_PARTS,
     AGENT_PID_HEADROOM,
     AGENT_START_S,
     AGENT_USER,

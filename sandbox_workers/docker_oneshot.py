@@ -2,14 +2,16 @@
 `AgentPool`, `get_agent_pool`.
 
 Guarantees: an agent container is a second kind of sandbox container whose main process
-(behind docker-init) is a resident agent, `sandbox_workers.docker_agent` (its source
-travels in the container's command; read its docstring for the protocol and the threat
-model). Same isolation as the `DockerSandbox` containers (`docker_pool.container_kwargs`;
-see `sandbox_workers.docker_backend`), except: the
-agent runs as uid 0 with only SETUID, SETGID and KILL added back (every command still
-runs as 65534 with no capability), `mem_limit` gets `AGENT_MEMORY_MB` more and
-`pids_limit` is `pids + AGENT_PID_HEADROOM` (the command's tree gets `pids`), and the
-cpu rlimit is set per command by the agent. A run is ONE request/reply over the
+(behind docker-init) is a resident agent, `sandbox_workers.docker_agent` (its program,
+`agent_source()`, travels in the container's command; read its docstring for a run and
+the threat model, and `sandbox_workers.docker_agent_protocol` for the protocol). Same
+isolation as the `DockerSandbox` containers (`docker_pool.container_kwargs`; see
+`sandbox_workers.docker_backend`), except: the agent runs as uid 0 with only SETUID,
+SETGID and KILL added back (every command still runs as 65534 with no capability),
+`mem_limit` gets `AGENT_MEMORY_MB` more and `pids_limit` is `pids + AGENT_PID_HEADROOM`
+(the command's tree gets `pids`), and the cpu rlimit is set per command by the agent.
+`agent_source` refuses (ValueError: no container starts) a program whose parts import
+any project module but an earlier part. A run is ONE request/reply over the
 container's attached stdin/stdout (it has no network): the agent writes the files into
 an empty /work, runs the command in a child forked before the request was read, kills
 every process, wipes /work, /tmp, /dev/mqueue and SysV IPC and proves the container
@@ -26,6 +28,7 @@ async code.
 
 from __future__ import annotations
 
+import ast
 import marshal
 import os
 import select
@@ -33,7 +36,7 @@ import time
 from typing import Any
 
 from sandbox_workers import (
-    docker_agent as _AGENT,  # stdlib only: the protocol's constants
+    docker_agent_protocol as _AGENT,  # stdlib only: the protocol's constants
 )
 from sandbox_workers.base import MIB, ExecResult, HeadTailBuffer, Limits, decode_output
 from sandbox_workers.docker_engine import _env_int, log
@@ -57,15 +60,63 @@ AGENT_MEMORY_MB = 48  # the agent and its zygote, on top of the command's memory
 AGENT_MAX_USES = 1000
 AGENT_GRACE_S = 5.0
 AGENT_START_S = 30.0
-AGENT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docker_agent.py")
+AGENT_PARTS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+                    for name in ("docker_agent_protocol.py", "docker_agent_clean.py", "docker_agent.py"))
+"""The files of the agent program, in the order they are joined (each imports only earlier ones)."""
+
+
+def _is_project(module: str) -> bool:
+    return module == "sandbox_workers" or module.startswith("sandbox_workers.")
+
+
+def _part_imports_dropped(name: str, source: str, earlier: set[str]) -> str:
+    """`source` without its top-level imports of `earlier` parts; ValueError for any other project import."""
+    tree = ast.parse(source, name)
+    drop: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and not node.level and _is_project(node.module or ""):
+            if node.module.removeprefix("sandbox_workers.") not in earlier or any(a.asname for a in node.names):
+                raise ValueError(f"agent part {name}: `from {node.module} import` is not an earlier part's names")
+            drop.update(range(node.lineno - 1, node.end_lineno))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.lineno - 1 in drop:
+            continue
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if (isinstance(node, ast.ImportFrom) and node.level) or any(_is_project(m) for m in modules):
+            raise ValueError(f"agent part {name} imports project code at line {node.lineno}")
+    return "".join(line for i, line in enumerate(source.splitlines(keepends=True)) if i not in drop)
+
+
+def join_agent_parts(sources: list[tuple[str, str]]) -> str:
+    """One program from (path, source) parts, in order: each part's top-level
+    `from sandbox_workers.<earlier part> import names` is dropped (those names are already
+    globals of the program). ValueError, so no container starts, if a part imports any
+    other project module, imports a later part, renames an imported name, or if the joined
+    program does not compile."""
+    earlier: set[str] = set()
+    out = []
+    for path, source in sources:
+        out.append(_part_imports_dropped(path, source, earlier))
+        earlier.add(os.path.basename(path).removesuffix(".py"))
+    program = "\n".join(out)
+    try:
+        compile(program, "<rlbus-agent>", "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise ValueError(f"the joined agent program does not compile: {exc}") from exc
+    return program
 
 
 def agent_source() -> str:
-    """The agent's source, passed in the container's command (the image has no project code)."""
+    """The agent program (`AGENT_PARTS` joined), passed in the container's command (the image
+    has no project code)."""
     global _agent_source
     if _agent_source is None:
-        with open(AGENT_PATH, encoding="utf-8") as f:
-            _agent_source = f.read()
+        parts = []
+        for path in AGENT_PARTS:
+            with open(path, encoding="utf-8") as f:
+                parts.append((path, f.read()))
+        _agent_source = join_agent_parts(parts)
     return _agent_source
 
 

@@ -27,6 +27,10 @@ Guarantees (on top of those in `sandbox_workers.base`):
 
 Blocking API: call `execute` from a thread in async code (e.g. `asyncio.to_thread`)
 that lives as long as the sandbox (bwrap's --die-with-parent follows the thread).
+
+Module layout: `sandbox_workers.process_bwrap` (the bwrap command line),
+`sandbox_workers.process_host` (the /proc and cgroup scans) and this module
+(`ProcessSandbox`: lifecycle, execute, kill, files).
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import functools
-import glob
 import os
 import resource
 import secrets
@@ -53,7 +55,6 @@ import structlog
 
 from sandbox_workers.base import (
     MIB,
-    WORK_DIR,
     ExecResult,
     HeadTailBuffer,
     Isolation,
@@ -62,125 +63,22 @@ from sandbox_workers.base import (
     decode_output,
     sandbox_path_parts,
 )
+from sandbox_workers.process_bwrap import MARKER_ENV, SANDBOX_PATH, bwrap_argv, bwrap_path
+from sandbox_workers.process_host import children, count_uid_procs, find_cgroup_parent, uid_pids
 
 log = structlog.get_logger()
 
-SYSTEM_PYTHON = "/usr/bin/python3"
-MARKER_ENV = "RLBUS_SANDBOX_ID"
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 INNER_UID = 65534
 UID_RANGE = (2_000_000, 3_000_000)
 KILL_GRACE_S = 2.0
 EXIT_GRACE_S = 0.2
 MAX_READ_FILE = 256 * MIB
 OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
-ETC_FILES = ("ld.so.cache", "alternatives", "localtime", "passwd", "group")
-
-# pid 1 of the sandbox: the command runs as its child, so it keeps normal signal
-# semantics (a pid-1 process ignores SIGTERM, SIGXCPU and its own SIGKILL), and
-# `--as-pid-1` makes the host-side bwrap wait on (reap) pid 1 itself.
-INIT_SHIM = ("/bin/sh", "-c", '"$@" & wait $! 2>/dev/null', "rlbus-init")
 _bwrap_probe: dict[bool, tuple[bool, str]] = {}
 _SETPRIV = shutil.which("setpriv")
 _PRLIMIT = shutil.which("prlimit")
 _LIBC = ctypes.CDLL(None, use_errno=True)
 PR_SET_NO_NEW_PRIVS = 38
-
-
-def bwrap_path() -> str | None:
-    """Where bwrap is, or None."""
-    return shutil.which("bwrap")
-
-
-@functools.lru_cache(maxsize=1)
-def _system_binds() -> tuple[str, ...]:
-    args = ["--ro-bind", "/usr", "/usr"]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        host = f"/{name}"
-        if os.path.islink(host):
-            args += ["--symlink", os.readlink(host), host]
-        elif os.path.isdir(host):
-            args += ["--ro-bind", host, host]
-    etc = [f"/etc/{n}" for n in ETC_FILES] + sorted(glob.glob("/etc/python3*"))
-    for path in etc:
-        if os.path.exists(path):
-            args += ["--ro-bind", path, path]
-    return tuple(args)
-
-
-def _bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str,
-                argv: list[str], inner_uid: int) -> list[str]:
-    return [
-        bwrap, "--as-pid-1", "--unshare-all", "--unshare-user", "--disable-userns",
-        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-        "--uid", str(inner_uid), "--gid", str(inner_uid),
-        *_system_binds(),
-        "--proc", "/proc", "--dev", "/dev",
-        "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp",
-        "--bind", workdir, WORK_DIR, "--remount-ro", "/", "--chdir", WORK_DIR,
-        "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORK_DIR,
-        "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
-        "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", MARKER_ENV, marker,
-        "--", *INIT_SHIM, *argv,
-    ]
-
-
-def _count_uid_procs(uid: int) -> int:
-    n = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                n += entry.stat().st_uid == uid
-            except OSError:
-                pass
-    return n
-
-
-def _uid_pids(uid: int) -> list[int]:
-    """Live (non-zombie) pids whose /proc entry the uid owns."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat().st_uid != uid:
-                continue
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in (b"Z", b"X"):
-            pids.append(int(entry.name))
-    return pids
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _find_cgroup_parent() -> Path | None:
-    """A writable cgroup v2 dir whose children get pids+memory controllers, or None."""
-    root = Path("/sys/fs/cgroup")
-    explicit = os.environ.get("RLBUS_SANDBOX_CGROUP")
-    try:
-        if explicit:
-            parent = Path(explicit)
-        elif (root / "cgroup.controllers").exists():
-            rel = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                       if line.startswith("0::"))
-            parent = root / rel.strip().lstrip("/")
-        else:
-            return None
-        ctl = (parent / "cgroup.subtree_control").read_text().split()
-        if {"pids", "memory"} <= set(ctl) and os.access(parent, os.W_OK):
-            return parent
-    except (OSError, StopIteration):
-        pass
-    return None
 
 
 class ProcessSandbox(Sandbox):
@@ -211,7 +109,7 @@ class ProcessSandbox(Sandbox):
         if self.is_root:
             while True:  # a uid no live process holds (the kill sweep is per uid)
                 self.uid = self.gid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
-                if not _uid_pids(self.uid):
+                if not uid_pids(self.uid):
                     break
         self.workdir = tempfile.mkdtemp(prefix=f"{self.marker}-", dir=self.base_dir)
         try:
@@ -246,7 +144,7 @@ class ProcessSandbox(Sandbox):
         if self._bwrap is None:
             return False, "bwrap not found on PATH"
         if self.is_root not in _bwrap_probe:
-            argv = _bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker,
+            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker,
                                ["/usr/bin/true"], INNER_UID)
             p = None
             try:
@@ -263,7 +161,7 @@ class ProcessSandbox(Sandbox):
         return _bwrap_probe[self.is_root]
 
     def _make_cgroup(self) -> None:
-        parent = _find_cgroup_parent()
+        parent = find_cgroup_parent()
         if parent is None:
             log.debug("sandbox.no_cgroup", sandbox=self.id)
             return
@@ -312,7 +210,7 @@ class ProcessSandbox(Sandbox):
         lim = self.limits
         nproc = lim.pids
         if not self.is_root:  # no dedicated uid: our own processes count too
-            nproc += _count_uid_procs(self.uid)
+            nproc += count_uid_procs(self.uid)
         return [
             (resource.RLIMIT_AS, lim.memory_mb * MIB, lim.memory_mb * MIB, "--as"),
             (resource.RLIMIT_CPU, lim.cpu_seconds, lim.cpu_seconds + 1, "--cpu"),
@@ -361,7 +259,7 @@ class ProcessSandbox(Sandbox):
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", MARKER_ENV: self.marker}
         if self.isolation == "bwrap":
-            argv = _bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv,
+            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv,
                                INNER_UID)
             cwd = "/"
         else:
@@ -435,7 +333,7 @@ class ProcessSandbox(Sandbox):
         containers never reaps, and its zombie would count against RLIMIT_NPROC.
         """
         if proc is not None and proc.poll() is None and self.isolation == "bwrap":
-            for pid in _children(proc.pid):
+            for pid in children(proc.pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -457,7 +355,7 @@ class ProcessSandbox(Sandbox):
         if not self.is_root:
             return  # not a dedicated uid: the pid namespace / group is all we can kill
         end = time.monotonic() + KILL_GRACE_S
-        while pids := _uid_pids(self.uid):
+        while pids := uid_pids(self.uid):
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)

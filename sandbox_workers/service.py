@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from bus.session import WorkerContext, worker_session
 from bus.subjects import Registry, check_token
 from bus.telemetry import worker_id as make_worker_id
 from sandbox_workers.async_sandbox import LocalAsyncSandbox, SandboxClosed, limits_from
@@ -44,6 +45,7 @@ from sandbox_workers.integrity import (
     load_secret,
 )
 from sandbox_workers.remote import error_reply, pack, unpack
+from schemas.config import RunConfig, SandboxSection
 
 log = structlog.get_logger()
 
@@ -109,7 +111,7 @@ def _fit_result(result: ExecResult, budget: int) -> ExecResult:
 class SandboxService:
     """The sessions of one sandbox worker and the handlers of its subjects."""
 
-    def __init__(self, nc, js, reg: Registry, sc, secret: bytes, counters: dict | None = None) -> None:
+    def __init__(self, nc, js, reg: Registry, sc: SandboxSection, secret: bytes, counters: dict | None = None) -> None:
         self.nc, self.js, self.reg, self.sc = nc, js, reg, sc
         self.pool = check_token("pool", sc.pool)
         self.worker_id = f"{make_worker_id('sandbox')}-{uuid.uuid4().hex[:6]}"
@@ -322,7 +324,7 @@ async def _file_op(coro, path: str):
         raise Refused("sandbox_error", f"{path!r}: {exc}") from exc
 
 
-def service_secret(ctx) -> bytes:
+def service_secret(ctx: WorkerContext) -> bytes:
     """The tool-result secret: env (`RLBUS_TOOL_SECRET[_FILE]`), else the run folder's key file
     (verifiers must read the same one, or every observation they check is flagged)."""
     secret = load_secret()
@@ -333,10 +335,8 @@ def service_secret(ctx) -> bytes:
     return secret
 
 
-async def run(cfg, ctx) -> None:
+async def run(cfg: RunConfig, ctx: WorkerContext) -> None:
     """The sandbox worker process: serve sessions until stopped, then close them all."""
-    from bus.session import worker_session
-
     async with worker_session("sandbox", cfg, ctx) as ws:
         service = SandboxService(ws.nc, ws.js, ws.reg, cfg.sandbox, service_secret(ctx), ws.counters)
         await service.start()

@@ -112,8 +112,9 @@ def trajectory_payload_bytes() -> int:
     """Size of a real encoded Trajectory as the null rollout worker builds it."""
     from producers.domains import make_source
     from rollout_workers.engines import NullEngine
-    from rollout_workers.worker import build_trajectories, render_prompt
+    from rollout_workers.worker import single_turn_trajectories
     from schemas.config import load_config
+    from schemas.messages import render_prompt
 
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(CONFIG)
@@ -122,8 +123,8 @@ def trajectory_payload_bytes() -> int:
     finally:
         os.unlink(f.name)
     task = make_source("benchrun", "arith", cfg).make_task(random.Random(0), 3, 0).task
-    samples = NullEngine().generate([render_prompt(task)], GROUP_SIZE, task.max_tokens, task.temperature)[0]
-    trajs = build_trajectories(task, samples, 0, 1e-6)
+    samples = NullEngine().generate([render_prompt(task.prompt)], GROUP_SIZE, task.max_tokens, task.temperature)[0]
+    trajs = single_turn_trajectories(task, samples, 0, 1e-6)
     return max(len(encode(t)) for t in trajs)
 
 

@@ -20,7 +20,7 @@ seeds * 2 * (minutes + 0.5) + 1 min):
   launcher stops the run so that sampling stops `--minutes` after `rlbus up` started
   (set-up included; no drain, so no training happens after the budget beyond the step
   in flight). The final policy is the learner's checkpoint written at stop. In-run
-  evaluation is pushed out (`eval_every_versions` huge) so it does not steal CPU.
+  evaluation is pushed out (`scheduler.eval.every_versions` huge) so it does not steal CPU.
   Weights go through a `file://` store in the bench's temp dir, as on any single
   machine (written once per version, mapped by the rollout worker; removed after each
   run); `--ours-weights nats` sends them through the NATS object store instead.
@@ -239,11 +239,13 @@ max_staleness = 4
 checkpoint_every = 1000000
 weight_store = "{weight_store}"
 
-[scheduler]
-curriculum = false
-eval_n = {eval_n}
-eval_difficulty = 3
-eval_every_versions = 1000000
+[scheduler.curriculum]
+enabled = false
+
+[scheduler.eval]
+n = {eval_n}
+difficulty = 3
+every_versions = 1000000
 """
 
 

@@ -66,7 +66,7 @@ def make_rewards(model_dir: Path, n_prompts: int, group: int, max_new: int, seed
     """Real Reward messages: HFEngine samples scored by the arith verifier."""
     from producers import arith
     from rollout_workers.engines import HFEngine
-    from rollout_workers.worker import build_trajectories
+    from rollout_workers.worker import single_turn_trajectories
     from schemas import ChatMessage, Task
     from verifier_workers.worker import score
 
@@ -79,7 +79,7 @@ def make_rewards(model_dir: Path, n_prompts: int, group: int, max_new: int, seed
         task = Task(run_id="bench", task_id=f"t{i}", domain="arith", difficulty=3, group_size=group,
                     prompt=[ChatMessage(role="user", content=p.prompt)], verifier="arith",
                     verifier_params={"expression": p.expression}, max_tokens=max_new)
-        rewards += [score(t) for t in build_trajectories(task, samples, 0, 0.0)]
+        rewards += [score(t) for t in single_turn_trajectories(task, samples, 0, 0.0)]
     # the untrained model earns no reward: give each group a spread of rewards so the
     # advantages are non-zero (the math is identical whatever the values are)
     for j, r in enumerate(rewards):

@@ -1,24 +1,25 @@
 """The pull loop: fetch, decode, run a handler, and turn its outcome into an ack.
 
-Outcomes (per message):
-- the handler returns `None` (or `Ack()`): ack;
-- `Retry(delay)`: nak with that delay (JetStream counts the attempt);
-- `Reject(reason)`: a `DeadLetter` with the reason and the original bytes goes to the
-  stage's DLQ subject, then the message is termed.
-`Retry`/`Reject` may be returned or raised.
+Outcomes are raised, never returned (per message, or per batch for `run_pull_loop`):
+- the handler returns (None): ack;
+- it raises `Retry(delay)`: nak with that delay (JetStream counts the attempt);
+- it raises `Reject(reason)`: a `DeadLetter` with the reason and the original bytes goes
+  to the stage's DLQ subject, then the message is termed.
+A handler that returns anything but None has a bug: `TypeError`, propagated like any
+other bug (nothing is acked).
 
 Guarantees:
 - A message that fails to decode, has an unexpected kind, or belongs to another run
   is dead-lettered with the reason and termed; the worker keeps going.
-- While a handler runs, every message of its batch gets `in_progress` at a third of
-  the consumer's ack_wait, so long work is not redelivered.
+- While a handler runs, every message it holds gets `in_progress` at a third of the
+  consumer's ack_wait (one keep-alive for both loops), so long work is not redelivered.
 - Fetch time-outs are normal and only mean "idle".
 - Bugs in a handler propagate (the process crashes and is restarted; the message is
   redelivered), they are never turned into an ack.
 
 Two loops share these outcomes:
-- `run_pull_loop` handles a fetched batch as one unit (batched generation needs that)
-  and acks the batch once the handler returns.
+- `run_pull_loop` handles a fetched batch as one unit (batched generation needs that):
+  the handler's one outcome applies to every message of the batch.
 - `run_pull_stream` handles each message on its own and acks it the moment its
   handler finishes, fetching more while others are still running (at most `inflight`
   at once). A slow message never holds back its neighbours: there is no batch barrier,
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import nats.errors
@@ -45,13 +46,8 @@ log = structlog.get_logger()
 
 
 @dataclass
-class Ack:
-    """Handler outcome: done, acknowledge."""
-
-
-@dataclass
 class Retry(Exception):
-    """Handler outcome: transient failure, redeliver after `delay` seconds."""
+    """Raised by a handler: transient failure, redeliver after `delay` seconds."""
 
     delay: float = 1.0
     reason: str = ""
@@ -59,13 +55,13 @@ class Retry(Exception):
 
 @dataclass
 class Reject(Exception):
-    """Handler outcome: this message can never succeed; dead-letter it with `reason`."""
+    """Raised by a handler: this message can never succeed; dead-letter it with `reason`."""
 
     reason: str
     error_type: str = "rejected"
 
 
-Outcome = Ack | Retry | Reject | None
+Outcome = Retry | Reject | None  # None: ack
 
 
 @dataclass
@@ -105,9 +101,8 @@ async def dead_letter(js: JetStreamContext, reg: Registry, stage: str, raw: Msg,
 
 
 def _task_msg_id_of(msg: Message) -> str | None:
-    for attr in ("task_msg_id",):
-        if hasattr(msg, attr):
-            return getattr(msg, attr)
+    if hasattr(msg, "task_msg_id"):
+        return msg.task_msg_id
     traj = getattr(msg, "trajectory", None)
     if traj is not None:
         return traj.task_msg_id
@@ -142,11 +137,20 @@ async def fetch(sub, batch: int, timeout: float) -> list[Msg]:
         return []
 
 
+async def outcome_of(call: Awaitable[object]) -> Outcome:
+    """Await a handler call: None when it returned None (ack), the Retry or Reject it raised.
+    Any other exception propagates, and a returned value is a TypeError (a handler bug)."""
+    try:
+        returned = await call
+    except (Retry, Reject) as exc:
+        return exc
+    if returned is not None:
+        raise TypeError(f"handler returned {returned!r}: return None to ack, raise Retry or Reject otherwise")
+    return None
+
+
 async def apply_outcome(js: JetStreamContext, reg: Registry, stage: str, d: Delivery, outcome: Outcome) -> str:
     """Acknowledge one delivery according to its outcome; return the outcome's name."""
-    if outcome is None or isinstance(outcome, Ack):
-        await d.raw.ack()
-        return "ack"
     if isinstance(outcome, Retry):
         await d.raw.nak(delay=outcome.delay)
         log.info("bus.retry", stage=stage, delay=outcome.delay, reason=outcome.reason, delivered=d.delivered)
@@ -154,17 +158,25 @@ async def apply_outcome(js: JetStreamContext, reg: Registry, stage: str, d: Deli
     if isinstance(outcome, Reject):
         await dead_letter(js, reg, stage, d.raw, outcome.reason, outcome.error_type, _task_msg_id_of(d.msg))
         return "reject"
-    raise TypeError(f"handler returned {outcome!r}; expected None, Ack, Retry or Reject")
+    await d.raw.ack()
+    return "ack"
 
 
-async def _keep_alive(raws: Sequence[Msg], every: float) -> None:
-    while True:
-        await asyncio.sleep(every)
-        for raw in raws:
-            await raw.in_progress()
+def keep_alive(held: Collection[Delivery], ack_wait_s: float) -> asyncio.Task:
+    """Start the keep-alive of both loops: until the returned task is cancelled, every delivery
+    in `held` at each beat (a live view may change) gets `in_progress`, every third of ack_wait
+    (but no more often than every 0.5 s)."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(max(0.5, ack_wait_s / 3))
+            for d in list(held):
+                await d.raw.in_progress()
+
+    return asyncio.create_task(beat())
 
 
-BatchHandler = Callable[[list[Delivery]], Awaitable[Sequence[Outcome]]]
+BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
 
 
 async def _fetch_decoded(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message], want: int,
@@ -181,7 +193,8 @@ async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, ex
                         ack_wait_s: float = 30.0, max_messages: int | None = None,
                         until_idle: float | None = None, stop: asyncio.Event | None = None,
                         counters: dict[str, float] | None = None) -> dict[str, float]:
-    """Run `handler` over batches until `stop`, `max_messages` or `until_idle` seconds idle."""
+    """Run `handler` over batches until `stop`, `max_messages` (fetched) or `until_idle` seconds idle;
+    its outcome (return, or a raised Retry/Reject) applies to the whole batch."""
     counters = counters if counters is not None else {}
     seen, last_work = 0, time.monotonic()
     while not (stop and stop.is_set()):
@@ -197,28 +210,18 @@ async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, ex
         seen += fetched
         if not deliveries:
             continue
-        keeper = asyncio.create_task(_keep_alive([d.raw for d in deliveries], max(0.5, ack_wait_s / 3)))
+        keeper = keep_alive(deliveries, ack_wait_s)
         try:
-            outcomes = await _run_handler(handler, deliveries)
+            outcome = await outcome_of(handler(deliveries))
         finally:
             keeper.cancel()
-        for d, outcome in zip(deliveries, outcomes, strict=True):
+        for d in deliveries:
             name = await apply_outcome(js, reg, stage, d, outcome)
             counters[name] = counters.get(name, 0) + 1
     return counters
 
 
-async def _run_handler(handler: BatchHandler, deliveries: list[Delivery]) -> Sequence[Outcome]:
-    try:
-        outcomes = await handler(deliveries)
-    except (Retry, Reject) as exc:
-        return [exc] * len(deliveries)
-    if len(outcomes) != len(deliveries):
-        raise RuntimeError(f"handler returned {len(outcomes)} outcomes for {len(deliveries)} messages")
-    return outcomes
-
-
-MessageHandler = Callable[[Delivery], Awaitable[Outcome]]
+MessageHandler = Callable[[Delivery], Awaitable[None]]
 
 
 async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message],
@@ -241,11 +244,7 @@ async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, 
     inflight = max(1, inflight)
 
     async def one(d: Delivery) -> None:
-        try:
-            outcome = await handler(d)
-        except (Retry, Reject) as exc:
-            outcome = exc
-        name = await apply_outcome(js, reg, stage, d, outcome)
+        name = await apply_outcome(js, reg, stage, d, await outcome_of(handler(d)))
         counters[name] = counters.get(name, 0) + 1
 
     def reap() -> None:
@@ -255,13 +254,7 @@ async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, 
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
 
-    async def keep_alive(every: float) -> None:
-        while True:
-            await asyncio.sleep(every)
-            for d in list(active.values()):
-                await d.raw.in_progress()
-
-    keeper = asyncio.create_task(keep_alive(max(0.5, ack_wait_s / 3)))
+    keeper = keep_alive(active.values(), ack_wait_s)  # the messages running at each beat
     try:
         while not (stop and stop.is_set()):
             reap()

@@ -4,7 +4,7 @@ The rollout workers sample with an older policy version ``mu`` (the *behaviour*
 policy, whose log-probs travel in each trajectory). Samples more than
 ``max_staleness`` versions old are dropped before this module is reached
 (:func:`learner.groups.split_stale`, fate reason ``stale``); the rest are corrected
-here. Three modes (``learner.off_policy``):
+here. Three modes (``learner.off_policy.mode``):
 
 * ``none`` -- the GRPO-family loss of :mod:`learner.objectives` with the PPO ratio
   taken directly against the behaviour log-probs.

@@ -2,8 +2,8 @@
 
 Source: Ouyang et al. 2022, "Training language models to follow instructions with
 human feedback" (InstructGPT), arXiv:2203.02155, eq. 2 (PPO-ptx): the RL objective
-plus ``gamma * E_{x ~ D_pretrain}[log pi(x)]``. Here ``gamma = learner.replay_share``
-and ``D`` is a JSONL file (`learner.replay_data`) of ``{"prompt", "completion"}``
+plus ``gamma * E_{x ~ D_pretrain}[log pi(x)]``. Here ``gamma = learner.replay.share``
+and ``D`` is a JSONL file (`learner.replay.data`) of ``{"prompt", "completion"}``
 demonstrations (loss on the completion and `<eos>`) or ``{"text"}`` lines (loss on all
 of it).
 

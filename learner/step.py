@@ -16,7 +16,7 @@ Guarantees:
   only to its own longest sample; `padding_frac` = padded / all positions actually run.
 - With PCGrad (Yu et al. 2020, arXiv:2001.06782; `learner.pcgrad`) the per-domain
   gradients sum to the plain gradient when no pair conflicts.
-- Replay (`learner.replay`) adds `replay_share * NLL` on a replay batch; 0 = no
+- Replay (`learner.replay`) adds `replay.share * NLL` on a replay batch; 0 = no
   replay forward at all.
 - `beta == 0` never runs a reference model; with LoRA the reference is the base model
   (adapters disabled), so no second copy is loaded.
@@ -47,11 +47,11 @@ def load_models(model_path: Path, lc):
     if lc.activation_checkpointing:
         enable_activation_checkpointing(policy)
     ref = None
-    if lc.lora_rank > 0:
+    if lc.lora.rank > 0:
         from learner.lora import wrap_lora
 
-        policy = wrap_lora(policy, rank=lc.lora_rank, alpha=lc.lora_alpha, dropout=lc.lora_dropout,
-                           target_modules=lc.lora_target_modules)
+        policy = wrap_lora(policy, rank=lc.lora.rank, alpha=lc.lora.alpha, dropout=lc.lora.dropout,
+                           target_modules=lc.lora.target_modules)
     elif lc.beta > 0:
         ref = AutoModelForCausalLM.from_pretrained(model_path).eval()
         ref.requires_grad_(False)
@@ -173,10 +173,10 @@ def micro_loss(policy, ref, mb: dict, adv, lc, max_len: int):
     logp_ref = reference_logprobs(policy, ref, mb) if lc.beta > 0 else None
     common = dict(clip_low=lc.clip_low, clip_high=lc.clip_high, beta=lc.beta, kl=lc.kl_estimator,
                   logp_ref=logp_ref, max_len=max_len)
-    if lc.off_policy == "none":
+    if lc.off_policy.mode == "none":
         return objective_loss(lc.objective, logp, mb["behavior_logp"], adv, mb["loss_mask"], **common)
-    return offpolicy_loss(lc.off_policy, lc.objective, logp, mb["behavior_logp"], adv, mb["loss_mask"],
-                          cap=lc.tis_cap, **common)
+    return offpolicy_loss(lc.off_policy.mode, lc.objective, logp, mb["behavior_logp"], adv, mb["loss_mask"],
+                          cap=lc.off_policy.tis_cap, **common)
 
 
 def accumulate(policy, ref, batch: dict, adv, chunks: list[list[int]], lc) -> list[tuple[float, object]]:
@@ -257,30 +257,30 @@ def pcgrad_accumulate(policy, ref, batch: dict, adv, lengths, domains: list[str]
 
 
 def replay_stream(policy, lc):
-    """The policy's replay stream (built on first use from `lc.replay_data` and the model's tokenizer)."""
+    """The policy's replay stream (built on first use from `lc.replay.data` and the model's tokenizer)."""
     from transformers import AutoTokenizer
 
     from learner.replay import ReplayStream
 
     if policy not in _REPLAY:
-        if not lc.replay_data:
-            raise ValueError("learner.replay_share > 0 needs learner.replay_data (a JSONL file)")
+        if not lc.replay.data:
+            raise ValueError("learner.replay.share > 0 needs learner.replay.data (a JSONL file)")
         tok = AutoTokenizer.from_pretrained(policy.name_or_path)
-        _REPLAY[policy] = ReplayStream.from_file(lc.replay_data, tok)
+        _REPLAY[policy] = ReplayStream.from_file(lc.replay.data, tok)
     return _REPLAY[policy]
 
 
 def replay_backward(policy, lc, replay=None) -> float:
-    """Backward `replay_share * NLL` of the next replay batch; returns the NLL."""
+    """Backward `replay.share * NLL` of the next replay batch; returns the NLL."""
     import torch
 
     from learner.replay import replay_nll
 
     replay = replay or replay_stream(policy, lc)
-    batch = replay.next_batch(lc.replay_batch_size)
+    batch = replay.next_batch(lc.replay.batch_size)
     with compute_context(lc.dtype, torch.device("cpu")):
         nll = replay_nll(policy, batch)
-    (lc.replay_share * nll).backward()
+    (lc.replay.share * nll).backward()
     return float(nll.detach())
 
 
@@ -331,9 +331,9 @@ def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int,
             if p.grad is not None:
                 p.grad.mul_(loss_scale)
         extra["loss_scale"] = loss_scale
-    if lc.off_policy != "none":
+    if lc.off_policy.mode != "none":
         extra.update(offpolicy_stats(parts))
-    if lc.replay_share > 0:
+    if lc.replay.share > 0:
         extra["replay_nll"] = replay_backward(policy, lc, replay)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], lc.grad_clip)
     optimizer.step()

@@ -231,7 +231,8 @@ class Learner:
         o = await get_json(self.s.js, self.s.reg, LEARNER_OVERRIDES)
         if not o:
             return
-        updates = {k: float(o[k]) for k in ("replay_share", "beta") if k in o and float(o[k]) != getattr(self.lc, k)}
+        now = {"replay_share": self.lc.replay.share, "beta": self.lc.beta}  # KV keys -> current values
+        updates = {k: float(o[k]) for k in now if k in o and float(o[k]) != now[k]}
         if not updates:
             return
         if updates.get("beta", 0) > 0 and self.ref is None and self.policy is not None:
@@ -239,7 +240,8 @@ class Learner:
 
             self.ref = (await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, self.s.ctx.model_path)).eval()
             self.ref.requires_grad_(False)
-        self.lc = self.lc.model_copy(update=updates)
+        replay = self.lc.replay.model_copy(update={"share": updates.get("replay_share", self.lc.replay.share)})
+        self.lc = self.lc.model_copy(update={"beta": updates.get("beta", self.lc.beta), "replay": replay})
         self.s.counters.update({f"override_{k}": v for k, v in updates.items()})
         log.warning("learner.overrides_applied", reason=o.get("reason"), **updates)
 

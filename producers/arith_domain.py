@@ -22,8 +22,8 @@ class ArithDomain:
     heldout: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        ev = self.ctx.cfg.scheduler
-        self.heldout = frozenset(p.expression for p in arith.heldout_set(ev.eval_seed, ev.eval_n, ev.eval_difficulty))
+        ev = self.ctx.cfg.scheduler.eval
+        self.heldout = frozenset(p.expression for p in arith.heldout_set(ev.seed, ev.n, ev.difficulty))
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
         while True:

@@ -11,7 +11,7 @@ Guarantees:
   `math` when it has a `data` file; anything else is a `ValueError` listing the kinds.
 - Built-ins are imported on first use; an entry point may not shadow a built-in.
 - `finish_task` applies the per-domain config every kind shares: verifier override,
-  reward weights, token and turn budgets, group size and temperature.
+  reward weights (`Task.reward_weights`), token and turn budgets, group size and temperature.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def finish_task(ctx: DomainContext, **fields: Any) -> Task:
     if dc.verifier:
         base["verifier"] = dc.verifier
     if dc.reward_weights:
-        base["verifier_params"] = {**base.get("verifier_params", {}), "reward_weights": dict(dc.reward_weights)}
+        base["reward_weights"] = dict(dc.reward_weights)
     return Task(**base)
 
 

@@ -12,7 +12,7 @@ Guarantees:
 - A line that puts `gold` in its public `params` is refused (it would reach the policy).
 - Public params are `DomainConfig.params["verifier_params"]` (defaults for every line)
   overlaid by the line's `params`; `DomainConfig.reward_weights` travel as usual
-  (`finish_task`).
+  (`finish_task`, as `Task.reward_weights`).
 - Lines with a `level` are drawn at that curriculum level when it has any, otherwise
   from the whole file (`StaticSource`), with the sampler's seeded RNG.
 - `jsonl` requires `DomainConfig.verifier` and `DomainConfig.data`; a missing one, a

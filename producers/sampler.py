@@ -2,7 +2,7 @@
 
 Guarantees:
 - In-flight tasks (published but not yet consumed by the learner, minus dead letters)
-  are bounded per duration pool (`pool_caps`): the short pool by `sampler.max_inflight_tasks`
+  are bounded per duration pool (`sampler.inflight_caps`, derived with the config): the short pool by `sampler.max_inflight_tasks`
   and by what the learner consumes within `max_staleness` versions, each other pool by
   its own `max_inflight`; when the learner stalls, sampling stops instead of flooding
   the TASKS stream, and long tasks never take the short pool's room.
@@ -65,7 +65,8 @@ def choose(rng: random.Random, weights: dict[str, float]) -> str:
 
 def pool_for(domain: str, level: int, dc, durations: dict | None, pools) -> str:
     """The duration pool of a (domain, level): the domain's `pool`, or `long` once the
-    measured mean episode time (KV `durations`) exceeds its `long_after_s`."""
+    measured mean episode time (KV `durations`) exceeds its `long_after_s` (and `pools`,
+    any collection of pool names, has one)."""
     measured = ((durations or {}).get(domain) or {}).get(str(level))
     if measured is not None and measured > dc.long_after_s and "long" in pools:
         return "long"
@@ -73,15 +74,10 @@ def pool_for(domain: str, level: int, dc, durations: dict | None, pools) -> str:
 
 
 def pool_caps(cfg) -> dict[str, int]:
-    """In-flight bound per pool. `short`: `sampler.max_inflight_tasks`, and never more than the
-    learner consumes within `max_staleness` versions (groups_per_step x publish_every x
-    max_staleness tasks), so nothing waits long enough to go stale; other pools: their own
-    `max_inflight`, so long episodes can never fill the short pool's room."""
-    lc = cfg.learner
-    staleness_bound = lc.groups_per_step * lc.publish_every * max(1, lc.max_staleness)
-    caps = {p: pc.max_inflight for p, pc in cfg.rollout.pools.items()}
-    caps["short"] = min(cfg.sampler.max_inflight_tasks, staleness_bound)
-    return caps
+    """In-flight bound per pool: `sampler.inflight_caps`, derived once when the config is
+    resolved (`short`: `max_inflight_tasks` capped by what the learner consumes within
+    `max_staleness` versions; other pools: their own `max_inflight`)."""
+    return dict(cfg.sampler.inflight_caps)
 
 
 async def inflight_by_pool(js, reg, published: dict[str, int]) -> dict[str, int]:
@@ -131,7 +127,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         hidden_stored: set[str] = set()
         saved = await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}
         published = int(saved.get("published", 0))
-        by_pool = {p: 0 for p in cfg.rollout.pools} | dict(saved.get("by_pool") or {"short": published})
+        by_pool = {p: 0 for p in sc.inflight_caps} | dict(saved.get("by_pool") or {"short": published})
         caps = pool_caps(cfg)
         rng = random.Random(f"sampler-{cfg.run.seed}-{published}")
         s.counters["published"] = published
@@ -143,7 +139,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             s.counters["inflight"] = sum(held.values())
             weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
             durations = await get_json(s.js, s.reg, DURATIONS)
-            pools_of = {d: pool_for(d, levels[d], sc.domains[d], durations, cfg.rollout.pools) for d in sc.domains}
+            pools_of = {d: pool_for(d, levels[d], sc.domains[d], durations, sc.inflight_caps) for d in sc.domains}
             limit = sc.publish_batch if max_tasks is None else min(sc.publish_batch, max_tasks - published)
             drawn = make_tasks(sources, rng, published, room, limit, weights, levels, pools_of)
             if not drawn:

@@ -87,9 +87,9 @@ class ToolCalcDomain:
     heldout: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        ev = self.ctx.cfg.scheduler
+        ev = self.ctx.cfg.scheduler.eval
         levels = range(self.ctx.dc.min_level, self.ctx.dc.max_level + 1)
-        self.heldout = frozenset(p.expression for lvl in levels for p in heldout_set(ev.eval_seed, ev.eval_n, lvl))
+        self.heldout = frozenset(p.expression for lvl in levels for p in heldout_set(ev.seed, ev.n, lvl))
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
         while True:

@@ -37,6 +37,7 @@ import numpy as np
 import structlog
 
 from schemas import Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
+from schemas.messages import render_prompt
 from schemas.tool_protocol import CALL_CLOSE, TOOL_NAMES, find_call, tool_command, tool_turn_text
 
 log = structlog.get_logger()
@@ -69,6 +70,12 @@ class Episode:
     def model_turns(self) -> int:
         return sum(t.role == "assistant" for t in self.turns)
 
+    def trajectory(self) -> Trajectory:
+        """The Trajectory of the finished episode (`Trajectory.from_task`: ids derived from the task's)."""
+        return Trajectory.from_task(self.task, self.sample_index, self.turns, finish_reason=self.finish_reason,
+                                    generate_seconds=self.generate_seconds, tool_calls=self.tool_calls,
+                                    artifacts=self.artifacts)
+
 
 def cut_at_call(engine, sample) -> tuple[np.ndarray, np.ndarray, str, bool]:
     """(ids, logprobs, text, has_call): the turn cut just after its first complete tool call."""
@@ -89,7 +96,7 @@ def new_episodes(engine, tasks: list[Task], groups) -> list[Episode]:
     for task, samples in zip(tasks, groups, strict=True):
         for i, s in enumerate(samples):
             out.append(Episode(task=task, sample_index=i, context=[int(x) for x in s.prompt_ids],
-                               turns=[Turn(role="prompt", text="".join(m.content for m in task.prompt),
+                               turns=[Turn(role="prompt", text=render_prompt(task.prompt),
                                            token_ids=pack_i32(s.prompt_ids))]))
     return out
 
@@ -167,7 +174,8 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
         if before_turn:
             await before_turn()
         t0 = time.perf_counter()
-        groups = await asyncio.to_thread(engine.generate, [ep_prompt(x) for x in tasks], n, max_tokens, temperature)
+        groups = await asyncio.to_thread(engine.generate, [render_prompt(x.prompt) for x in tasks], n, max_tokens,
+                                         temperature)
         episodes = new_episodes(engine, tasks, groups)
         each = (time.perf_counter() - t0) / max(1, len(episodes))
         samples = [s for g in groups for s in g]
@@ -194,21 +202,3 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
         await asyncio.gather(*(finish(ep) for ep in episodes), return_exceptions=True)
     return episodes
 
-
-def ep_prompt(task: Task) -> str:
-    """The text prompt of a task (chat contents in order; a model without a chat template)."""
-    return "".join(m.content for m in task.prompt)
-
-
-def to_trajectory(ep: Episode) -> Trajectory:
-    """The Trajectory of a finished episode (msg_id derived from the task's and the sample index)."""
-    task = ep.task
-    versions = [x.policy_version for x in ep.turns if x.role == "assistant"]
-    return Trajectory(
-        run_id=task.run_id, msg_id=f"{task.msg_id}-{ep.sample_index}", task_id=task.task_id, task_msg_id=task.msg_id,
-        domain=task.domain, difficulty=task.difficulty, purpose=task.purpose, group_id=task.msg_id,
-        group_size=task.group_size, sample_index=ep.sample_index, turns=ep.turns, verifier=task.verifier,
-        verifier_params=task.verifier_params, hidden_ref=task.hidden_ref, pool=task.pool, finish_reason=ep.finish_reason,
-        final_text=ep.final_text, policy_version=versions[-1] if versions else -1,
-        generate_seconds=ep.generate_seconds, tokens=ep.tokens, tool_calls=ep.tool_calls, artifacts=ep.artifacts,
-    )

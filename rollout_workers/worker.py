@@ -4,8 +4,9 @@ Guarantees:
 - Takes no task before a weight version is loaded; loads newer versions between
   batches (sha256-checked), and tags every trajectory and turn with the version that
   generated it.
-- Trajectory msg_ids derive from (task msg_id, sample index), so a redelivered task's
-  re-rollout is de-duplicated by JetStream and by the learner.
+- Trajectory msg_ids derive from (task msg_id, sample index) (`Trajectory.from_task` builds
+  every trajectory), so a redelivered task's re-rollout is de-duplicated by JetStream and by
+  the learner.
 - For each task, publishes exactly `group_size` trajectories (all of a batch in one
   pipelined publish) and only then acks the task; a crash before the ack means the
   task is redelivered to another worker.
@@ -38,40 +39,29 @@ import structlog
 from bus.conn import pull_subscription
 from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
-from bus.session import worker_session
-from rollout_workers.agent import SandboxUnavailable, run_episodes, to_trajectory
-from rollout_workers.engines import make_engine
+from bus.session import Session, WorkerContext, worker_session
+from rollout_workers.agent import SandboxUnavailable, run_episodes
+from rollout_workers.engines import Sample, make_engine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
+from schemas.config import PoolConfig, RunConfig
+from schemas.messages import render_prompt
 
 log = structlog.get_logger()
 
 
-def render_prompt(task: Task) -> str:
-    """Prompt text for a model without a chat template: the messages' contents in order."""
-    return "".join(m.content for m in task.prompt)
+def single_turn_trajectories(task: Task, samples: list[Sample], version: int, seconds_each: float) -> list[Trajectory]:
+    """One Trajectory (prompt turn, answer turn) per engine sample of `task`, generated with
+    weights `version`; built by `Trajectory.from_task` (ids derived from the task's)."""
+    prompt = render_prompt(task.prompt)
+    return [Trajectory.from_task(task, i, [Turn(role="prompt", text=prompt, token_ids=pack_i32(s.prompt_ids)),
+                                           Turn(role="assistant", text=s.text, token_ids=pack_i32(s.token_ids),
+                                                logprobs=pack_f32(s.logprobs), trainable=True, policy_version=version)],
+                                 finish_reason=s.finish_reason, generate_seconds=seconds_each)
+            for i, s in enumerate(samples)]
 
 
-def build_trajectories(task: Task, samples, version: int, seconds_each: float) -> list[Trajectory]:
-    """One Trajectory per sample of a task."""
-    out = []
-    for i, s in enumerate(samples):
-        turns = [
-            Turn(role="prompt", text=render_prompt(task), token_ids=pack_i32(s.prompt_ids)),
-            Turn(role="assistant", text=s.text, token_ids=pack_i32(s.token_ids), logprobs=pack_f32(s.logprobs),
-                 trainable=True, policy_version=version),
-        ]
-        out.append(Trajectory(
-            run_id=task.run_id, msg_id=f"{task.msg_id}-{i}", task_id=task.task_id, task_msg_id=task.msg_id, domain=task.domain,
-            difficulty=task.difficulty, purpose=task.purpose, group_id=task.msg_id, group_size=task.group_size,
-            sample_index=i, turns=turns, verifier=task.verifier, verifier_params=task.verifier_params,
-            hidden_ref=task.hidden_ref, pool=task.pool, finish_reason=s.finish_reason, final_text=s.text,
-            policy_version=version, generate_seconds=seconds_each, tokens=int(len(s.token_ids)),
-        ))
-    return out
-
-
-async def sandbox_opener(cfg, ctx, s):
+async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
     """A zero-argument coroutine function opening one episode sandbox (local or remote).
 
     A local sandbox records its executions with the run's tool-result secret, so
@@ -91,9 +81,10 @@ async def sandbox_opener(cfg, ctx, s):
 
 
 async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: WeightWatcher,
-                         counters: dict[str, float], budget_s: float, run_tool_tasks=None) -> list:
+                         counters: dict[str, float], budget_s: float, run_tool_tasks=None) -> None:
     """Generate a batch's trajectories and publish them once every weight version they may
-    come from is verified (else raise Retry for the whole batch: nothing is published)."""
+    come from is verified (else raise Retry for the whole batch: nothing is published).
+    Returning acks the batch (`bus.pull.run_pull_loop`)."""
     deadline = time.monotonic() + budget_s
     mark = watcher.mark()  # before loading: the weights held now, and everything loaded from here on
     await watcher.maybe_load(engine)
@@ -111,11 +102,11 @@ async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: Wei
                 raise Retry(delay=5.0, reason=str(exc)) from exc
             continue
         t0 = time.perf_counter()
-        groups = await asyncio.to_thread(engine.generate, [render_prompt(t) for t in tasks], n,
+        groups = await asyncio.to_thread(engine.generate, [render_prompt(t.prompt) for t in tasks], n,
                                          max_tokens, temperature)
         each = (time.perf_counter() - t0) / max(1, n * len(tasks))
         for task, samples in zip(tasks, groups, strict=True):
-            for traj in build_trajectories(task, samples, watcher.version, each):
+            for traj in single_turn_trajectories(task, samples, watcher.version, each):
                 items.append((reg.traj(task.domain), traj))
     if not await watcher.verified_since(mark):  # the publish gate (see the module guarantees)
         counters["batches_discarded_unverified"] = counters.get("batches_discarded_unverified", 0) + 1
@@ -126,15 +117,17 @@ async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: Wei
     counters["tasks"] = counters.get("tasks", 0) + len(batch)
     counters["trajectories"] = counters.get("trajectories", 0) + len(items)
     counters["tokens"] = counters.get("tokens", 0) + sum(t.tokens for _, t in items)
-    return [None] * len(batch)
 
 
-async def run(cfg, ctx) -> dict[str, float]:
+async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the rollout worker until stopped (or the context's test limits)."""
     rc = cfg.rollout
+    # test limit (--max-messages): task messages each pool's loop fetches (usable or dead-lettered)
+    # before it ends; with a limit set, the first pool loop to end stops the whole worker
+    tasks_per_pool = ctx.max_messages
     async with worker_session("rollout", cfg, ctx) as s:
-        engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.device, rc.threads,
-                                         rc.vllm_tier)
+        engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.hf.device, rc.hf.threads,
+                                         rc.vllm.tier)
         watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True, nc=s.nc)
         await watcher.start()
         if not await watcher.wait_first(s.stop):
@@ -147,21 +140,21 @@ async def run(cfg, ctx) -> dict[str, float]:
             episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
                                           before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
                                           tool_timeout=cfg.sandbox.timeout_s, deadline=deadline)
-            return [(s.reg.traj(ep.task.domain), to_trajectory(ep)) for ep in episodes]
+            return [(s.reg.traj(ep.task.domain), ep.trajectory()) for ep in episodes]
 
         async def handle(batch: list[Delivery], budget_s: float):
             return await roll_out_batch(batch, js=s.js, reg=s.reg, engine=engine, watcher=watcher,
                                         counters=s.counters, budget_s=budget_s, run_tool_tasks=run_tool_tasks)
 
-        async def serve(pool: str, pc) -> None:
+        async def serve(pool: str, pc: PoolConfig) -> None:
             ack_wait = pc.ack_wait_s or rc.ack_wait_s
             sub = await pull_subscription(s.js, s.reg.rollout_consumer(ack_wait, pool=pool))
             await run_pull_loop(s.js, s.reg, "rollout", sub, Task, lambda b: handle(b, pc.budget_s),
                                 batch=pc.batch_tasks or rc.batch_tasks, ack_wait_s=ack_wait,
-                                max_messages=ctx.max_messages, until_idle=ctx.until_idle, stop=s.stop,
+                                max_messages=tasks_per_pool, until_idle=ctx.until_idle, stop=s.stop,
                                 counters=s.counters)
-            if ctx.max_messages is not None:
-                s.stop.set()  # a test limit reached in one pool ends the worker
+            if tasks_per_pool is not None:
+                s.stop.set()
 
         # one pull loop per duration pool: a long episode holds only its own pool's loop
         await asyncio.gather(*(serve(pool, pc) for pool, pc in rc.pools.items()))

@@ -1,6 +1,7 @@
 """Wire messages (MessagePack, validated on decode). See `schemas.messages`."""
 
-from schemas.messages import (  # noqa: F401
+from schemas.glance import RewardGlance, glance_reward
+from schemas.messages import (
     SCHEMA_VERSION,
     ChatMessage,
     DeadLetter,
@@ -9,7 +10,6 @@ from schemas.messages import (  # noqa: F401
     Message,
     Metric,
     Reward,
-    RewardGlance,
     Task,
     TaskFate,
     TaskFates,
@@ -20,10 +20,15 @@ from schemas.messages import (  # noqa: F401
     WeightVersion,
     decode,
     encode,
-    glance_reward,
     new_msg_id,
     pack_f32,
     pack_i32,
+    render_prompt,
     unpack_f32,
     unpack_i32,
 )
+
+__all__ = ["SCHEMA_VERSION", "ChatMessage", "DeadLetter", "DecodeError", "EvalResult", "Message", "Metric", "Reward",
+           "RewardGlance", "Task", "TaskFate", "TaskFates", "ToolCall", "Trajectory", "Turn", "WeightPrefetch",
+           "WeightVersion", "decode", "encode", "glance_reward", "new_msg_id", "pack_f32", "pack_i32", "render_prompt",
+           "unpack_f32", "unpack_i32"]

@@ -10,17 +10,18 @@ Guarantees:
 - Token ids and log-probs travel as packed little-endian arrays (`int32` / `float32`
   bytes), never as lists of Python ints.
 - A `schema_version` other than `SCHEMA_VERSION` is a `DecodeError`.
+- `Trajectory.from_task` builds every trajectory: msg_id `<task msg_id>-<sample index>`, group_id its task's.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 SCHEMA_VERSION = 1
 
@@ -66,14 +67,13 @@ def _packed(multiple: int):
         if len(v) % multiple:
             raise ValueError(f"packed array length {len(v)} is not a multiple of {multiple}")
         return v
-
-    from pydantic import AfterValidator
-
     return AfterValidator(check)
 
 
 PackedI32 = Annotated[bytes, _packed(4)]
 PackedF32 = Annotated[bytes, _packed(4)]
+RewardWeights = dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False)]]
+"""Component name -> finite weight (ints allowed, bools and strings not)."""
 
 
 class Message(BaseModel):
@@ -105,6 +105,11 @@ class ChatMessage(BaseModel):
     """What is said."""
 
 
+def render_prompt(prompt: list[ChatMessage]) -> str:
+    """The text a chat prompt is generated from (no chat template): the contents in order. The only copy."""
+    return "".join(m.content for m in prompt)
+
+
 class Task(Message):
     """A unit of work for the policy: one prompt, answered `group_size` times."""
 
@@ -133,6 +138,9 @@ class Task(Message):
     """Registered verifier name."""
     verifier_params: dict[str, Any] = Field(default_factory=dict)
     """Public parameters for the verifier (never gold answers or tests)."""
+    reward_weights: RewardWeights = Field(default_factory=dict)
+    """Weights of the verifier's named components in the scalar reward (the domain's
+    `reward_weights`; empty: the verifier's default). Absent on the wire = empty."""
     hidden_ref: str | None = None
     """Where hidden gold/tests live; only verifiers resolve it."""
     pool: str = "short"
@@ -216,6 +224,8 @@ class Trajectory(Message):
     """Verifier name, copied from the task."""
     verifier_params: dict[str, Any] = Field(default_factory=dict)
     """Public verifier parameters, copied from the task."""
+    reward_weights: RewardWeights = Field(default_factory=dict)
+    """Copied from the task (empty: the verifier's default weights)."""
     hidden_ref: str | None = None
     """Copied from the task."""
     pool: str = "short"
@@ -234,6 +244,21 @@ class Trajectory(Message):
     """Every tool call of the episode with its execution result, in order."""
     artifacts: dict[str, bytes] = Field(default_factory=dict)
     """Final files exported from the episode's sandbox (path -> bytes), for verifiers such as `files`."""
+
+    @classmethod
+    def from_task(cls, task: Task, sample_index: int, turns: list[Turn], *, finish_reason: str = "stop",
+                  generate_seconds: float = 0.0, tool_calls: list[ToolCall] | None = None,
+                  artifacts: dict[str, bytes] | None = None) -> Trajectory:
+        """Sample `sample_index` of `task`, fields copied; final_text, version (-1: none), tokens from the answers."""
+        model = [t for t in turns if t.role == "assistant"] or [Turn(role="assistant", text="")]
+        return cls(run_id=task.run_id, msg_id=f"{task.msg_id}-{sample_index}", task_id=task.task_id,
+                   task_msg_id=task.msg_id, domain=task.domain, difficulty=task.difficulty, purpose=task.purpose,
+                   group_id=task.msg_id, group_size=task.group_size, sample_index=sample_index, turns=turns,
+                   verifier=task.verifier, verifier_params=task.verifier_params, reward_weights=task.reward_weights,
+                   hidden_ref=task.hidden_ref, pool=task.pool, finish_reason=finish_reason, final_text=model[-1].text,
+                   policy_version=model[-1].policy_version, generate_seconds=generate_seconds,
+                   tokens=sum(len(t.token_ids) // 4 for t in model), tool_calls=tool_calls or [],
+                   artifacts=artifacts or {})
 
 
 class Reward(Message):
@@ -428,47 +453,3 @@ def decode(data: bytes, expect: type[Message] | None = None) -> Message:
     if isinstance(msg, Trajectory):
         msg._wire = body
     return msg
-
-
-class RewardGlance(NamedTuple):
-    """The few fields of a Reward that observers (the launcher's live view, the scheduler's
-    duration table) read, without validating the whole message."""
-
-    run_id: str
-    reward: float
-    status: str
-    domain: str
-    difficulty: int
-    purpose: str
-    generate_seconds: float
-    tool_calls: tuple[tuple[str, float], ...]
-    """(tool name, duration_ms) per call."""
-
-
-def glance_reward(data: bytes) -> RewardGlance:
-    """The observer's view of a Reward's bytes: one msgpack unpack, type checks on the
-    fields read and the schema's defaults, no validation of the rest (about 3x cheaper
-    than `decode`). For readers that only watch; a stage that acts on a Reward uses
-    `decode`. Raises `DecodeError` when the bytes are not a Reward of this schema
-    version or a field read is missing or has the wrong type."""
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise DecodeError("<payload>", f"not MessagePack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(body, dict) or body.get("kind") != Reward.KIND:
-        raise DecodeError("kind", f"expected {Reward.KIND!r}")
-    if body.get("schema_version") != SCHEMA_VERSION:
-        raise DecodeError("schema_version", f"got {body.get('schema_version')!r}, this worker speaks {SCHEMA_VERSION}")
-    try:
-        traj = body["trajectory"]
-        glance = RewardGlance(
-            body["run_id"], float(body["reward"]), body.get("status", "ok"), traj["domain"],
-            traj.get("difficulty", 1), traj.get("purpose", "train"), float(traj.get("generate_seconds", 0.0)),
-            tuple((c["tool"], float(c.get("duration_ms", 0.0))) for c in traj.get("tool_calls") or ()))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise DecodeError("<payload>", f"not a Reward: {type(exc).__name__}: {exc}") from None
-    if not (isinstance(glance.run_id, str) and isinstance(glance.status, str) and isinstance(glance.domain, str)
-            and isinstance(glance.purpose, str) and type(glance.difficulty) is int
-            and all(isinstance(tool, str) for tool, _ in glance.tool_calls)):
-        raise DecodeError("<payload>", "a Reward field has the wrong type")
-    return glance

@@ -2,8 +2,9 @@
 
 Covers: a typed round trip through every stream via the Registry's subjects, the
 explicit stream settings, idempotent topology, Nats-Msg-Id de-duplication, every
-outcome of `run_pull_loop` (ack / Retry / Reject, returned or raised), dead-lettering
-of undecodable and foreign messages, and redelivery after ack_wait.
+outcome of `run_pull_loop` (return = ack, raised Retry / Reject, per message and for a
+whole batch), a returned value as a handler bug, dead-lettering of undecodable and
+foreign messages, and redelivery after ack_wait.
 """
 
 from __future__ import annotations
@@ -167,32 +168,25 @@ async def test_same_msg_id_is_stored_once(js, run_id):
 
 # -- run_pull_loop outcomes -------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["returned", "raised"])
-async def test_pull_loop_outcomes(js, run_id, mode):
+async def test_pull_loop_outcomes(js, run_id):
     reg = await topology(js, run_id)
     tasks = {name: make_task(run_id, task_id=name) for name in ("ack", "retry", "reject")}
     for t in tasks.values():
         await publish(js, reg.tasks("arith"), t)
     seen: list[tuple[str, int, float]] = []
 
-    def outcome(d: Delivery):
+    async def handler(batch: list[Delivery]) -> None:  # batch=1: each message its own outcome
+        [d] = batch
         name = d.msg.task_id
         seen.append((name, d.delivered, time.monotonic()))
         if name == "retry" and d.delivered == 1:
-            return Retry(0.8, "busy")
+            raise Retry(0.8, "busy")
         if name == "reject":
-            return Reject("expression unusable: 2++", "rejected")
-        return None
-
-    async def handler(batch: list[Delivery]):
-        results = [outcome(d) for d in batch]
-        if mode == "raised" and isinstance(results[0], (Retry, Reject)):
-            raise results[0]
-        return results
+            raise Reject("expression unusable: 2++", "rejected")
 
     # ack_wait 2 s and 3.5 s of idleness: anything not acked/termed would come back
     sub = await pull_subscription(js, loop_spec(reg, "loop", ack_wait_s=2.0))
-    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=10 if mode == "returned" else 1,
+    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=1,
                                    fetch_timeout=0.3, ack_wait_s=2.0, until_idle=3.5)
 
     by_name = {n: [(c, t) for m, c, t in seen if m == n] for n in tasks}
@@ -215,6 +209,59 @@ async def test_pull_loop_outcomes(js, run_id, mode):
 
     info = await settled_consumer(js, reg.stream("TASKS"), "loop")
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_pull_loop_outcome_applies_to_the_whole_batch(js, run_id):
+    """A batch handler has one outcome: a raised Retry naks, and a raised Reject dead-letters,
+    every message of the batch."""
+    reg = await topology(js, run_id)
+    tasks = [make_task(run_id, task_id=f"t{i}") for i in range(3)]
+    for t in tasks:
+        await publish(js, reg.tasks("arith"), t)
+    calls: list[list[int]] = []
+
+    async def handler(batch: list[Delivery]) -> None:
+        calls.append([d.delivered for d in batch])
+        if len(calls) == 1:
+            raise Retry(0.3, "busy")
+        raise Reject("batch unusable")
+
+    sub = await pull_subscription(js, loop_spec(reg, "whole", ack_wait_s=2.0))
+    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=3, fetch_timeout=0.3,
+                                   ack_wait_s=2.0, until_idle=2.5)
+    assert calls[0] == [1, 1, 1], calls
+    assert all(c == 2 for call in calls[1:] for c in call) and sum(map(len, calls[1:])) == 3, calls
+    assert counters.get("retry") == 3 and counters.get("reject") == 3 and "ack" not in counters, counters
+    letters = await dead_letters(js, reg, "rollout")
+    assert sorted(dl.task_msg_id for dl in letters) == sorted(t.msg_id for t in tasks)
+    assert {dl.reason for dl in letters} == {"batch unusable"}
+    info = await settled_consumer(js, reg.stream("TASKS"), "whole")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_a_returned_outcome_is_a_handler_bug(js, run_id):
+    """Outcomes are raised: a handler that returns anything but None raises TypeError in
+    either loop, and its message is left unacked (redelivered after ack_wait)."""
+    reg = await topology(js, run_id)
+    await publish(js, reg.tasks("arith"), make_task(run_id, task_id="a"))
+    await publish(js, reg.tasks("arith"), make_task(run_id, task_id="b"))
+
+    async def returns_list(batch: list[Delivery]):
+        return [None] * len(batch)
+
+    async def returns_retry(d: Delivery):
+        return Retry(0.1, "returned, not raised")
+
+    sub = await pull_subscription(js, loop_spec(reg, "returned", ack_wait_s=30))
+    with pytest.raises(TypeError, match="raise Retry or Reject"):
+        await run_pull_loop(js, reg, "rollout", sub, Task, returns_list, batch=1, fetch_timeout=0.3,
+                            ack_wait_s=30, until_idle=5)
+    with pytest.raises(TypeError, match="raise Retry or Reject"):
+        await run_pull_stream(js, reg, "rollout", sub, Task, returns_retry, inflight=1, fetch_timeout=0.3,
+                              ack_wait_s=30, until_idle=5)
+    info = await js.consumer_info(reg.stream("TASKS"), "returned")
+    assert info.num_ack_pending == 2 and info.num_redelivered == 0, "neither message may be acked or nak'd"
+    assert await dead_letters(js, reg, "rollout") == []
 
 
 async def test_pull_stream_acks_each_message_as_it_finishes(js, run_id):
@@ -241,9 +288,8 @@ async def test_pull_stream_acks_each_message_as_it_finishes(js, run_id):
         if name == "retry" and d.delivered == 1:
             raise Retry(0.3, "busy")
         if name == "reject":
-            return Reject("unusable", "rejected")
+            raise Reject("unusable", "rejected")
         acked_at[name] = time.monotonic()
-        return None
 
     sub = await pull_subscription(js, loop_spec(reg, "stream", ack_wait_s=1.2))
     t0 = time.monotonic()
@@ -298,7 +344,6 @@ async def test_undecodable_and_foreign_messages_are_dead_lettered(js, run_id):
 
     async def handler(batch: list[Delivery]):
         handled.extend(d.msg.task_id for d in batch)
-        return [None] * len(batch)
 
     sub = await pull_subscription(js, loop_spec(reg, "decode", ack_wait_s=1.0))
     counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=2, fetch_timeout=0.3,

@@ -40,7 +40,7 @@ ENV_FILE = ROOT / "compose" / ".env"
 CLUSTER = ROOT / "compose" / "docker-compose.cluster.yml"
 RLBUS = str(Path(sys.executable).parent / "rlbus")
 # small and fast: the smoke model, a short SFT, short ack_wait so a killed worker's tasks come back soon
-FAST_SET = "sft.seconds=20 sft.max_steps=60 rollout.ack_wait_s=10 learner.step_window_s=0.5 scheduler.eval_n=20"
+FAST_SET = "sft.seconds=20 sft.max_steps=60 rollout.ack_wait_s=10 learner.step_window_s=0.5 scheduler.eval.n=20"
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 

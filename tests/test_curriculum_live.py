@@ -55,9 +55,9 @@ engine = "null"
 policy = "null"
 max_staleness = 100  # no learner runs here: keep the staleness bound above the 200 tasks
 
-[scheduler]
-curriculum_every_s = 0.3
-curriculum_window = 8
+[scheduler.curriculum]
+every_s = 0.3
+window = 8
 """
 
 

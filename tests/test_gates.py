@@ -92,9 +92,9 @@ async def test_gates_release_guard_and_plateau_through_kv_and_sql(js, run_id, dr
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     cfg = RunConfig()
-    for k, v in dict(general_eval="arith", plateau_window=2, plateau_threshold=0.0, stop_on_plateau=True,
-                     release_margin=0.02, forgetting_margin=0.05).items():
-        setattr(cfg.scheduler, k, v)
+    sc = cfg.scheduler
+    sc.eval.general, sc.eval.release_margin, sc.forgetting.margin = "arith", 0.02, 0.05
+    sc.plateau.window, sc.plateau.threshold, sc.plateau.stop = 2, 0.0, True
     store = open_store(None, tmp_path)
     gates = Gates(js, reg, store, cfg)
     await gates.load()

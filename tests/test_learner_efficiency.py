@@ -82,8 +82,8 @@ def test_plan_micro_batches_buckets_by_length():
     dict(objective="dr_grpo"),
     dict(objective="dapo", beta=0.05, kl_estimator="k1"),
     dict(objective="gspo", clip_low=0.5, clip_high=0.5),
-    dict(objective="grpo", off_policy="decoupled", beta=0.05),
-    dict(objective="dapo", off_policy="tis", tis_cap=1.5),
+    dict(objective="grpo", off_policy={"mode": "decoupled"}, beta=0.05),
+    dict(objective="dapo", off_policy={"mode": "tis", "tis_cap": 1.5}),
 ])
 def test_micro_batched_loss_and_grad_equal_one_batch(model_dir, cfg):
     batch = samples()

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 def test_lora_trains_adapters_and_blob_reproduces_logits(model_dir):
     torch.manual_seed(0)
-    lc = LearnerSection(lora_rank=4, lora_alpha=8.0, beta=0.05, lr=1e-2, threads=1)
+    lc = LearnerSection(lora={"rank": 4, "alpha": 8.0}, beta=0.05, lr=1e-2, threads=1)
     policy, ref, pad = load_models(model_dir, lc)
     assert is_lora(policy) and ref is None  # the base (adapters off) is the reference
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}

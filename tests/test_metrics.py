@@ -56,7 +56,6 @@ async def test_live_worker_session_exposes_key_series(tmp_path, nats_url, run_id
         async def handle(batch):
             s.counters["rewards"] = s.counters.get("rewards", 0) + len(batch)
             s.counters["reward_sum"] = s.counters.get("reward_sum", 0) + 0.5 * len(batch)
-            return [None] * len(batch)
 
         await run_pull_loop(s.js, s.reg, "verifier", sub, Task, handle, max_messages=5, counters=s.counters)
         text = await asyncio.to_thread(scrape, port)

@@ -24,11 +24,11 @@ max_tokens = 4
 engine = "null"
 [learner]
 policy = "null"
-[scheduler]
-eval_n = 12
-eval_difficulty = 1
-eval_mode = "pipeline"
-eval_timeout_s = 60
+[scheduler.eval]
+n = 12
+difficulty = 1
+mode = "pipeline"
+timeout_s = 60
 """
 
 
@@ -38,7 +38,7 @@ def test_eval_tasks_are_greedy_eval_purpose_with_stable_ids(tmp_path):
     tasks = eval_tasks(suite, "r1", 7)
     assert len(tasks) == 12 and {t.purpose for t in tasks} == {"eval"} and {t.temperature for t in tasks} == {0.0}
     assert tasks[0].msg_id == "ev7.arith.0-rr1" and eval_tasks(suite, "r1", 7)[0].msg_id == tasks[0].msg_id
-    assert cfg.scheduler.eval_mode == "local"  # the default
+    assert cfg.scheduler.eval.mode == "local"  # the default
 
 
 def _write(tmp_path):
@@ -67,7 +67,7 @@ async def test_round_through_rollout_and_verifier_workers(js, run_id, tmp_path, 
     want = sum(p.answer == 0 for p in problems) / len(problems)
     assert pe.last["tasks"] == pe.last["rewards"] == 12, pe.last  # every eval reward came back
     assert scores["arith"][:2] == (want, 12) and version == 0
-    assert problems == arith.heldout_set(cfg.scheduler.eval_seed, 12, 1)
+    assert problems == arith.heldout_set(cfg.scheduler.eval.seed, 12, 1)
 
     async def learner_skipped_them():
         progress = await get_json(js, reg, LEARNER_PROGRESS) or {}

@@ -61,7 +61,8 @@ def installed():
 def palindrome_traj(task, answer: str) -> Trajectory:
     return Trajectory(run_id=task.run_id, task_id=task.task_id, task_msg_id=task.msg_id, domain=task.domain,
                       group_id="g", group_size=1, sample_index=0, turns=[], verifier=task.verifier,
-                      verifier_params=task.verifier_params, policy_version=0, final_text=answer)
+                      verifier_params=task.verifier_params, reward_weights=task.reward_weights, policy_version=0,
+                      final_text=answer)
 
 
 def test_plugin_domain_and_verifier_through_the_registries(installed, tmp_path):
@@ -74,7 +75,7 @@ def test_plugin_domain_and_verifier_through_the_registries(installed, tmp_path):
     assert domains.kind_of(NAME, cfg.sampler.domains[NAME]) == NAME
     task = domains.make_source("r1", NAME, cfg).make_task(random.Random(3), 3, 0).task
     first, min_len = task.verifier_params["first"], task.verifier_params["min_len"]
-    assert task.verifier == NAME and min_len == 5 and task.verifier_params["reward_weights"]["correct"] == 0.9
+    assert task.verifier == NAME and min_len == 5 and task.reward_weights["correct"] == 0.9
 
     right = first + "x" * (min_len - 2) + first
     fn = registry.get(NAME)

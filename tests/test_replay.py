@@ -90,7 +90,7 @@ def rise_after_task_b(model, tok, held_out, lc, steps: int) -> float:
     rng = random.Random(1)
     for _ in range(steps):
         metrics = train_step(model, None, opt, task_b_samples(model, tok, rng), 0, lc)
-    assert (lc.replay_share > 0) == ("replay_nll" in metrics)
+    assert (lc.replay.share > 0) == ("replay_nll" in metrics)
     return held_out_nll(model, tok, held_out) - before
 
 
@@ -115,10 +115,11 @@ def test_replay_reduces_forgetting(tmp_path, one_thread):
     untrained = held_out_nll(base, tok, held_out)
     sft(base, tok, load_pairs(REPLAY), steps=100)
     assert held_out_nll(base, tok, held_out) < untrained - 1.0  # the general data was learned
-    common = dict(lr=1e-2, replay_batch_size=16)
+    common = dict(lr=1e-2)
     plain = rise_after_task_b(copy.deepcopy(base), tok, held_out, LearnerSection(**common), steps=10)
     mixed = rise_after_task_b(copy.deepcopy(base), tok, held_out,
-                              LearnerSection(replay_share=1.0, replay_data=str(REPLAY), **common), steps=10)
+                              LearnerSection(replay={"share": 1.0, "data": str(REPLAY), "batch_size": 16}, **common),
+                              steps=10)
     print(f"held-out NLL rise: without replay {plain:.3f}, with replay {mixed:.3f}")
     assert plain > 0.5
     assert mixed < 0.25 * plain

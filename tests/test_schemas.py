@@ -237,3 +237,46 @@ def test_glance_reward_refuses_what_is_not_a_reward():
     for data in bad:
         with pytest.raises(DecodeError):
             glance_reward(data)
+
+
+def test_render_prompt_is_the_contents_in_order():
+    from schemas.messages import render_prompt
+
+    prompt = [ChatMessage(role="system", content="Answer.\n"), ChatMessage(role="user", content="1+1=")]
+    assert render_prompt(prompt) == "Answer.\n1+1="
+    assert render_prompt([]) == ""
+
+
+def test_trajectory_from_task_derives_ids_and_copies_the_task():
+    """The one builder: msg_id `<task msg_id>-<sample index>`, group_id the task's msg_id, every
+    task field copied, and what the turns say (last answer, its version, generated tokens)."""
+    from schemas import ToolCall
+
+    task = Task(run_id=RUN, task_id="t7", domain="tool_calc", difficulty=3, purpose="eval", group_size=4,
+                prompt=[ChatMessage(role="user", content="6*7=")], tools=["python"], verifier="tool_calc",
+                verifier_params={"expression": "6*7"}, hidden_ref="gold://7", pool="long")
+    turns = [Turn(role="prompt", text="6*7=", token_ids=pack_i32([1, 2, 3, 4])),
+             Turn(role="assistant", text="<py>6*7</py>", token_ids=pack_i32([5, 6, 7]), logprobs=pack_f32([0.0] * 3),
+                  trainable=True, policy_version=4),
+             Turn(role="tool", text="<obs>42</obs>", token_ids=pack_i32([8, 9])),
+             Turn(role="assistant", text="=42", token_ids=pack_i32([10, 11]), logprobs=pack_f32([0.0] * 2),
+                  trainable=True, policy_version=5)]
+    calls = [ToolCall(turn=1, tool="python", code="6*7", exec_id="e1")]
+    traj = Trajectory.from_task(task, 2, turns, finish_reason="stop", generate_seconds=0.5, tool_calls=calls,
+                                artifacts={"out.txt": b"42"})
+    expected = Trajectory(
+        run_id=RUN, msg_id=f"{task.msg_id}-2", task_id="t7", task_msg_id=task.msg_id, domain="tool_calc",
+        difficulty=3, purpose="eval", group_id=task.msg_id, group_size=4, sample_index=2, turns=turns,
+        verifier="tool_calc", verifier_params={"expression": "6*7"}, hidden_ref="gold://7", pool="long",
+        finish_reason="stop", final_text="=42", policy_version=5, generate_seconds=0.5, tokens=5,
+        tool_calls=calls, artifacts={"out.txt": b"42"})
+    assert traj.model_dump(exclude={"created_at"}) == expected.model_dump(exclude={"created_at"})
+    assert decode(encode(traj)) == traj
+    # another sample of the same task: its own id, the same group
+    other = Trajectory.from_task(task, 0, turns[:2], finish_reason="length")
+    assert (other.msg_id, other.group_id, other.sample_index) == (f"{task.msg_id}-0", task.msg_id, 0)
+    assert (other.final_text, other.policy_version, other.tokens, other.finish_reason) == ("<py>6*7</py>", 4, 3, "length")
+    assert other.tool_calls == [] and other.artifacts == {}
+    # no model turn at all: version -1, nothing generated
+    bare = Trajectory.from_task(task, 1, turns[:1], finish_reason="error")
+    assert (bare.final_text, bare.policy_version, bare.tokens) == ("", -1, 0)

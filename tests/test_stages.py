@@ -25,7 +25,7 @@ from bus.streams import iter_stream
 from bus.subjects import Registry
 from learner.weights import publish_version
 from rollout_workers.engines import NullEngine
-from rollout_workers.worker import build_trajectories
+from rollout_workers.worker import single_turn_trajectories
 from schemas import (
     DeadLetter,
     Reward,
@@ -108,7 +108,7 @@ def wrong_version(msg) -> bytes:
 
 def trajectories(task: Task, version: int = 0) -> list[Trajectory]:
     [samples] = NullEngine().generate(["2+3="], task.group_size, 4, 1.0)
-    return build_trajectories(task, samples, version, 0.0)
+    return single_turn_trajectories(task, samples, version, 0.0)
 
 
 async def publish_bad(js, subject: str, valid) -> bytes:

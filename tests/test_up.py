@@ -38,9 +38,9 @@ lr = 1e-4
 groups_per_step = 4
 step_window_s = 1.0
 checkpoint_every = 5
-[scheduler]
-eval_n = 20
-eval_every_versions = 10
+[scheduler.eval]
+n = 20
+every_versions = 10
 """
 
 
@@ -60,7 +60,7 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
                              "--run-id", run_id, "--max-steps", "25" if victim == "rollout" else "60",
                              # the rollout variant evaluates through the pipeline (purpose=eval tasks)
-                             "--set", f"scheduler.eval_mode={'pipeline' if victim == 'rollout' else 'local'}",
+                             "--set", f"scheduler.eval.mode={'pipeline' if victim == 'rollout' else 'local'}",
                              # the rollout variant publishes weights as files: prefetch hints, mapped loads
                              # and keeps only the newest 4 (plus 0 and the released one) while workers load them
                              *(["--set", f"learner.weight_store=file://{tmp_path}/weights",

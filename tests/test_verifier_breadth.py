@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from pydantic import ValidationError
 
 from producers.domains import make_source
 from schemas import ToolCall, Trajectory, Turn, encode
@@ -23,10 +24,12 @@ from verifier_workers.worker import compose_reward, process_components, score, t
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def traj(verifier: str, final_text: str = "", *, turns=None, artifacts=None, hidden_ref=None, **params) -> Trajectory:
+def traj(verifier: str, final_text: str = "", *, turns=None, artifacts=None, hidden_ref=None, reward_weights=None,
+         **params) -> Trajectory:
     return Trajectory(run_id="r1", task_id="t1", task_msg_id="m1", domain=verifier, group_id="g1", group_size=1,
                       sample_index=0, turns=turns or [], verifier=verifier, verifier_params=params, policy_version=0,
-                      final_text=final_text, artifacts=artifacts or {}, hidden_ref=hidden_ref)
+                      final_text=final_text, artifacts=artifacts or {}, hidden_ref=hidden_ref,
+                      reward_weights={} if reward_weights is None else reward_weights)
 
 
 def files(final_text: str = "", hidden=None, **kw):
@@ -245,10 +248,20 @@ def test_score_applies_domain_weights_and_reports_process_components():
 
 
 @pytest.mark.parametrize("weights", [{"correct": float("nan")}, {"correct": float("inf")}, {"correct": "1"},
-                                     {"correct": True}, {"nosuch": 1.0}, [1.0]])
-def test_bad_weights_are_input_errors(weights):
-    with pytest.raises(VerifierInputError):
-        score(traj("arith", "5", expression="2+3", reward_weights=weights))
+                                     {"correct": True}, [1.0]])
+def test_bad_weights_are_refused_by_the_schema(weights):
+    with pytest.raises(ValidationError, match="reward_weights"):
+        traj("arith", "5", expression="2+3", reward_weights=weights)
+
+
+def test_unknown_or_misplaced_weights_are_input_errors():
+    with pytest.raises(VerifierInputError, match="nosuch"):
+        score(traj("arith", "5", expression="2+3", reward_weights={"nosuch": 1.0}))
+    # weights where they travelled before `reward_weights` was a field are refused, not ignored
+    old = traj("arith", "5", expression="2+3", reward_weights={"correct": 0.5})
+    old = old.model_copy(update={"verifier_params": {"expression": "2+3", "reward_weights": {"correct": 0.5}}})
+    with pytest.raises(VerifierInputError, match="verifier_params.reward_weights"):
+        score(old)
 
 
 def test_non_finite_component_is_a_verifier_crash():

@@ -1,0 +1,75 @@
+"""Config sections of the rollout workers: duration pools and the inference engines."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from schemas.config.base import Section
+
+
+class PoolConfig(Section):
+    """One expected-duration pool of tasks."""
+
+    ack_wait_s: float | None = Field(default=None, gt=0)
+    """Consumer ack_wait of the pool (in_progress is sent at a third of it); None: rollout.ack_wait_s."""
+    budget_s: float = Field(default=600.0, gt=0)
+    """Most wall time one batch of the pool's episodes may take; multi-turn episodes still
+    running then end with finish_reason `length` instead of holding the pool."""
+    batch_tasks: int | None = Field(default=None, ge=1)
+    """Tasks fetched per batch from this pool; None: rollout.batch_tasks."""
+    max_inflight: int = Field(default=8, ge=1)
+    """Tasks of this pool in flight at once (the `short` pool uses sampler.max_inflight_tasks)."""
+
+
+def default_pools() -> dict[str, PoolConfig]:
+    """`short` (the rollout section's ack_wait and batch) and `long` (5-minute ack_wait, small batches)."""
+    return {"short": PoolConfig(budget_s=300.0), "long": PoolConfig(ack_wait_s=300.0, budget_s=3600.0, batch_tasks=2)}
+
+
+class HFEngineSection(Section):
+    """Settings of the `hf` engine (transformers/torch); the other engines ignore them."""
+
+    device: str = "cpu"
+    """torch device of the model (`cpu`, `cuda`, `cuda:1`)."""
+    threads: int = Field(default=1, ge=1)
+    """torch threads of the rollout process (only the hf engine computes with torch)."""
+
+
+class VLLMEngineSection(Section):
+    """Settings of the `vllm` engine (GPU, the gpu extra); the other engines ignore them."""
+
+    tier: Literal["standard", "fast", "fast_fp8", "fast_spec"] = "standard"
+    """Speed tier from the same weights (`rollout_workers.vllm_engine.TIERS`): `fast` adds fp8
+    quantization and ngram speculative decoding, `fast_fp8` / `fast_spec` one of the two."""
+
+
+class RolloutSection(Section):
+    """Rollout workers."""
+
+    PLACE = "rollout"
+    RENAMED = {"device": "hf.device", "threads": "hf.threads", "vllm_tier": "vllm.tier"}
+
+    engine: Literal["hf", "null", "sleep", "vllm"] = "hf"
+    """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks); `sleep`: like null, but
+    each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: GPU (the gpu extra)."""
+    hf: HFEngineSection = Field(default_factory=HFEngineSection)
+    """The `hf` engine's settings."""
+    vllm: VLLMEngineSection = Field(default_factory=VLLMEngineSection)
+    """The `vllm` engine's settings."""
+    batch_tasks: int = Field(default=8, ge=1)
+    """Tasks fetched and generated in one batch."""
+    ack_wait_s: float = 60.0
+    """Consumer ack_wait; in_progress is sent at a third of it."""
+    sandbox_slots: int = Field(default=8, ge=1)
+    """Tool calls run at once by one rollout worker (each in its episode's own sandbox)."""
+    pools: dict[str, PoolConfig] = Field(default_factory=default_pools)
+    """Duration pools this worker serves, each pulled by its own loop and consumer (`short`
+    is always served: a config naming only other pools gets the default `short` too)."""
+
+    @model_validator(mode="after")
+    def _short_pool_always(self):
+        if "short" not in self.pools:
+            self.pools = {"short": default_pools()["short"], **self.pools}
+        return self

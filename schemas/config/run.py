@@ -1,0 +1,71 @@
+"""Config sections of the run itself: identity and limits, the policy model, the SFT warm start."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.config.base import Section
+
+
+class RunSection(Section):
+    """Identity and limits of a run."""
+
+    run_id: str = ""
+    """Run id ([A-Za-z0-9_-]); empty = generated from the config name and time."""
+    run_dir: str = "runs"
+    """Parent folder; each run writes only under <run_dir>/<run_id>/."""
+    max_steps: int = Field(default=0, ge=0)
+    """Stop after this many learner steps (0 = no step limit)."""
+    max_minutes: float = Field(default=0.0, ge=0.0)
+    """Stop after this much wall time, set-up included (0 = no time limit)."""
+    seed: int = 0
+    """Seed for task generation, model init and sampling."""
+    nats_url: str = ""
+    """Connect to this NATS server; empty = start an embedded one."""
+    drain_seconds: float = Field(default=20.0, ge=0.0)
+    """At stop, how long the pipeline may drain after the sampler stops."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Prometheus /metrics port of each worker (0 = off). Several workers on one host take
+    the first free port from here upward; env RLBUS_METRICS_PORT sets one process's port."""
+    nats_tls_ca: str = ""
+    """CA file that verifies the NATS server's certificate (empty = plain TCP unless env RLBUS_NATS_TLS_CA)."""
+    nats_tls_cert: str = ""
+    """Client certificate for mutual TLS (with nats_tls_key; empty = none). Paths, never the secrets themselves."""
+    nats_tls_key: str = ""
+    """Private key of nats_tls_cert (mount it from a secret; never bake it into an image)."""
+
+
+class ModelSection(Section):
+    """The policy model: an existing HF checkpoint or a tiny one built locally."""
+
+    path: str = ""
+    """Local HF model dir to start from; empty = build a tiny model in the run dir."""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the tiny model when building one."""
+    hidden_size: int = 128
+    """Tiny model width."""
+    num_layers: int = 4
+    """Tiny model depth."""
+    num_heads: int = 4
+    """Tiny model attention heads."""
+
+
+class SFTSection(Section):
+    """Supervised warm start before RL."""
+
+    enabled: bool = True
+    """Run SFT on the domain's demonstrations before RL."""
+    seconds: float = 75.0
+    """Wall-time budget of SFT."""
+    max_steps: int = 100_000
+    """Step cap of SFT."""
+    batch_size: int = 64
+    """Demonstrations per SFT step."""
+    lr: float = 3e-3
+    """SFT learning rate."""
+    difficulty: int = 3
+    """Difficulty of the demonstrations."""
+    threads: int = 2
+    """torch threads for SFT (nothing else runs then)."""

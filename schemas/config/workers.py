@@ -1,0 +1,49 @@
+"""Config sections of the sandboxes and the verifier workers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.config.base import Section
+
+
+class SandboxSection(Section):
+    """Sandboxes for tool calls (rollout) and tests (verifiers), and the sandbox service."""
+
+    backend: Literal["process", "docker", "auto"] = "process"
+    """`process`: bubblewrap + rlimits; `docker`: containers from `image`; `auto`: docker when an engine answers."""
+    image: str = "rlbus-sandbox:latest"
+    """Docker image (build it with `rlbus sandbox build-image`)."""
+    remote: bool = False
+    """Rollout workers use the sandbox service over NATS (`rlbus worker sandbox`) instead of a local backend."""
+    pool: str = "default"
+    """Sandbox service pool name (subjects `sandbox.<pool>.*`)."""
+    memory_mb: int = Field(default=256, ge=16)
+    """Memory limit per sandbox."""
+    pids: int = Field(default=64, ge=4)
+    """Process limit per sandbox."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Default wall-clock limit per command."""
+    warm_pool: int = Field(default=2, ge=0)
+    """Docker: containers kept started and clean, ready to hand out."""
+    session_ttl_s: float = Field(default=120.0, gt=0)
+    """Service: a session idle this long (its client died) is closed and reaped."""
+    max_sessions: int = Field(default=16, ge=1)
+    """Service: most sessions one sandbox worker holds at once."""
+
+
+class VerifierSection(Section):
+    """Verifier workers."""
+
+    batch: int = Field(default=128, ge=1)
+    """Trajectories fetched per round."""
+    ack_wait_s: float = 30.0
+    """Consumer ack_wait."""
+    concurrency: int = Field(default=4, ge=0)
+    """Verifications run at once per worker (threads; sandboxed verifiers are I/O bound); 0 runs them inline."""
+    retry_base_s: float = Field(default=1.0, gt=0)
+    """First retry delay of an infrastructure failure (doubles per delivery)."""
+    retry_max_s: float = Field(default=60.0, gt=0)
+    """Longest retry delay of an infrastructure failure."""

@@ -45,7 +45,7 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 # Commands that live with their subsystem: each module defines `register(sub)`, which adds
 # its parser and sets `func=callable(args) -> int` as the parser default.
 COMMAND_MODULES = ("sandbox_workers.cli", "rlbus.verify", "rlbus.top", "rlbus.export", "rlbus.report",
-                   "rlbus.init_cmd")
+                   "rlbus.init_cmd", "rlbus.config_help")
 
 
 def _register_command_modules(sub) -> None:

@@ -121,6 +121,12 @@ TAMPER = {
     "subprocess": "import subprocess\nsubprocess.run(['true'])\ndef add(a, b):\n    return 0\n",
     "ctypes": "import ctypes\ndef add(a, b):\n    return 0\n",
     "gc_walk": "import gc\ngc.get_objects()\ndef add(a, b):\n    return 0\n",
+    # sqlite writes files without an `open` audit event: importing it is refused
+    "write_test_file_via_sqlite": "import sqlite3\nsqlite3.connect('tests.py').execute('create table t(x)')\n" + GOOD_ADD,
+    # a relative path (after chdir) into /proc: the hook resolves paths before checking
+    "read_proc_relative": "import os\nos.chdir('/')\nopen('proc/self/status').read()\n" + GOOD_ADD,
+    # rebinding the harness's own globals (here the plain-data check the runner uses)
+    "patch_harness_global": "import __main__\n__main__.plain = lambda *a: True\n" + GOOD_ADD,
 }
 
 

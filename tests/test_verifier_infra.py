@@ -32,15 +32,18 @@ def test_retry_policy_backoff_grows_then_dead_letters():
     assert [p.delay(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 6.0, 6.0]
     exc = VerifierInfraError("sandbox pool down")
     for n in range(1, 5):
-        out = p.outcome(n, exc)
-        assert isinstance(out, Retry) and out.delay == p.delay(n) and "sandbox pool down" in out.reason
+        with pytest.raises(Retry) as retry:
+            p.fail(n, exc)
+        assert retry.value.delay == p.delay(n) and "sandbox pool down" in retry.value.reason
     # a consumer with backoff adds (backoff[n-1] - ack_wait) to a nak delay; the policy subtracts it
     q = RetryPolicy(max_deliver=5, base_s=1.0, max_s=100.0, ack_wait_s=10.0, backoff_s=(10.0, 20.0, 40.0))
     assert [q.server_extra(n) for n in range(1, 6)] == [0.0, 10.0, 30.0, 30.0, 30.0]
     assert [q.nak_delay(n) for n in range(1, 5)] == [1.0, 0.01, 0.01, 0.01]
     assert q.nak_delay(6) == 2.0  # 32 s wanted, the server adds 30
-    last = p.outcome(5, exc)
-    assert isinstance(last, Reject) and last.error_type == "infra_error"
+    with pytest.raises(Reject) as reject:
+        p.fail(5, exc)
+    last = reject.value
+    assert last.error_type == "infra_error"
     assert "VerifierInfraError: sandbox pool down" in last.reason and "5 deliveries" in last.reason
 
 
@@ -159,3 +162,21 @@ async def test_cheap_verifier_goes_inline_slow_one_stays_in_threads(js, run_id, 
     assert fast_inline >= 60, f"a microsecond verifier stayed in threads ({fast_inline} of 120 inline)"
     assert main not in seen["t_slow"], "a 2 ms verifier ran on the loop thread"
     assert counters["verified_inline"] == fast_inline
+
+
+async def test_unusable_input_is_dead_lettered_at_once_never_retried(js, run_id, tmp_path, test_verifiers):
+    """The handler raises Reject for an unknown verifier: one delivery, error_type `rejected`, no Reward."""
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    good, unknown = make_traj(run_id, 0, "t_good"), make_traj(run_id, 1, "no_such_verifier")
+    await publish_many(js, [(reg.traj("arith"), t) for t in (good, unknown)])
+    cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=4, concurrency=1))
+    counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
+                                            run_path=tmp_path, until_idle=1.5))
+    rewards = [decode(d, Reward) async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))]
+    assert [r.trajectory.msg_id for r in rewards] == [good.msg_id]
+    letters = [decode(d, DeadLetter) async for _, d in iter_stream(js, reg.stream("DLQ"), reg.dlq("verifier"))]
+    assert [decode(dl.original_data, Trajectory).msg_id for dl in letters] == [unknown.msg_id]
+    assert letters[0].error_type == "rejected" and letters[0].delivery_count == 1
+    assert letters[0].reason.startswith("verifier input: ") and "no_such_verifier" in letters[0].reason
+    assert counters.get("infra_errors", 0) == 0 and counters.get("retry", 0) == 0 and counters["reject"] == 1

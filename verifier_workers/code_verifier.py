@@ -32,14 +32,17 @@ Scoring:
 - `pass_rate` = passed / executed assertions (every `assert` is counted, in loops each
   iteration; a failure does not stop later assertions).
 - Status `ok` for a pass or an ordinary failure; `tamper` (reward 0) when the harness
-  flags a tamper attempt, when a proof line is present but wrong, when the tests' sha256
-  reported by the harness (read before the candidate runs, re-hashed after) differs from
-  the uploaded bytes, or when a test file reappears in the sandbox; `timeout` (reward 0,
+  flags a tamper attempt, when a proof line is present but wrong, when either test hash
+  the harness reports differs from the uploaded bytes' sha256 (`tests_sha256_before`: the
+  bytes it ran, read before the candidate existed; `tests_sha256_after`: the uploaded file
+  re-read by the supervisor, through the descriptor it opened before the candidate
+  existed, once the candidate's process is dead), or when a file is at tests.py after the
+  run (checked by the supervisor, and again once the harness has exited); `timeout` (reward 0,
   a verdict on the candidate: it is not retried) when the candidate exceeds
   `timeout_s` (task `verifier_params.timeout_s`, default 10 s, at most 60 s).
 - `SandboxInfraError` is raised (never a reward of 0) when the sandbox cannot be opened,
-  written or run, or the harness never started / crashed: the verifier worker retries it
-  with backoff and dead-letters it in the end.
+  written or run, or the harness never started / crashed / could not make its supervisor
+  non-dumpable: the verifier worker retries it with backoff and dead-letters it in the end.
 - Missing hidden tests or entry point: `VerifierInputError` (dead-lettered).
 
 Backend: `backend=` argument, else env `RLBUS_CODE_SANDBOX` (`process`, `docker`,
@@ -252,7 +255,7 @@ def verify_code(traj: Trajectory, hidden: dict | None = None, *, backend: str | 
     """Score the trajectory's final code against the hidden tests (see the module docstring)."""
     tests, entry, prompt, timeout_s, memory_mb = _params(traj, hidden)
     program, how = candidate_program(traj.final_text, entry, prompt)
-    weights = traj.verifier_params.get("reward_weights") or {"correct": 1.0}
+    weights = dict(traj.reward_weights) or {"correct": 1.0}
     return check_program(program, tests, entry, prompt=prompt, backend=backend, timeout_s=timeout_s,
                          memory_mb=memory_mb, how=how, weights=weights)
 
@@ -308,6 +311,8 @@ def _judge(res, nonce: str, tests_sha: str, cand_sha: str, reappeared: bool) -> 
         if res.oom or res.exit_code in (137, 9):
             return Verdict(zero, details=f"harness killed (oom={res.oom}, exit {res.exit_code})")
         raise SandboxInfraError(f"harness crashed (exit {res.exit_code}): {res.stderr.strip()[-400:]}")
+    if report.get("nondumpable") is not True:  # else /proc/<pid>/mem would hold the nonce for the taking
+        raise SandboxInfraError("the harness could not make its supervisor non-dumpable (no prctl via ctypes?)")
     total = int(report.get("passed", 0)) + int(report.get("failed", 0))
     pass_rate = int(report.get("passed", 0)) / total if total else 0.0
     comps = {"correct": 0.0, "compiles": 1.0, "pass_rate": pass_rate}

@@ -1,54 +1,35 @@
 """The verifier worker process: trajectories in, Rewards out.
 
-Reward composition. A verifier returns named components; the worker adds the process
-components every trajectory gets, `turns_used` (assistant turns) and, when the episode
-used tools, `tool_success_rate` (see `tool_success_rate`). The scalar is the weighted
-sum of the components (`registry.compose`) with the domain's weights, which travel in
-`verifier_params["reward_weights"]` (set by `producers.domains.finish_task` from
-`DomainConfig.reward_weights`); without them the verifier's own default applies (usually
-`correct` alone), so process components are reported but not weighted in. Weights that
-are not finite numbers or that name a component the trajectory does not have raise
-`VerifierInputError` (dead letter), naming the components there are.
-
 Guarantees:
 - Every trajectory either yields exactly one published `Reward` before its ack, or is
   dead-lettered with the reason: at once for unusable input (unknown verifier, bad
-  parameters or weights), after retries for infrastructure failures.
-- Infrastructure failures are never rewards: a `VerifierInfraError` (sandbox down, model
-  missing, ...), `HiddenDataMissing`, or any unexpected exception a verifier raises (a
-  crash) naks the trajectory with a wait that doubles with JetStream's delivery count
-  (`retry_base_s` x 2^(n-1), capped at `retry_max_s`, never below the consumer's own
-  backoff: see `RetryPolicy`); on the consumer's last delivery
-  (`max_deliver`) it is dead-lettered with error_type `infra_error` and the reason.
-  No Reward, least of all one of 0, is published for it.
-- Verifiers run off the event loop in worker threads, at most `verifier.concurrency` at
-  once (default 4; 0 runs them inline on the loop thread, where math-verify's SIGALRM
-  time-outs work), so a slow verifier (code, model) never stalls acks and in_progress.
-  A verifier measured to be cheap runs inline instead (`InlinePolicy`: after
-  `INLINE_WARMUP` threaded calls, while the moving mean of its verify time stays under
-  `INLINE_BELOW_S`): handing a microsecond check (arith) to a thread costs far more
-  than the check. One slow inline call raises the mean and sends it back to threads.
-- Tool-result integrity: every observation block in a trajectory's tool and model turns
-  must match a recorded execution (`sandbox_workers.integrity`, checked with the run's
-  tool secret); a trajectory with a forged block scores 0 with status `tamper` and a
-  `forged_observations` component, without running its verifier.
-- A Reward's msg_id derives from its trajectory's, so re-verifying a redelivered
-  trajectory cannot create a second reward for the same sample.
-- Each trajectory is handled on its own (`bus.pull.run_pull_stream`, at most
-  max(`verifier.batch`, `verifier.concurrency`) held, `verifier.concurrency` verifying):
-  its Reward is published, then it is acked, while the worker keeps fetching; a slow
-  verification never holds back the others.
+  parameters, reward weights naming a component the trajectory does not have), after
+  retries for infrastructure failures.
+- Infrastructure failures are never rewards: a `VerifierInfraError`, `HiddenDataMissing`
+  or any unexpected exception a verifier raises naks the trajectory with a wait that
+  doubles per delivery (`RetryPolicy`), and on the consumer's last delivery dead-letters
+  it with error_type `infra_error`. No Reward, least of all one of 0, is published for it.
+- The scalar reward is the weighted sum of the verifier's components plus the process
+  components (`turns_used`, `tool_success_rate`), with the domain's `reward_weights`,
+  else the verifier's own weights.
+- A trajectory with a tool observation no recorded execution vouches for scores 0 with
+  status `tamper`, without running its verifier.
+- A Reward's msg_id derives from its trajectory's: a redelivery cannot create a second one.
+- With `verifier.concurrency` > 0, at most that many verifications run at once, in
+  worker threads unless a verifier was measured to be cheap (`InlinePolicy`), so a slow
+  verifier never stalls acks and in_progress; 0 runs them all on the loop thread.
+- Each trajectory is acked as soon as its own Reward is out: a slow one never holds back
+  the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NoReturn
 
 import structlog
 
@@ -56,15 +37,15 @@ from bus.conn import pull_subscription
 from bus.hidden import HiddenCache, HiddenDataMissing
 from bus.publish import publish_many
 from bus.pull import Delivery, Reject, Retry, run_pull_stream
-from bus.session import worker_session
+from bus.session import WorkerContext, worker_session
 from schemas import Reward, Trajectory
+from schemas.config import RunConfig, VerifierSection
 from verifier_workers.errors import VerifierCrash, VerifierInfraError
 from verifier_workers.registry import compose
 from verifier_workers.verifiers import Verdict, VerifierInputError, get_verifier
 
 log = structlog.get_logger()
 
-DEFAULT_CONCURRENCY = 4
 INLINE_BELOW_S = 0.0005  # a verifier whose mean verify time is below this runs on the loop thread
 INLINE_WARMUP = 32  # threaded calls measured before a verifier may run inline
 DEFAULT_RETRY_BASE_S = 1.0
@@ -104,18 +85,13 @@ def process_components(traj: Trajectory) -> dict[str, float]:
 
 
 def configured_weights(traj: Trajectory) -> dict[str, float] | None:
-    """The domain's `reward_weights` from the task's public params (None: verifier default)."""
-    raw = traj.verifier_params.get("reward_weights")
-    if raw is None or raw == {}:
-        return None
-    if not isinstance(raw, Mapping):
-        raise VerifierInputError(f"reward_weights must be a table of component -> weight, got {raw!r}")
-    out: dict[str, float] = {}
-    for name, w in raw.items():
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise VerifierInputError(f"reward_weights[{name!r}] = {w!r} is not a finite number")
-        out[str(name)] = float(w)
-    return out
+    """The domain's `reward_weights` (`Trajectory.reward_weights`, finite numbers by the
+    schema; None: verifier default). Weights inside `verifier_params`, where they travelled
+    before they were a field, are refused rather than silently ignored."""
+    if "reward_weights" in traj.verifier_params:
+        raise VerifierInputError("verifier_params.reward_weights is not read: reward weights travel as "
+                                 "Task.reward_weights / Trajectory.reward_weights")
+    return dict(traj.reward_weights) or None
 
 
 def compose_reward(traj: Trajectory, verdict: Verdict) -> tuple[float, dict[str, float]]:
@@ -190,19 +166,17 @@ class RetryPolicy:
         """The delay to nak with so the redelivery comes after `delay(delivered)` (or the server's floor)."""
         return max(MIN_NAK_S, self.delay(delivered) - self.server_extra(delivered))
 
-    def outcome(self, delivered: int, exc: Exception) -> Retry | Reject:
-        """Retry with backoff, or dead-letter on the consumer's last delivery."""
+    def fail(self, delivered: int, exc: Exception) -> NoReturn:
+        """Raise Retry (with backoff), or Reject (dead letter) on the consumer's last delivery."""
         reason = f"infra_error: {type(exc).__name__}: {exc}"
         if delivered >= self.max_deliver:
-            return Reject(f"{reason} (gave up after {delivered} deliveries)", error_type="infra_error")
-        return Retry(delay=self.nak_delay(delivered), reason=reason)
+            raise Reject(f"{reason} (gave up after {delivered} deliveries)", error_type="infra_error") from exc
+        raise Retry(delay=self.nak_delay(delivered), reason=reason) from exc
 
 
-def retry_policy(vc, spec) -> RetryPolicy:
-    """The policy of a verifier config section (fields read with defaults) on consumer `spec`."""
-    return RetryPolicy(spec.max_deliver, float(getattr(vc, "retry_base_s", DEFAULT_RETRY_BASE_S)),
-                       float(getattr(vc, "retry_max_s", DEFAULT_RETRY_MAX_S)), spec.ack_wait_s,
-                       tuple(spec.backoff_s))
+def retry_policy(vc: VerifierSection, spec) -> RetryPolicy:
+    """The policy of a verifier config section on consumer `spec`."""
+    return RetryPolicy(spec.max_deliver, vc.retry_base_s, vc.retry_max_s, spec.ack_wait_s, tuple(spec.backoff_s))
 
 
 # -- the worker --------------------------------------------------------------------------
@@ -254,7 +228,7 @@ class InlinePolicy:
 
 
 class Scorer:
-    """Scores deliveries concurrently (bounded), mapping failures to pull-loop outcomes."""
+    """Scores deliveries concurrently (bounded); failures are raised as pull-loop outcomes (Retry, Reject)."""
 
     def __init__(self, hidden: HiddenCache, policy: RetryPolicy, concurrency: int,
                  js=None, reg=None, secret: bytes | None = None) -> None:
@@ -294,8 +268,8 @@ class Scorer:
         self.inline_policy.observe(traj.verifier, reward.verify_seconds)
         return reward
 
-    async def one(self, d: Delivery) -> Reward | Retry | Reject:
-        """A Reward, or the outcome that replaces it."""
+    async def one(self, d: Delivery) -> Reward:
+        """The delivery's Reward; raises Reject (unusable input, or infra failures exhausted) or Retry."""
         traj: Trajectory = d.msg
         try:
             forged = await self.forged(traj) if self.js is not None else []
@@ -304,15 +278,17 @@ class Scorer:
             payload = await self.hidden.get(traj.hidden_ref) if traj.hidden_ref else None
             return await self._score(traj, payload)
         except VerifierInputError as exc:
-            return Reject(f"verifier input: {exc}")
+            raise Reject(f"verifier input: {exc}") from exc
         except (VerifierInfraError, HiddenDataMissing) as exc:
-            outcome = self.policy.outcome(d.delivered, exc)
-            log.warning("verifier.infra_error", error=str(exc)[:500], delivered=d.delivered,
-                        verifier=traj.verifier, outcome=type(outcome).__name__.lower())
-            return outcome
+            try:
+                self.policy.fail(d.delivered, exc)
+            except (Retry, Reject) as outcome:
+                log.warning("verifier.infra_error", error=str(exc)[:500], delivered=d.delivered,
+                            verifier=traj.verifier, outcome=type(outcome).__name__.lower())
+                raise
 
 
-async def run(cfg, ctx) -> dict[str, float]:
+async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the verifier worker until stopped (or the context's test limits)."""
     vc = cfg.verifier
     async with worker_session("verifier", cfg, ctx) as s:
@@ -320,21 +296,20 @@ async def run(cfg, ctx) -> dict[str, float]:
         from sandbox_workers.integrity import load_or_create_secret, load_secret
 
         secret = load_secret() or load_or_create_secret(ctx.run_path)
-        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec),
-                        int(getattr(vc, "concurrency", DEFAULT_CONCURRENCY)), s.js, s.reg, secret)
+        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec), vc.concurrency, s.js, s.reg, secret)
 
-        async def handle(d: Delivery):
-            result = await scorer.one(d)
+        async def handle(d: Delivery) -> None:
             c = s.counters
-            if isinstance(result, Reward):
-                await publish_many(s.js, [(s.reg.rewards(d.msg.domain), result)])
-                c["rewards"] = c.get("rewards", 0) + 1
-                c["verified_inline"] = scorer.inline_calls
-                c["reward_sum"] = c.get("reward_sum", 0) + result.reward
-                return None
-            if isinstance(result, Retry) or (isinstance(result, Reject) and result.error_type == "infra_error"):
-                c["infra_errors"] = c.get("infra_errors", 0) + 1
-            return result
+            try:
+                result = await scorer.one(d)
+            except (Retry, Reject) as outcome:
+                if isinstance(outcome, Retry) or outcome.error_type == "infra_error":
+                    c["infra_errors"] = c.get("infra_errors", 0) + 1
+                raise
+            await publish_many(s.js, [(s.reg.rewards(d.msg.domain), result)])
+            c["rewards"] = c.get("rewards", 0) + 1
+            c["verified_inline"] = scorer.inline_calls
+            c["reward_sum"] = c.get("reward_sum", 0) + result.reward
 
         sub = await pull_subscription(s.js, spec)
         # each trajectory is acked as soon as its own reward is out: one slow verification

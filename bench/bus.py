@@ -49,15 +49,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import nats  # noqa: E402
-from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from rich.console import Console
+from rich.table import Table
 
-from bus.kv import LEARNER_PROGRESS, get_json  # noqa: E402
-from bus.server import EmbeddedNats  # noqa: E402
-from bus.subjects import Registry  # noqa: E402
-from schemas import DecodeError, Metric, decode, encode  # noqa: E402
+from bus.kv import LEARNER_PROGRESS, get_json
+from bus.server import EmbeddedNats
+from bus.subjects import Registry
+from schemas import DecodeError, Metric, decode, encode
 
 RESULT = ROOT / "bench" / "results" / "bus.json"
 ROLES = ("learner", "verifier", "rollout", "sampler")  # start order: learner publishes version 0 first
@@ -227,7 +227,7 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -
     async def progress() -> dict:
         try:
             return await get_json(js, reg, LEARNER_PROGRESS) or {}
-        except Exception:  # bucket not created yet
+        except Exception:  # noqa: BLE001 - bucket not created yet
             return {}
 
     try:

@@ -57,13 +57,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bus.conn import connect, ensure_topology  # noqa: E402
-from bus.hidden import hidden_ref_for, put_hidden  # noqa: E402
-from bus.publish import publish_many  # noqa: E402
-from bus.server import EmbeddedNats  # noqa: E402
-from bus.subjects import Registry  # noqa: E402
-from producers import humaneval_source as he  # noqa: E402
-from schemas import Reward, Trajectory, decode  # noqa: E402
+from bus.conn import connect, ensure_topology
+from bus.hidden import hidden_ref_for, put_hidden
+from bus.publish import publish_many
+from bus.server import EmbeddedNats
+from bus.subjects import Registry
+from producers import humaneval_source as he
+from schemas import Reward, Trajectory, decode
 
 RESULT = ROOT / "bench" / "results" / "humaneval.json"
 DOMAIN = "code"
@@ -162,7 +162,7 @@ async def collect(sub, want: set[str], deadline: float, workers: Workers) -> dic
         workers.check_alive()
         try:
             msgs = await sub.fetch(256, timeout=1.0)
-        except Exception:  # nats TimeoutError: nothing yet
+        except Exception:  # noqa: BLE001 - nats TimeoutError: nothing yet
             continue
         for m in msgs:
             r = decode(m.data, Reward)

@@ -35,12 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from bus.conn import connect  # noqa: E402
-from bus.server import EmbeddedNats  # noqa: E402
-from bus.subjects import Registry  # noqa: E402
+from bus.conn import connect
+from bus.server import EmbeddedNats
+from bus.subjects import Registry
 
 WARMUP_S, WINDOW_S, LONG_S, SHORT_S = 10.0, 40.0, 20.0, 0.1
 

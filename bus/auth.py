@@ -110,7 +110,7 @@ def _perm(pub: Iterable[str], sub: Iterable[str], *, pub_deny: Iterable[str] = (
 
 def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
     """(publish, subscribe) rights of `role` on one run."""
-    s = lambda fam: stream_name(reg, fam)  # noqa: E731
+    s = lambda fam: stream_name(reg, fam)
     r = reg.run_id
     # STREAM.NAMES: js.subscribe() without a stream looks it up by subject (names only, no data)
     pub = [f"metrics.{r}.{role}.*", f"dlq.{r}.>", f"{API}.STREAM.NAMES"]

@@ -195,15 +195,15 @@ async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None 
             await js.add_stream(cfg)
     try:
         await js.key_value(reg.kv_bucket)
-    except Exception:
+    except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
         await js.create_key_value(bucket=reg.kv_bucket, history=16, replicas=stream_replicas())
     try:
         await js.key_value(reg.hidden_bucket)
-    except Exception:
+    except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
         await js.create_key_value(bucket=reg.hidden_bucket, history=1, replicas=stream_replicas())
     try:
         await js.object_store(reg.object_bucket)
-    except Exception:
+    except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
         await js.create_object_store(bucket=reg.object_bucket, replicas=stream_replicas())
 
 
@@ -225,12 +225,12 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
         if family in families:
             try:
                 await js.key_value(bucket)
-            except Exception:
+            except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
                 await js.create_key_value(bucket=bucket, history=history, replicas=stream_replicas())
     if "OBJ_weights" in families:
         try:
             await js.object_store(reg.object_bucket)
-        except Exception:
+        except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
             await js.create_object_store(bucket=reg.object_bucket, replicas=stream_replicas())
 
 

@@ -82,12 +82,12 @@ async def dead_letter(js: JetStreamContext, reg: Registry, stage: str, raw: Msg,
     """Publish the original message to the DLQ with its reason, then term it."""
     try:
         delivered = raw.metadata.num_delivered
-    except Exception:
+    except (nats.errors.NotJSMessageError, ValueError, IndexError):  # not a JetStream delivery
         delivered = 1
     headers = dict(raw.headers or {})
     try:
         origin = headers.get("Nats-Msg-Id") or f"seq{raw.metadata.sequence.stream}"
-    except Exception:
+    except (nats.errors.NotJSMessageError, ValueError, IndexError):  # not a JetStream delivery
         origin = headers.get("Nats-Msg-Id") or new_msg_id()
     letter = DeadLetter(
         # derived id: a crash between this publish and the term cannot dead-letter twice

@@ -65,7 +65,7 @@ async def report_forever(nc, reg: Registry, role: str, counters: dict[str, float
         try:
             await nc.publish(subject, encode(Metric(run_id=reg.run_id, role=role, worker_id=wid, values=dict(counters),
                                                     host=socket.gethostname(), pid=os.getpid())))
-        except Exception as exc:  # telemetry must never take the worker down
+        except Exception as exc:  # noqa: BLE001 - telemetry must never take the worker down
             log.warning("telemetry.publish_failed", error=str(exc))
         await asyncio.sleep(every)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from nats.js.errors import NotFoundError
+
 from bus.streams import iter_stream
 from bus.subjects import Registry
 from schemas import DeadLetter, DecodeError, Reward, Task, TaskFates, Trajectory, decode
@@ -97,7 +99,7 @@ async def account(js, reg: Registry) -> Accounting:
     try:
         info = await js.consumer_info(reg.stream("REWARDS"), "learner")
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
-    except Exception:
+    except NotFoundError:  # no learner consumer: nothing was acked; other errors propagate (no wrong account)
         floor = 0
     used = set(reward_uses)
     async for _, r in _decoded(js, reg.stream("REWARDS"), reg.all("rewards"), Reward, floor + 1):

@@ -13,7 +13,7 @@ Guarantees:
   `reward_curve.png`. Its `domains` gives each domain's training rewards (count, mean,
   verifier statuses) and the tool calls its episodes made, read from the rewards stream
   by an ordered consumer (consumes nothing).
-- KV `status` = "stop-requested" (written by the scheduler with `scheduler.stop_on_plateau`)
+- KV `status` = "stop-requested" (written by the scheduler with `scheduler.plateau.stop`)
   stops the run like a limit (stop_reason `stop_requested`); summary.json carries the
   scheduler's `plateau` verdict and `released_version` (KV `plateau`, `release.latest`).
 - Exit code 0 when the run stopped at its limits (restarts included), non-zero only
@@ -188,7 +188,7 @@ class RunLoop:
         if self.interrupted.is_set():
             return "interrupted"
         if self.mon.stop_requested:
-            return "stop_requested"  # e.g. scheduler.stop_on_plateau
+            return "stop_requested"  # e.g. scheduler.plateau.stop
         if self.cfg.run.max_steps and self.snap.step >= self.cfg.run.max_steps:
             return "max_steps"
         if self.deadline and time.monotonic() >= self.deadline:

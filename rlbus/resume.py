@@ -115,12 +115,12 @@ async def server_answers(url: str, timeout: float = 3.0) -> bool:
     try:
         nc = await asyncio.wait_for(connect(url, name="rlbus-probe", connect_timeout=timeout, max_reconnect_attempts=0,
                                             allow_reconnect=False), timeout + 2)
-    except Exception:  # refused, unreachable, or hung: no server to reuse
+    except Exception:  # noqa: BLE001 - refused, unreachable, or hung: no server to reuse
         return False
     try:
         await nc.jetstream().account_info()
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - a server without JetStream (or not ours to use) is none to reuse
         return False
     finally:
         await nc.close()

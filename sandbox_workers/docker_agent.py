@@ -64,7 +64,7 @@ Threat model (the command is hostile; the agent and the host are trusted):
   container and reports an infrastructure error; it never turns into a verdict.
 """
 
-import builtins  # noqa: F401 - in every interpreter anyway
+import builtins
 import io
 import marshal
 import os

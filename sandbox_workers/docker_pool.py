@@ -343,7 +343,7 @@ class WarmPool:
         """Kill a container now (its processes could not be stopped); remove it in the background."""
         try:
             self.api.kill(box.id)
-        except Exception:  # noqa: BLE001, S110 - the forced removal below kills it anyway
+        except Exception:  # noqa: BLE001 - the forced removal below kills it anyway
             pass
         self._submit(self.remove, box)
 

@@ -250,7 +250,7 @@ class ProcessSandbox(Sandbox):
                 os.setresuid(self.uid, self.uid, self.uid)
 
         # only syscalls run in the child; used only when a cgroup must be joined first
-        return subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, **kw)  # noqa: PLW1509
+        return subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, **kw)
 
     def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
         """Run `cmd` in the sandbox; see the module docstring for the guarantees."""

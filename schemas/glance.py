@@ -38,7 +38,7 @@ def glance_reward(data: bytes) -> RewardGlance:
     version or a field read is missing or has the wrong type."""
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise DecodeError("<payload>", f"not MessagePack: {type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict) or body.get("kind") != Reward.KIND:
         raise DecodeError("kind", f"expected {Reward.KIND!r}")

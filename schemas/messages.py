@@ -431,7 +431,7 @@ def decode(data: bytes, expect: type[Message] | None = None) -> Message:
     """Validate bytes into a message; raise `DecodeError` naming the bad field."""
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise DecodeError("<payload>", f"not MessagePack: {type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict):
         raise DecodeError("<payload>", f"expected a map, got {type(body).__name__}")

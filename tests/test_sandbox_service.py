@@ -215,7 +215,7 @@ async def test_ttl_reaps_session_of_a_dead_client(nc, nats_url, run_id, sandbox_
     pool, tmpdir, _ = sandbox_worker(ttl=1.0)
     reg = Registry(run_id)
     keeper = await open_when_ready(nc, reg, pool, tmp_path)  # a live client: its pings keep it
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, nats_url, run_id, pool, "sleep 1.5"],  # noqa: ASYNC220
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, nats_url, run_id, pool, "sleep 1.5"],
                               stdout=subprocess.PIPE, cwd=ROOT)
     worker, session = client.stdout.readline().decode().split()
     await asyncio.sleep(0.3)  # the exec is running
@@ -327,8 +327,8 @@ async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_wor
     t0 = time.monotonic()
     while opened < total:
         while len(live) < clients:
-            out = open(tmp_path / f"soak-{kills}-{len(live)}.out", "wb")  # noqa: ASYNC230, SIM115
-            p = subprocess.Popen(  # noqa: ASYNC220
+            out = open(tmp_path / f"soak-{kills}-{len(live)}.out", "wb")
+            p = subprocess.Popen(
                 [sys.executable, "-c", SOAK_CLIENT, nats_url, run_id, pool, str(rng.randrange(1 << 30))],
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
             out.close()

@@ -64,7 +64,7 @@ Threat model (the command is hostile; the agent and the host are trusted):
   container and reports an infrastructure error; it never turns into a verdict.
 """
 
-import builtins
+import builtins  # in every interpreter anyway
 import io
 import marshal
 import os

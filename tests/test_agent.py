@@ -139,7 +139,7 @@ def test_tool_calc_demonstration_masks_observation():
     assert [train for _, train in segs] == [False, True, False, True]
     prompt, call, obs, answer = (t for t, _ in segs)
     expr = prompt[:-2]
-    assert call == f"<py>{expr}</py>" and answer == f"={eval(expr)}"
+    assert call == f"<py>{expr}</py>" and answer == f"={eval(expr)}"  # digits and * only
     assert obs.strip().startswith("<obs exit=0>") and str(eval(expr)) in obs
 
 

@@ -29,7 +29,7 @@ from test_compose import (
     role_violations,
     run_accounting,
 )
-from test_compose import images as images
+from test_compose import images as images  # the session fixture, shared
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -9,14 +9,14 @@ Guarantees:
   `generate` call with the KV cache (left padding).
 - `load_weights(blob)` swaps weights in place between batches; no restart.
 - `HFEngine.load_weights_file(path, sha256)` is the zero-copy path for `file://` blobs
-  (`learner.weights.load_state_file`): bytes go from the file straight into staging
+  (`rollout_workers.weight_loading.load_state_file`): bytes go from the file straight into staging
   tensors that become the model's weights only after the sha256 matched (a mismatch
   raises `ChecksumMismatch`, model untouched). It returns False (model untouched) for
   blobs it cannot load that way (LoRA adapters, another dtype/shape, a GPU model); the
   caller then uses `load_weights`. Costs one extra copy of the weights in memory.
 - `HFEngine.load_weights_file_speculative(path)` is the same read with the sha256 off
   the critical path: the new weights serve at once and the returned
-  `learner.weights.SpeculativeLoad` (verify with `digest()` in a thread, then `commit()`
+  `rollout_workers.weight_loading.SpeculativeLoad` (verify with `digest()` in a thread, then `commit()`
   or `rollback()`) holds the previous weights until settled. None (model untouched) where
   the verify-first path would decline, or for tied weights that swapping cannot keep.
   While one is unsettled, every other load raises RuntimeError (it would overwrite the

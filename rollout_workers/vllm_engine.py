@@ -12,7 +12,7 @@ Guarantees (same contract as `rollout_workers.engines.HFEngine`):
 - Prompts are tokenized here with the model's HF tokenizer and no special tokens, and
   passed as token ids, exactly as HFEngine sees them.
 - `load_weights(blob)` swaps the weights in place (no restart, no re-read of the model
-  directory): the safetensors blob (HF parameter names, as `learner.weights` writes it)
+  directory): the safetensors blob (HF parameter names, as `bus.weight_blobs` writes it)
   goes to every vLLM worker through `LLM.collective_rpc` into a worker extension that
   calls the model runner's `reload_weights(weights_iterator=...)` when the installed
   vLLM has it (it re-quantizes online-quantized, e.g. fp8, layers) and plain

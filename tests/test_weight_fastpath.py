@@ -1,4 +1,4 @@
-"""Zero-copy weight paths (learner/weights.py, bus/objects.py, HFEngine.load_weights_file,
+"""Zero-copy weight paths (bus/weight_blobs.py, rollout_workers/weight_loading.py, bus/objects.py, HFEngine.load_weights_file,
 WeightWatcher): the segment writer produces the exact safetensors bytes, the file fast path
 round-trips (tied weights kept tied), a corrupted or truncated file raises ChecksumMismatch
 and leaves the model untouched, a dtype mismatch or LoRA blob falls back to the generic

@@ -1,4 +1,4 @@
-"""Speculative weight loads (learner.weights.load_state_file_speculative, HFEngine,
+"""Speculative weight loads (rollout_workers.weight_loading.load_state_file_speculative, HFEngine,
 WeightWatcher(speculative=True)) and the rollout worker's publish gate
 (rollout_workers.worker.roll_out_batch):
 
@@ -73,7 +73,7 @@ class GatedDigest:
         self.go.set()
 
 
-# -- learner.weights / HFEngine -------------------------------------------------------------
+# -- weight_loading / HFEngine --------------------------------------------------------------
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
 async def test_speculative_load_swaps_first_then_commits_or_rolls_back(model_dir, tmp_path, mapped):

@@ -1,4 +1,4 @@
-"""Weight stores (learner/weights.py): file:// round trip with the sha256 check, a corrupted
+"""Weight stores (bus/weight_stores.py): file:// round trip with the sha256 check, a corrupted
 file refused, s3:// without boto3 failing with the install hint, store selection from the
 config string, and publish_version through a file store announced over real NATS."""
 

@@ -13,7 +13,7 @@ Guarantees:
 - Messages are acked only after the curriculum state that includes them is published,
   so a crash re-observes them against the last published state. Messages of groups
   still incomplete stay unacked (`in_progress` keeps them).
-- Every `scheduler.curriculum_every_s`, if anything was observed since the last
+- Every `scheduler.curriculum.every_s`, if anything was observed since the last
   publish, the state is published to the run's KV under `curriculum` as
   {"version": n, "weights": {...}, "levels": {...}, "updates": u, "snapshot": {...}} and,
   when a store is given, recorded with `record_curriculum_update` under the msg_id
@@ -46,13 +46,12 @@ SEEN_MAX = 100_000
 
 def build(cfg) -> Curriculum:
     """A fresh curriculum from the run config."""
-    ec = cfg.scheduler
+    ec = cfg.scheduler.curriculum
     domains = {name: DomainSpec(target_reward=d.target_reward, floor_share=d.floor_share,
                                 levels=(d.min_level, d.max_level), start_level=d.initial_level)
                for name, d in cfg.sampler.domains.items()}
-    return Curriculum(domains, temperature=ec.curriculum_temperature, ema_alpha=ec.curriculum_ema_alpha,
-                      promote_at=ec.curriculum_promote_at, demote_at=ec.curriculum_demote_at,
-                      window=ec.curriculum_window)
+    return Curriculum(domains, temperature=ec.temperature, ema_alpha=ec.ema_alpha,
+                      promote_at=ec.promote_at, demote_at=ec.demote_at, window=ec.window)
 
 
 def consumer_config(reg, *, ack_wait_s: float = 120.0, max_ack_pending: int = 16384) -> ConsumerConfig:
@@ -85,98 +84,124 @@ async def restore(js, reg, cfg) -> tuple[Curriculum, int]:
     return fresh, version
 
 
-async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch: int = 256,
-                         fetch_timeout: float = 0.5) -> dict[str, float]:
-    """Observe rewards and publish the curriculum until `stop`; returns counters."""
-    every = cfg.scheduler.curriculum_every_s
-    deadline = cfg.learner.group_deadline_s
-    cur, version = await restore(js, reg, cfg)
-    counters: dict[str, float] = {"curriculum_version": version}
-    stream = reg.stream("REWARDS")
-    await js.add_consumer(stream, config=consumer_config(reg))
-    sub = await js.pull_subscribe_bind(DURABLE, stream=stream)
-    groups: dict[str, dict] = {}  # group_id -> {domain, level, size, rewards, raws, first}
-    to_ack: list = []
-    seen: OrderedDict[str, None] = OrderedDict()
-    observed_since = 0
-    reasons: list[str] = []
-    last_publish = time.monotonic()
-    last_progress = time.monotonic()
+KEEP_ALIVE_S = 20.0  # how often messages of incomplete groups are marked in progress
 
-    def count(key: str, n: int = 1) -> None:
-        counters[key] = counters.get(key, 0) + n
 
-    def observe(gid: str) -> None:
-        nonlocal observed_since
-        g = groups.pop(gid)
-        change = cur.observe(g["domain"], g["level"], g["rewards"])
-        to_ack.extend(g["raws"])
-        observed_since += 1
-        count("curriculum_groups")
+class _Observer:
+    """The service's state between fetches: groups being filled, messages waiting for the
+    publish that includes them, redelivery memory and the published version."""
+
+    def __init__(self, js, reg, cur: Curriculum, version: int, store) -> None:
+        self.js, self.reg, self.cur, self.version, self.store = js, reg, cur, version, store
+        self.counters: dict[str, float] = {"curriculum_version": version}
+        self.groups: dict[str, dict] = {}  # group_id -> {domain, level, size, rewards, raws, first}
+        self.to_ack: list = []
+        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.observed_since = 0
+        self.reasons: list[str] = []
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    async def _drop(self, raw, counter: str) -> None:
+        """A message that is counted and acked, never observed."""
+        self.count(counter)
+        await raw.ack()
+
+    async def take(self, raw, now: float) -> None:
+        """File one fetched message into its group; observe the group once it is complete."""
+        try:
+            msg = decode(raw.data, Reward)
+        except DecodeError:
+            await self._drop(raw, "curriculum_undecodable")
+            return
+        t = msg.trajectory
+        if msg.run_id != self.reg.run_id or t.purpose != "train" or t.domain not in self.cur.domains:
+            await self._drop(raw, "curriculum_skipped")
+            return
+        if msg.msg_id in self.seen:
+            await self._drop(raw, "curriculum_duplicates")
+            return
+        self.seen[msg.msg_id] = None
+        if len(self.seen) > SEEN_MAX:
+            self.seen.popitem(last=False)
+        g = self.groups.setdefault(t.group_id, {"domain": t.domain, "level": t.difficulty, "size": t.group_size,
+                                                "rewards": [], "raws": [], "first": now})
+        g["rewards"].append(msg.reward)
+        g["raws"].append(raw)
+        if len(g["rewards"]) >= g["size"]:
+            self.observe(t.group_id)
+
+    def observe(self, gid: str) -> None:
+        """Feed the group to the curriculum; its messages wait for the next publish."""
+        g = self.groups.pop(gid)
+        change = self.cur.observe(g["domain"], g["level"], g["rewards"])
+        self.to_ack.extend(g["raws"])
+        self.observed_since += 1
+        self.count("curriculum_groups")
         if change is not None:
-            count(f"curriculum_{change.kind}s")
-            reasons.append(f"{change.kind} {change.domain} {change.old_level}->{change.new_level}")
+            self.count(f"curriculum_{change.kind}s")
+            self.reasons.append(f"{change.kind} {change.domain} {change.old_level}->{change.new_level}")
             log.info("curriculum.level", domain=change.domain, old=change.old_level, new=change.new_level,
                      success_rate=round(change.success_rate, 3))
 
-    async def publish() -> None:
-        nonlocal version, observed_since, to_ack, reasons
-        version += 1
-        value = kv_value(cur, version)
-        await put_json(js, reg, CURRICULUM, value)
-        if store is not None:
-            await asyncio.to_thread(store.record_curriculum_update, reg.run_id, f"curriculum-{reg.run_id}-{version}",
-                                    value["weights"], value["levels"], "; ".join(reasons) or "periodic")
-        for raw in to_ack:
-            await raw.ack()
-        log.info("curriculum.published", version=version, weights={d: round(w, 3) for d, w in value["weights"].items()},
-                 levels=value["levels"], groups=observed_since)
-        to_ack, reasons, observed_since = [], [], 0
-        counters["curriculum_version"] = version
+    def expire(self, now: float, deadline: float) -> None:
+        """Observe, as partial groups, the groups older than `deadline` seconds."""
+        for gid in [gid for gid, g in self.groups.items() if now - g["first"] >= deadline]:
+            self.count("curriculum_partial_groups")
+            self.observe(gid)
 
+    async def keep_alive(self) -> None:
+        """Keep the messages of incomplete groups from redelivery."""
+        for g in self.groups.values():
+            for raw in g["raws"]:
+                await raw.in_progress()
+
+    async def publish(self) -> None:
+        """Publish (and record) the next version, then ack the messages it includes."""
+        self.version += 1
+        value = kv_value(self.cur, self.version)
+        await put_json(self.js, self.reg, CURRICULUM, value)
+        if self.store is not None:
+            run_id = self.reg.run_id
+            await asyncio.to_thread(self.store.record_curriculum_update, run_id, f"curriculum-{run_id}-{self.version}",
+                                    value["weights"], value["levels"], "; ".join(self.reasons) or "periodic")
+        for raw in self.to_ack:
+            await raw.ack()
+        log.info("curriculum.published", version=self.version,
+                 weights={d: round(w, 3) for d, w in value["weights"].items()},
+                 levels=value["levels"], groups=self.observed_since)
+        self.to_ack, self.reasons, self.observed_since = [], [], 0
+        self.counters["curriculum_version"] = self.version
+
+
+async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch: int = 256,
+                         fetch_timeout: float = 0.5) -> dict[str, float]:
+    """Observe rewards and publish the curriculum until `stop`; returns counters."""
+    every = cfg.scheduler.curriculum.every_s
+    deadline = cfg.learner.group_deadline_s
+    cur, version = await restore(js, reg, cfg)
+    state = _Observer(js, reg, cur, version, store)
+    stream = reg.stream("REWARDS")
+    await js.add_consumer(stream, config=consumer_config(reg))
+    sub = await js.pull_subscribe_bind(DURABLE, stream=stream)
+    last_publish = last_progress = time.monotonic()
     try:
         while not stop.is_set():
             raws = await fetch(sub, batch, fetch_timeout)
             now = time.monotonic()
             for raw in raws:
-                try:
-                    msg = decode(raw.data, Reward)
-                except DecodeError:
-                    count("curriculum_undecodable")
-                    await raw.ack()
-                    continue
-                t = msg.trajectory
-                if msg.run_id != reg.run_id or t.purpose != "train" or t.domain not in cur.domains:
-                    count("curriculum_skipped")
-                    await raw.ack()
-                    continue
-                if msg.msg_id in seen:
-                    count("curriculum_duplicates")
-                    await raw.ack()
-                    continue
-                seen[msg.msg_id] = None
-                if len(seen) > SEEN_MAX:
-                    seen.popitem(last=False)
-                g = groups.setdefault(t.group_id, {"domain": t.domain, "level": t.difficulty, "size": t.group_size,
-                                                   "rewards": [], "raws": [], "first": now})
-                g["rewards"].append(msg.reward)
-                g["raws"].append(raw)
-                if len(g["rewards"]) >= g["size"]:
-                    observe(t.group_id)
-            for gid in [gid for gid, g in groups.items() if now - g["first"] >= deadline]:
-                count("curriculum_partial_groups")
-                observe(gid)
-            if groups and now - last_progress >= 20.0:  # keep incomplete groups' messages from redelivery
-                for g in groups.values():
-                    for raw in g["raws"]:
-                        await raw.in_progress()
+                await state.take(raw, now)
+            state.expire(now, deadline)
+            if state.groups and now - last_progress >= KEEP_ALIVE_S:
+                await state.keep_alive()
                 last_progress = now
-            if observed_since and now - last_publish >= every:
-                await publish()
+            if state.observed_since and now - last_publish >= every:
+                await state.publish()
                 last_publish = now
-        if observed_since:
-            await publish()
+        if state.observed_since:
+            await state.publish()
     finally:
         await sub.unsubscribe()
-    log.info("curriculum.stopped", **counters)
-    return counters
+    log.info("curriculum.stopped", **state.counters)
+    return state.counters

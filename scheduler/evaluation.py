@@ -66,16 +66,16 @@ class EvalSuite:
     def from_config(cls, cfg) -> EvalSuite:
         from producers.domains import kind_of
 
-        ec, sc = cfg.scheduler, cfg.sampler
+        ec, sc = cfg.scheduler.eval, cfg.sampler
         suite = cls()
         for name, dc in sc.domains.items():
             kind = kind_of(name, dc)
             max_tokens = dc.max_tokens or sc.max_tokens
             if kind == "arith":
-                problems, digest = eval_set(ec.eval_seed, ec.eval_n, ec.eval_difficulty)
+                problems, digest = eval_set(ec.seed, ec.n, ec.difficulty)
                 suite.sets[name] = {"kind": kind, "problems": problems, "sha256": digest, "max_tokens": max_tokens}
             elif kind == "tool_calc":
-                problems = tool_calc.heldout_set(ec.eval_seed, ec.eval_n, dc.initial_level)
+                problems = tool_calc.heldout_set(ec.seed, ec.n, dc.initial_level)
                 digest = hashlib.sha256(json.dumps([p.expression for p in problems]).encode()).hexdigest()
                 suite.sets[name] = {"kind": kind, "problems": problems, "sha256": digest, "max_tokens": max_tokens,
                                     "max_turns": max(2, dc.max_turns)}

@@ -6,19 +6,19 @@ Pure logic (`regression_floors`, `release_gate`, `forgetting_guard`, `least_squa
 Guarantees:
 - Release gate: a version is *released* only when every eval set with a floor was
   evaluated for it and none scored below its floor. A domain's floor is
-  `scheduler.eval_floors[domain]` when set, else its baseline minus
-  `scheduler.release_margin`. The baseline of a domain is its first evaluation (version 0,
+  `scheduler.eval.floors[domain]` when set, else its baseline minus
+  `scheduler.eval.release_margin`. The baseline of a domain is its first evaluation (version 0,
   the starting checkpoint, in a normal run). Released versions only move forward: KV
   `release.latest` = {"version", "step", "scores", "released_at"} holds the newest one, and
   the SQL table `gate_checks` has one row per checked version (`released` column), so
   `Store.latest_released(run_id)` gives the same answer from SQL.
-- Forgetting guard (`scheduler.general_eval` = a domain kind, at the fixed level
-  `general_eval_level`): a general regression set evaluated with every version, published
-  as eval domain `general_<kind>`. When its score is MORE than `forgetting_margin` below
+- Forgetting guard (`scheduler.eval.general` = a domain kind, at the fixed level
+  `scheduler.eval.general_level`): a general regression set evaluated with every version, published
+  as eval domain `general_<kind>`. When its score is MORE than `scheduler.forgetting.margin` below
   its baseline, the guard raises the learner's replay share and KL beta by their steps
   (capped) and writes KV `learner.overrides` =
   {"replay_share", "beta", "reason", "version", "updated_at"}. The raise starts from the
-  current overrides (else the config's `learner.replay_share` / `learner.beta`), so repeated
+  current overrides (else the config's `learner.replay.share` / `learner.beta`), so repeated
   trips escalate; a recovery never lowers them again (no oscillation). Every trip is logged
   (`scheduler.forgetting`) and recorded (`gate_checks.forgetting`, `.overrides`).
   Contract for the learner: read `learner.overrides` between steps and, when present, use
@@ -28,10 +28,10 @@ Guarantees:
   learner samples trained by that version (exact when the version's metrics carry
   `samples_trained`, else step x the learner's mean samples per step from KV
   `learner.progress`). The gain per unit is the least-squares slope of capability over
-  cost across the last `plateau_window` points, per 1000 samples. The first version where
-  it falls below `plateau_threshold` is the plateau; once detected it stays detected.
+  cost across the last `scheduler.plateau.window` points, per 1000 samples. The first version where
+  it falls below `scheduler.plateau.threshold` is the plateau; once detected it stays detected.
   KV `plateau` = {"detected", "at_version", "gain_per_unit", "window", "unit"}; with
-  `scheduler.stop_on_plateau`, KV `status` = "stop-requested" as well (the launcher
+  `scheduler.plateau.stop`, KV `status` = "stop-requested" as well (the launcher
   watches it).
 """
 
@@ -178,35 +178,35 @@ def estimated_samples(step: int, metrics: dict | None, progress: dict | None) ->
 # -- glue -------------------------------------------------------------------------------------
 def general_domain(cfg) -> str | None:
     """Eval domain name of the general set (`general_<kind>`), None when off."""
-    kind = cfg.scheduler.general_eval
+    kind = cfg.scheduler.eval.general
     return f"general_{kind}" if kind else None
 
 
 def add_general_set(suite, cfg) -> str | None:
     """Add the general regression set to an `EvalSuite` (same seed as the eval sets,
-    level `general_eval_level`); returns its domain name, None when off."""
+    level `scheduler.eval.general_level`); returns its domain name, None when off."""
     import hashlib
     import json
 
     from producers import tool_calc
     from scheduler.evaluation import eval_set
 
-    ec, sc = cfg.scheduler, cfg.sampler
+    ec, sc = cfg.scheduler.eval, cfg.sampler
     name = general_domain(cfg)
     if name is None:
         return None
-    dc = sc.domains.get(ec.general_eval)
+    dc = sc.domains.get(ec.general)
     max_tokens = (dc.max_tokens if dc else None) or sc.max_tokens
-    if ec.general_eval == "arith":
-        problems, digest = eval_set(ec.eval_seed, ec.general_eval_n, ec.general_eval_level)
+    if ec.general == "arith":
+        problems, digest = eval_set(ec.seed, ec.general_n, ec.general_level)
         suite.sets[name] = {"kind": "arith", "problems": problems, "sha256": digest, "max_tokens": max_tokens}
-    elif ec.general_eval == "tool_calc":
-        problems = tool_calc.heldout_set(ec.eval_seed, ec.general_eval_n, ec.general_eval_level)
+    elif ec.general == "tool_calc":
+        problems = tool_calc.heldout_set(ec.seed, ec.general_n, ec.general_level)
         digest = hashlib.sha256(json.dumps([p.expression for p in problems]).encode()).hexdigest()
         suite.sets[name] = {"kind": "tool_calc", "problems": problems, "sha256": digest, "max_tokens": max_tokens,
                             "max_turns": max(2, dc.max_turns if dc else 2)}
     else:
-        raise ValueError(f"scheduler.general_eval={ec.general_eval!r}: expected 'arith', 'tool_calc' or ''")
+        raise ValueError(f"scheduler.eval.general={ec.general!r}: expected 'arith', 'tool_calc' or ''")
     return name
 
 
@@ -236,12 +236,12 @@ class Gates:
         """Run the gates on one version's scores; returns the `gate_checks` row written."""
         import asyncio
 
-        ec = self.cfg.scheduler
+        ec = self.cfg.scheduler.eval
         new_base = {d: s for d, s in scores.items() if d not in self.baseline}
         if new_base:
             self.baseline.update(new_base)
             await put_json(self.js, self.reg, GATES_BASELINE, self.baseline)
-        decision = release_gate(version, scores, self.baseline, dict(ec.eval_floors), ec.release_margin)
+        decision = release_gate(version, scores, self.baseline, dict(ec.floors), ec.release_margin)
         released = decision.passed and await self._release(version, step, scores)
         log.info("scheduler.release_gate", version=version, passed=decision.passed, released=released,
                  failures=decision.failures or None)
@@ -271,14 +271,14 @@ class Gates:
         return True
 
     async def _guard(self, version: int, scores: dict[str, float]) -> Overrides | None:
-        ec, lc = self.cfg.scheduler, self.cfg.learner
+        fc, lc = self.cfg.scheduler.forgetting, self.cfg.learner
         if self.general is None or self.general not in scores:
             return None
         now = await get_json(self.js, self.reg, LEARNER_OVERRIDES)
-        current = Overrides(float(now["replay_share"]), float(now["beta"])) if now else Overrides(lc.replay_share, lc.beta)
-        trip = forgetting_guard(scores[self.general], self.baseline[self.general], ec.forgetting_margin, current,
-                                replay_step=ec.forgetting_replay_step, replay_max=ec.forgetting_replay_max,
-                                beta_step=ec.forgetting_beta_step, beta_max=ec.forgetting_beta_max)
+        current = Overrides(float(now["replay_share"]), float(now["beta"])) if now else Overrides(lc.replay.share, lc.beta)
+        trip = forgetting_guard(scores[self.general], self.baseline[self.general], fc.margin, current,
+                                replay_step=fc.replay_step, replay_max=fc.replay_max,
+                                beta_step=fc.beta_step, beta_max=fc.beta_max)
         if trip is not None:
             await put_json(self.js, self.reg, LEARNER_OVERRIDES, {**asdict(trip), "version": version,
                                                                    "updated_at": time.time()})
@@ -287,8 +287,8 @@ class Gates:
         return trip
 
     async def _plateau(self) -> None:
-        ec = self.cfg.scheduler
-        found = first_plateau(self.points, ec.plateau_window, ec.plateau_threshold)
+        pc = self.cfg.scheduler.plateau
+        found = first_plateau(self.points, pc.window, pc.threshold)
         if self.plateau and self.plateau.detected:
             return  # latched at the first detection
         self.plateau = found
@@ -296,6 +296,6 @@ class Gates:
         await put_json(self.js, self.reg, PLATEAU, value)
         if found.detected:
             log.warning("scheduler.plateau", at_version=found.at_version, gain_per_unit=found.gain_per_unit,
-                        window=found.window, threshold=ec.plateau_threshold, stop=ec.stop_on_plateau)
-            if ec.stop_on_plateau:
+                        window=found.window, threshold=pc.threshold, stop=pc.stop)
+            if pc.stop:
                 await put_json(self.js, self.reg, STATUS, STOP_REQUESTED)

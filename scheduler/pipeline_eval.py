@@ -1,6 +1,6 @@
 """Evaluation through the pipeline: `purpose=eval` tasks through rollout and verifier workers.
 
-With `scheduler.eval_mode = "pipeline"`, each evaluation round publishes every problem of
+With `scheduler.eval.mode = "pipeline"`, each evaluation round publishes every problem of
 the run's pinned eval sets (`scheduler.evaluation.EvalSuite`) as a greedy `Task` with
 `purpose="eval"` on the ordinary task subjects. Rollout workers generate them (multi-turn
 tool episodes included) with whatever weights they serve, verifier workers score them

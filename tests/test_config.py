@@ -339,3 +339,16 @@ def test_structlog_json_when_not_a_tty():
     assert first["role"] == "rollout" and first["run_id"] == "run42" and first["msg_id"] == "m-123"
     assert first["level"] == "info" and "timestamp" in first
     assert second["event"] == "rollout.idle" and second["role"] == "rollout" and "msg_id" not in second
+
+
+def test_assigning_a_field_keeps_sections_valid():
+    """validate_assignment re-runs the section's checks with its built sub-sections: they are
+    not old scalar keys (regression: `lc.grad_clip = x` failed on `off_policy`)."""
+    from schemas.config import LearnerSection, SchedulerSection
+
+    lc = LearnerSection()
+    lc.grad_clip = 1e12
+    assert lc.grad_clip == 1e12 and lc.off_policy.mode == "none"
+    sc = SchedulerSection()
+    sc.threads = 2
+    assert sc.curriculum.enabled is True

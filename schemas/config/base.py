@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict, model_validator
 def renamed_errors(place: str, renamed: dict[str, str], data: dict) -> list[str]:
     """One message per old key of `renamed` (old -> new, relative to `place`) present in
     `data`. An old key that became a section of the same name (`curriculum` ->
-    `curriculum.enabled`) is old only when its value is not a table."""
+    `curriculum.enabled`) is old only when its value is not a table (or, when a field is
+    assigned on a built model, not the section itself)."""
     prefix = f"{place}." if place else ""
     out = []
     for old, new in renamed.items():
-        if old not in data or (new.startswith(f"{old}.") and isinstance(data[old], dict)):
+        if old not in data or (new.startswith(f"{old}.") and isinstance(data[old], (dict, BaseModel))):
             continue
         value = data[old]
         shown = json.dumps(value) if isinstance(value, (bool, int, float, str)) else None

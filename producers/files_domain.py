@@ -16,20 +16,21 @@ Guarantees:
 
 from __future__ import annotations
 
-from producers.domains import DomainContext, StaticSource
-from producers.jsonl_source import DATA, items, load, resolve
+from producers.domains import DomainContext
+from producers.jsonl_source import DATA, FileSource, file_source
 
 FORMATS = ("json", "csv", "svg")
 
 
-def FilesDomain(ctx: DomainContext) -> StaticSource:
-    """Task source of one `files` config domain."""
-    path = resolve(ctx.dc.data, DATA / "files.jsonl")
-    tasks = load(str(path))
-    for t in tasks:
-        if not isinstance(t.params.get("path"), str) or t.params.get("format") not in FORMATS:
-            raise ValueError(f"{path}: task {t.id!r} needs params.path and params.format in {FORMATS}")
-    source = StaticSource(ctx, items(ctx, tasks, "files"))
+def FilesDomain(ctx: DomainContext) -> FileSource:
+    """Task source of one `files` config domain (its data, split, field_map and held-out rows
+    read as every file-backed domain's are)."""
+    source = file_source(ctx, DATA / "files.jsonl", "files")
+    for fields, _, _ in source.items:
+        params = fields["verifier_params"]
+        if not isinstance(params.get("path"), str) or params.get("format") not in FORMATS:
+            raise ValueError(f"sampler.domains.{ctx.name}: task {params.get('problem_id')!r} needs params.path and "
+                             f"params.format in {FORMATS}")
     tools = list(ctx.dc.params.get("tools") or [])
     if tools:
         for fields, _, _ in source.items:

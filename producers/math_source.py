@@ -1,35 +1,56 @@
-"""The `math` domain: training tasks from a JSONL file of problems.
+"""The `math` domain: training tasks from a dataset of problems (JSONL, Parquet or a `datasets` dir).
 
-Each line is `{"id": ..., "problem": ..., "answer": ...}` (optionally `"level"`: int).
+Default row format: `{"id": ..., "problem": ..., "answer": ...}` (optionally `"level"`: int);
+`DomainConfig.field_map` renames the columns (`{ prompt = "question", gold = "solution" }`),
+and `producers.datafile` reads every format.
 
 Guarantees:
 - The prompt asks for the final answer in `\\boxed{}`; the task is scored by the `math`
   verifier (answer equivalence with math-verify).
 - Gold never travels with the task: `MathDomain` returns it as the hidden payload
-  `{"gold": ...}` stored under `Task.hidden_ref`, which only verifiers resolve.
+  `{"gold": ...}` (plus any `hidden.<key>` columns) stored under `Task.hidden_ref`, which
+  only verifiers resolve.
+- Only training rows are drawn: held-out rows (`heldout_fraction`, `heldout_split`) never
+  are; `MathDomain.data` (`DataSplit`) holds both and their hashes.
 - A task's level is the curriculum level asked for; problems that carry a `level` are
-  drawn from that level when it has any, otherwise from the whole file.
+  drawn from that level when it has any, otherwise from all training rows.
 - Problems are drawn with the sampler's seeded RNG (deterministic per run/position).
-- A missing, empty or malformed file is a `ValueError` naming the file and line.
+- A row whose problem is not text or whose answer is not text or a number is skipped
+  (counted and logged); missing data, an empty dataset or a missing column is a
+  `ValueError` naming the file (and the columns present).
 """
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from producers.datafile import ROOT, DataSplit, RowError, Spec, TaskLine, domain_split, level_of, load_split, resolve
 from schemas import ChatMessage
 
 if TYPE_CHECKING:
     from producers.domains import DomainContext, Drawn
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "examples" / "data" / "math.jsonl"
 INSTRUCTION = "Put your final answer in \\boxed{}."
+
+
+def parse_problem(task_id: str, rec: dict[str, Any]) -> TaskLine:
+    """One math row from its canonical record (RowError on a malformed one)."""
+    problem, gold = rec["prompt"], rec["hidden"]["gold"]
+    if not isinstance(problem, str):
+        raise RowError("bad prompt", f"a math problem is text, not {type(problem).__name__}")
+    if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
+        raise RowError("bad gold", f"an answer is text or a number, not {type(gold).__name__}")
+    return TaskLine(task_id, (ChatMessage(role="user", content=f"{problem}\n{INSTRUCTION}"),),
+                    {**rec["hidden"], "gold": str(gold)}, rec["params"], level_of(rec.get("level")))
+
+
+MATH = Spec("math", (("id", "id"), ("prompt", "problem"), ("gold", "answer"), ("level", "level")),
+            ("prompt", "gold"), parse_problem)
+"""The `math` kind's format: id, problem, answer (gold), level."""
 
 
 @dataclass(frozen=True)
@@ -48,39 +69,14 @@ class MathProblem:
 
 
 def resolve_path(data: str) -> Path:
-    """The data file: `data` (relative paths from the repository root), else the default."""
-    if not data:
-        return DEFAULT_DATA
-    p = Path(data)
-    return p if p.is_absolute() or p.exists() else ROOT / p
+    """The data path: `data` (relative paths from the cwd, else the repository root), else the default."""
+    return resolve(data, DEFAULT_DATA)
 
 
-@lru_cache(maxsize=8)
 def load(path: str) -> tuple[MathProblem, ...]:
-    """All problems of a JSONL file (cached per path)."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"math data file {p} not found")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            level = d.get("level")
-            out.append(MathProblem(str(d["id"]), str(d["problem"]), str(d["answer"]),
-                                   int(level) if level is not None else None))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{p}:{n}: bad math problem ({exc!r}); need id, problem, answer") from None
-    if not out:
-        raise ValueError(f"math data file {p} has no problems")
-    return tuple(out)
-
-
-def pick(problems: tuple[MathProblem, ...], rng: random.Random, level: int) -> MathProblem:
-    """A problem at `level` if the file has any there, else any problem."""
-    at_level = [q for q in problems if q.level == level]
-    return rng.choice(at_level or problems)
+    """Every usable problem of a data file in the default format (cached; malformed rows skipped)."""
+    return tuple(MathProblem(t.id, t.prompt[0].content.removesuffix(f"\n{INSTRUCTION}"), t.hidden["gold"], t.level)
+                 for t in load_split(str(path), Path(path), MATH).train)
 
 
 @dataclass
@@ -88,14 +84,22 @@ class MathDomain:
     """Task source of one `math` config domain (gold hidden behind `hidden_ref`)."""
 
     ctx: "DomainContext"
+    data: DataSplit = field(init=False)
+    by_level: dict[int | None, list[TaskLine]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data = domain_split(self.ctx, MATH, DEFAULT_DATA)
+        self.by_level = {}
+        for q in self.data.train:
+            self.by_level.setdefault(q.level, []).append(q)
 
     def make_task(self, rng: random.Random, level: int, index: int) -> "Drawn":
         from bus.hidden import hidden_ref_for
         from producers.domains import Drawn, finish_task
 
-        q = pick(load(str(resolve_path(self.ctx.dc.data))), rng, level)
+        q = rng.choice(self.by_level.get(level) or self.data.train)  # at `level` if any there
         ref = hidden_ref_for(self.ctx.name, q.id)
         task = finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
-                           prompt=[ChatMessage(role="user", content=q.prompt)], verifier="math",
-                           verifier_params={"problem_id": q.id}, hidden_ref=ref)
-        return Drawn(task, {"gold": q.answer})
+                           prompt=list(q.prompt), verifier="math",
+                           verifier_params={"problem_id": q.id, **q.params}, hidden_ref=ref)
+        return Drawn(task, dict(q.hidden))

@@ -384,18 +384,25 @@ def test_jsonl_domain_config_errors(tmp_path, toml, match):
         make_source("r1", "j", ctx_for(tmp_path, toml))
 
 
-@pytest.mark.parametrize("line,match", [
-    ('{"prompt": "x"}', "bad task line"), ('{"id": 1, "prompt": ""}', "prompt"),
-    ('{"id": 1, "prompt": "x", "params": {"gold": 3}}', "put them under 'hidden'"),
-    ('{"id": 1, "prompt": "x", "hidden": [1]}', "hidden must be an object"), ("not json", "bad task line"),
+@pytest.mark.parametrize("line,reason", [
+    ('{"prompt": "x"}', "missing id"), ('{"id": 1, "prompt": ""}', "missing prompt"),
+    ('{"id": 1, "prompt": 7}', "bad prompt"), ('{"id": 1, "prompt": "x", "level": "hard"}', "bad level"),
+    ('{"id": 1, "prompt": "x", "params": {"gold": 3}}', "gold in public params"),
+    ('{"id": 1, "prompt": "x", "hidden": [1]}', "hidden not an object"), ("not json", "invalid JSON"),
+    ("[1, 2]", "not a JSON object"), ('{"id": 0, "prompt": "again"}', "duplicate id"),
 ])
-def test_jsonl_malformed_lines_name_file_and_line(tmp_path, line, match):
+def test_jsonl_malformed_lines_are_skipped_counted_and_logged(tmp_path, line, reason):
+    from structlog.testing import capture_logs
+
     data = tmp_path / "bad.jsonl"
     data.write_text('{"id": 0, "prompt": "ok"}\n' + line + "\n")
     cfg = ctx_for(tmp_path, f'[sampler.domains.j]\nkind = "jsonl"\nverifier = "extract"\ndata = "{data}"\n')
-    with pytest.raises(ValueError, match=match) as err:
-        make_source("r1", "j", cfg)
-    assert f"{data}:2" in str(err.value)
+    with capture_logs() as logs:
+        src = make_source("r1", "j", cfg)
+    assert src.data.skipped == {reason: 1}
+    assert [t.verifier_params["problem_id"] for t in (d.task for d in draw(cfg, "j", 5))] == ["0"] * 5
+    skip = [e for e in logs if e["event"] == "dataset row skipped"]
+    assert len(skip) == 1 and skip[0]["where"] == f"{data}:2" and skip[0]["reason"].startswith(reason), logs
 
 
 def test_judge_domain_points_at_the_model_verifier(tmp_path, tiny_models):

@@ -8,6 +8,9 @@ from pydantic import Field, model_validator
 
 from schemas.config.base import Section
 
+FIELD_TARGETS = ("id", "prompt", "gold", "hidden", "params", "level")
+"""Task fields a `DomainConfig.field_map` may name (besides `hidden.<key>` / `params.<key>`)."""
+
 
 class DomainConfig(Section):
     """One sampled domain: curriculum settings and, for file-backed domains, its data."""
@@ -27,7 +30,25 @@ class DomainConfig(Section):
     sft_weight: float | None = Field(default=None, ge=0.0)
     """Share of SFT warm-start batches from this domain (default: `weight`; 0: no demonstrations)."""
     data: str = ""
-    """JSONL file of problems for file-backed domains (`math`; empty = examples/data/math.jsonl)."""
+    """Data of a file-backed domain (`math`, `extract`, `jsonl`, `judge`): a `.jsonl` file, a
+    `.parquet` file, or a directory (an HF `datasets.save_to_disk` dir, or split-named files
+    such as `train.jsonl`, `test-00000-of-00001.parquet`, `data/train-*.parquet`). Local
+    only, never a hub name. Empty: the kind's example file (`math`: examples/data/math.jsonl)."""
+    split: str = "train"
+    """Split of `data` to train on (a single file is split `train`)."""
+    field_map: dict[str, str] = Field(default_factory=dict)
+    """Task field -> column of `data`, over the kind's default format (`math`: id, problem,
+    answer, level; the JSONL kinds: id, prompt, hidden, params, level). Fields: `id`
+    (default: a hash of the row when the data has no `id` column), `prompt` (text or chat
+    messages), `gold` (the answer, verifier-only), `hidden` / `params` (object columns,
+    verifier-only / public), `hidden.<key>` / `params.<key>` (one column into that
+    object), `level`. Example: `{ prompt = "question", gold = "answer", level = "difficulty" }`."""
+    heldout_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Fraction of the split's rows held out of training, chosen by a hash of each row's
+    prompt (the same rows every run; identical prompts fall on the same side)."""
+    heldout_split: str = ""
+    """A split of `data` held out as a whole (e.g. `test`); training rows whose prompt it
+    also holds are dropped. Empty: none."""
     max_tokens: int | None = Field(default=None, ge=1)
     """Generated-token budget of this domain's tasks (default: sampler.max_tokens)."""
     kind: str = ""
@@ -53,6 +74,19 @@ class DomainConfig(Section):
             raise ValueError(f"min_level {self.min_level} > max_level {self.max_level}")
         if self.start_level is not None and not self.min_level <= self.start_level <= self.max_level:
             raise ValueError(f"start_level {self.start_level} outside [{self.min_level}, {self.max_level}]")
+        return self
+
+    @model_validator(mode="after")
+    def _field_map_targets(self):
+        bad = [k for k, v in self.field_map.items() if not (v and (k in FIELD_TARGETS or (
+            k.partition(".")[0] in ("hidden", "params") and k.partition(".")[2])))]
+        if bad:
+            raise ValueError(f"field_map keys {bad} unknown (or mapped to an empty column); use "
+                             f"{list(FIELD_TARGETS)} or hidden.<key> / params.<key>")
+        if "gold" in self.field_map and "hidden.gold" in self.field_map:
+            raise ValueError("field_map maps both gold and hidden.gold (the same field); keep one")
+        if self.heldout_split and self.heldout_split == self.split:
+            raise ValueError(f"heldout_split {self.heldout_split!r} is the training split; name another split")
         return self
 
     @property

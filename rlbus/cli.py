@@ -45,7 +45,7 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 # Commands that live with their subsystem: each module defines `register(sub)`, which adds
 # its parser and sets `func=callable(args) -> int` as the parser default.
 COMMAND_MODULES = ("sandbox_workers.cli", "rlbus.verify", "rlbus.top", "rlbus.export", "rlbus.report",
-                   "rlbus.init_cmd", "rlbus.config_help")
+                   "rlbus.init_cmd", "rlbus.config_help", "rlbus.samples", "rlbus.rescore")
 
 
 def _register_command_modules(sub) -> None:
@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--max-steps", type=int, help="stop after N learner steps")
     up.add_argument("--max-minutes", type=float, help="stop after M minutes of wall time, set-up included")
     up.add_argument("--nats-url", help="use this NATS server instead of starting an embedded one")
+    up.add_argument("--allow-degraded-sandbox", action="store_true",
+                    help="run tool calls and tests WITHOUT sandbox isolation where bubblewrap is missing "
+                         "(sets sandbox.allow_degraded=true; the console and summary.json say so)")
     up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. learner.lr=1e-4")
 
     w = sub.add_parser("worker", help="run one role as one process",
@@ -248,12 +251,17 @@ def _worker(args) -> int:
     if not run_id:
         sys.exit("worker needs a run id: --run-id ID or run.run_id in the config")
     configure_logging(args.role, run_id)
+    if cfg.sandbox.allow_degraded:  # code verifiers open sandboxes without the config: they read the env
+        from sandbox_workers.process import ALLOW_DEGRADED_ENV
+
+        os.environ[ALLOW_DEGRADED_ENV] = "1"
     run_dir = Path(args.run_dir or cfg.run.run_dir)
     ctx = WorkerContext(run_id=run_id, nats_url=args.nats_url or cfg.run.nats_url or "nats://127.0.0.1:4222",
                         run_path=run_dir / run_id, max_messages=args.max_messages, until_idle=args.until_idle,
                         configured_model=cfg.model.path)
     module = {"sampler": "producers.sampler", "rollout": "rollout_workers.worker", "verifier": "verifier_workers.worker",
-              "learner": "learner.worker", "scheduler": "scheduler.worker", "sandbox": "sandbox_workers.service"}[args.role]
+              "learner": "learner.worker", "scheduler": "scheduler.worker", "sandbox": "sandbox_workers.service",
+              "tracker": "rlbus.tracker"}[args.role]
     import importlib
 
     asyncio.run(importlib.import_module(module).run(cfg, ctx))
@@ -286,6 +294,8 @@ def _up(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if args.allow_degraded_sandbox:
+        overrides.append("sandbox.allow_degraded=true")
     if args.resume:
         return _resume(args, overrides)
     if not args.config:

@@ -6,8 +6,10 @@ Guarantees:
   `MAX_RESTARTS` per role, after which the run fails).
 - Stop (limits or Ctrl-C) drains in order: the sampler stops first, the pipeline gets
   `run.drain_seconds` to finish in-flight work, then rollout and verifier, then the
-  learner (which records what it still holds), and last the scheduler (which
-  evaluates the newest version).
+  learner (which records what it still holds), then the scheduler (which
+  evaluates the newest version), and last the tracker, which runs only when
+  `tracking.backends` lists one (a missing tracking package stops `up` before anything
+  starts, naming the extra).
 - Everything of a run lives under `<run-dir>/<run_id>/`; `summary.json` is kept current
   during the run and completed (with per-message accounting) at the end, next to
   `reward_curve.png`. Its `domains` gives each domain's training rewards (count, mean,
@@ -18,6 +20,11 @@ Guarantees:
   scheduler's `plateau` verdict and `released_version` (KV `plateau`, `release.latest`).
 - Exit code 0 when the run stopped at its limits (restarts included), non-zero only
   when it failed.
+- Sandboxes fail closed: before anything else (no run folder, no server, no SFT) the
+  configured sandbox backend is probed; where it cannot isolate (no usable bubblewrap)
+  and `sandbox.allow_degraded` is false, `up` prints the reason and the fix and exits 1.
+  When degraded mode is allowed, the console says so in red at start and after the
+  final summary; summary.json's `sandbox_isolation` is "bwrap", "docker" or "degraded".
 """
 
 from __future__ import annotations
@@ -47,7 +54,49 @@ from schemas.config import RunConfig, dump_config
 
 log = structlog.get_logger()
 MAX_RESTARTS = 5
-START_ORDER = ("learner", "scheduler", "verifier", "rollout", "sampler")
+START_ORDER = ("learner", "scheduler", "tracker", "verifier", "rollout", "sampler")
+STARTS_IF = {"tracker": lambda cfg: bool(cfg.tracking.backends)}
+"""Roles started only when the config asks for them (every other role always starts)."""
+
+
+def roles_to_start(cfg: RunConfig) -> list[str]:
+    """START_ORDER without the optional roles this config leaves out (no tracker without backends)."""
+    return [role for role in START_ORDER if STARTS_IF.get(role, lambda _: True)(cfg)]
+
+
+DEGRADED_WARNING = ("[bold red]sandbox isolation: DEGRADED: tool calls and tests run WITHOUT network or "
+                    "filesystem isolation (rlimits only), because sandbox.allow_degraded=true. "
+                    "Install bubblewrap (apt-get install -y bubblewrap) to isolate them.[/]")
+
+
+def check_sandbox(cfg: RunConfig, console: Console) -> str | None:
+    """The isolation this run's sandboxes get (probed with one real sandbox), or None, after
+    printing the reason and the fix, when they cannot isolate and degraded mode is not allowed."""
+    from sandbox_workers.base import SandboxRefused
+    from sandbox_workers.factory import probe_isolation
+
+    sc = cfg.sandbox
+    try:  # remote: tool calls go to the sandbox service; the scheduler's evaluation runs local process sandboxes
+        isolation = probe_isolation("process" if sc.remote else sc.backend, sc.allow_degraded)
+    except SandboxRefused as exc:
+        console.print(f"[bold red]rlbus up: {exc}[/]", highlight=False)
+        return None
+    if isolation == "degraded":
+        console.print(DEGRADED_WARNING, highlight=False)
+    return isolation
+
+
+def check_tracking(cfg: RunConfig, console: Console) -> bool:
+    """False, after printing which extra to install, when a configured tracking backend's
+    package is missing (the tracker would only crash-loop); True otherwise."""
+    from rlbus.tracking_backends import TrackingUnavailable, check_installed
+
+    try:
+        check_installed(cfg.tracking.backends)
+    except TrackingUnavailable as exc:
+        console.print(f"rlbus up: {exc}", style="bold red", markup=False, highlight=False, soft_wrap=True)
+        return False
+    return True
 
 
 def new_run_id(config_path: str) -> str:
@@ -220,6 +269,7 @@ class RunLoop:
         await self.sup.stop(["rollout", "verifier"], 30)
         await self.sup.stop(["learner"], 60)
         await self.sup.stop(["scheduler"], 60)
+        await self.sup.stop(["tracker"], 60)  # last: it writes what the others published (no-op without one)
         await asyncio.sleep(0.5)  # let the last eval result arrive
 
     async def finish(self, js, reg: Registry, stop_reason: str, failure: str | None, server_pid: int | None) -> dict:
@@ -239,7 +289,7 @@ class RunLoop:
 
 
 async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t0: float, console: Console,
-                 server_pid: int | None = None) -> int:
+                 server_pid: int | None = None, sandbox_isolation: str | None = None) -> int:
     """Supervise a prepared run until its limits; return the exit code (1 only when it failed)."""
     reg = Registry(cfg.run.run_id)
     nc = await connect(nats_url, name="rlbus-launcher")
@@ -254,8 +304,9 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     sup.server_pid = server_pid
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
+    mon.sandbox_isolation = sandbox_isolation
     await mon.start(nc)
-    for role in START_ORDER:
+    for role in roles_to_start(cfg):
         sup.start(role)
     run = RunLoop(cfg, run_path, t0, console, sup, mon, snap)
     loop = asyncio.get_running_loop()
@@ -276,6 +327,8 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     console.print(json.dumps({k: summary[k] for k in ("steps", "weight_versions", "tasks_published", "trained_samples",
                                                        "dead_letters", "lost", "trained_twice", "eval", "wall_seconds")}, indent=1))
     console.print(f"results: {run_path}/summary.json, {run_path}/reward_curve.png, logs in {run_path}/logs/")
+    if sandbox_isolation == "degraded":
+        console.print(DEGRADED_WARNING, highlight=False)
     return 1 if failure else 0
 
 
@@ -283,6 +336,11 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> i
     """Entry point of `rlbus up` after config loading (`resume`: the run folder to continue)."""
     t0 = time.monotonic()
     console = Console(stderr=False)
+    if not check_tracking(cfg, console):
+        return 1
+    isolation = check_sandbox(cfg, console)
+    if isolation is None:
+        return 1
     server = None
     if resume is not None:
         from rlbus.resume import AdoptedServer, check_launcher_gone, read_state, server_answers, stop_leftover_workers
@@ -319,7 +377,8 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> i
             console.print(f"embedded nats-server at {url} (store {run_path / 'nats'})")
     prepare_model(cfg, run_path, console)  # a resumed run already has it: returns at once
     try:
-        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, server_pid=server.pid if server else None))
+        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, server_pid=server.pid if server else None,
+                                  sandbox_isolation=isolation))
     finally:
         if server:
             server.stop()

@@ -8,7 +8,8 @@ Guarantees:
 - `DomainRewards` gives each domain's training rewards (count, mean, verifier statuses)
   and the tool calls its episodes made.
 - `summary_dict` is the run's summary.json; its accounting fields are null until the
-  run stopped and `rlbus.accounting` counted every message.
+  run stopped and `rlbus.accounting` counted every message. `sandbox_isolation` is
+  what the run's sandboxes get ("bwrap", "docker", or "degraded": unisolated on purpose).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Monitor:
         self.released_version: int | None = None  # KV `release.latest`
         self.stop_requested = False  # KV `status` == "stop-requested"
         self.domain_rewards: dict[str, DomainRewards] = {}  # training rewards per domain
+        self.sandbox_isolation: str | None = None  # "bwrap" | "docker" | "degraded", probed by the launcher
 
     async def start(self, nc) -> None:
         """Subscribe to telemetry, weight announcements and eval results."""
@@ -185,6 +187,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,
         "plateau": mon.plateau, "released_version": mon.released_version,
+        "sandbox_isolation": mon.sandbox_isolation,
     }
     out.update(extra or {})
     return out

@@ -21,8 +21,9 @@ Guarantees:
   record when the sandbox side records), and files named in
   `verifier_params["export"]` are read from the sandbox as artifacts before it closes.
 - Contexts are passed to the engine as token ids, never re-tokenized text.
-- A sandbox that cannot be opened or dies raises `SandboxUnavailable` (the rollout
-  worker retries the task); a command that fails, hangs or floods is an observation.
+- A sandbox that cannot be opened (one refused for lack of isolation included:
+  `SandboxRefused`) or dies raises `SandboxUnavailable` (the rollout worker retries the
+  task, then dead-letters it; never a reward); a command that fails, hangs or floods is an observation.
 - Every sandbox opened is closed, whatever happens.
 """
 

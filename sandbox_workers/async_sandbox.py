@@ -97,13 +97,16 @@ class LocalAsyncSandbox(AsyncSandbox):
     @classmethod
     async def open(cls, backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
                    timeout: float = 30.0, recorder: ExecRecorder | None = None,
-                   session: str | None = None, warm_pool: int | None = None) -> LocalAsyncSandbox:
-        """Start a backend sandbox on a fresh dedicated thread (`warm_pool`: docker's ready containers)."""
+                   session: str | None = None, warm_pool: int | None = None,
+                   allow_degraded: bool = False) -> LocalAsyncSandbox:
+        """Start a backend sandbox on a fresh dedicated thread (`warm_pool`: docker's ready containers;
+        `allow_degraded`: see `open_sandbox`, else a process sandbox without bwrap raises `SandboxRefused`)."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox")
         loop = asyncio.get_running_loop()
         try:
             sandbox = await loop.run_in_executor(
-                executor, lambda: open_sandbox(backend, image=image, limits=limits, timeout=timeout, warm_pool=warm_pool))
+                executor, lambda: open_sandbox(backend, image=image, limits=limits, timeout=timeout, warm_pool=warm_pool,
+                                               allow_degraded=allow_degraded))
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -172,4 +175,5 @@ async def open_async_sandbox(sc: SandboxSection, nc=None, run_id: str | None = N
 
         return await RemoteSandbox.open(nc, Registry(run_id), sc.pool)
     return await LocalAsyncSandbox.open(sc.backend, image=sc.image, limits=limits_from(sc),
-                                        timeout=sc.timeout_s, recorder=recorder, warm_pool=sc.warm_pool)
+                                        timeout=sc.timeout_s, recorder=recorder, warm_pool=sc.warm_pool,
+                                        allow_degraded=sc.allow_degraded)

@@ -12,7 +12,11 @@ Guarantees every backend gives (tests hold each backend to them):
   never buffers more than the cap per stream, whatever the command writes.
 - `exit_code` follows the shell convention: 128+N when the command died of signal N.
 - `isolation` says what actually contained the command: "bwrap", "docker", or
-  "degraded" (rlimits only — the backend also logs a warning when it degrades).
+  "degraded" (rlimits only: the backend ran it only because degraded mode was allowed
+  on purpose, and logs a warning when it degrades).
+- A backend that cannot isolate raises `SandboxRefused` from `start` (fail closed):
+  an infrastructure error for whoever asked (the task is retried or dead-lettered),
+  never a command result and never a reward of 0.
 - File paths given to `read_file`/`write_file` are relative to the work dir (or
   absolute under `/work`); they never resolve outside it, symlinks included.
 - `reset` leaves an empty work dir and no process; `close` is idempotent.
@@ -28,6 +32,10 @@ Isolation = Literal["bwrap", "degraded", "docker"]
 
 MIB = 1024 * 1024
 WORK_DIR = "/work"
+
+
+class SandboxRefused(RuntimeError):
+    """The backend cannot isolate here and degraded mode was not allowed; the message names the fix."""
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,16 @@
 
     rlbus sandbox build-image [--tag T]
     rlbus sandbox exec [--backend docker|process|auto] [--image I] [--timeout S]
-                       [--memory-mb M] -- CMD ...
+                       [--memory-mb M] [--allow-degraded-sandbox] -- CMD ...
     rlbus sandbox reap [--all]
 
 Guarantees:
 - `exec` prints exactly ONE JSON line on stdout: exit_code, stdout, stderr, timed_out,
   oom, truncated, duration_ms, isolation (the command's own status is `exit_code`;
   `rlbus` itself exits 0 whenever the sandbox ran the command, 1 when it could not
-  start one, with the reason and the fix on stderr).
+  start one, with the reason and the fix on stderr: among others when the process
+  backend cannot isolate, i.e. no usable bubblewrap, and `--allow-degraded-sandbox`
+  was not given; it then runs nothing).
 - `exec` uses `sandbox_workers.factory.open_sandbox`, so it gets exactly what rollout
   workers and verifiers get; with docker it keeps no warm pool (one-shot) and leaves
   no container behind.
@@ -59,6 +61,9 @@ def register(sub) -> None:
     e.add_argument("--image", help="docker image (default: rlbus-sandbox:latest)")
     e.add_argument("--timeout", type=float, default=10.0, help="wall-clock limit in seconds (default 10)")
     e.add_argument("--memory-mb", type=int, default=Limits.memory_mb, help=f"memory limit (default {Limits.memory_mb})")
+    e.add_argument("--allow-degraded-sandbox", action="store_true",
+                   help="process backend: run WITHOUT isolation (rlimits only) where bubblewrap is missing; "
+                        "else it refuses and exits 1")
     e.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
                    help="the command and its arguments, after `--`")
     e.set_defaults(func=_exec)
@@ -91,7 +96,8 @@ def _exec(args) -> int:
     os.environ.setdefault("RLBUS_SANDBOX_WARM_POOL", "0")  # one command: no containers kept warm
     limits = Limits(memory_mb=args.memory_mb)
     try:
-        sandbox = open_sandbox(args.backend, image=args.image, limits=limits, timeout=args.timeout)
+        sandbox = open_sandbox(args.backend, image=args.image, limits=limits, timeout=args.timeout,
+                               allow_degraded=args.allow_degraded_sandbox)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"rlbus sandbox exec: {exc}", file=sys.stderr)
         return 1

@@ -5,12 +5,15 @@ Guarantees:
   `Sandbox` (see `sandbox_workers.base`) that is fresh: an empty work dir and no
   process left from any earlier user.
 - `backend="auto"` picks `docker` when an engine answers, else `process`.
+- Fails closed: a `process` sandbox that cannot isolate (no usable bubblewrap) raises
+  `SandboxRefused` unless `allow_degraded` (see `sandbox_workers.process`).
+  `probe_isolation` tells, before a run starts, which isolation its sandboxes get.
 - Heavy imports (the docker SDK) happen only when that backend is asked for.
 """
 
 from __future__ import annotations
 
-from sandbox_workers.base import Limits, Sandbox
+from sandbox_workers.base import Isolation, Limits, Sandbox
 
 BACKENDS = ("process", "docker", "auto")
 
@@ -39,11 +42,13 @@ def resolve_backend(backend: str) -> str:
 
 
 def open_sandbox(backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
-                 timeout: float = 30.0, warm_pool: int | None = None, concurrency: int | None = None) -> Sandbox:
+                 timeout: float = 30.0, warm_pool: int | None = None, concurrency: int | None = None,
+                 allow_degraded: bool = False) -> Sandbox:
     """A started, fresh sandbox of the given backend (close it, or use it as a context manager).
 
     `warm_pool`/`concurrency` size the docker backend's pool of ready containers and its
-    HTTP connections (None: its env/defaults); the process backend ignores them."""
+    HTTP connections (None: its env/defaults); the process backend ignores them.
+    `allow_degraded`: the process backend may run without bubblewrap (else `SandboxRefused`)."""
     name = resolve_backend(backend)
     if name == "docker":
         from sandbox_workers.docker_backend import DockerSandbox
@@ -52,6 +57,19 @@ def open_sandbox(backend: str = "process", *, image: str | None = None, limits: 
     else:
         from sandbox_workers.process import ProcessSandbox
 
-        sb = ProcessSandbox()
+        sb = ProcessSandbox(allow_degraded=allow_degraded)
     sb.start(image=image, limits=limits, timeout=timeout)
     return sb
+
+
+def probe_isolation(backend: str, allow_degraded: bool = False) -> Isolation:
+    """The isolation sandboxes of `backend` get on this machine: "docker", "bwrap", or
+    "degraded" (only when allowed; else `SandboxRefused` with the fix). The process
+    backend is probed with one real sandbox (started and closed); docker is not started."""
+    if resolve_backend(backend) == "docker":
+        return "docker"
+    from sandbox_workers.process import ProcessSandbox
+
+    with ProcessSandbox(allow_degraded=allow_degraded) as sb:
+        sb.start()
+        return sb.isolation

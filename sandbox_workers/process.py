@@ -21,9 +21,16 @@ Guarantees (on top of those in `sandbox_workers.base`):
   owned by the sandbox uid; `execute` returns only after they are gone.
 - Commands find the system interpreter: PATH is /usr/local/bin:/usr/bin:/bin and the
   environment is cleared, so the project's venv is never used inside.
-- Where bwrap is missing or cannot create namespaces, the sandbox degrades to
-  uid drop + rlimits only, reports `isolation="degraded"` and logs
-  `sandbox.degraded` as a warning. Degraded mode has no network or filesystem isolation.
+- Fails closed: where bwrap is missing or cannot create namespaces, `start` raises
+  `SandboxRefused` (its message names the fix: `apt-get install bubblewrap`, or the
+  docker backend) unless degraded mode was allowed on purpose (`allow_degraded=True`,
+  which `sandbox.allow_degraded` / `--allow-degraded-sandbox` give, or env
+  `RLBUS_SANDBOX_ALLOW_DEGRADED=1`, how the setting reaches code verifiers). Asking for
+  `isolation="degraded"` needs the same permission. Allowed, the sandbox degrades to
+  uid drop + rlimits only, reports `isolation="degraded"` and logs `sandbox.degraded`
+  as a warning. Degraded mode has no network or filesystem isolation: the command sees
+  the host's network and filesystem; only its cwd, HOME and TMPDIR are private (the
+  per-sandbox work dir, mode 0700).
 
 Blocking API: call `execute` from a thread in async code (e.g. `asyncio.to_thread`)
 that lives as long as the sandbox (bwrap's --die-with-parent follows the thread).
@@ -60,6 +67,7 @@ from sandbox_workers.base import (
     Isolation,
     Limits,
     Sandbox,
+    SandboxRefused,
     decode_output,
     sandbox_path_parts,
 )
@@ -74,6 +82,7 @@ KILL_GRACE_S = 2.0
 EXIT_GRACE_S = 0.2
 MAX_READ_FILE = 256 * MIB
 OOM_HINTS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+ALLOW_DEGRADED_ENV = "RLBUS_SANDBOX_ALLOW_DEGRADED"
 _bwrap_probe: dict[bool, tuple[bool, str]] = {}
 _SETPRIV = shutil.which("setpriv")
 _PRLIMIT = shutil.which("prlimit")
@@ -81,12 +90,29 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 PR_SET_NO_NEW_PRIVS = 38
 
 
+def degraded_allowed_by_env() -> bool:
+    """True when env `RLBUS_SANDBOX_ALLOW_DEGRADED` is 1/true/yes (set by `rlbus worker` from the config)."""
+    return os.environ.get(ALLOW_DEGRADED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def refusal_message(why: str) -> str:
+    """Why the process backend refuses to run, and the ways out."""
+    return (f"the process sandbox cannot isolate here ({why}), so it refuses to run commands: "
+            "without bubblewrap it would have no network or filesystem isolation. Fix: "
+            "apt-get install -y bubblewrap (and allow unprivileged user namespaces), or use the docker "
+            "backend (sandbox.backend=docker). To run unisolated on purpose: --allow-degraded-sandbox, "
+            "or --set sandbox.allow_degraded=true")
+
+
 class ProcessSandbox(Sandbox):
     """A sandbox made of a host work dir, a dedicated uid, bwrap and rlimits."""
 
-    def __init__(self, isolation: str = "auto", base_dir: str | None = None) -> None:
-        """isolation: "auto" (bwrap if it works, else degraded), "bwrap" (required), "degraded"."""
+    def __init__(self, isolation: str = "auto", base_dir: str | None = None, allow_degraded: bool = False) -> None:
+        """isolation: "auto" (bwrap if it works, else degraded when allowed), "bwrap" (required),
+        "degraded" (explicit; needs allow_degraded). allow_degraded: run without bwrap on purpose
+        (also allowed by env `RLBUS_SANDBOX_ALLOW_DEGRADED=1`); else `start` raises `SandboxRefused`."""
         self.requested = isolation
+        self.allow_degraded = allow_degraded or degraded_allowed_by_env()
         self.base_dir = base_dir
         self.id = uuid.uuid4().hex[:12]
         self.marker = f"rlbus-sbx-{self.id}"
@@ -129,13 +155,16 @@ class ProcessSandbox(Sandbox):
 
     def _choose_isolation(self) -> Isolation:
         if self.requested == "degraded":
-            return "degraded"
-        self._bwrap = bwrap_path()
-        ok, why = self._probe_bwrap()
-        if ok:
-            return "bwrap"
-        if self.requested == "bwrap":
-            raise RuntimeError(f"bwrap required but unusable: {why}")
+            why = "isolation='degraded' was asked for"
+        else:
+            self._bwrap = bwrap_path()
+            ok, why = self._probe_bwrap()
+            if ok:
+                return "bwrap"
+            if self.requested == "bwrap":
+                raise SandboxRefused(f"bwrap required but unusable: {why}")
+        if not self.allow_degraded:
+            raise SandboxRefused(refusal_message(why))
         log.warning("sandbox.degraded", sandbox=self.id, reason=why,
                     fix="apt-get install -y bubblewrap (and allow user namespaces)")
         return "degraded"
@@ -255,6 +284,8 @@ class ProcessSandbox(Sandbox):
     def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
         """Run `cmd` in the sandbox; see the module docstring for the guarantees."""
         self._require_started()
+        if self.isolation == "degraded" and not self.allow_degraded:  # start refuses first; never reached
+            raise SandboxRefused(refusal_message("degraded without permission"))
         timeout = self.default_timeout if timeout is None else timeout
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", MARKER_ENV: self.marker}

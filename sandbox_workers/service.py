@@ -20,6 +20,9 @@ Guarantees:
   (`sandbox_workers.integrity`); a record that cannot be stored is an `infra_error`.
 - On stop (SIGTERM/SIGINT, or `until_idle`), the worker stops answering, lets ops in
   flight finish, and closes every session.
+- Fails closed: before it connects, the worker probes its backend; where it cannot
+  isolate (no usable bubblewrap) and `sandbox.allow_degraded` is false, it exits with
+  the reason and the fix (`SandboxRefused`) instead of serving unisolated sessions.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from bus.session import WorkerContext, worker_session
 from bus.subjects import Registry, check_token
 from bus.telemetry import worker_id as make_worker_id
 from sandbox_workers.async_sandbox import LocalAsyncSandbox, SandboxClosed, limits_from
-from sandbox_workers.base import ExecResult, cap_output, decode_output
+from sandbox_workers.base import ExecResult, SandboxRefused, cap_output, decode_output
+from sandbox_workers.factory import probe_isolation
 from sandbox_workers.integrity import (
     SECRET_FILE_ENV,
     ExecRecorder,
@@ -228,7 +232,7 @@ class SandboxService:
         try:
             sandbox = await LocalAsyncSandbox.open(
                 self.sc.backend, image=self.sc.image, limits=limits_from(self.sc), timeout=self.sc.timeout_s,
-                recorder=self._recorder(run_id))
+                recorder=self._recorder(run_id), allow_degraded=self.sc.allow_degraded)
         except Exception as exc:
             log.error("sandbox.session.open_failed", error=repr(exc))
             raise Refused("sandbox_error", f"could not start a {self.sc.backend} sandbox: {exc}") from exc
@@ -336,7 +340,14 @@ def service_secret(ctx: WorkerContext) -> bytes:
 
 
 async def run(cfg: RunConfig, ctx: WorkerContext) -> None:
-    """The sandbox worker process: serve sessions until stopped, then close them all."""
+    """The sandbox worker process: serve sessions until stopped, then close them all
+    (exits at once, with the fix, when its backend cannot isolate: see the guarantees)."""
+    try:
+        isolation = await asyncio.to_thread(probe_isolation, cfg.sandbox.backend, cfg.sandbox.allow_degraded)
+    except SandboxRefused as exc:
+        log.error("sandbox.refused", reason=str(exc))
+        raise SystemExit(f"rlbus worker sandbox: {exc}") from exc
+    log.info("sandbox.isolation", isolation=isolation, backend=cfg.sandbox.backend)
     async with worker_session("sandbox", cfg, ctx) as ws:
         service = SandboxService(ws.nc, ws.js, ws.reg, cfg.sandbox, service_secret(ctx), ws.counters)
         await service.start()

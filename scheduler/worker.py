@@ -173,7 +173,8 @@ class SchedulerWorker:
 
         sc = self.cfg.sandbox
         return await LocalAsyncSandbox.open("process" if sc.remote else sc.backend, image=sc.image,
-                                            limits=limits_from(sc), timeout=sc.timeout_s)
+                                            limits=limits_from(sc), timeout=sc.timeout_s,
+                                            allow_degraded=sc.allow_degraded)
 
     async def _record_scores(self, scores: dict, version: int, step: int, metrics: dict | None) -> None:
         """Publish one `EvalResult` per domain, run the gates, update the counters."""

@@ -26,7 +26,7 @@ MIB = 1024 * 1024
 def _bwrap_status() -> tuple[bool, str]:
     if bwrap_path() is None:
         return False, "bwrap not installed (apt-get install -y bubblewrap)"
-    sbx = ProcessSandbox(isolation="auto")
+    sbx = ProcessSandbox(isolation="auto", allow_degraded=True)  # only to learn which one we get
     try:
         sbx.start()
         ok = sbx.isolation == "bwrap"
@@ -50,7 +50,7 @@ def marked_pids(sbx: ProcessSandbox, workdir: str) -> list[int]:
 @pytest.fixture(params=MODES)
 def sbx(request):
     """A started sandbox; after the test, nothing of it may still run."""
-    box = ProcessSandbox(isolation=request.param)
+    box = ProcessSandbox(isolation=request.param, allow_degraded=request.param == "degraded")
     box.start(limits=Limits(), timeout=10)
     assert box.isolation == request.param
     workdir = box.workdir
@@ -258,7 +258,7 @@ def test_signals_and_cpu_limit(sbx):
     assert r.exit_code == 137 and "alive" not in r.stdout and not r.oom, r
     r = sbx.execute(py("import os, signal; os.kill(os.getpid(), signal.SIGTERM)"), timeout=5)
     assert r.exit_code == 143, r
-    box = ProcessSandbox(isolation=sbx.isolation)
+    box = ProcessSandbox(isolation=sbx.isolation, allow_degraded=sbx.allow_degraded)
     box.start(limits=Limits(cpu_seconds=1), timeout=10)
     try:
         r = box.execute(py("while True: pass"))
@@ -267,14 +267,18 @@ def test_signals_and_cpu_limit(sbx):
         box.close()
 
 
-def test_missing_bwrap_degrades_with_warning(monkeypatch):
+def test_missing_bwrap_degrades_with_warning_only_when_allowed(monkeypatch):
     from structlog.testing import capture_logs
 
     import sandbox_workers.process as proc_mod
+    from sandbox_workers.base import SandboxRefused
 
     monkeypatch.setattr(proc_mod, "bwrap_path", lambda: None)
+    monkeypatch.delenv(proc_mod.ALLOW_DEGRADED_ENV, raising=False)
+    with pytest.raises(SandboxRefused, match="apt-get install -y bubblewrap"):
+        ProcessSandbox(isolation="auto").start()
     with capture_logs() as logs:
-        box = ProcessSandbox(isolation="auto")
+        box = ProcessSandbox(isolation="auto", allow_degraded=True)
         box.start()
     try:
         assert box.isolation == "degraded"

@@ -40,8 +40,8 @@ Scoring:
   run (checked by the supervisor, and again once the harness has exited); `timeout` (reward 0,
   a verdict on the candidate: it is not retried) when the candidate exceeds
   `timeout_s` (task `verifier_params.timeout_s`, default 10 s, at most 60 s).
-- `SandboxInfraError` is raised (never a reward of 0) when the sandbox cannot be opened,
-  written or run, or the harness never started / crashed / could not make its supervisor
+- `SandboxInfraError` is raised (never a reward of 0) when the sandbox cannot be opened
+  (a process sandbox that refuses to run without bubblewrap included: `SandboxRefused`), written or run, or the harness never started / crashed / could not make its supervisor
   non-dumpable: the verifier worker retries it with backoff and dead-letters it in the end.
 - Missing hidden tests or entry point: `VerifierInputError` (dead-lettered).
 

@@ -52,7 +52,9 @@ except ImportError:  # pragma: no cover - newer / other interpreters
 START = "RLBUS-HARNESS-START"
 RESULT = "RLBUS-RESULT "
 PASS = "RLBUS-PASS "
-RUNNER_OUT = "/tmp/runner.out"
+# the sandbox's own temp dir: /tmp is private with bwrap and docker; a degraded sandbox shares the
+# host's /tmp, so there TMPDIR is its private work dir (no collision or planted file between sandboxes)
+RUNNER_OUT = os.path.join(os.environ.get("TMPDIR") or "/tmp", "runner.out")
 MAX_MSG = 16 * 1024 * 1024
 TAMPER_EXIT = 86
 PLAIN_ATOMS = (type(None), bool, int, float, complex, str, bytes)

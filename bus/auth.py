@@ -50,6 +50,7 @@ ROLE_TOPOLOGY: dict[str, tuple[str, ...]] = {
     "learner": ("REWARDS", "WEIGHTS", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
     "scheduler": ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
     "sandbox": (),
+    "tracker": (),  # reads only: the run's streams exist before it starts (launcher, compose init)
 }
 
 
@@ -94,6 +95,27 @@ def js_consume(stream: str) -> list[str]:
     for op in ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.INFO", "CONSUMER.MSG.NEXT", "CONSUMER.DELETE"):
         subs += _api(op, stream)
     return subs + [f"$JS.ACK.{stream}.>"]
+
+
+def js_own_consumer(stream: str, durable: str) -> list[str]:
+    """Create/bind/fetch/ack/delete ONE named durable on a stream (and nothing of other readers)."""
+    subs = [f"{API}.CONSUMER.CREATE.{stream}.{durable}", f"{API}.CONSUMER.CREATE.{stream}.{durable}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}"]
+    subs += [f"{API}.CONSUMER.{op}.{stream}.{durable}" for op in ("INFO", "MSG.NEXT", "DELETE")]
+    return subs + [f"$JS.ACK.{stream}.{durable}.>"]
+
+
+def _tracker_rights(reg: Registry) -> list[str]:
+    """The tracker's publish rights: its own durables, stream/consumer info, KV reads; no data subject."""
+    from bus.kv import CURRICULUM
+
+    pub: list[str] = []
+    for feed in ("weights", "rewards", "eval"):
+        pub += js_own_consumer(reg.stream(feed), reg.tracker_consumer(feed).durable) + js_info(reg.stream(feed))
+    pub += js_own_consumer(reg.kv_stream, reg.tracker_consumer("kv", CURRICULUM).durable) + js_read(reg.kv_stream)
+    for fam in ("TASKS", "TRAJ", "DLQ"):  # queue depths and dead letters (stream state only)
+        pub += js_info(reg.stream(fam))
+    return pub + [f"{API}.CONSUMER.INFO.{reg.stream('REWARDS')}.{reg.learner_consumer().durable}"]
 
 
 def _perm(pub: Iterable[str], sub: Iterable[str], *, pub_deny: Iterable[str] = (), sub_deny: Iterable[str] = (),
@@ -141,6 +163,8 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
         pub += [f"{API}.STREAM.MSG.DELETE.{s('DLQ')}"]
         sub += [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s(f)}.>" for f in ("TASKS", "TRAJ", "REWARDS")]
         sub += [f"metrics.{r}.>"]  # every worker's heartbeats: per-stage cost accounting in the run store
+    elif role == "tracker":  # reads only: publishes nothing but its heartbeats (no dead letters either)
+        pub = [p for p in pub if p != f"dlq.{r}.>"] + _tracker_rights(reg)
     elif role == "sandbox":
         pub += [f"$KV.{reg.toolrec_bucket}.>"] + js_info(kv_rec) + js_create(kv_rec) + js_read(kv_rec)
     elif role == MONITOR:
@@ -176,6 +200,10 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
       MAX_DELIVERIES advisories and every heartbeat `metrics.R.>` (costs). No hidden bucket.
     - sandbox: serve `sandbox.>` (queue group), reply to requests (allow_responses),
       write KV `toolrec-R`.
+    - tracker: its own durables only (`tracker-weights`, `tracker-rewards`, `tracker-eval`
+      on WEIGHTS, REWARDS, EVAL; `tracker-kv-curriculum` on KV `run-R`), reads KV `run-R`,
+      stream info of TASKS/TRAJ/DLQ and the learner durable's info (queue depths). Publishes
+      no data subject, not even `dlq.R.>`. No hidden bucket.
     - monitor: subscribe to everything except hidden/toolrec KV subjects, the sandbox
       traffic and other users' inboxes; JS API info/list of every stream and consumer,
       read stored messages of the run's non-secret streams. Publishes nothing else.

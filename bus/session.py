@@ -41,6 +41,7 @@ ROLE_LIMIT = {
     "learner": "optimizer steps",
     "scheduler": "evaluations (the baseline included)",
     "sandbox": "(no limit; stops on until_idle)",
+    "tracker": "messages consumed (weight versions, rewards, evals, curriculum updates)",
 }
 
 

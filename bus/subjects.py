@@ -26,7 +26,7 @@ from nats.js.api import (
 )
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler")
+ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler", "tracker")
 DAY = 24 * 3600.0
 
 
@@ -169,6 +169,16 @@ class Registry:
         return f"weights-{self.run_id}"
 
     @property
+    def kv_stream(self) -> str:
+        """The stream behind the run's KV bucket (a key's history is read from it)."""
+        return f"KV_{self.kv_bucket}"
+
+    def kv_key_subject(self, key: str) -> str:
+        """Subject the run's KV bucket stores `key` under (`$KV.run-<run>.<key>`): a consumer
+        filtered on it reads the key's history, one message per put."""
+        return f"$KV.{self.kv_bucket}.{key}"
+
+    @property
     def hidden_bucket(self) -> str:
         """KV bucket of verifier-only task data (gold answers, tests): never read by the policy side."""
         return f"hidden-{self.run_id}"
@@ -221,6 +231,22 @@ class Registry:
         """The learner's durable on the REWARDS log (acks after the step that used them)."""
         return ConsumerSpec(self.stream("REWARDS"), "learner", self.all("rewards"), ack_wait_s, 20,
                             (), max_ack_pending)
+
+    TRACKER_FEEDS = ("weights", "rewards", "eval", "kv")
+
+    def tracker_consumer(self, feed: str, kv_key: str = "", ack_wait_s: float = 120.0) -> ConsumerSpec:
+        """The tracker's own durable on one feed, shared with no other reader: `tracker-weights`
+        (WEIGHTS), `tracker-rewards` (REWARDS), `tracker-eval` (EVAL), or `tracker-kv-<key>` (the
+        history of one key of the run's KV bucket). Unlimited deliveries: the tracker acks after
+        writing, and a slow or failing backend must never turn into dead letters."""
+        if feed == "kv":
+            stream, durable, subject = self.kv_stream, f"tracker-kv-{check_token('kv key', kv_key)}", self.kv_key_subject(kv_key)
+        elif feed in ("weights", "rewards", "eval"):
+            stream, durable = self.stream(feed), f"tracker-{feed}"
+            subject = self.weights if feed == "weights" else self.all(feed)
+        else:
+            raise ValueError(f"tracker feed {feed!r} is not one of {', '.join(self.TRACKER_FEEDS)}")
+        return ConsumerSpec(stream, durable, subject, ack_wait_s, -1, (), 8192)
 
     # -- sandbox service (core request/reply; a pool is shared by every run) ----
     SANDBOX_OPS = ("exec", "read", "write", "reset", "ping", "close")

@@ -117,6 +117,10 @@ class Monitor:
                 out[role] = out.get(role, 0.0) + values.get(STAGE_COUNTER[role], 0.0)
         return out
 
+    def role_sum(self, role: str, counter: str) -> int:
+        """A counter summed over a role's workers (the last heartbeat of each, restarted ones included)."""
+        return int(sum(v.get(counter, 0) for wid, v in self.workers.items() if self.roles.get(wid) == role))
+
     def cpu_seconds(self, server_pid: int | None = None) -> dict[str, float]:
         """CPU seconds per role (the last heartbeat of each worker, summed over a role's
         workers, restarted ones included), the launcher's own, and nats-server's (when this
@@ -186,6 +190,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "eval": evals, "domains": {d: dr.as_dict() for d, dr in sorted(mon.domain_rewards.items())},
         "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,
+        "rollout": {"weights_loaded": mon.role_sum("rollout", "weights_loaded")},
         "plateau": mon.plateau, "released_version": mon.released_version,
         "sandbox_isolation": mon.sandbox_isolation,
     }

@@ -100,6 +100,8 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
         assert s["learner_rollbacks"] >= 1, s  # it restored its checkpoint and replayed REWARDS
     assert s["lost"] == 0 and s["trained_twice"] == 0, s
     assert s["tasks_published"] > 0 and s["trained_samples"] > 0
+    loaded = s["rollout"]["weights_loaded"]  # hot-loads summed over rollout workers (restarted ones included)
+    assert isinstance(loaded, int) and loaded >= 1, s["rollout"]
     cpu = s["cpu_seconds"]  # where the cores went: every role, the launcher, the embedded nats-server
     assert {"sampler", "rollout", "verifier", "learner", "scheduler", "launcher", "nats-server"} <= set(cpu), cpu
     assert all(v > 0 for v in cpu.values()), cpu

@@ -12,7 +12,7 @@ Guarantees:
   (`RunConfig`'s validators): `sampler.inflight_caps`.
 
 One module per role: `run` (run, model, sft), `sampler`, `rollout`, `workers` (sandbox,
-verifier), `learner`, `scheduler`.
+verifier), `learner`, `scheduler`, `tracking`.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from schemas.config.scheduler import (
     PlateauSection,
     SchedulerSection,
 )
+from schemas.config.tracking import TrackingSection
 from schemas.config.workers import SandboxSection, VerifierSection
 
 __all__ = [
     "ConfigError", "CurriculumSection", "DomainConfig", "EvalSection", "ForgettingSection", "HFEngineSection",
     "LearnerSection", "LoraSection", "ModelSection", "OffPolicySection", "PlateauSection", "PoolConfig",
     "ReplaySection", "RolloutSection", "RunConfig", "RunSection", "SFTSection", "SamplerSection", "SandboxSection",
-    "SchedulerSection", "Section", "VLLMEngineSection", "VerifierSection", "apply_overrides", "default_domains",
+    "SchedulerSection", "Section", "TrackingSection", "VLLMEngineSection", "VerifierSection", "apply_overrides", "default_domains",
     "default_pools", "dump_config", "inflight_caps", "load_config", "parse_override",
 ]
 
@@ -72,6 +73,8 @@ class RunConfig(Section):
     """Learner."""
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     """Scheduler."""
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    """Experiment tracking (TensorBoard, wandb) by the `tracker` role."""
 
     @model_validator(mode="before")
     @classmethod

@@ -7,6 +7,12 @@ Guarantees:
   `(text, trainable)` segments (the loss covers the trainable ones: the model's own
   turns, never prompts or tool observations). Every sequence ends with a supervised
   `<eos>`; prompt, context and padding are masked with -100. Batches are right-padded.
+- Demos are tokenized as rollout tokenizes episodes (`schemas.chat`): with a chat
+  template, the first (context) segment is the prompt rendered as a user message with
+  the generation prompt, later context segments are tool turns as the template renders
+  a tool message, model segments are their text encoded alone, and the closing token is
+  the tokenizer's eos (`<|im_end|>` for the BPE tokenizer). Without a template every
+  segment is its text encoded alone, as before.
 - It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
   first, and always takes at least one step.
 - AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress
@@ -29,6 +35,8 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from schemas.chat import encode_text, has_template, prompt_ids, tool_turn, user_prompt
+
 Segments = list[tuple[str, bool]]
 Demo = "tuple[str, str] | Segments"
 
@@ -40,13 +48,29 @@ def as_segments(demo) -> Segments:
     return list(demo)
 
 
+def segment_ids(tokenizer, segments: Segments, tools: list[dict] | None = None) -> list[list[int]]:
+    """Token ids of each segment, as rollout renders the same episode (module guarantees);
+    `tools` (a json-format demo's `ToolDemo.tools`) are declared in the prompt's system turn."""
+    if not has_template(tokenizer):
+        return tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
+    out = []
+    for k, (text, train) in enumerate(segments):
+        if train:
+            out.append(encode_text(tokenizer, text))
+        elif k == 0:  # an empty prompt (a replay `text` line) stays empty: plain text, no turn markers
+            out.append(prompt_ids(tokenizer, user_prompt(text), tools) if text else [])
+        else:
+            out.append(tool_turn(tokenizer, text)[1])
+    return out
+
+
 def make_batch(tokenizer, demos: list) -> dict[str, torch.Tensor]:
     """Right-padded input_ids / attention_mask / labels for demos (pairs or segment lists)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rows, masks = [], []
     for demo in demos:
         segments = as_segments(demo)
-        encoded = tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
+        encoded = segment_ids(tokenizer, segments, getattr(demo, "tools", None))
         ids = [i for part in encoded for i in part] + [eos]
         sup = [bool(train) for part, (_, train) in zip(encoded, segments) for _ in part] + [True]
         rows.append(ids)

@@ -95,13 +95,13 @@ def _parser() -> argparse.ArgumentParser:
                         + "; ".join(f"{role}: {unit}" for role, unit in ROLE_LIMIT.items()))
     w.add_argument("--until-idle", type=float, help="stop after S seconds without work (tests)")
 
-    im = sub.add_parser("init-model", help="build a tiny HF-format causal LM (char tokenizer) locally")
+    im = sub.add_parser("init-model", help="build a tiny HF-format causal LM (BPE or char tokenizer) locally")
     im.add_argument("out", help="output folder")
+    im.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe",
+                    help="bpe: byte-level BPE with a ChatML chat template (default); char: one id per character")
     im.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
-    im.add_argument("--hidden-size", type=int, default=128)
-    im.add_argument("--num-layers", type=int, default=4)
-    im.add_argument("--num-heads", type=int, default=4)
-    im.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--hidden-size", 128), ("--num-layers", 4), ("--num-heads", 4), ("--seed", 0)):
+        im.add_argument(flag, type=int, default=default)
 
     sft = sub.add_parser("sft", help="supervised warm start on arith demonstrations (progress bar)")
     sft.add_argument("model", help="HF model folder to start from")
@@ -333,8 +333,9 @@ def _init_model(args: argparse.Namespace) -> int:
     from rlbus.tiny_model import build_tiny_model
 
     path = build_tiny_model(Path(args.out), arch=args.arch, hidden_size=args.hidden_size,
-                            num_layers=args.num_layers, num_heads=args.num_heads, seed=args.seed)
-    print(f"tiny model written to {path}")
+                            num_layers=args.num_layers, num_heads=args.num_heads, seed=args.seed,
+                            tokenizer=args.tokenizer)
+    print(f"tiny model ({args.tokenizer} tokenizer) written to {path}")
     return 0
 
 

@@ -69,6 +69,30 @@ DEGRADED_WARNING = ("[bold red]sandbox isolation: DEGRADED: tool calls and tests
                     "Install bubblewrap (apt-get install -y bubblewrap) to isolate them.[/]")
 
 
+def check_engine(cfg: RunConfig, console: Console) -> bool:
+    """Whether the configured rollout engine can start in this Python (before SFT, before NATS)."""
+    from rollout_workers.engines import VLLMMissing, require_engine
+
+    try:
+        require_engine(cfg.rollout.engine)
+    except VLLMMissing as exc:
+        console.print(f"[bold red]rlbus up: {exc}[/]")
+        return False
+    return True
+
+
+def check_tokenizer(cfg: RunConfig, console: Console) -> bool:
+    """Whether the run's tokenizer encodes every character its domains produce (before SFT,
+    before NATS); False after printing the domains and characters it cannot encode."""
+    from rlbus.tokenizer_check import run_tokenizer, tokenizer_problems
+
+    problems = tokenizer_problems(cfg, run_tokenizer(cfg))
+    for problem in problems:
+        console.print(f"rlbus up: {problem}; use a tokenizer that covers them (model.tokenizer = 'bpe' "
+                      "encodes any text)", style="bold red", markup=False, highlight=False, soft_wrap=True)
+    return not problems
+
+
 def check_sandbox(cfg: RunConfig, console: Console) -> str | None:
     """The isolation this run's sandboxes get (probed with one real sandbox), or None, after
     printing the reason and the fix, when they cannot isolate and degraded mode is not allowed."""
@@ -114,8 +138,9 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
         from rlbus.tiny_model import build_tiny_model
 
         build_tiny_model(base, arch=cfg.model.arch, hidden_size=cfg.model.hidden_size,
-                         num_layers=cfg.model.num_layers, num_heads=cfg.model.num_heads, seed=cfg.run.seed)
-        console.print(f"built tiny {cfg.model.arch} model at {base}")
+                         num_layers=cfg.model.num_layers, num_heads=cfg.model.num_heads, seed=cfg.run.seed,
+                         tokenizer=cfg.model.tokenizer)
+        console.print(f"built tiny {cfg.model.arch} model ({cfg.model.tokenizer} tokenizer) at {base}")
     if not cfg.sft.enabled:
         shutil.copytree(base, start)
         return start
@@ -338,8 +363,12 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> i
     console = Console(stderr=False)
     if not check_tracking(cfg, console):
         return 1
+    if not check_engine(cfg, console):
+        return 1
     isolation = check_sandbox(cfg, console)
     if isolation is None:
+        return 1
+    if not check_tokenizer(cfg, console):
         return 1
     server = None
     if resume is not None:

@@ -1,4 +1,4 @@
-"""A tiny character-level causal LM, built locally (no hub), for CPU-scale RL runs.
+"""A tiny causal LM, built locally (no hub), for CPU-scale RL runs: char or BPE tokenizer.
 
 Guarantees:
 - `build_char_tokenizer()` returns a `PreTrainedTokenizerFast` with a fixed vocabulary:
@@ -8,10 +8,13 @@ Guarantees:
   included). Another character encodes to `<unk>` with this object; a tokenizer reloaded
   with `AutoTokenizer` from a qwen2 checkpoint (transformers' Qwen2Tokenizer) drops it
   instead. ASCII text encodes identically either way. `padding_side` is the caller's to set.
-- `build_tiny_model(out_dir, ...)` writes a randomly initialised Qwen2 or Llama causal LM
-  (tied embeddings, pad/eos/bos ids consistent with the tokenizer, bos == eos) plus the
-  tokenizer with `save_pretrained` (safetensors), and `rlbus_model.json` with the arch
-  and parameter count. The directory loads back offline with
+- `build_tiny_model(out_dir, ..., tokenizer="char"|"bpe")` writes a randomly initialised
+  Qwen2 or Llama causal LM (tied embeddings, vocab size = the tokenizer's, pad/eos/bos ids
+  consistent with it, bos == eos) plus the tokenizer with `save_pretrained` (safetensors),
+  and `rlbus_model.json` with the arch, tokenizer and parameter count. `bpe` is
+  `rlbus.bpe_tokenizer.build_bpe_tokenizer(seed)` (byte-level BPE with a ChatML chat
+  template); `char` (this function's default, kept for the tests and configs tuned on it;
+  the CLI and `[model] tokenizer` default to `bpe`) has no chat template. The directory loads back offline with
   `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
 - The same arguments (including `seed`) always give the same weights.
 """
@@ -69,6 +72,17 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def make_tokenizer(kind: str, seed: int = 0) -> PreTrainedTokenizerFast:
+    """The tokenizer named by `[model] tokenizer`: `char` or `bpe`."""
+    if kind == "char":
+        return build_char_tokenizer()
+    if kind == "bpe":
+        from rlbus.bpe_tokenizer import build_bpe_tokenizer
+
+        return build_bpe_tokenizer(seed)
+    raise ValueError(f"unknown tokenizer {kind!r}: expected 'bpe' or 'char'")
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -79,6 +93,7 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    tokenizer: str = "char",
 ) -> Path:
     """Build, save and return the directory of a randomly initialised tiny causal LM.
 
@@ -86,7 +101,8 @@ def build_tiny_model(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer()
+    kind = tokenizer
+    tokenizer = make_tokenizer(kind, seed)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -119,6 +135,7 @@ def build_tiny_model(
     n_params = sum(p.numel() for p in model.parameters())
     meta = {
         "arch": arch,
+        "tokenizer": kind,
         "params": n_params,
         "vocab_size": config.vocab_size,
         "hidden_size": hidden_size,

@@ -4,7 +4,9 @@ Guarantees:
 - Each eval set is a pure function of (domain kind, seed, n, level); its sha256 travels
   with every `EvalResult`, so scores from different runs are comparable only when the
   hashes match. Training samplers exclude these problems.
-- Scoring uses the same verifier logic as training, on greedy (temperature 0) output.
+- Scoring uses the same verifier logic as training, on greedy (temperature 0) output, from
+  the same prompts: rendered by `schemas.chat` for the engine's tokenizer (its chat
+  template when it has one), as rollout renders them.
 - `arith` is single-turn; `tool_calc` runs the same multi-turn agent loop as rollout
   workers (`rollout_workers.agent`), its python calls in fresh sandboxes.
 - Domains without an evaluator are skipped (listed by `EvalSuite.skipped`).
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from producers import arith, tool_calc
 from schemas import ChatMessage, Task
 from schemas.answers import arith_answer, calc_answer
+from schemas.chat import prompt_input, tokenizer_of, user_prompt
 
 
 def eval_set(seed: int, n: int, difficulty: int) -> tuple[list[arith.ArithProblem], str]:
@@ -33,7 +36,8 @@ def greedy_accuracy(engine, problems: list[arith.ArithProblem], max_tokens: int,
     correct = 0
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
-        groups = engine.generate([p.prompt for p in chunk], 1, max_tokens, 0.0)
+        tok = tokenizer_of(engine)
+        groups = engine.generate([prompt_input(tok, user_prompt(p.prompt)) for p in chunk], 1, max_tokens, 0.0)
         correct += sum(arith_answer(g[0].text) == p.answer for p, g in zip(chunk, groups, strict=True))
     return correct / max(1, len(problems))
 

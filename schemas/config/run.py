@@ -44,6 +44,10 @@ class ModelSection(Section):
     """Local HF model dir to start from; empty = build a tiny model in the run dir."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """Architecture of the tiny model when building one."""
+    tokenizer: Literal["bpe", "char"] = "bpe"
+    """Tokenizer of the tiny model when building one: `bpe` (byte-level BPE trained on the
+    domains' text, ChatML chat template: chat prompts go through it) or `char` (one id per
+    printable ASCII character, no template: prompts are the plain contents). Ignored with `path`."""
     hidden_size: int = 128
     """Tiny model width."""
     num_layers: int = 4

@@ -1,0 +1,63 @@
+"""Start-time check: the run's tokenizer can encode every character its domains produce.
+
+Guarantees:
+- `run_tokenizer(cfg)` is the tokenizer the run's policy will use: the checkpoint's
+  (`model.path`, loaded with `AutoTokenizer`) or the one a built tiny model gets
+  (`[model] tokenizer`, `rlbus.tiny_model.make_tokenizer`).
+- `domain_texts(cfg)` samples each configured domain's prompts (and SFT demonstrations,
+  where the domain has them) at every level from `min_level` to `max_level`, seeded, so
+  the check is deterministic; a domain whose source cannot be built here is skipped (the
+  sampler reports it).
+- `tokenizer_problems(cfg, tok)` names, per domain, the characters `tok` cannot encode
+  (`schemas.chat.unencodable`: unknown, or not decoded back); empty when all encode. The
+  byte-level BPE encodes everything; the char tokenizer only "\\n" and printable ASCII.
+"""
+
+from __future__ import annotations
+
+import random
+
+from schemas.chat import unencodable
+
+
+def run_tokenizer(cfg):
+    """The tokenizer the run's model uses (see the module guarantees)."""
+    if cfg.model.path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.path)
+    from rlbus.tiny_model import make_tokenizer
+
+    return make_tokenizer(cfg.model.tokenizer, cfg.run.seed)
+
+
+def domain_texts(cfg, per_level: int = 8) -> dict[str, list[str]]:
+    """domain -> sample prompt and demonstration texts (see the module guarantees)."""
+    from producers.domains import make_source
+
+    out: dict[str, list[str]] = {}
+    for name, dc in cfg.sampler.domains.items():
+        try:
+            src = make_source("check", name, cfg)
+        except (ValueError, OSError):
+            continue
+        rng, texts = random.Random(f"tokenizer-check-{cfg.run.seed}-{name}"), []
+        for level in range(dc.min_level, dc.max_level + 1):
+            for i in range(per_level):
+                texts += [m.content for m in src.make_task(rng, level, i).task.prompt]
+                if hasattr(src, "demonstration"):
+                    demo = src.demonstration(rng, level)
+                    texts += [demo[0], demo[1]] if isinstance(demo, tuple) else [t for t, _ in demo]
+        out[name] = texts
+    return out
+
+
+def tokenizer_problems(cfg, tokenizer) -> list[str]:
+    """One line per domain with characters `tokenizer` cannot encode; [] when all encode."""
+    lines = []
+    for name, texts in domain_texts(cfg).items():
+        bad = unencodable(tokenizer, texts)
+        if bad:
+            lines.append(f"domain {name!r}: the tokenizer cannot encode {len(bad)} character(s): "
+                         + " ".join(repr(c) for c in bad[:40]))
+    return lines

@@ -12,7 +12,9 @@ Guarantees:
   the generation prompt, later context segments are tool turns as the template renders
   a tool message, model segments are their text encoded alone, and the closing token is
   the tokenizer's eos (`<|im_end|>` for the BPE tokenizer). Without a template every
-  segment is its text encoded alone, as before.
+  segment is its text encoded alone, as before. A json-format tool demo
+  (`schemas.tool_protocol.ToolDemo`) declares its `tools` in the prompt's system turn,
+  as rollout renders a `tool_format = "json"` task's prompt.
 - It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
   first, and always takes at least one step.
 - AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress

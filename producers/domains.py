@@ -126,7 +126,7 @@ def finish_task(ctx: DomainContext, **fields: Any) -> Task:
     sc, dc = ctx.cfg.sampler, ctx.dc
     base: dict[str, Any] = dict(
         run_id=ctx.run_id, domain=ctx.name, group_size=sc.group_size, temperature=sc.temperature,
-        max_tokens=dc.max_tokens or sc.max_tokens, max_turns=dc.max_turns,
+        max_tokens=dc.max_tokens or sc.max_tokens, max_turns=dc.max_turns, tool_format=dc.tool_format,
     )
     base.update(fields)
     if dc.verifier:

@@ -15,7 +15,11 @@ Guarantees:
 - `heldout_set(seed, n, level)` is a fixed seeded eval set; training never draws it.
 - `demonstration(rng, level)` returns the SFT segments above, with only the model's own
   text trainable (prompt and observation are context), built with the same observation
-  renderer the sandbox side uses.
+  renderer the sandbox side uses. With `tool_format="json"` (the domain's
+  `tool_format`) the call is `<tool_call>{"name": "python", "arguments": {"code":
+  "417*382"}}</tool_call>` and the segments are a `ToolDemo` whose `tools` are the specs
+  the prompt declares (the chat template renders them into the system turn, as rollout
+  does), so the domain teaches either format.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 
 from producers.domains import DomainContext, Drawn, finish_task
 from schemas import ChatMessage
-from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, tool_turn_text
+from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, ToolDemo, json_call_text, tool_specs, tool_turn_text
 
 TOOL = "python"
 
@@ -65,8 +69,9 @@ def heldout_set(seed: int, n: int, level: int) -> list[Problem]:
     return list(seen.values())
 
 
-def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset()) -> list[tuple[str, bool]]:
-    """SFT segments (text, trainable) of one worked episode."""
+def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset(),
+                  tool_format: str = "tags") -> list[tuple[str, bool]]:
+    """SFT segments (text, trainable) of one worked episode in `tool_format`."""
     from sandbox_workers.base import ExecResult
     from sandbox_workers.integrity import render_observation
 
@@ -75,6 +80,9 @@ def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = froz
         if p.expression not in heldout:
             break
     obs = render_observation(ExecResult(exit_code=0, stdout=f"{p.answer}\n", stderr=""))
+    if tool_format == "json":
+        return ToolDemo([(p.prompt, False), (json_call_text(TOOL, p.expression), True),
+                         (tool_turn_text(obs), False), (f"={p.answer}", True)], tool_specs([TOOL]))
     return [(p.prompt, False), (f"{CALL_OPEN}{p.expression}{CALL_CLOSE}", True),
             (tool_turn_text(obs), False), (f"={p.answer}", True)]
 
@@ -102,4 +110,4 @@ class ToolCalcDomain:
                                  verifier_params={"expression": p.expression}))
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
-        return demonstration(rng, level, self.heldout)
+        return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format)

@@ -84,13 +84,17 @@ def check_engine(cfg: RunConfig, console: Console) -> bool:
 def check_tokenizer(cfg: RunConfig, console: Console) -> bool:
     """Whether the run's tokenizer encodes every character its domains produce (before SFT,
     before NATS); False after printing the domains and characters it cannot encode."""
-    from rlbus.tokenizer_check import run_tokenizer, tokenizer_problems
+    from rlbus.tokenizer_check import run_tokenizer, template_problems, tokenizer_problems
 
-    problems = tokenizer_problems(cfg, run_tokenizer(cfg))
+    tok = run_tokenizer(cfg)
+    problems = tokenizer_problems(cfg, tok)
     for problem in problems:
         console.print(f"rlbus up: {problem}; use a tokenizer that covers them (model.tokenizer = 'bpe' "
                       "encodes any text)", style="bold red", markup=False, highlight=False, soft_wrap=True)
-    return not problems
+    missing = template_problems(cfg, tok)
+    for problem in missing:
+        console.print(f"rlbus up: {problem}", style="bold red", markup=False, highlight=False, soft_wrap=True)
+    return not problems and not missing
 
 
 def check_sandbox(cfg: RunConfig, console: Console) -> str | None:

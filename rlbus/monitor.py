@@ -5,8 +5,9 @@ Guarantees:
   subscriptions, eval results and every reward through ordered consumers (the rewards
   stream is read with `glance_reward`, the light decode); a message that fails to
   decode is skipped, never an error.
-- `DomainRewards` gives each domain's training rewards (count, mean, verifier statuses)
-  and the tool calls its episodes made.
+- `DomainRewards` gives each domain's training rewards (count, mean, verifier statuses),
+  the tool calls its episodes made, and the refused calls by kind (`tool_errors`:
+  malformed JSON, unknown tool, bad arguments).
 - `summary_dict` is the run's summary.json; its accounting fields are null until the
   run stopped and `rlbus.accounting` counted every message. `sandbox_isolation` is
   what the run's sandboxes get ("bwrap", "docker", or "degraded": unisolated on purpose).
@@ -28,13 +29,15 @@ STAGE_COUNTER = {"sampler": "published", "rollout": "trajectories", "verifier": 
 
 class DomainRewards:
     """Training rewards of one domain as the run saw them: count, mean, verifier statuses,
-    and the tool calls its episodes made (by tool name, and episodes with at least one)."""
+    and the tool calls its episodes made (by tool name, and episodes with at least one), and
+    the refused ones by error kind (`tool_errors`)."""
 
     def __init__(self) -> None:
         self.n, self.total = 0, 0.0
         self.statuses: dict[str, int] = {}
         self.tool_calls: dict[str, int] = {}
         self.episodes_with_tool_calls = 0
+        self.tool_errors: dict[str, int] = {}
 
     def add(self, r: RewardGlance) -> None:
         self.n += 1
@@ -43,11 +46,13 @@ class DomainRewards:
         for tool, _ in r.tool_calls:
             self.tool_calls[tool] = self.tool_calls.get(tool, 0) + 1
         self.episodes_with_tool_calls += bool(r.tool_calls)
+        for kind in r.tool_errors:
+            self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
 
     def as_dict(self) -> dict:
         return {"rewards": self.n, "reward_mean": round(self.total / self.n, 4) if self.n else None,
                 "statuses": self.statuses, "tool_calls": self.tool_calls,
-                "episodes_with_tool_calls": self.episodes_with_tool_calls}
+                "episodes_with_tool_calls": self.episodes_with_tool_calls, "tool_errors": self.tool_errors}
 
 
 class Monitor:

@@ -11,6 +11,8 @@ Guarantees:
 - `tokenizer_problems(cfg, tok)` names, per domain, the characters `tok` cannot encode
   (`schemas.chat.unencodable`: unknown, or not decoded back); empty when all encode. The
   byte-level BPE encodes everything; the char tokenizer only "\\n" and printable ASCII.
+- `template_problems(cfg, tok)` names each domain with `tool_format = "json"` when `tok`
+  has no chat template (json tools are declared in the system turn by the template).
 """
 
 from __future__ import annotations
@@ -61,3 +63,15 @@ def tokenizer_problems(cfg, tokenizer) -> list[str]:
             lines.append(f"domain {name!r}: the tokenizer cannot encode {len(bad)} character(s): "
                          + " ".join(repr(c) for c in bad[:40]))
     return lines
+
+
+def template_problems(cfg, tokenizer) -> list[str]:
+    """One line per `tool_format = "json"` domain when `tokenizer` has no chat template; [] otherwise."""
+    from schemas.chat import has_template
+
+    if has_template(tokenizer):
+        return []
+    return [f"domain {name!r} has tool_format = \"json\" but the model's tokenizer has no chat template "
+            "(tokenizer_config.json `chat_template`, which declares the tools in the system turn); use a model "
+            "dir whose tokenizer has one (model.tokenizer = 'bpe' builds one), or tool_format = \"tags\""
+            for name, dc in cfg.sampler.domains.items() if dc.tool_format == "json"]

@@ -4,11 +4,15 @@ One call runs every sample of a batch of tasks together, turn by turn:
 
 1. generate the next model turn for every live episode in ONE batched engine call
    (turn 1 shares each task's prompt across its G samples);
-2. parse each turn for a tool call (`schemas.tool_protocol`: `<py>...</py>`); the turn's
-   tokens are cut just after `</py>`, with their behaviour log-probs;
+2. parse each turn for a tool call in the task's `tool_format` (`schemas.tool_protocol`:
+   `<py>...</py>`, or `<tool_call>{json}</tool_call>` with the tools declared in the
+   prompt's system turn); the turn's tokens are cut just after the closing tag, with
+   their behaviour log-probs;
 3. run the calls concurrently, each in its own episode's sandbox (opened on the
    episode's first call, closed when the episode ends), and append the recorded
-   observation as a tool turn;
+   observation as a tool turn; a json call that is malformed, names an unknown tool or
+   fails its schema runs nothing: its tool turn is the structured error observation and
+   its `ToolCall` carries the `error` kind (never a crash, never a silent 0);
 4. repeat until a turn without a call (the final answer), `max_turns`, or the context
    budget.
 
@@ -20,7 +24,13 @@ Guarantees:
 - Every tool call is listed with its execution result and exec_id (the integrity
   record when the sandbox side records), and files named in
   `verifier_params["export"]` are read from the sandbox as artifacts before it closes.
-- Contexts are passed to the engine as token ids, never re-tokenized text.
+- Token in, token out: contexts are passed to the engine as token ids, never re-tokenized
+  text. Turn 1's context is the task's prompt as `schemas.chat` renders it for the engine's
+  tokenizer (its chat template when it has one); a model turn's ids are exactly the
+  sampled ids (cut after the call); a tool turn is the observation as the template
+  renders a tool message (`schemas.chat.tool_turn`), encoded alone and appended. Nothing
+  already in the context is encoded again, so a trajectory's ids are exactly what the
+  engine was given and sampled.
 - A sandbox that cannot be opened (one refused for lack of isolation included:
   `SandboxRefused`) or dies raises `SandboxUnavailable` (the rollout worker retries the
   task, then dead-letters it; never a reward); a command that fails, hangs or floods is an observation.
@@ -38,8 +48,17 @@ import numpy as np
 import structlog
 
 from schemas import Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
-from schemas.messages import render_prompt
-from schemas.tool_protocol import CALL_CLOSE, TOOL_NAMES, find_call, tool_command, tool_turn_text
+from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
+from schemas.tool_protocol import (
+    TOOL_NAMES,
+    Call,
+    call_close,
+    declared_tools,
+    error_observation,
+    parse_call,
+    tool_command,
+    tool_turn_text,
+)
 
 log = structlog.get_logger()
 
@@ -78,15 +97,14 @@ class Episode:
                                     artifacts=self.artifacts)
 
 
-def cut_at_call(engine, sample) -> tuple[np.ndarray, np.ndarray, str, bool]:
+def cut_at_call(engine, sample, tool_format: str = "tags") -> tuple[np.ndarray, np.ndarray, str, bool]:
     """(ids, logprobs, text, has_call): the turn cut just after its first complete tool call."""
-    call = find_call(sample.text)
-    if call is None:
+    if parse_call(sample.text, tool_format, []) is None:
         return sample.token_ids, sample.logprobs, sample.text, False
-    ids = sample.token_ids
+    ids, close = sample.token_ids, call_close(tool_format)
     for k in range(1, len(ids) + 1):  # the shortest prefix whose text holds the whole call
         text = engine.decode(ids[:k])
-        if CALL_CLOSE in text:
+        if close in text:
             return ids[:k], sample.logprobs[:k], text, True
     return ids, sample.logprobs, sample.text, True
 
@@ -97,14 +115,16 @@ def new_episodes(engine, tasks: list[Task], groups) -> list[Episode]:
     for task, samples in zip(tasks, groups, strict=True):
         for i, s in enumerate(samples):
             out.append(Episode(task=task, sample_index=i, context=[int(x) for x in s.prompt_ids],
-                               turns=[Turn(role="prompt", text=render_prompt(task.prompt),
+                               turns=[Turn(role="prompt", text=prompt_text(tokenizer_of(engine), task.prompt,
+                                                                           declared_tools(task.tool_format, task.tools)),
                                            token_ids=pack_i32(s.prompt_ids))]))
     return out
 
 
-def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float) -> str | None:
-    """Append a generated turn; returns the program to run, or None when the episode ended."""
-    ids, logprobs, text, has_call = cut_at_call(engine, sample)
+def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float) -> Call | None:
+    """Append a generated turn; returns its tool call (`schemas.tool_protocol.Call`, maybe a
+    refused one), or None when the episode ended."""
+    ids, logprobs, text, has_call = cut_at_call(engine, sample, ep.task.tool_format)
     ep.turns.append(Turn(role="assistant", text=text, token_ids=pack_i32(ids), logprobs=pack_f32(logprobs),
                          trainable=True, policy_version=version))
     ep.context.extend(int(x) for x in ids)
@@ -121,17 +141,36 @@ def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float) ->
     if len(ep.context) + ep.task.max_tokens >= MAX_CONTEXT_TOKENS:
         ep.done, ep.finish_reason = True, "length"
         return None
-    return find_call(text)[0]
+    return parse_call(text, ep.task.tool_format, ep.task.tools)
 
 
-async def run_call(engine, ep: Episode, program: str, open_sandbox, slots: asyncio.Semaphore,
+def add_tool_turn(engine, ep: Episode, observation: str) -> None:
+    """Append the tool turn of `observation`, as the tokenizer's template renders a tool message."""
+    tok = tokenizer_of(engine)
+    if tok is None:
+        text = tool_turn_text(observation)
+        ids = engine.encode(text)
+    else:
+        text, ids = tool_turn(tok, tool_turn_text(observation))
+    ep.turns.append(Turn(role="tool", text=text, token_ids=pack_i32(ids)))
+    ep.context.extend(int(x) for x in ids)
+
+
+async def run_call(engine, ep: Episode, call: Call, open_sandbox, slots: asyncio.Semaphore,
                    timeout: float | None) -> None:
-    """Run one tool call in the episode's sandbox and append the observation turn."""
+    """Run one tool call in the episode's sandbox and append the observation turn (a refused
+    call runs nothing: its turn is the structured error observation)."""
+    if call.error:
+        ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool=call.tool or "unparsed", code=call.raw,
+                                      exit_code=-1, error=call.error))
+        add_tool_turn(engine, ep, error_observation(call))
+        return
+    program = call.code
     async with slots:
         try:
             if ep.sandbox is None:
                 ep.sandbox = await open_sandbox()
-            tool, path, argv = tool_command(ep.task.tools)
+            tool, path, argv = tool_command([call.tool])
             await ep.sandbox.write_file(path, program.encode())
             obs = await ep.sandbox.observe(argv, timeout)
         except Exception as exc:  # the sandbox edge: infrastructure, never a policy outcome
@@ -140,10 +179,7 @@ async def run_call(engine, ep: Episode, program: str, open_sandbox, slots: async
     ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool=tool, code=program, exec_id=obs.exec_id or "",
                                   exit_code=r.exit_code, timed_out=r.timed_out, oom=r.oom, truncated=r.truncated,
                                   duration_ms=r.duration_ms))
-    text = tool_turn_text(obs.text)
-    ids = engine.encode(text)
-    ep.turns.append(Turn(role="tool", text=text, token_ids=pack_i32(ids)))
-    ep.context.extend(int(x) for x in ids)
+    add_tool_turn(engine, ep, obs.text)
 
 
 async def finish(ep: Episode) -> None:
@@ -175,8 +211,9 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
         if before_turn:
             await before_turn()
         t0 = time.perf_counter()
-        groups = await asyncio.to_thread(engine.generate, [render_prompt(x.prompt) for x in tasks], n, max_tokens,
-                                         temperature)
+        tok = tokenizer_of(engine)
+        prompts = [prompt_input(tok, x.prompt, declared_tools(x.tool_format, x.tools)) for x in tasks]
+        groups = await asyncio.to_thread(engine.generate, prompts, n, max_tokens, temperature)
         episodes = new_episodes(engine, tasks, groups)
         each = (time.perf_counter() - t0) / max(1, len(episodes))
         samples = [s for g in groups for s in g]

@@ -9,7 +9,7 @@ Guarantees (same contract as `rollout_workers.engines.HFEngine`):
   (softmax(logits / temperature): vLLM's `processed_logprobs`; plain softmax for greedy),
   the text, and `stop`/`length`. An empty prompt raises ValueError before anything runs.
 - A turn ends right after the first complete tool call: `stop` strings (default
-  `schemas.tool_protocol.CALL_CLOSE`) go to vLLM's `SamplingParams.stop`, kept in the
+  `schemas.tool_protocol.STOP_STRINGS`: `</py>`, `</tool_call>`) go to vLLM's `SamplingParams.stop`, kept in the
   output, so vLLM stops there instead of generating past it (finish_reason `stop`).
 - `encode(text)` / `decode(ids)` / `eos_id` come from the tokenizer vLLM itself serves with.
 - All prompts and all `n` samples of a call go to vLLM in ONE `LLM.generate` call; the
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from rollout_workers.engines import Sample
-from schemas.tool_protocol import CALL_CLOSE
+from schemas.tool_protocol import STOP_STRINGS
 
 TIERS: dict[str, dict[str, Any]] = {
     "standard": {},
@@ -131,7 +131,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, tier: str = "standard", *, seed: int = 0, dtype: str = "auto",
                  enforce_eager: bool = False, max_model_len: int | None = None,
                  kv_cache_memory_mb: int | None = None, gpu_memory_utilization: float = 0.3,
-                 max_num_seqs: int | None = None, stop: Sequence[str] = (CALL_CLOSE,), **extra):
+                 max_num_seqs: int | None = None, stop: Sequence[str] = STOP_STRINGS, **extra):
         if tier not in TIERS:
             raise ValueError(f"unknown vLLM tier {tier!r} (known: {', '.join(TIERS)})")
         from vllm import LLM

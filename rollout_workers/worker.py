@@ -13,6 +13,8 @@ Guarantees:
 - Each duration pool (`rollout.pools`: `short`, `long`, ...) is pulled by its own loop
   through its own durable consumer, with its own ack_wait, in_progress cadence, batch
   size and time budget, so long episodes never starve short ones.
+- Refused tool calls (`ToolCall.error`: malformed JSON, unknown tool, bad arguments) are
+  counted per domain and kind as `tool_errors.<domain>.<kind>`.
 - Tasks that offer tools run as multi-turn agent episodes (`rollout_workers.agent`) in
   sandboxes from the `sandbox` config section: local (`backend`), or sessions of the
   sandbox service when `sandbox.remote`. When the sandbox itself fails, the batch's tool
@@ -45,21 +47,33 @@ from rollout_workers.agent import SandboxUnavailable, run_episodes
 from rollout_workers.engines import Sample, close_engine, make_engine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
+from schemas.chat import prompt_input, prompt_text, tokenizer_of
 from schemas.config import PoolConfig, RunConfig
-from schemas.messages import render_prompt
 
 log = structlog.get_logger()
 
 
-def single_turn_trajectories(task: Task, samples: list[Sample], version: int, seconds_each: float) -> list[Trajectory]:
+def single_turn_trajectories(task: Task, samples: list[Sample], version: int, seconds_each: float,
+                             tokenizer=None) -> list[Trajectory]:
     """One Trajectory (prompt turn, answer turn) per engine sample of `task`, generated with
-    weights `version`; built by `Trajectory.from_task` (ids derived from the task's)."""
-    prompt = render_prompt(task.prompt)
+    weights `version`; built by `Trajectory.from_task` (ids derived from the task's). The
+    prompt turn's text is what `schemas.chat` rendered for `tokenizer`; its ids, the engine's."""
+    prompt = prompt_text(tokenizer, task.prompt)
     return [Trajectory.from_task(task, i, [Turn(role="prompt", text=prompt, token_ids=pack_i32(s.prompt_ids)),
                                            Turn(role="assistant", text=s.text, token_ids=pack_i32(s.token_ids),
                                                 logprobs=pack_f32(s.logprobs), trainable=True, policy_version=version)],
                                  finish_reason=s.finish_reason, generate_seconds=seconds_each)
             for i, s in enumerate(samples)]
+
+
+def count_tool_errors(counters: dict[str, float], episodes) -> None:
+    """Add each refused tool call (malformed JSON, unknown tool, bad arguments) of `episodes`
+    to the counter `tool_errors.<domain>.<kind>`."""
+    for ep in episodes:
+        for call in ep.tool_calls:
+            if call.error:
+                key = f"tool_errors.{ep.task.domain}.{call.error}"
+                counters[key] = counters.get(key, 0) + 1
 
 
 async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
@@ -103,11 +117,12 @@ async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: Wei
                 raise Retry(delay=5.0, reason=str(exc)) from exc
             continue
         t0 = time.perf_counter()
-        groups = await asyncio.to_thread(engine.generate, [render_prompt(t.prompt) for t in tasks], n,
+        tok = tokenizer_of(engine)  # chat template when it has one (schemas.chat), plain text otherwise
+        groups = await asyncio.to_thread(engine.generate, [prompt_input(tok, t.prompt) for t in tasks], n,
                                          max_tokens, temperature)
         each = (time.perf_counter() - t0) / max(1, n * len(tasks))
         for task, samples in zip(tasks, groups, strict=True):
-            for traj in single_turn_trajectories(task, samples, watcher.version, each):
+            for traj in single_turn_trajectories(task, samples, watcher.version, each, tok):
                 items.append((reg.traj(task.domain), traj))
     if not await watcher.verified_since(mark):  # the publish gate (see the module guarantees)
         counters["batches_discarded_unverified"] = counters.get("batches_discarded_unverified", 0) + 1
@@ -142,6 +157,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
                                           before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
                                           tool_timeout=cfg.sandbox.timeout_s, deadline=deadline)
+            count_tool_errors(s.counters, episodes)
             return [(s.reg.traj(ep.task.domain), ep.trajectory()) for ep in episodes]
 
         async def handle(batch: list[Delivery], budget_s: float):

@@ -43,7 +43,7 @@ def greedy_accuracy(engine, problems: list[arith.ArithProblem], max_tokens: int,
 
 
 async def tool_calc_accuracy(engine, problems: list[tool_calc.Problem], max_tokens: int, max_turns: int,
-                             open_sandbox, batch: int = 64) -> float:
+                             open_sandbox, batch: int = 64, tool_format: str = "tags") -> float:
     """Fraction of tool_calc problems answered exactly by greedy agent episodes."""
     from rollout_workers.agent import run_episodes
 
@@ -52,7 +52,8 @@ async def tool_calc_accuracy(engine, problems: list[tool_calc.Problem], max_toke
         chunk = problems[i : i + batch]
         tasks = [Task(run_id="eval", task_id=p.expression, domain="tool_calc", group_size=1, max_turns=max_turns,
                       max_tokens=max_tokens, temperature=0.0, prompt=[ChatMessage(role="user", content=p.prompt)],
-                      tools=[tool_calc.TOOL], verifier="tool_calc", verifier_params={"expression": p.expression})
+                      tools=[tool_calc.TOOL], tool_format=tool_format, verifier="tool_calc",
+                      verifier_params={"expression": p.expression})
                  for p in chunk]
         episodes = await run_episodes(engine, tasks, version=lambda: 0, open_sandbox=open_sandbox)
         correct += sum(calc_answer(ep.final_text) == p.answer for ep, p in zip(episodes, chunk, strict=True))
@@ -82,7 +83,7 @@ class EvalSuite:
                 problems = tool_calc.heldout_set(ec.seed, ec.n, dc.initial_level)
                 digest = hashlib.sha256(json.dumps([p.expression for p in problems]).encode()).hexdigest()
                 suite.sets[name] = {"kind": kind, "problems": problems, "sha256": digest, "max_tokens": max_tokens,
-                                    "max_turns": max(2, dc.max_turns)}
+                                    "max_turns": max(2, dc.max_turns), "tool_format": dc.tool_format}
             else:
                 suite.skipped.append(name)
         return suite
@@ -96,6 +97,7 @@ class EvalSuite:
             if s["kind"] == "arith":
                 score = await asyncio.to_thread(greedy_accuracy, engine, s["problems"], s["max_tokens"])
             else:
-                score = await tool_calc_accuracy(engine, s["problems"], s["max_tokens"], s["max_turns"], open_sandbox)
+                score = await tool_calc_accuracy(engine, s["problems"], s["max_tokens"], s["max_turns"], open_sandbox,
+                                                 tool_format=s["tool_format"])
             out[name] = (score, len(s["problems"]), s["sha256"])
         return out

@@ -48,7 +48,7 @@ def eval_tasks(suite, run_id: str, round_id: int) -> list[Task]:
                           prompt=[ChatMessage(role="user", content=p.prompt)])
             if s["kind"] == "tool_calc":
                 out.append(Task(**common, tools=[tool_calc.TOOL], max_turns=s["max_turns"], verifier="tool_calc",
-                                verifier_params={"expression": p.expression}))
+                                tool_format=s.get("tool_format", "tags"), verifier_params={"expression": p.expression}))
             else:
                 out.append(Task(**common, verifier="arith", verifier_params={"expression": p.expression}))
     return out

@@ -28,6 +28,8 @@ class RewardGlance(NamedTuple):
     generate_seconds: float
     tool_calls: tuple[tuple[str, float], ...]
     """(tool name, duration_ms) per call."""
+    tool_errors: tuple[str, ...] = ()
+    """The `error` kind of each refused call (`ToolCall.error`), in order."""
 
 
 def glance_reward(data: bytes) -> RewardGlance:
@@ -49,11 +51,13 @@ def glance_reward(data: bytes) -> RewardGlance:
         glance = RewardGlance(
             body["run_id"], float(body["reward"]), body.get("status", "ok"), traj["domain"],
             traj.get("difficulty", 1), traj.get("purpose", "train"), float(traj.get("generate_seconds", 0.0)),
-            tuple((c["tool"], float(c.get("duration_ms", 0.0))) for c in traj.get("tool_calls") or ()))
+            tuple((c["tool"], float(c.get("duration_ms", 0.0))) for c in traj.get("tool_calls") or ()),
+            tuple(c["error"] for c in traj.get("tool_calls") or () if c.get("error")))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DecodeError("<payload>", f"not a Reward: {type(exc).__name__}: {exc}") from None
     if not (isinstance(glance.run_id, str) and isinstance(glance.status, str) and isinstance(glance.domain, str)
             and isinstance(glance.purpose, str) and type(glance.difficulty) is int
-            and all(isinstance(tool, str) for tool, _ in glance.tool_calls)):
+            and all(isinstance(tool, str) for tool, _ in glance.tool_calls)
+            and all(isinstance(kind, str) for kind in glance.tool_errors)):
         raise DecodeError("<payload>", "a Reward field has the wrong type")
     return glance

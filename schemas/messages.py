@@ -130,6 +130,8 @@ class Task(Message):
     """Tool names the policy may call."""
     max_turns: int = Field(default=1, ge=1)
     """Maximum model turns in the episode."""
+    tool_format: Literal["tags", "json"] = "tags"
+    """How the policy calls `tools` (`schemas.tool_protocol`); absent on the wire = `tags`."""
     max_tokens: int = Field(default=16, ge=1)
     """Maximum generated tokens per turn."""
     temperature: float = Field(default=1.0, ge=0.0)
@@ -179,7 +181,7 @@ class ToolCall(BaseModel):
     exec_id: str = ""
     """Id of the recorded execution on the sandbox side (tool-result integrity)."""
     exit_code: int = 0
-    """Exit code of the execution."""
+    """Exit code of the execution (-1 for a refused call: see `error`)."""
     timed_out: bool = False
     """The execution hit its time limit."""
     oom: bool = False
@@ -188,6 +190,10 @@ class ToolCall(BaseModel):
     """Output was capped."""
     duration_ms: float = 0.0
     """Wall time of the execution."""
+    error: str = ""
+    """Why the call was refused without running (`schemas.tool_protocol.ERROR_KINDS`:
+    `malformed_json`, `unknown_tool`, `bad_arguments`), "" for a call that ran. A refused
+    call has no exec_id and exit_code -1; the model got a structured error observation."""
 
 
 class Trajectory(Message):
@@ -230,6 +236,8 @@ class Trajectory(Message):
     """Copied from the task."""
     pool: str = "short"
     """Copied from the task (its duration pool)."""
+    tool_format: Literal["tags", "json"] = "tags"
+    """Copied from the task (how its tool calls and observations are written)."""
     finish_reason: Literal["stop", "length", "max_turns", "error"] = "stop"
     """Why the episode ended."""
     final_text: str = ""
@@ -255,7 +263,8 @@ class Trajectory(Message):
                    task_msg_id=task.msg_id, domain=task.domain, difficulty=task.difficulty, purpose=task.purpose,
                    group_id=task.msg_id, group_size=task.group_size, sample_index=sample_index, turns=turns,
                    verifier=task.verifier, verifier_params=task.verifier_params, reward_weights=task.reward_weights,
-                   hidden_ref=task.hidden_ref, pool=task.pool, finish_reason=finish_reason, final_text=model[-1].text,
+                   hidden_ref=task.hidden_ref, pool=task.pool, tool_format=task.tool_format,
+                   finish_reason=finish_reason, final_text=model[-1].text,
                    policy_version=model[-1].policy_version, generate_seconds=generate_seconds,
                    tokens=sum(len(t.token_ids) // 4 for t in model), tool_calls=tool_calls or [],
                    artifacts=artifacts or {})

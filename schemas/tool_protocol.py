@@ -1,5 +1,9 @@
 """How a policy calls a tool in its text, shared by rollout (parsing), SFT demos and verifiers.
 
+Two formats, chosen per domain (`DomainConfig.tool_format`, carried as `Task.tool_format`):
+
+`tags` (compact, for tiny models):
+
     <py>PROGRAM</py>     generation stops at </py>; what runs depends on the task's tool:
                          `python`: PROGRAM itself, with the sandbox's python3, REPL style:
                          the value of a final bare expression is printed (`<py>6*7</py>` -> 42);
@@ -10,12 +14,63 @@
 After a call the environment appends a tool turn: a newline, the sandbox's observation
 block (`sandbox_workers.integrity.render_observation`: `<obs exit=N ...>...</obs>`), and
 a newline. An assistant turn without a call is the final answer.
+
+`json` (as instruct models are trained to call tools):
+
+    <tool_call>{"name": "python", "arguments": {"code": "6*7"}}</tool_call>
+
+The task's tools are declared in the system turn by the chat template (`tool_specs`:
+OpenAI-style function specs with JSON-schema parameters, the ONLY copy, usable as
+`apply_chat_template(tools=...)`); generation stops at `</tool_call>`; the `code`
+argument runs as the tags program would; the result comes back as a tool message whose
+content is the same signed observation block, `tool_turn_text(obs)` rendered as a tool
+message (`schemas.chat.tool_turn`: `<tool_response>` framing with the BPE template; the
+plain text itself for a tokenizer without a template), so the integrity check is the same
+in both formats.
+
+Guarantees (`parse_call`, pure):
+- It finds the FIRST complete call of a model turn in the task's format (None: no call,
+  the turn is the final answer); `end` is the offset just past its closing tag.
+- A json call that is malformed JSON (or not an object with a string `name`), names a
+  tool the task does not offer, or has arguments failing that tool's schema
+  (`jsonschema`) comes back as a `Call` with `error` set (`ERROR_KINDS`) and `detail`
+  saying what was wrong, never an exception. Nothing runs for it: the episode gets the
+  structured error observation `error_observation(call)`, a JSON object with no `<`,
+  `>` or `&` in it, so it can never look like (or close) an observation block.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
 CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
-TOOL_NAMES = {"python", "run_tests"}
+JSON_CALL_OPEN, JSON_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_FORMATS = ("tags", "json")
+STOP_STRINGS = (CALL_CLOSE, JSON_CALL_CLOSE)
+"""Every format's closing tag: where an engine may stop generating a turn."""
+ERROR_KINDS = ("malformed_json", "unknown_tool", "bad_arguments")
+"""What can be wrong with a json call (counted per domain as `tool_errors`)."""
+
+_CODE = {"type": "string", "minLength": 1}
+TOOL_SPECS: dict[str, dict] = {
+    "python": {"type": "function", "function": {
+        "name": "python",
+        "description": "Run a Python program in a fresh sandbox; its output is returned. The value of a final "
+                       "bare expression is printed, as in a REPL.",
+        "parameters": {"type": "object", "properties": {"code": {**_CODE, "description": "The Python program."}},
+                       "required": ["code"], "additionalProperties": False}}},
+    "run_tests": {"type": "function", "function": {
+        "name": "run_tests",
+        "description": "Save the program as candidate.py and run its docstring examples (the public tests) "
+                       "with doctest; the report is returned.",
+        "parameters": {"type": "object",
+                       "properties": {"code": {**_CODE, "description": "The whole candidate module."}},
+                       "required": ["code"], "additionalProperties": False}}},
+}
+"""Tool name -> its spec (name, description, JSON-schema parameters): the only copy."""
+TOOL_NAMES = set(TOOL_SPECS)
 
 
 # Runs main.py like a REPL cell: every statement, then prints repr() of a final bare
@@ -54,3 +109,112 @@ def find_call(text: str) -> tuple[str, int] | None:
 def tool_turn_text(observation: str) -> str:
     """The context appended after a tool call."""
     return f"\n{observation}\n"
+
+
+def call_close(tool_format: str) -> str:
+    """The closing tag of a call in `tool_format` (generation stops there)."""
+    return JSON_CALL_CLOSE if tool_format == "json" else CALL_CLOSE
+
+
+def tool_specs(tools: list[str]) -> list[dict]:
+    """The specs of a task's tools, in order, for `apply_chat_template(tools=...)`; unknown names: ValueError."""
+    unknown = [t for t in tools if t not in TOOL_SPECS]
+    if unknown:
+        raise ValueError(f"no tool spec for {unknown}; known tools: {sorted(TOOL_SPECS)}")
+    return [TOOL_SPECS[t] for t in tools]
+
+
+def declared_tools(tool_format: str, tools: list[str]) -> list[dict] | None:
+    """What a task's prompt declares to the chat template: the specs of `tools` under `json`, else None."""
+    return tool_specs(tools) if tool_format == "json" and tools else None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One tool call found in a model turn."""
+
+    tool: str
+    """The tool to run (json: the name the model wrote, "" when unreadable)."""
+    code: str
+    """The program to run ("" when `error`)."""
+    raw: str
+    """The text between the call's tags, as the model wrote it."""
+    end: int
+    """Offset in the turn just past the closing tag."""
+    error: str = ""
+    """"" for a runnable call, else one of `ERROR_KINDS`."""
+    detail: str = ""
+    """What was wrong (for the error observation)."""
+
+
+@lru_cache(maxsize=None)
+def _validator(tool: str):
+    import jsonschema
+
+    schema = TOOL_SPECS[tool]["function"]["parameters"]
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _json_call(raw: str, end: int, tools: list[str]) -> Call:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return Call("", "", raw, end, "malformed_json", f"not valid JSON: {exc}")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return Call("", "", raw, end, "malformed_json",
+                    'expected a JSON object {"name": <tool name>, "arguments": {...}}')
+    name, args = obj["name"], obj.get("arguments")
+    if name not in tools or name not in TOOL_SPECS:
+        return Call(name, "", raw, end, "unknown_tool", f"no tool named {name!r}; available: {sorted(tools)}")
+    if args is None:
+        return Call(name, "", raw, end, "bad_arguments", "missing \"arguments\" (an object)")
+    problems = sorted(_validator(name).iter_errors(args), key=lambda e: list(e.absolute_path))
+    if problems:
+        first = problems[0]
+        where = "arguments" + "".join(f"[{p!r}]" for p in first.absolute_path)
+        return Call(name, "", raw, end, "bad_arguments", f"{where}: {first.message}")
+    return Call(name, args["code"], raw, end)
+
+
+def parse_call(text: str, tool_format: str, tools: list[str]) -> Call | None:
+    """The first complete call of `text` in `tool_format` for a task offering `tools` (module guarantees)."""
+    if tool_format == "tags":
+        found = find_call(text)
+        if found is None:
+            return None
+        return Call(tool_command(tools)[0], found[0], found[0], found[1])
+    if tool_format != "json":
+        raise ValueError(f"unknown tool_format {tool_format!r}; use one of {TOOL_FORMATS}")
+    start = text.find(JSON_CALL_OPEN)
+    if start < 0:
+        return None
+    close = text.find(JSON_CALL_CLOSE, start + len(JSON_CALL_OPEN))
+    if close < 0:
+        return None
+    return _json_call(text[start + len(JSON_CALL_OPEN):close].strip(), close + len(JSON_CALL_CLOSE), tools)
+
+
+def _html_safe(text: str) -> str:
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def error_observation(call: Call) -> str:
+    """The structured error observation of a refused call: one JSON object, no `<`, `>`, `&`.
+
+    e.g. `{"error": "unknown_tool", "tool": "calc", "message": "no tool named 'calc'; available: ['python']"}`
+    """
+    return _html_safe(json.dumps({"error": call.error, "tool": call.tool, "message": call.detail}))
+
+
+def json_call_text(tool: str, code: str) -> str:
+    """A well-formed json call of `tool` with program `code` (what SFT demos teach)."""
+    return f"{JSON_CALL_OPEN}{json.dumps({'name': tool, 'arguments': {'code': code}})}{JSON_CALL_CLOSE}"
+
+
+class ToolDemo(list):
+    """SFT segments `(text, trainable)` of a json-format episode; `tools` are the specs its
+    prompt declares (the learner renders them into the system turn through the chat template)."""
+
+    def __init__(self, segments, tools: list[dict]):
+        super().__init__(segments)
+        self.tools = tools

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -61,6 +61,11 @@ class DomainConfig(Section):
     default); they travel as `Task.reward_weights`."""
     max_turns: int = Field(default=1, ge=1)
     """Model turns per episode (more than 1 for tool-using domains)."""
+    tool_format: Literal["tags", "json"] = "tags"
+    """How the policy calls tools (`schemas.tool_protocol`): `tags`, the compact `<py>...</py>`
+    for tiny models; `json`, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` with the
+    tools declared in the system turn by the chat template, results as tool messages.
+    Travels as `Task.tool_format`."""
     pool: str = "short"
     """Expected-duration class of the domain's tasks (a `rollout.pools` name)."""
     long_after_s: float = Field(default=30.0, gt=0)

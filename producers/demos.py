@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterator
 from producers.domains import make_source
 from schemas.config import RunConfig
 
-Demo = "tuple[str, str] | list[tuple[str, bool]]"  # a (prompt, completion) pair or (text, trainable) segments
-
 
 class DomainDemos:
     """Demonstrations of several domains mixed by weight, one domain per batch."""

@@ -95,15 +95,20 @@ def tool_command(tools: list[str]) -> tuple[str, str, list[str]]:
     return "run_tests", "candidate.py", ["python3", "-m", "doctest", "-v", "candidate.py"]
 
 
-def find_call(text: str) -> tuple[str, int] | None:
-    """(program, end offset just past `</py>`) of the first complete call in `text`, else None."""
-    start = text.find(CALL_OPEN)
+def _between(text: str, open_tag: str, close_tag: str) -> tuple[str, int] | None:
+    """(the text inside the first complete `open_tag ... close_tag`, end offset just past it), else None."""
+    start = text.find(open_tag)
     if start < 0:
         return None
-    end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
+    end = text.find(close_tag, start + len(open_tag))
     if end < 0:
         return None
-    return text[start + len(CALL_OPEN):end], end + len(CALL_CLOSE)
+    return text[start + len(open_tag):end], end + len(close_tag)
+
+
+def find_call(text: str) -> tuple[str, int] | None:
+    """(program, end offset just past `</py>`) of the first complete call in `text`, else None."""
+    return _between(text, CALL_OPEN, CALL_CLOSE)
 
 
 def tool_turn_text(observation: str) -> str:
@@ -185,13 +190,10 @@ def parse_call(text: str, tool_format: str, tools: list[str]) -> Call | None:
         return Call(tool_command(tools)[0], found[0], found[0], found[1])
     if tool_format != "json":
         raise ValueError(f"unknown tool_format {tool_format!r}; use one of {TOOL_FORMATS}")
-    start = text.find(JSON_CALL_OPEN)
-    if start < 0:
+    found = _between(text, JSON_CALL_OPEN, JSON_CALL_CLOSE)
+    if found is None:
         return None
-    close = text.find(JSON_CALL_CLOSE, start + len(JSON_CALL_OPEN))
-    if close < 0:
-        return None
-    return _json_call(text[start + len(JSON_CALL_OPEN):close].strip(), close + len(JSON_CALL_CLOSE), tools)
+    return _json_call(found[0].strip(), found[1], tools)
 
 
 def _html_safe(text: str) -> str:

@@ -115,13 +115,31 @@ def init_run(config: str, overrides: list[str], run_id: str, run_dir: str, nats_
     return run_path
 
 
-async def _ensure_topology(nats_url: str, run_id: str) -> None:
+TOPOLOGY_WAIT_S = 90.0  # a fresh cluster answers before JetStream has elected its meta leader
+
+
+async def _ensure_topology(nats_url: str, run_id: str, wait_s: float = TOPOLOGY_WAIT_S) -> None:
+    """Create the run's topology, retrying (bounded by `wait_s`) while JetStream is still
+    unavailable or times out, as it does on a cluster whose meta leader is not elected yet;
+    any other error, or the same one past the bound, propagates."""
+    import nats.errors
+    from nats.js.errors import ServiceUnavailableError
+
     from bus.conn import connect, ensure_topology
     from bus.subjects import Registry
 
     nc = await connect(nats_url, name="rlbus-init")
+    deadline = asyncio.get_running_loop().time() + wait_s
     try:
-        await ensure_topology(nc.jetstream(timeout=30), Registry(run_id))
+        while True:
+            try:
+                await ensure_topology(nc.jetstream(timeout=30), Registry(run_id))
+                return
+            except (ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                print(f"init: JetStream not ready yet ({type(exc).__name__}); retrying", file=sys.stderr)
+                await asyncio.sleep(2.0)
     finally:
         await nc.close()
 

@@ -72,6 +72,9 @@ class DomainConfig(Section):
     """Measured mean episode seconds (per level, KV `durations`) above which tasks go to the `long` pool."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Domain-specific options (see the domain's docstring)."""
+    heldout: bool = False
+    """Zero-shot domain: never sampled for training; the scheduler evaluates it every
+    `scheduler.eval.every_versions` with the same pipeline (`eval.<domain>`, purpose `heldout`)."""
 
     @model_validator(mode="after")
     def _levels_ordered(self):

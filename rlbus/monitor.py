@@ -122,6 +122,10 @@ class Monitor:
                 out[role] = out.get(role, 0.0) + values.get(STAGE_COUNTER[role], 0.0)
         return out
 
+    def role_total(self, role: str, counter: str) -> float:
+        """A counter summed over a role's workers, as a float (seconds and the like)."""
+        return float(sum(v.get(counter, 0.0) for wid, v in self.workers.items() if self.roles.get(wid) == role))
+
     def role_sum(self, role: str, counter: str) -> int:
         """A counter summed over a role's workers (the last heartbeat of each, restarted ones included)."""
         return int(sum(v.get(counter, 0) for wid, v in self.workers.items() if self.roles.get(wid) == role))
@@ -175,6 +179,14 @@ class Monitor:
         return s
 
 
+def rollout_figures(mon) -> dict:
+    """summary.json's `rollout`: weight versions hot-loaded (summed over rollout workers), generated
+    tokens, the seconds spent rolling out, and their ratio (rollout tokens/s per worker-second)."""
+    tokens, busy = mon.role_sum("rollout", "tokens"), mon.role_total("rollout", "busy_s")
+    return {"weights_loaded": mon.role_sum("rollout", "weights_loaded"), "tokens": tokens,
+            "busy_s": round(busy, 2), "tokens_per_s": round(tokens / busy, 1) if busy > 0 else None}
+
+
 def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = None) -> dict:
     """The run's summary.json (accounting fields are null until the run stops)."""
     counts = acc.counts() if acc else {}
@@ -195,7 +207,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "eval": evals, "domains": {d: dr.as_dict() for d, dr in sorted(mon.domain_rewards.items())},
         "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,
-        "rollout": {"weights_loaded": mon.role_sum("rollout", "weights_loaded")},
+        "rollout": rollout_figures(mon),
         "plateau": mon.plateau, "released_version": mon.released_version,
         "sandbox_isolation": mon.sandbox_isolation,
     }

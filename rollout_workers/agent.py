@@ -102,10 +102,15 @@ def cut_at_call(engine, sample, tool_format: str = "tags") -> tuple[np.ndarray, 
     if parse_call(sample.text, tool_format, []) is None:
         return sample.token_ids, sample.logprobs, sample.text, False
     ids, close = sample.token_ids, call_close(tool_format)
-    for k in range(1, len(ids) + 1):  # the shortest prefix whose text holds the whole call
-        text = engine.decode(ids[:k])
-        if close in text:
-            return ids[:k], sample.logprobs[:k], text, True
+    if sample.text.endswith(close) and sample.text.count(close) == 1:
+        return ids, sample.logprobs, sample.text, True  # the engine stopped at the close (vLLM's `stop`)
+    lo, hi = 1, len(ids)  # the shortest prefix whose text holds the whole call (a prefix's text grows with it)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if close in engine.decode(ids[:mid]) else (mid + 1, hi)
+    text = engine.decode(ids[:lo])
+    if close in text:
+        return ids[:lo], sample.logprobs[:lo], text, True
     return ids, sample.logprobs, sample.text, True
 
 
@@ -206,6 +211,7 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
     t = tasks[0]
     n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
     sem = asyncio.Semaphore(slots)
+    limit = min(MAX_CONTEXT_TOKENS, getattr(engine, "max_context", None) or MAX_CONTEXT_TOKENS)
     episodes: list[Episode] = []
     try:
         if before_turn:
@@ -224,6 +230,10 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
             calls = [(ep, prog) for ep, prog in calls if prog is not None]
             await asyncio.gather(*(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout) for ep, prog in calls))
             live = [ep for ep, _ in calls]
+            for ep in live:  # the next turn must fit the engine's context: else the episode ends here
+                if len(ep.context) + max_tokens > limit:
+                    ep.done, ep.finish_reason = True, "length"
+            live = [ep for ep in live if not ep.done]
             if live and deadline is not None and time.monotonic() >= deadline:
                 for ep in live:
                     ep.done, ep.finish_reason = True, "length"

@@ -60,6 +60,8 @@ class HFEngine:
         self.model_path, self.base = model_path, None  # base: the untouched start weights, for LoRA adapters
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        """Longest context (prompt + generation) the model takes; the agent loop ends an episode before it."""
 
     def _check_settled(self) -> None:
         pending = getattr(self, "_speculative", None)

@@ -144,6 +144,8 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos_id = self.tokenizer.eos_token_id
+        self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
+        """vLLM's max_model_len: a longer context is refused, so the agent loop ends an episode before it."""
         self.base = None  # the start weights as an HF model, built on the first LoRA version
         self.weights_loaded = 0
         self._shm = "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -101,6 +101,7 @@ async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: Wei
     come from is verified (else raise Retry for the whole batch: nothing is published).
     Returning acks the batch (`bus.pull.run_pull_loop`)."""
     deadline = time.monotonic() + budget_s
+    started = time.perf_counter()
     mark = watcher.mark()  # before loading: the weights held now, and everything loaded from here on
     await watcher.maybe_load(engine)
     by_shape: dict[tuple, list[Task]] = defaultdict(list)
@@ -133,6 +134,9 @@ async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: Wei
     counters["tasks"] = counters.get("tasks", 0) + len(batch)
     counters["trajectories"] = counters.get("trajectories", 0) + len(items)
     counters["tokens"] = counters.get("tokens", 0) + sum(t.tokens for _, t in items)
+    # seconds spent rolling out published batches (weight loads and tool calls included): tokens / busy_s is
+    # the worker's rollout throughput (summary.json `rollout.tokens_per_s`)
+    counters["busy_s"] = counters.get("busy_s", 0.0) + (time.perf_counter() - started)
 
 
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:

@@ -187,3 +187,17 @@ async def test_run_tests_tool_runs_public_doctests_only(js, run_id, drop_run):
     call = ep.tool_calls[0]
     assert call.tool == "run_tests" and call.exit_code != 0  # one of the two examples fails
     assert "Failed example" in ep.turns[2].text and "add(1, 1)" in ep.turns[2].text
+
+
+async def test_an_episode_ends_before_the_engines_context_is_exceeded(js, run_id, drop_run):
+    """A tool observation that leaves no room for the next turn under the engine's `max_context`
+    (vLLM's max_model_len) ends the episode with `length`: the engine is never asked for more."""
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    engine = ScriptedEngine(["<py>print('x' * 40)</py>", "=1"])
+    first = await run_episodes(engine, [task(run_id, 3, 4)], version=lambda: 0, open_sandbox=(await sandboxes(js, reg))[0])
+    engine = ScriptedEngine(["<py>print('x' * 40)</py>", "=1"])
+    engine.max_context = len(first[0].context) - 10  # the observation pushes the context past it
+    eps = await run_episodes(engine, [task(run_id, 3, 4)], version=lambda: 0, open_sandbox=(await sandboxes(js, reg))[0])
+    assert engine.calls == 1 and all(ep.finish_reason == "length" and len(ep.tool_calls) == 1 for ep in eps)
+    assert first[0].finish_reason != "length" and len(first[0].tool_calls) == 1

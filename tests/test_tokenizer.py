@@ -4,6 +4,7 @@ tokenizer (`schemas.chat`), SFT demos tokenized as rollout tokenizes episodes, t
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import subprocess
@@ -188,17 +189,35 @@ every_versions = 100
 """
 
 
-@pytest.mark.slow
-def test_a_real_100m_bpe_checkpoint_runs_unchanged(tmp_path):
-    """A ~100M-parameter Qwen2-shaped checkpoint with the BPE tokenizer: `model.path` alone is enough."""
-    path = build_tiny_model(tmp_path / "qwen2-100m", tokenizer="bpe", hidden_size=768, num_layers=10, num_heads=12,
-                            intermediate_size=3072, max_position_embeddings=1024)
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_SETTINGS = ["rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.enforce_eager=true",
+                 "rollout.vllm.max_model_len=512", "rollout.vllm.kv_cache_memory_mb=512"]
+"""The vLLM run's only extra settings: the engine, and CPU-sized options (exact fp32, eager, a small KV cache)."""
+
+
+@pytest.fixture(scope="module")
+def real_100m(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("real") / "qwen2-100m", tokenizer="bpe", hidden_size=768,
+                            num_layers=10, num_heads=12, intermediate_size=3072, max_position_embeddings=1024)
     assert 90e6 <= json.loads((path / "rlbus_model.json").read_text())["params"] <= 110e6
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [
+    "hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM: "
+                                                                              "make vllm-env; make test-vllm")])])
+def test_a_real_100m_bpe_checkpoint_runs_unchanged(real_100m, tmp_path, engine):
+    """A ~100M-parameter Qwen2-shaped checkpoint with the BPE tokenizer: `model.path` alone is enough on the HF
+    engine; on vLLM (`make test-vllm`) the engine and its CPU sizing are the only other settings. A few RL
+    steps, weights hot-loaded into the engine, nothing lost."""
     cfg = tmp_path / "real.toml"
-    cfg.write_text(REAL_CONFIG.format(path=path))
+    cfg.write_text(REAL_CONFIG.format(path=real_100m))
+    sets = [a for kv in VLLM_SETTINGS for a in ("--set", kv)] if engine == "vllm" else []
     p = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                        "--run-id", "real100m"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--run-id", "real100m", *sets], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     summary = json.loads((tmp_path / "runs" / "real100m" / "summary.json").read_text())
     assert summary["lost"] == 0 and summary["steps"] >= 3, summary
+    assert summary["rollout"]["weights_loaded"] >= 1, summary["rollout"]
     assert AutoTokenizer.from_pretrained(tmp_path / "runs" / "real100m" / "model" / "start").chat_template

@@ -298,3 +298,27 @@ def test_close_leaves_no_child_process(engine):
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [(p.pid, p.name()) for p in alive]
     assert not engine_children()
     print("figures:", {k: (f"{v:.2e}" if "diff" in k else round(v, 1)) for k, v in FIGURES.items()})
+
+
+@vllm_test
+def test_whole_run_on_vllm_hot_loads_versions_and_runs_tool_episodes(tmp_path):
+    """`examples/vllm_cpu.toml` as `rlbus up` runs it, with a shorter SFT and wall budget for CI (the full-length
+    run and its held-out gain next to the HF engine's are `bench/engines.py`): nothing lost, at least 20 weight
+    versions hot-loaded into the running vLLM engine, tool episodes in `tool_calc`, rollout tokens/s reported."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "examples/vllm_cpu.toml", "--run-dir", str(tmp_path),
+                        "--run-id", "vllm", "--max-minutes", "5", "--set", "sft.seconds=60", "--set", "sft.max_steps=400",
+                        "--set", "scheduler.eval.n=50"],
+                       cwd=root, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    s = json.loads((tmp_path / "vllm" / "summary.json").read_text())
+    assert s["lost"] == 0 and s["trained_twice"] == 0, s
+    assert s["rollout"]["weights_loaded"] >= 20 and s["rollout"]["tokens_per_s"] > 0, s["rollout"]
+    tool = s["domains"]["tool_calc"]
+    assert tool["episodes_with_tool_calls"] > 0 and tool["tool_calls"].get("python", 0) > 0, tool
+    print("figures:", {"steps": s["steps"], **s["rollout"], "tool_episodes": tool["episodes_with_tool_calls"]})

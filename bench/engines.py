@@ -24,7 +24,6 @@ Written to bench/results/engines.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -33,6 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import skip_unless
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "engines.json"
@@ -89,9 +91,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=7.0, help="wall-time budget of each run, set-up included")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    if importlib.util.find_spec("vllm") is None:
-        print("SKIP bench/engines.py: needs vLLM (make vllm-env; run .venv-vllm/bin/python bench/engines.py)")
-        return 0
+    skip_unless(__file__, modules=("vllm",))
     with tempfile.TemporaryDirectory(prefix="rlbus-engines-") as tmp:
         work = Path(tmp)
         start = start_checkpoint(args.config, work)

@@ -256,6 +256,9 @@ def main() -> int:
     ap.add_argument("--image", default=docker_backend.DEFAULT_IMAGE)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    from bench import skip_unless
+
+    skip_unless(__file__, docker=True)
     console = Console(stderr=True)
     note = machine_note()
     if images.ensure_image(args.image, on_line=lambda line: None):

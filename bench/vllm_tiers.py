@@ -76,6 +76,9 @@ def main() -> dict:
     ap.add_argument("--margin", type=float, default=0.02, help="allowed absolute accuracy drop of the fast tier")
     ap.add_argument("--tiers", default="standard,fast")
     a = ap.parse_args()
+    from bench import skip_unless
+
+    skip_unless(__file__, modules=("vllm",), cuda=True)
     from importlib.metadata import version
 
     import torch

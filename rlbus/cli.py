@@ -4,6 +4,7 @@
     rlbus worker ROLE ...      run one role as one process (what `up` and compose start)
     rlbus init-model OUT       build a tiny HF-format causal LM locally
     rlbus sft MODEL OUT        supervised warm start on a domain's demonstrations
+    rlbus generate MODEL ...   sample from a model folder with the rollout engines (hf or vllm)
     rlbus tail SUBJECT         print decoded messages live from a subject wildcard
     rlbus dlq list|show|replay inspect and replay a run's dead letters
 """
@@ -45,7 +46,8 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 # Commands that live with their subsystem: each module defines `register(sub)`, which adds
 # its parser and sets `func=callable(args) -> int` as the parser default.
 COMMAND_MODULES = ("sandbox_workers.cli", "rlbus.verify", "rlbus.top", "rlbus.export", "rlbus.report",
-                   "rlbus.init_cmd", "rlbus.config_help", "rlbus.samples", "rlbus.rescore")
+                   "rlbus.init_cmd", "rlbus.config_help", "rlbus.samples", "rlbus.rescore", "rlbus.generate",
+                   "rlbus.tasks_cmd")
 
 
 def _register_command_modules(sub) -> None:

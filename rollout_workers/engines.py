@@ -140,14 +140,16 @@ class HFEngine:
 
     def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
                  temperature: float) -> list[list[Sample]]:
-        """n samples per prompt (text, or token ids), one batched call."""
+        """n samples per prompt (text, or token ids), one batched call. Greedy with n > 1 (which HF
+        `generate` refuses) runs each prompt n times as one sample each: n identical samples."""
         torch = self.torch
-        enc = self.encode_batch(prompts)
         greedy = temperature <= 0
+        repeat = greedy and n > 1
+        enc = self.encode_batch([p for p in prompts for _ in range(n)] if repeat else prompts)
         with torch.no_grad():
             out = self.model.generate(
                 **enc, do_sample=not greedy, temperature=None if greedy else temperature, top_k=0, top_p=1.0,
-                max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=self.pad_id,
+                max_new_tokens=max_new_tokens, num_return_sequences=1 if repeat else n, pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id, output_logits=True, return_dict_in_generate=True,
             )
         width = enc["input_ids"].shape[1]
@@ -167,7 +169,8 @@ class HFEngine:
         ids = enc["input_ids"].cpu().numpy()
         result: list[list[Sample]] = []
         for p in range(len(prompts)):
-            prompt_ids = ids[p][mask[p]].astype(np.int32)
+            row = p * n if repeat else p  # the prompt's (first) row of the encoded batch
+            prompt_ids = ids[row][mask[row]].astype(np.int32)
             group = []
             for j in range(n):
                 i = p * n + j

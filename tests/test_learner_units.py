@@ -4,6 +4,7 @@ rollout engine and the learner (ratio == 1)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +257,17 @@ def test_skipped_loss_scale_by_objective():
     for kind in ("grpo", "gspo", "dr_grpo"):
         assert skipped_loss_scale(kind, trained, skipped) == pytest.approx(2 / 4)  # sequences
     assert skipped_loss_scale("dapo", trained, []) == 1.0
+
+
+def test_hf_engine_greedy_with_several_samples_gives_identical_samples(tmp_path):
+    """HF `generate` refuses num_return_sequences > 1 without sampling; the engine runs each prompt n times."""
+    from rlbus.tiny_model import build_tiny_model
+    from rollout_workers.engines import HFEngine
+
+    engine = HFEngine(str(build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)))
+    groups = engine.generate(["12+3=", "7+5="], 3, 5, 0.0)
+    assert [len(g) for g in groups] == [3, 3]
+    for prompt, group in zip(["12+3=", "7+5="], groups, strict=True):
+        assert group[0].prompt_ids.tolist() == engine.encode(prompt).tolist()
+        assert all(s.token_ids.tolist() == group[0].token_ids.tolist() for s in group)
+        assert all(np.allclose(s.logprobs, group[0].logprobs) for s in group)

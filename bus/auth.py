@@ -48,7 +48,7 @@ ROLE_TOPOLOGY: dict[str, tuple[str, ...]] = {
     "rollout": ("TASKS", "TRAJ", "WEIGHTS", "DLQ", "KV_run", "OBJ_weights"),
     "verifier": ("TRAJ", "REWARDS", "DLQ", "KV_hidden"),
     "learner": ("REWARDS", "WEIGHTS", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
-    "scheduler": ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
+    "scheduler": ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_weights"),
     "sandbox": (),
     "tracker": (),  # reads only: the run's streams exist before it starts (launcher, compose init)
 }
@@ -157,7 +157,9 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
         pub += js_consume(s("REWARDS")) + js_consume(kv_run) + js_consume(obj) + js_read(s("LEDGER"))
         pub += js_info(s("WEIGHTS")) + [f"{API}.STREAM.PURGE.{obj}"]
     elif role == "scheduler":
-        pub += [f"eval.{r}.>", f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>"]
+        # tasks + hidden puts (no read): pipeline eval rounds publish purpose=eval tasks, and the
+        # gold of a domain's own eval set (`eval_problems`) goes to the hidden bucket first
+        pub += [f"eval.{r}.>", f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"tasks.{r}.>", f"$KV.{reg.hidden_bucket}.>"]
         for fam in ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "OBJ_weights"):
             pub += js_consume(s(fam))
         pub += [f"{API}.STREAM.MSG.DELETE.{s('DLQ')}"]
@@ -196,8 +198,10 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
     - learner: consume REWARDS, publish `weights.R`, `weights.R.prefetch` and `ledger.R.>`, write KV `run-R` and
       object store `weights-R`, read LEDGER. No hidden bucket.
     - scheduler: consume/read every stream of the run but the hidden and toolrec buckets,
-      delete DLQ messages, publish `eval.R.>`, `ledger.R.>`, write KV `run-R`, subscribe to
-      MAX_DELIVERIES advisories and every heartbeat `metrics.R.>` (costs). No hidden bucket.
+      delete DLQ messages, publish `eval.R.>`, `ledger.R.>`, `tasks.R.>` (pipeline eval
+      rounds), write KV `run-R` and KV `hidden-R` (put only, no read: the gold of eval sets a
+      domain source draws), subscribe to MAX_DELIVERIES advisories and every heartbeat
+      `metrics.R.>` (costs).
     - sandbox: serve `sandbox.>` (queue group), reply to requests (allow_responses),
       write KV `toolrec-R`.
     - tracker: its own durables only (`tracker-weights`, `tracker-rewards`, `tracker-eval`

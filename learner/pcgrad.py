@@ -14,6 +14,12 @@ running ``g_i^PC``.
 Deviation, for determinism: the paper visits the other tasks in random
 order; here they are visited in fixed index order ``j = 0, 1, ..., K-1``
 (skipping ``i``). With two tasks the order does not matter.
+
+Cost (it must stay cheap at a hundred domains): the projections are computed on the
+K x K Gram matrix of the task gradients, never on the P-dimensional vectors, so a step
+costs one K x P by P x K matmul plus one K-vector by K x P product, and O(K^3) work on
+K x K numbers, instead of K(K-1) sequential P-dimensional dot products and updates.
+Memory: the K gradients stacked (K x P), as before.
 """
 
 from __future__ import annotations
@@ -28,21 +34,33 @@ GradLike = torch.Tensor | Sequence[torch.Tensor | None]
 
 
 def _project(flat: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Algorithm 1 in coefficient space: every running ``g_i^PC`` is a combination
+    ``sum_k a_ik g_k`` of the original gradients, so its dot product with ``g_j`` is
+    ``(a_i G)_j`` with the Gram matrix ``G = F F^T`` (one matmul, computed once), and a
+    projection only changes ``a_ij``. The update is ``(sum_i a_i) F``: two matmuls over the
+    parameters instead of K^2 - K dot products, whatever the number of tasks K (the K^3
+    coefficient work is on K x K numbers)."""
+    import numpy as np
+
     k = len(flat)
-    sq_norms = [float(torch.dot(g, g)) for g in flat]
-    total = torch.zeros_like(flat[0])
+    stacked = torch.stack(flat)  # K x P
+    gram = (stacked @ stacked.T).double().numpy()  # one matmul in the gradients' dtype
+    sq_norms = np.diag(gram).copy()
+    coef = np.zeros(k)
     n_conflicts = 0
     for i in range(k):
-        gi = flat[i].clone()
+        a = np.zeros(k)
+        a[i] = 1.0
         for j in range(k):
             if j == i or sq_norms[j] == 0.0:
                 continue
-            dot = torch.dot(gi, flat[j])
-            if float(dot) < 0.0:
-                gi = gi - (dot / sq_norms[j]) * flat[j]
+            dot = float(a @ gram[:, j])
+            if dot < 0.0:
+                a[j] -= dot / sq_norms[j]
                 n_conflicts += 1
-        total = total + gi
-    return total, n_conflicts
+        coef += a
+    weights = torch.from_numpy(coef).to(stacked.dtype).to(stacked.device)
+    return weights @ stacked, n_conflicts
 
 
 def pcgrad(grads: Sequence[GradLike]) -> tuple[GradLike, int]:

@@ -9,7 +9,10 @@ Guarantees:
   weight (`sft_weight`, else `weight`): short arith and long tool episodes are never
   padded together, so each step costs what its domain costs.
 - arith demonstrates at `sft.difficulty`, every other domain at its starting level;
-  held-out eval problems are never demonstrated (each source excludes its own).
+  held-out eval problems are never demonstrated (each source excludes its own), nor is
+  any `heldout` (zero-shot) domain.
+- A domain whose source cannot start (`DomainUnavailable`) or says it is not
+  `demonstrable` (e.g. a reasoning-gym dataset without single gold answers) is left out.
 - The same seed and config give the same stream of batches.
 - A config where no domain can demonstrate itself is a clear error naming the fix.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
-from producers.domains import make_source
+from producers.domains import DomainUnavailable, make_source
 from schemas.config import RunConfig
 
 
@@ -41,9 +44,14 @@ def domain_demos(cfg: RunConfig) -> DomainDemos:
     """Every configured domain that can demonstrate itself, by static weight."""
     sources, weights, levels = [], [], []
     for name, dc in cfg.sampler.domains.items():
-        src = make_source("sft", name, cfg)
+        if dc.heldout:
+            continue  # a zero-shot domain: no demonstrations either
+        try:
+            src = make_source("sft", name, cfg)
+        except DomainUnavailable:
+            continue  # disabled here as in the sampler (which logs why)
         share = dc.weight if dc.sft_weight is None else dc.sft_weight
-        if hasattr(src, "demonstration") and share > 0:
+        if hasattr(src, "demonstration") and getattr(src, "demonstrable", True) and share > 0:
             sources.append(src)
             weights.append(share)
             levels.append(cfg.sft.difficulty if name == "arith" else dc.initial_level)

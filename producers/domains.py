@@ -12,6 +12,12 @@ Guarantees:
 - Built-ins are imported on first use; an entry point may not shadow a built-in.
 - `finish_task` applies the per-domain config every kind shares: verifier override,
   reward weights (`Task.reward_weights`), token and turn budgets, group size and temperature.
+- A factory that raises `DomainUnavailable` cannot start its domain but lets the run go
+  on without it: `make_sources` logs the reason and leaves that domain out (returned in
+  `disabled`); any other exception is a config error and propagates, as before.
+- A source that cannot make one task raises `TaskSkipped(reason)`: the sampler draws
+  another; a source may count the problems it skips in `skipped` (reason -> count), and
+  may set `demonstrable = False` when it has no demonstrations after all.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ BUILTINS: dict[str, str] = {
     "jsonl": "producers.jsonl_source:JsonlDomain",
     "judge": "producers.jsonl_source:JudgeDomain",
     "sleep": "producers.sleep_domain:SleepDomain",
+    "reasoning_gym": "producers.reasoning_gym_domain:ReasoningGymDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 
@@ -66,8 +73,37 @@ class Drawn:
     hidden: dict[str, Any] | None = None
 
 
+class DomainUnavailable(ValueError):
+    """A domain that cannot start here (its generator fails to build): the run goes on without it."""
+
+
+class TaskSkipped(RuntimeError):
+    """A source could not make this one task; `reason` is a short counter name."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
 class DomainSource(Protocol):
+    """A domain's task source: `make_task` draws training tasks.
+
+    Optional methods, looked up by name (a source without them still conforms; see
+    `eval_problems` below for the default): `demonstration(rng, level)` for SFT demos, and
+    `eval_problems(n, seed) -> list[Drawn]`, the domain's fixed held-out eval set: at most n
+    tasks, a pure function of (n, seed) and the domain's config, never drawn by
+    `make_task`. Each carries its verifier and public `verifier_params` like a training
+    task, its gold in `hidden`; the scheduler publishes them as greedy `purpose=eval`
+    tasks and scores them with those verifiers (`scheduler.pipeline_eval`)."""
+
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn: ...
+
+
+def eval_problems(source, n: int, seed: int) -> list[Drawn] | None:
+    """The source's held-out eval set (`source.eval_problems(n, seed)`, at most n tasks), or
+    None when the source has no such method (the default: no generic eval set)."""
+    fn = getattr(source, "eval_problems", None)
+    return None if fn is None else list(fn(n, seed))[:n]
 
 
 Factory = Callable[[DomainContext], DomainSource]
@@ -119,6 +155,20 @@ def make_source(run_id: str, name: str, cfg) -> DomainSource:
     """The task source of config domain `name`."""
     dc = cfg.sampler.domains[name]
     return get_factory(kind_of(name, dc))(DomainContext(run_id=run_id, name=name, cfg=cfg, dc=dc))
+
+
+def make_sources(run_id: str, cfg, names=None) -> tuple[dict[str, DomainSource], dict[str, str]]:
+    """(sources, disabled) of the config's domains (or of `names`): a domain whose factory
+    raises `DomainUnavailable` is logged and left out, with its reason in `disabled`."""
+    sources: dict[str, DomainSource] = {}
+    disabled: dict[str, str] = {}
+    for name in cfg.sampler.domains if names is None else names:
+        try:
+            sources[name] = make_source(run_id, name, cfg)
+        except DomainUnavailable as exc:
+            log.warning("domain disabled", domain=name, reason=str(exc))
+            disabled[name] = str(exc)
+    return sources, disabled
 
 
 def finish_task(ctx: DomainContext, **fields: Any) -> Task:

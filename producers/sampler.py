@@ -20,6 +20,15 @@ Guarantees:
   none of the configured domains) the static `sampler.domains.<d>.weight`s and
   `start_level`s apply. Weights of unknown domains are ignored and levels are clamped
   to the domain's [min_level, max_level].
+- A `heldout` domain (zero-shot, evaluated only) has weight 0 whatever the curriculum or
+  its static weight says: it is never drawn for training.
+- KV `sampler.progress` counts the tasks published per domain too (`by_domain`).
+- A domain whose source cannot start (`producers.domains.DomainUnavailable`) is disabled:
+  logged, counted (`domains_disabled`) and never drawn; the run goes on with the rest
+  (an error when that leaves none to train). A task a source cannot make (`TaskSkipped`) is not
+  published and another is drawn (at most `publish_batch` such skips per round); what the
+  sources skip is counted by reason (`skipped_<reason>`: e.g. prompts over a domain's
+  `max_prompt_chars`, never truncated).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from bus.hidden import put_hidden
 from bus.kv import CURRICULUM, DURATIONS, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.publish import publish, publish_many
 from bus.session import WorkerContext, worker_session
-from producers.domains import Drawn, make_source
+from producers.domains import Drawn, TaskSkipped, make_sources
 from schemas import TaskFate, TaskFates
 from schemas.config import RunConfig
 
@@ -42,18 +51,18 @@ log = structlog.get_logger()
 
 def plan(domains: dict, curriculum: dict | None) -> tuple[dict[str, float], dict[str, int]]:
     """(weights, levels) to sample with: the curriculum's where it has them, else static."""
-    static_w = {d: c.weight for d, c in domains.items()}
+    static_w = {d: 0.0 if c.heldout else c.weight for d, c in domains.items()}
     levels = {d: c.initial_level for d, c in domains.items()}
     weights = static_w
     if curriculum:
         cw = {d: float(w) for d, w in (curriculum.get("weights") or {}).items() if d in domains}
         if cw and sum(max(0.0, w) for w in cw.values()) > 0:
-            weights = {d: max(0.0, cw.get(d, 0.0)) for d in domains}
+            weights = {d: 0.0 if domains[d].heldout else max(0.0, cw.get(d, 0.0)) for d in domains}
         for d, lvl in (curriculum.get("levels") or {}).items():
             if d in domains:
                 levels[d] = min(max(int(lvl), domains[d].min_level), domains[d].max_level)
     if sum(weights.values()) <= 0:
-        weights = {d: 1.0 for d in domains}
+        weights = {d: 0.0 if c.heldout else 1.0 for d, c in domains.items()}
     return weights, levels
 
 
@@ -102,14 +111,21 @@ async def inflight_by_pool(js, reg, published: dict[str, int]) -> dict[str, int]
 def make_tasks(sources: dict, rng: random.Random, start: int, room: dict[str, int], limit: int,
                weights: dict[str, float], levels: dict[str, int], pools_of: dict[str, str]) -> list[Drawn]:
     """Up to `limit` training tasks, each of a domain drawn by `weights` among the domains
-    whose pool still has room, at that domain's level, tagged with its pool."""
-    room, out = dict(room), []
+    whose pool still has room, at that domain's level, tagged with its pool; a task the
+    source skips (`TaskSkipped`) is left out (after `limit` skips the round ends short)."""
+    room, out, skips = dict(room), [], 0
     while len(out) < limit:
         open_w = {d: w for d, w in weights.items() if w > 0 and room.get(pools_of[d], 0) > 0}
         if not open_w:
             break
         domain = choose(rng, open_w)
-        drawn = sources[domain].make_task(rng, levels[domain], start + len(out))
+        try:
+            drawn = sources[domain].make_task(rng, levels[domain], start + len(out))
+        except TaskSkipped:
+            skips += 1
+            if skips > limit:
+                break
+            continue
         pool = pools_of[domain]
         if pool != drawn.task.pool:
             drawn.task = drawn.task.model_copy(update={"pool": pool})
@@ -118,16 +134,30 @@ def make_tasks(sources: dict, rng: random.Random, start: int, room: dict[str, in
     return out
 
 
+def skip_counts(sources: dict) -> dict[str, int]:
+    """`skipped_<reason>` -> problems the sources skipped for that reason (their `skipped` counters)."""
+    out: dict[str, int] = {}
+    for src in sources.values():
+        for reason, n in (getattr(src, "skipped", None) or {}).items():
+            out[f"skipped_{reason}"] = out.get(f"skipped_{reason}", 0) + int(n)
+    return out
+
+
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the sampler until stopped (or `ctx.max_messages` tasks published)."""
     sc = cfg.sampler
     max_tasks = ctx.max_messages  # for the sampler the generic limit counts tasks published (None: no limit)
     async with worker_session("sampler", cfg, ctx) as s:
-        sources = {name: make_source(s.reg.run_id, name, cfg) for name in sc.domains}
+        sources, disabled = make_sources(s.reg.run_id, cfg)
+        domains = {d: dc for d, dc in sc.domains.items() if d in sources}
+        if disabled and not any(not dc.heldout for dc in domains.values()):
+            raise ValueError(f"no domain left to train: every other one is disabled ({disabled})")
+        s.counters["domains_disabled"] = len(disabled)
         hidden_stored: set[str] = set()
         saved = await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}
         published = int(saved.get("published", 0))
         by_pool = {p: 0 for p in sc.inflight_caps} | dict(saved.get("by_pool") or {"short": published})
+        by_domain: dict[str, int] = dict(saved.get("by_domain") or {})
         caps = pool_caps(cfg)
         rng = random.Random(f"sampler-{cfg.run.seed}-{published}")
         s.counters["published"] = published
@@ -137,11 +167,16 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             held = await inflight_by_pool(s.js, s.reg, by_pool)
             room = {p: caps.get(p, 0) - held.get(p, 0) for p in caps}
             s.counters["inflight"] = sum(held.values())
-            weights, levels = plan(sc.domains, await get_json(s.js, s.reg, CURRICULUM))
+            if all(r <= 0 for r in room.values()):  # gate closed: nothing can be drawn, no KV to read
+                s.counters["gate_waits"] = s.counters.get("gate_waits", 0) + 1
+                await asyncio.sleep(sc.poll_seconds)
+                continue
+            weights, levels = plan(domains, await get_json(s.js, s.reg, CURRICULUM))
             durations = await get_json(s.js, s.reg, DURATIONS)
-            pools_of = {d: pool_for(d, levels[d], sc.domains[d], durations, sc.inflight_caps) for d in sc.domains}
+            pools_of = {d: pool_for(d, levels[d], domains[d], durations, sc.inflight_caps) for d in domains}
             limit = sc.publish_batch if max_tasks is None else min(sc.publish_batch, max_tasks - published)
             drawn = make_tasks(sources, rng, published, room, limit, weights, levels, pools_of)
+            s.counters.update(skip_counts(sources))
             if not drawn:
                 s.counters["gate_waits"] = s.counters.get("gate_waits", 0) + 1
                 await asyncio.sleep(sc.poll_seconds)
@@ -158,6 +193,8 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             published += n
             for t in tasks:
                 by_pool[t.pool] = by_pool.get(t.pool, 0) + 1
+                by_domain[t.domain] = by_domain.get(t.domain, 0) + 1
             s.counters["published"] = published
-            await put_json(s.js, s.reg, SAMPLER_PROGRESS, {"published": published, "by_pool": by_pool})
+            await put_json(s.js, s.reg, SAMPLER_PROGRESS, {"published": published, "by_pool": by_pool,
+                                                           "by_domain": by_domain})
         return s.counters

@@ -143,7 +143,7 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
 
         build_tiny_model(base, arch=cfg.model.arch, hidden_size=cfg.model.hidden_size,
                          num_layers=cfg.model.num_layers, num_heads=cfg.model.num_heads, seed=cfg.run.seed,
-                         tokenizer=cfg.model.tokenizer)
+                         tokenizer=cfg.model.tokenizer, max_position_embeddings=cfg.model.max_position_embeddings)
         console.print(f"built tiny {cfg.model.arch} model ({cfg.model.tokenizer} tokenizer) at {base}")
     if not cfg.sft.enabled:
         shutil.copytree(base, start)

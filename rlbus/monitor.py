@@ -9,7 +9,12 @@ Guarantees:
   the tool calls its episodes made, and the refused calls by kind (`tool_errors`:
   malformed JSON, unknown tool, bad arguments).
 - `summary_dict` is the run's summary.json; its accounting fields are null until the
-  run stopped and `rlbus.accounting` counted every message. `sandbox_isolation` is
+  run stopped and `rlbus.accounting` counted every message. Its `domains` has one entry
+  per domain sampled, scored or in the curriculum: `tasks` (published by the sampler,
+  KV `sampler.progress`), `rewards`, `reward_mean`, and the curriculum's `level` and
+  `weight` (KV `curriculum`; null before its first update). Its `eval.<domain>` carries
+  `purpose` (`train`, or `heldout` for a zero-shot domain) next to `baseline` (version 0;
+  for a held-out domain its earliest evaluated version), `final` and `curve`. `sandbox_isolation` is
   what the run's sandboxes get ("bwrap", "docker", or "degraded": unisolated on purpose).
 """
 
@@ -19,7 +24,16 @@ import os
 import time
 from pathlib import Path
 
-from bus.kv import LEARNER_PROGRESS, PLATEAU, RELEASE_LATEST, STATUS, STOP_REQUESTED, get_json
+from bus.kv import (
+    CURRICULUM,
+    LEARNER_PROGRESS,
+    PLATEAU,
+    RELEASE_LATEST,
+    SAMPLER_PROGRESS,
+    STATUS,
+    STOP_REQUESTED,
+    get_json,
+)
 from bus.subjects import Registry
 from rlbus.live import Snapshot
 from schemas import DecodeError, EvalResult, Metric, RewardGlance, WeightVersion, decode, glance_reward
@@ -63,7 +77,8 @@ class Monitor:
         self.workers: dict[str, dict[str, float]] = {}  # worker_id -> counters
         self.roles: dict[str, str] = {}
         self.step_rewards: dict[int, float] = {}
-        self.evals: dict[int, EvalResult] = {}  # first domain's curve (the live view's headline)
+        self.evals: dict[int, EvalResult] = {}  # first trained domain's curve (the live view's headline)
+        self.headline: str | None = None
         self.domain_evals: dict[str, dict[int, EvalResult]] = {}
         self._last_totals: dict[str, float] = {}
         self._last_t = time.monotonic()
@@ -72,6 +87,8 @@ class Monitor:
         self.stop_requested = False  # KV `status` == "stop-requested"
         self.domain_rewards: dict[str, DomainRewards] = {}  # training rewards per domain
         self.sandbox_isolation: str | None = None  # "bwrap" | "docker" | "degraded", probed by the launcher
+        self.tasks_by_domain: dict[str, int] = {}  # KV `sampler.progress` by_domain
+        self.curriculum: dict = {}  # KV `curriculum`: weights and levels
 
     async def start(self, nc) -> None:
         """Subscribe to telemetry, weight announcements and eval results."""
@@ -110,7 +127,9 @@ class Monitor:
             return
         per = self.domain_evals.setdefault(ev.domain, {})
         per[ev.version] = ev
-        if ev.domain == next(iter(self.domain_evals)):
+        if self.headline is None and ev.purpose == "train":
+            self.headline = ev.domain  # the live view's curve: the first trained domain evaluated
+        if ev.domain == self.headline:
             self.evals[ev.version] = ev
 
     def totals(self) -> dict[str, float]:
@@ -172,6 +191,9 @@ class Monitor:
         self.plateau = await get_json(self.js, self.reg, PLATEAU)
         self.released_version = ((await get_json(self.js, self.reg, RELEASE_LATEST)) or {}).get("version")
         self.stop_requested = await get_json(self.js, self.reg, STATUS) == STOP_REQUESTED
+        self.tasks_by_domain = dict(((await get_json(self.js, self.reg, SAMPLER_PROGRESS)) or {}).get("by_domain") or {})
+        cur = await get_json(self.js, self.reg, CURRICULUM) or {}
+        self.curriculum = {"weights": cur.get("weights") or {}, "levels": cur.get("levels") or {}}
         if self.evals:
             s.eval_baseline = self.evals[min(self.evals)].score if 0 in self.evals else None
             s.eval_version = max(self.evals)
@@ -187,15 +209,26 @@ def rollout_figures(mon) -> dict:
             "busy_s": round(busy, 2), "tokens_per_s": round(tokens / busy, 1) if busy > 0 else None}
 
 
+def domain_counts(mon) -> dict[str, dict]:
+    """summary.json's `domains`: per domain sampled, scored or weighted, its tasks published,
+    training rewards (count, mean, statuses, tool calls) and curriculum level and weight."""
+    weights, levels = mon.curriculum.get("weights") or {}, mon.curriculum.get("levels") or {}
+    names = set(mon.domain_rewards) | set(mon.tasks_by_domain) | set(weights)
+    return {d: {"tasks": int(mon.tasks_by_domain.get(d, 0)),
+                **(mon.domain_rewards.get(d) or DomainRewards()).as_dict(),
+                "level": levels.get(d), "weight": weights.get(d)} for d in sorted(names)}
+
+
 def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = None) -> dict:
     """The run's summary.json (accounting fields are null until the run stops)."""
     counts = acc.counts() if acc else {}
     evals = {}
     for domain, per in mon.domain_evals.items():
-        first, last = per.get(0), per[max(per)]
-        evals[domain] = {"baseline": first.score if first else None, "final": last.score, "n": last.n,
-                         "baseline_version": 0 if first else None, "final_version": last.version,
-                         "curve": {str(v): e.score for v, e in sorted(per.items())}}
+        last = per[max(per)]
+        first = per.get(0) or (per[min(per)] if last.purpose == "heldout" else None)
+        evals[domain] = {"purpose": last.purpose, "baseline": first.score if first else None, "final": last.score,
+                         "n": last.n, "baseline_version": first.version if first else None,
+                         "final_version": last.version, "curve": {str(v): e.score for v, e in sorted(per.items())}}
     out = {
         "run_id": snap.run_id, "steps": snap.step, "weight_versions": snap.version + 1,
         "tasks_published": len(acc.published) if acc else int(snap.totals.get("sampler", 0)),
@@ -204,7 +237,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "lost": counts.get("lost") if acc else None, "trained_twice": acc.trained_twice if acc else None,
         "learner_rollbacks": acc.rollbacks if acc else None,
         "task_fates": counts or None, "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
-        "eval": evals, "domains": {d: dr.as_dict() for d, dr in sorted(mon.domain_rewards.items())},
+        "eval": evals, "domains": domain_counts(mon),
         "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
         "worker_restarts": snap.restarts,
         "rollout": rollout_figures(mon),

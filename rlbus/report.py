@@ -12,9 +12,16 @@ Guarantees:
   else recorded tokens / CPU seconds, else learner step), `curriculum.png` (domain
   weights over time), `throughput_staleness.png` (scored samples per second, and the
   policy-version lag of training samples: newest published version when the sample was
-  scored minus the version that generated it, a lower bound of its lag at training).
+  scored minus the version that generated it, a lower bound of its lag at training),
+  `heldout_vs_train.png` (eval score of each held-out domain, `eval_results.purpose =
+  heldout`, next to the trained domains' mean per version), `domain_heatmap.png` (domains x
+  weight version -> mean training reward, domains sorted by mean reward, versions bucketed
+  to at most `HEATMAP_COLUMNS` columns), `curriculum_weights.png` (stacked curriculum
+  weights over time, from `curriculum_updates`). With many domains, line plots name at most
+  `rlbus.plots.TOP_LABELLED` of them.
 - `report.md` is rewritten on every call (idempotent); it links the plots by relative
-  path and lists evals (baseline, best, final), the released version and the plateau.
+  path and lists evals (purpose, baseline, best, final), the released version, the plateau
+  and one row per domain (tasks scored, rewards, mean reward, last curriculum level and weight).
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from rlbus.plots import TOP_LABELLED, curriculum_area, domain_heatmap, heldout_vs_train
+
+HEATMAP_COLUMNS = 60
 
 EPILOG = """examples:
   rlbus report runs/demo-20250101-120000                   # -> runs/.../report.md and runs/.../plots/*.png
@@ -115,13 +126,95 @@ def capability_cost(evals, gates, steps: dict[int, int]) -> tuple[str, dict[str,
     return "learner step", {}
 
 
+def purposes(evals) -> dict[str, str]:
+    """domain -> `heldout` or `train` (a domain counts as held out once any of its evals says so)."""
+    out: dict[str, str] = {}
+    for e in evals:
+        if getattr(e, "purpose", "train") == "heldout":
+            out[e.domain] = "heldout"
+        else:
+            out.setdefault(e.domain, "train")
+    return out
+
+
+def heldout_and_train_mean(evals, trained: set[str] | None = None
+                           ) -> tuple[dict[str, list[tuple[int, float]]], list[tuple[int, float]], int]:
+    """(held-out domain -> [(version, score)], [(version, mean score of the trained domains
+    evaluated at that version)], number of trained domains). `trained`, when given (the run
+    config's sampler domains), keeps extra sets such as the forgetting guard's general set out
+    of the mean."""
+    kind = purposes(evals)
+    held: dict[str, dict[int, float]] = defaultdict(dict)
+    train: dict[int, dict[str, float]] = defaultdict(dict)
+    for e in sorted(evals, key=lambda e: (e.version, e.created_at)):  # the newest score of a version wins
+        if kind[e.domain] == "heldout":
+            held[e.domain][e.version] = e.score
+        elif trained is None or e.domain in trained:
+            train[e.version][e.domain] = e.score
+    names = {d for per in train.values() for d in per}
+    return ({d: sorted(per.items()) for d, per in held.items()},
+            [(v, sum(per.values()) / len(per)) for v, per in sorted(train.items())], len(names))
+
+
+def reward_grid(rewards, max_columns: int = HEATMAP_COLUMNS
+                ) -> tuple[list[str], list[str], list[list[float | None]]]:
+    """(domains sorted by mean reward, highest first (ties by name); column labels; grid of
+    mean ok training reward per domain and version bucket, None where a domain has none).
+    Versions are bucketed into at most `max_columns` equal ranges."""
+    ok = [r for r in rewards if r.purpose == "train" and r.status == "ok" and r.policy_version >= 0]
+    if not ok:
+        return [], [], []
+    top = max(r.policy_version for r in ok)
+    width = max(1, -(-(top + 1) // max_columns))  # versions per column
+    cells: dict[tuple[str, int], list[float]] = defaultdict(list)
+    overall: dict[str, list[float]] = defaultdict(list)
+    for r in ok:
+        cells[(r.domain, r.policy_version // width)].append(r.reward)
+        overall[r.domain].append(r.reward)
+    domains = sorted(overall, key=lambda d: (-sum(overall[d]) / len(overall[d]), d))
+    n_cols = top // width + 1
+    labels = [str(c * width) if width == 1 else f"{c * width}-{min(top, (c + 1) * width - 1)}" for c in range(n_cols)]
+    grid = [[(sum(v) / len(v)) if (v := cells.get((d, c))) else None for c in range(n_cols)] for d in domains]
+    return domains, labels, grid
+
+
+def domain_table(rewards, updates) -> list[str]:
+    """report.md's per-domain rows: tasks scored, ok training rewards, mean, and the last
+    curriculum level and weight; sorted by weight, then name."""
+    tasks: dict[str, set] = defaultdict(set)
+    vals: dict[str, list[float]] = defaultdict(list)
+    for r in rewards:
+        if r.purpose == "train":
+            tasks[r.domain].add(r.task_msg_id)
+            if r.status == "ok":
+                vals[r.domain].append(r.reward)
+    last = updates[-1] if updates else None
+    weights, levels = (last.weights, last.levels) if last else ({}, {})
+    names = sorted(set(tasks) | set(weights), key=lambda d: (-float(weights.get(d, 0.0)), d))
+    if not names:
+        return ["no training rewards recorded"]
+    lines = ["| domain | tasks | rewards | mean reward | level | weight |", "|---|---|---|---|---|---|"]
+    for d in names:
+        v = vals.get(d, [])
+        lines.append(f"| {d} | {len(tasks.get(d, ()))} | {len(v)} | {f'{sum(v) / len(v):.3f}' if v else '-'} | "
+                     f"{levels.get(d, '-')} | {f'{weights[d]:.4f}' if d in weights else '-'} |")
+    return lines
+
+
+def curriculum_series(updates, t0: float) -> tuple[list[float], dict[str, list[float]]]:
+    """(seconds since start per update, domain -> its weight at each update; 0 where absent)."""
+    times = [u.created_at - t0 for u in updates]
+    domains = sorted({d for u in updates for d in u.weights})
+    return times, {d: [float(u.weights.get(d, 0.0)) for u in updates] for d in domains}
+
+
 # -- plots ------------------------------------------------------------------------------------
 def plot_rewards(path: Path, series: dict[str, list]) -> Path:
     """Mean training reward per domain vs learner step."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for domain, pts in series.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=2, label=domain)
+    for i, (domain, pts) in enumerate(series.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=2, label=domain if i < TOP_LABELLED else None)
     if not series:
         _no_data(ax, "training rewards")
     ax.set(xlabel="learner step of the generating policy", ylabel="mean reward", title="training reward per domain")
@@ -153,8 +246,9 @@ def plot_curriculum(path: Path, updates, t0: float) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     domains = sorted({d for u in updates for d in u.weights})
-    for d in domains:
-        ax.step([u.created_at - t0 for u in updates], [u.weights.get(d, 0.0) for u in updates], where="post", label=d)
+    for i, d in enumerate(domains):
+        ax.step([u.created_at - t0 for u in updates], [u.weights.get(d, 0.0) for u in updates], where="post",
+                label=d if i < TOP_LABELLED else None)
     if not updates:
         _no_data(ax, "curriculum updates")
     ax.set(xlabel="seconds since start", ylabel="sampling weight", title="curriculum weights", ylim=(-0.02, 1.02))
@@ -188,13 +282,14 @@ def _eval_table(evals) -> list[str]:
     per: dict[str, list] = defaultdict(list)
     for e in sorted(evals, key=lambda e: (e.version, e.created_at)):
         per[e.domain].append(e)
-    lines = ["| domain | n | baseline | best (version) | final (version) |", "|---|---|---|---|---|"]
-    for domain, es in sorted(per.items()):
+    kind = purposes(evals)
+    lines = ["| domain | purpose | n | baseline | best (version) | final (version) |", "|---|---|---|---|---|---|"]
+    for domain, es in sorted(per.items(), key=lambda kv: (kind[kv[0]] != "heldout", kv[0])):
         base = next((e.score for e in es if e.version == 0), None)
         best = max(es, key=lambda e: e.score)
         last = es[-1]
-        lines.append(f"| {domain} | {last.n} | {'-' if base is None else f'{base:.3f}'} | {best.score:.3f} "
-                     f"(v{best.version}) | {last.score:.3f} (v{last.version}) |")
+        lines.append(f"| {domain} | {kind[domain]} | {last.n} | {'-' if base is None else f'{base:.3f}'} | "
+                     f"{best.score:.3f} (v{best.version}) | {last.score:.3f} (v{last.version}) |")
     return lines if per else ["no evaluations recorded"]
 
 
@@ -249,6 +344,10 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     plot_curriculum(plots / "curriculum.png", updates, t0)
     lags = staleness(rewards, versions)
     plot_throughput_staleness(plots / "throughput_staleness.png", throughput(rewards, bucket_s), lags, t0)
+    config_domains = set(((runs[0].config or {}).get("sampler") or {}).get("domains") or {}) if runs else set()
+    heldout_vs_train(plots / "heldout_vs_train.png", *heldout_and_train_mean(evals, config_domains or None))
+    domain_heatmap(plots / "domain_heatmap.png", *reward_grid(rewards))
+    curriculum_area(plots / "curriculum_weights.png", *curriculum_series(updates, t0))
 
     released = max((g.version for g in gates if g.released), default=None)
     trained = [r for r in rewards if r.purpose == "train"]
@@ -268,7 +367,11 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
           "![reward per domain](plots/reward_per_domain.png)", "",
           f"![capability vs cost](plots/capability_cost.png) (cost: {label})", "",
           "![curriculum weights](plots/curriculum.png)", "",
-          "![throughput and staleness](plots/throughput_staleness.png)", ""]
+          "![throughput and staleness](plots/throughput_staleness.png)", "",
+          "![held-out vs trained domains](plots/heldout_vs_train.png)", "",
+          "![mean reward by domain and version](plots/domain_heatmap.png)", "",
+          "![curriculum weights, stacked](plots/curriculum_weights.png)", "",
+          "## Domains", "", *domain_table(rewards, updates), ""]
     out = run_path / "report.md"
     out.write_text("\n".join(md))
     return out

@@ -13,6 +13,9 @@ Guarantees:
 - `--once` prints exactly one frame as plain text (no escape codes) and exits 0;
   without it, the frame refreshes in place (rich Live) until Ctrl-C.
 - A missing stream, consumer or key shows as `-`, never as an error.
+- However many domains, the domain panel has at most `--top` rows (default 10; 0 = all):
+  the domains with the largest curriculum weight (KV `curriculum`; else the most recent
+  rewards), then one row counting the rest with their summed weight and recent rewards.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from collections import defaultdict, deque
 from pathlib import Path
 
-from bus.kv import LEARNER_PROGRESS, get_json
+from bus.kv import CURRICULUM, LEARNER_PROGRESS, get_json
 from bus.subjects import Registry
 from schemas import DecodeError, EvalResult, Metric, Reward, decode
 
@@ -112,9 +115,10 @@ async def collect_frame(js, reg: Registry, beats: Heartbeats, recent: int = 256)
         lag = max(0, version - r.trajectory.policy_version)
         staleness[str(lag) if lag < 4 else "4+"] += 1
     evals: dict[str, EvalResult] = {}
-    for e in await _recent(js, reg.stream("EVAL"), 128, EvalResult):
+    for e in await _recent(js, reg.stream("EVAL"), max(128, 2 * len(by_domain)), EvalResult):
         if e.domain not in evals or e.version >= evals[e.domain].version:
             evals[e.domain] = e
+    cur = await get_json(js, reg, CURRICULUM) or {}
     now = time.time()
     stages = {}
     for role, (counter, unit) in STAGES.items():
@@ -128,7 +132,10 @@ async def collect_frame(js, reg: Registry, beats: Heartbeats, recent: int = 256)
             "stages": stages, "streams": streams, "consumers": consumers,
             "dead_letters": streams.get("DLQ"),
             "rewards": {d: {"n": len(v), "mean": sum(v) / len(v)} for d, v in sorted(by_domain.items())},
-            "evals": {d: {"version": e.version, "score": e.score, "n": e.n} for d, e in sorted(evals.items())},
+            "evals": {d: {"version": e.version, "score": e.score, "n": e.n, "purpose": e.purpose}
+                      for d, e in sorted(evals.items())},
+            "curriculum": {"version": cur.get("version"), "weights": cur.get("weights") or {},
+                           "levels": cur.get("levels") or {}},
             "staleness": staleness, "workers": workers}
 
 
@@ -136,8 +143,47 @@ def _dash(x, fmt="{}"):
     return "-" if x is None else fmt.format(x)
 
 
-def render(frame: dict):
-    """A rich renderable (tables in a grid) of one frame."""
+def domain_rows(frame: dict, top: int = 10) -> tuple[list[str], dict | None]:
+    """The domains the panel shows (at most `top`; 0 = all), ordered by curriculum weight,
+    then recent rewards, then name; and what the rest sum to (None when nothing is left out):
+    {"domains", "rewards", "weight"}."""
+    cur = frame.get("curriculum") or {}
+    weights = cur.get("weights") or {}
+    names = set(frame["rewards"]) | set(frame["evals"]) | set(weights)
+    ranked = sorted(names, key=lambda d: (-float(weights.get(d, 0.0)), -frame["rewards"].get(d, {}).get("n", 0), d))
+    shown, rest = (ranked, []) if top <= 0 else (ranked[:top], ranked[top:])
+    if not rest:
+        return shown, None
+    return shown, {"domains": len(rest), "rewards": sum(frame["rewards"].get(d, {}).get("n", 0) for d in rest),
+                   "weight": sum(float(weights.get(d, 0.0)) for d in rest)}
+
+
+def domain_table(frame: dict, top: int = 10):
+    """The domain panel: recent reward, latest eval (and its purpose), curriculum weight and
+    level of the top domains, then one row for the rest."""
+    from rich.table import Table
+
+    levels = (frame.get("curriculum") or {}).get("levels") or {}
+    weights = (frame.get("curriculum") or {}).get("weights") or {}
+    shown, rest = domain_rows(frame, top)
+    title = "reward and eval by domain" + (f" (top {len(shown)} of {len(shown) + rest['domains']} by weight)"
+                                           if rest else "")
+    table = Table(title=title, title_justify="left")
+    for col in ("domain", "recent rewards", "reward mean", "eval score", "eval version", "eval purpose", "weight",
+                "level"):
+        table.add_column(col, justify="left" if col in ("domain", "eval purpose") else "right")
+    for d in shown:
+        r, e = frame["rewards"].get(d, {}), frame["evals"].get(d, {})
+        table.add_row(d, _dash(r.get("n")), _dash(r.get("mean"), "{:.3f}"), _dash(e.get("score"), "{:.3f}"),
+                      _dash(e.get("version")), _dash(e.get("purpose")), _dash(weights.get(d), "{:.3f}"),
+                      _dash(levels.get(d)))
+    if rest:
+        table.add_row(f"(+{rest['domains']} more)", str(rest["rewards"]), "", "", "", "", f"{rest['weight']:.3f}", "")
+    return table
+
+
+def render(frame: dict, top: int = 10):
+    """A rich renderable (tables in a grid) of one frame; the domain panel shows `top` domains."""
     from rich.console import Group
     from rich.table import Table
 
@@ -165,13 +211,7 @@ def render(frame: dict):
         if family not in seen:
             lag.add_row(family, _dash(n), "-", "", "", "", "")
 
-    quality = Table(title="reward and eval by domain", title_justify="left")
-    for col in ("domain", "recent rewards", "reward mean", "eval score", "eval version"):
-        quality.add_column(col, justify="left" if col == "domain" else "right")
-    for d in sorted(set(frame["rewards"]) | set(frame["evals"])):
-        r, e = frame["rewards"].get(d, {}), frame["evals"].get(d, {})
-        quality.add_row(d, _dash(r.get("n")), _dash(r.get("mean"), "{:.3f}"), _dash(e.get("score"), "{:.3f}"),
-                        _dash(e.get("version")))
+    quality = domain_table(frame, top)
 
     stale = Table(title="staleness (versions behind, recent rewards)", title_justify="left")
     stale.add_column("behind")
@@ -189,7 +229,8 @@ def render(frame: dict):
     return Group(head, stages, lag, quality, stale, workers)
 
 
-async def _run(url: str, run_id: str | None, once: bool, interval: float, listen: float, recent: int) -> int:
+async def _run(url: str, run_id: str | None, once: bool, interval: float, listen: float, recent: int,
+               top: int = 10) -> int:
     from rich.console import Console
     from rich.live import Live
 
@@ -211,12 +252,13 @@ async def _run(url: str, run_id: str | None, once: bool, interval: float, listen
         await nc.subscribe(reg.metrics(), cb=on_metric)
         await asyncio.sleep(listen)
         if once:
-            Console(width=120, no_color=True, force_terminal=False).print(render(await collect_frame(js, reg, beats, recent)))
+            Console(width=120, no_color=True, force_terminal=False).print(
+                render(await collect_frame(js, reg, beats, recent), top))
             return 0
-        with Live(render(await collect_frame(js, reg, beats, recent)), auto_refresh=False, screen=False) as live:
+        with Live(render(await collect_frame(js, reg, beats, recent), top), auto_refresh=False, screen=False) as live:
             while True:
                 await asyncio.sleep(interval)
-                live.update(render(await collect_frame(js, reg, beats, recent)), refresh=True)
+                live.update(render(await collect_frame(js, reg, beats, recent), top), refresh=True)
     finally:
         await nc.close()
 
@@ -229,7 +271,7 @@ def main(args) -> int:
         run_id, url = find_run(Path(args.run_dir) if args.run_dir else None, args.run_id, args.nats_url)
         if not url:
             raise StatusError("pass --nats-url, or --run-dir to read it from the run's run.json")
-        return asyncio.run(_run(url, run_id, args.once, args.interval, args.listen, args.recent))
+        return asyncio.run(_run(url, run_id, args.once, args.interval, args.listen, args.recent, args.top))
     except StatusError as exc:
         sys.exit(f"rlbus top: {exc}")
     except KeyboardInterrupt:
@@ -251,4 +293,6 @@ def register(sub) -> None:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     p.add_argument("--listen", type=float, default=2.5, help="seconds of heartbeats to gather before the first frame")
     p.add_argument("--recent", type=int, default=256, help="recent rewards read for the domain/staleness panels")
+    p.add_argument("--top", type=int, default=10, help="domains shown in the domain panel, by curriculum weight "
+                                                       "(default 10; 0 = all); the rest are counted in one row")
     p.set_defaults(func=main)

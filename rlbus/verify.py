@@ -1,6 +1,7 @@
 """`rlbus verify`: score one answer locally with a built-in (or plugin) verifier; no NATS.
 
     rlbus verify --domain D [--task-id ID] [--gold G] --answer-file F [--backend docker|process]
+    rlbus verify --domain rg-<dataset> --seed S --index I [--level L] [--config FILE] --answer-file F
 
 Guarantees:
 - Prints exactly ONE JSON line on stdout: `{"reward", "components", "status", "details",
@@ -14,6 +15,11 @@ Guarantees:
 - `--backend` matters only for sandboxed verifiers (`code`); default: docker when an
   engine answers and the docker backend exists, else process. `backend` in the output is
   the one used (`none` for verifiers that run no sandbox).
+- A task domain (`rg-<dataset>`, or any domain with `--config` and `--index`) scores the
+  answer against the task `rlbus tasks show` prints for the same flags (the sampler's code
+  path, `rlbus.tasks_cmd.draw`), with its hidden payload, composed exactly as a verifier
+  worker composes it (`verifier_workers.worker.score`: the domain's reward weights too).
+  A verifier that cannot run (`VerifierInfraError`, e.g. a scorer that raises) exits 3.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ EPILOG = """how each verifier reads its inputs:
            gold answer (e.g. '\\frac{1}{2}').
   arith    F holds the answer; --task-id (or --gold) is the expression, e.g. '12*7+3'.
   extract  F holds the answer text with a JSON object; --gold is the gold JSON object.
+  rg-*     F holds the model's reply (answer in <answer>...</answer>, else its last line);
+           --seed/--index/--level name the task as `rlbus tasks show` does.
 
 examples:
   rlbus verify --domain code --task-id HumanEval/0 --answer-file solution.py
@@ -38,11 +46,12 @@ examples:
   rlbus verify --domain math --gold '\\frac{1}{2}' --answer-file answer.txt
   rlbus verify --domain arith --task-id '12*7+3' --answer-file answer.txt
   rlbus verify --domain extract --gold '{"name": "Ada", "year": 1843}' --answer-file reply.txt
+  rlbus verify --domain rg-leg_counting --seed 0 --index 7 --answer-file reply.txt
 
 output (one JSON line):
   {"reward": 1.0, "components": {"correct": 1.0, "compiles": 1.0, "pass_rate": 1.0},
    "status": "ok", "details": "pass: 7/7 assertions; ...", "backend": "process"}
-exit status: 0 verdict printed, 2 unusable input, 3 sandbox failure.
+exit status: 0 verdict printed, 2 unusable input, 3 sandbox or verifier infrastructure failure.
 """
 
 
@@ -58,6 +67,9 @@ def register(sub) -> None:
     p.add_argument("--answer-file", required=True, help="file with the answer to score ('-' reads stdin)")
     p.add_argument("--backend", choices=("docker", "process"), help="sandbox for code (default: docker if reachable)")
     p.add_argument("--timeout", type=float, help="code: seconds the candidate may run (default 10)")
+    from rlbus.tasks_cmd import add_task_args
+
+    add_task_args(p, domain=False)
     p.set_defaults(func=main)
 
 
@@ -107,6 +119,38 @@ def _inputs(args) -> tuple[dict, dict | None]:
     return {}, {"gold": args.gold}
 
 
+def is_task_domain(args) -> bool:
+    """Whether the flags name a sampled task (`rg-*`, or `--config` with `--index`) rather than a verifier."""
+    from schemas import rg_family
+
+    return args.domain.startswith(rg_family.PREFIX) or bool(args.config and args.index is not None)
+
+
+def verify_task(args, answer: str) -> int:
+    """Score `answer` against the task the flags name (see the module guarantees)."""
+    from producers.domains import TaskSkipped
+    from rlbus.tasks_cmd import draw
+    from schemas import Trajectory, Turn
+    from verifier_workers.errors import VerifierInfraError
+    from verifier_workers.verifiers import VerifierInputError
+    from verifier_workers.worker import score
+
+    try:
+        _, drawn = draw(args.domain, args.seed, args.index, args.level, args.config)
+        traj = Trajectory.from_task(drawn.task, 0, [Turn(role="assistant", text=answer)])
+        reward = score(traj, drawn.hidden)
+    except (ValueError, TaskSkipped) as exc:  # inputs, config, VerifierInputError, a domain that cannot start
+        kind = "" if not isinstance(exc, VerifierInputError) else "unusable task: "
+        print(f"rlbus verify: {kind}{exc}", file=sys.stderr)
+        return 2
+    except VerifierInfraError as exc:
+        print(f"rlbus verify: verifier failure: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps({"reward": reward.reward, "components": reward.components, "status": reward.status,
+                      "details": reward.details, "backend": "none"}))
+    return 0
+
+
 def main(args) -> int:
     """Run `rlbus verify`."""
     from verifier_workers import registry
@@ -117,6 +161,8 @@ def main(args) -> int:
     except OSError as exc:
         print(f"rlbus verify: cannot read --answer-file: {exc}", file=sys.stderr)
         return 2
+    if is_task_domain(args):
+        return verify_task(args, answer)
     try:
         params, hidden = _inputs(args)
         fn = registry.get(args.domain)

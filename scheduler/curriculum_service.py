@@ -6,15 +6,16 @@ Guarantees:
 - It reads REWARDS with its own durable pull consumer `curriculum` (explicit settings,
   unlimited deliveries); it shares no durable with the learner or the recorder.
 - Rewards are grouped per trajectory group (`group_id`); a group is observed once, as
-  (domain, difficulty, rewards), when all `group_size` samples are in, or as a partial
+  (domain, difficulty, rewards, lowest policy version of its samples), when all `group_size` samples are in, or as a partial
   group after `learner.group_deadline_s` (the rest may be dead-lettered). Rewards of
-  `purpose != "train"`, of domains not in `sampler.domains`, or of other runs are acked
-  and counted, never observed. Redelivered rewards (same msg_id) are not counted twice.
+  `purpose != "train"`, of domains not in `sampler.domains` or held out, or of other runs
+  are acked and counted, never observed. Redelivered rewards (same msg_id) are not counted twice.
 - Messages are acked only after the curriculum state that includes them is published,
   so a crash re-observes them against the last published state. Messages of groups
   still incomplete stay unacked (`in_progress` keeps them).
-- Every `scheduler.curriculum.every_s`, if anything was observed since the last
-  publish, the state is published to the run's KV under `curriculum` as
+- However many domains, the whole state is ONE KV value, published at most once per
+  `scheduler.curriculum.every_s` (and once at stop): every `every_s`, if anything was
+  observed since the last publish, the state is published to the run's KV under `curriculum` as
   {"version": n, "weights": {...}, "levels": {...}, "updates": u, "snapshot": {...}} and,
   when a store is given, recorded with `record_curriculum_update` under the msg_id
   `curriculum-<run>-<n>` (deterministic: a repeated record is ignored). Before the first
@@ -42,16 +43,18 @@ log = structlog.get_logger()
 
 DURABLE = "curriculum"
 SEEN_MAX = 100_000
+LOG_TOP = 10  # domains (largest weights) named in each `curriculum.published` log line
 
 
 def build(cfg) -> Curriculum:
     """A fresh curriculum from the run config."""
     ec = cfg.scheduler.curriculum
     domains = {name: DomainSpec(target_reward=d.target_reward, floor_share=d.floor_share,
-                                levels=(d.min_level, d.max_level), start_level=d.initial_level)
+                                levels=(d.min_level, d.max_level), start_level=d.initial_level, heldout=d.heldout)
                for name, d in cfg.sampler.domains.items()}
     return Curriculum(domains, temperature=ec.temperature, ema_alpha=ec.ema_alpha,
-                      promote_at=ec.promote_at, demote_at=ec.demote_at, window=ec.window)
+                      promote_at=ec.promote_at, demote_at=ec.demote_at, window=ec.window,
+                      min_share=ec.min_share, max_share=ec.max_share)
 
 
 def consumer_config(reg, *, ack_wait_s: float = 120.0, max_ack_pending: int = 16384) -> ConsumerConfig:
@@ -116,7 +119,8 @@ class _Observer:
             await self._drop(raw, "curriculum_undecodable")
             return
         t = msg.trajectory
-        if msg.run_id != self.reg.run_id or t.purpose != "train" or t.domain not in self.cur.domains:
+        if (msg.run_id != self.reg.run_id or t.purpose != "train" or t.domain not in self.cur.domains
+                or self.cur.domains[t.domain].heldout):
             await self._drop(raw, "curriculum_skipped")
             return
         if msg.msg_id in self.seen:
@@ -126,7 +130,9 @@ class _Observer:
         if len(self.seen) > SEEN_MAX:
             self.seen.popitem(last=False)
         g = self.groups.setdefault(t.group_id, {"domain": t.domain, "level": t.difficulty, "size": t.group_size,
-                                                "rewards": [], "raws": [], "first": now})
+                                                "rewards": [], "raws": [], "first": now, "version": None})
+        if t.policy_version >= 0:  # -1: an episode without a model turn records no version
+            g["version"] = t.policy_version if g["version"] is None else min(g["version"], t.policy_version)
         g["rewards"].append(msg.reward)
         g["raws"].append(raw)
         if len(g["rewards"]) >= g["size"]:
@@ -135,7 +141,7 @@ class _Observer:
     def observe(self, gid: str) -> None:
         """Feed the group to the curriculum; its messages wait for the next publish."""
         g = self.groups.pop(gid)
-        change = self.cur.observe(g["domain"], g["level"], g["rewards"])
+        change = self.cur.observe(g["domain"], g["level"], g["rewards"], version=g["version"] or 0)
         self.to_ack.extend(g["raws"])
         self.observed_since += 1
         self.count("curriculum_groups")
@@ -168,9 +174,10 @@ class _Observer:
                                     value["weights"], value["levels"], "; ".join(self.reasons) or "periodic")
         for raw in self.to_ack:
             await raw.ack()
-        log.info("curriculum.published", version=self.version,
-                 weights={d: round(w, 3) for d, w in value["weights"].items()},
-                 levels=value["levels"], groups=self.observed_since)
+        top = sorted(value["weights"].items(), key=lambda kv: -kv[1])[:LOG_TOP]
+        log.info("curriculum.published", version=self.version, domains=len(value["weights"]),
+                 weights={d: round(w, 3) for d, w in top}, levels={d: value["levels"][d] for d, _ in top},
+                 groups=self.observed_since)
         self.to_ack, self.reasons, self.observed_since = [], [], 0
         self.counters["curriculum_version"] = self.version
 

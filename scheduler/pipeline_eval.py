@@ -11,6 +11,11 @@ and this module collects them.
 Guarantees:
 - A round's tasks have msg_ids `ev<round>.<domain>.<i>-r<run>`: redelivered or
   republished, JetStream and the reward ids de-duplicate them; a reward counts once.
+- A round covers every set of the suite, or the named ones (`evaluate(only=...)`). Sets of
+  kind `drawn` (a domain source's `eval_problems`, held-out domains' included) are published
+  as their own tasks made greedy: `purpose=eval`, one sample, temperature 0, their verifier,
+  params, tools and pool as drawn; their hidden gold is put in the run's hidden bucket (under
+  the task's `hidden_ref`) before the first round that publishes them.
 - The score of a domain is the fraction of its problems whose reward has `correct` == 1
   (the scalar when a verifier reports no `correct`), over the whole set: a problem whose
   reward did not arrive within the timeout counts as wrong and is reported (`missing`).
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from bus.hidden import put_hidden
 from bus.publish import publish_many
 from producers import tool_calc
 from schemas import ChatMessage, DecodeError, Reward, Task, decode
@@ -38,14 +44,20 @@ from schemas import ChatMessage, DecodeError, Reward, Task, decode
 log = structlog.get_logger()
 
 
-def eval_tasks(suite, run_id: str, round_id: int) -> list[Task]:
-    """One greedy `purpose=eval` task per problem of every eval set of the suite."""
+def eval_tasks(suite, run_id: str, round_id: int, only: list[str] | None = None) -> list[Task]:
+    """One greedy `purpose=eval` task per problem of every eval set of the suite (or of the
+    sets named in `only`)."""
     out = []
     for name, s in suite.sets.items():
+        if only is not None and name not in only:
+            continue
         for i, p in enumerate(s["problems"]):
-            common = dict(run_id=run_id, msg_id=f"ev{round_id}.{name}.{i}-r{run_id}", task_id=f"eval-{name}-{i}",
-                          domain=name, purpose="eval", group_size=1, temperature=0.0, max_tokens=s["max_tokens"],
-                          prompt=[ChatMessage(role="user", content=p.prompt)])
+            ids = dict(run_id=run_id, msg_id=f"ev{round_id}.{name}.{i}-r{run_id}", task_id=f"eval-{name}-{i}",
+                       domain=name, purpose="eval", group_size=1, temperature=0.0)
+            if s["kind"] == "drawn":
+                out.append(p.task.model_copy(update=ids))
+                continue
+            common = dict(**ids, max_tokens=s["max_tokens"], prompt=[ChatMessage(role="user", content=p.prompt)])
             if s["kind"] == "tool_calc":
                 out.append(Task(**common, tools=[tool_calc.TOOL], max_turns=s["max_turns"], verifier="tool_calc",
                                 tool_format=s.get("tool_format", "tags"), verifier_params={"expression": p.expression}))
@@ -84,6 +96,7 @@ class PipelineEval:
         self.next_round = int(time.time())  # unique across scheduler restarts
         self._sub = None
         self.last: dict = {}  # the last round: tasks published, rewards received
+        self.hidden_stored: set[str] = set()
 
     async def start(self) -> None:
         from nats.js.api import DeliverPolicy
@@ -112,14 +125,30 @@ class PipelineEval:
         if round_id in self.rounds:
             self.rounds[round_id].add(r)
 
-    async def evaluate(self, stop: asyncio.Event | None = None) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:
-        """One round: {domain: (score, n, sha256)} and the policy version most trajectories used;
-        None when `stop` was set before the round completed (the round is abandoned)."""
+    async def _store_hidden(self, names) -> None:
+        """Put the hidden gold of the `drawn` sets among `names` (once per process)."""
+        for name in names:
+            s = self.suite.sets[name]
+            if s["kind"] != "drawn":
+                continue
+            for d in s["problems"]:
+                ref = d.task.hidden_ref
+                if d.hidden is not None and ref and ref not in self.hidden_stored:
+                    await put_hidden(self.js, self.reg, ref, d.hidden)
+                    self.hidden_stored.add(ref)
+
+    async def evaluate(self, stop: asyncio.Event | None = None, only: list[str] | None = None,
+                       ) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:
+        """One round over the suite (or the sets in `only`): {domain: (score, n, sha256)} and the
+        policy version most trajectories used; None when `stop` was set before the round
+        completed (the round is abandoned)."""
+        names = [n for n in self.suite.sets if only is None or n in only]
         round_id, self.next_round = self.next_round, self.next_round + 1
-        tasks = eval_tasks(self.suite, self.reg.run_id, round_id)
+        tasks = eval_tasks(self.suite, self.reg.run_id, round_id, names)
         rnd = self.rounds[round_id] = Round(round_id, dict(Counter(t.domain for t in tasks)))
         t0 = time.monotonic()
-        await publish_many(self.js, [(self.reg.tasks(t.domain), t) for t in tasks])
+        await self._store_hidden(names)
+        await publish_many(self.js, [(self.reg.tasks(t.domain, t.pool), t) for t in tasks])
         waits = [asyncio.ensure_future(rnd.done.wait())] + ([asyncio.ensure_future(stop.wait())] if stop else [])
         try:
             await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -133,13 +162,17 @@ class PipelineEval:
                         seconds=round(time.monotonic() - t0, 1), why="stopping before the round completed")
             return None
         versions = Counter(r.trajectory.policy_version for r in rnd.got.values())
+        got, right = Counter(), Counter()  # per domain: rewards received, correct ones
+        for r in rnd.got.values():
+            got[r.trajectory.domain] += 1
+            right[r.trajectory.domain] += is_correct(r)
         scores = {}
-        for name, s in self.suite.sets.items():
-            mine = [r for r in rnd.got.values() if r.trajectory.domain == name]
+        for name in names:
+            s = self.suite.sets[name]
             n = len(s["problems"])
-            scores[name] = (sum(map(is_correct, mine)) / max(1, n), n, s["sha256"])
-            if len(mine) < n:
-                log.warning("scheduler.eval_missing", domain=name, missing=n - len(mine), round=round_id,
+            scores[name] = (right[name] / max(1, n), n, s["sha256"])
+            if got[name] < n:
+                log.warning("scheduler.eval_missing", domain=name, missing=n - got[name], round=round_id,
                             why=f"no reward within {self.timeout_s:.0f}s; counted as wrong")
         version = versions.most_common(1)[0][0] if versions else None
         log.info("scheduler.eval_round", round=round_id, seconds=round(time.monotonic() - t0, 1),

@@ -16,6 +16,8 @@ Guarantees:
   (run_id, domain, window_s, window_start) is recomputed from `RewardRow` by `domain_stats`.
 - Times are Unix seconds (float), as in the wire messages, so window arithmetic is
   the same on every database.
+- A store created before a column was added (`ADDED_COLUMNS`, e.g. `eval_results.purpose`)
+  gets it, with its default, when opened.
 """
 
 import math
@@ -69,6 +71,8 @@ class EvalResultRow(SQLModel, table=True):
     score: float
     n: int
     eval_set_sha256: str
+    purpose: str = "train"
+    """`train` (a trained domain) or `heldout` (a zero-shot domain, never trained on)."""
     created_at: float = Field(default_factory=time.time)
     cost_cpu_seconds: float | None = None
     cost_gpu_seconds: float | None = None
@@ -168,6 +172,8 @@ class GateCheckRow(SQLModel, table=True):
 
 TABLES: tuple[type[SQLModel], ...] = (RunRow, WeightVersionRow, EvalResultRow, DomainStatRow, DeadLetterRow,
                                       CurriculumUpdateRow, CostRow, RewardRow, GateCheckRow)
+ADDED_COLUMNS: tuple[tuple[type[SQLModel], str, str], ...] = ((EvalResultRow, "purpose", "'train'"),)
+"""(table, column, SQL default) of columns added after the first release: `Store` adds them to older stores."""
 
 
 def resolve_url(url: str | None, run_path: Path) -> str:
@@ -204,6 +210,20 @@ class Store:
     def __init__(self, engine: sa.Engine):
         self.engine = engine
         SQLModel.metadata.create_all(engine, tables=[t.__table__ for t in TABLES])
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to a table after a store was created (`create_all` never alters an
+        existing table): ALTER TABLE ADD COLUMN with its default, so a store of an older run
+        opens and resumes."""
+        inspector = sa.inspect(self.engine)
+        for model, column, default in ADDED_COLUMNS:
+            table = model.__table__
+            if column not in {c["name"] for c in inspector.get_columns(table.name)}:
+                kind = table.c[column].type.compile(dialect=self.engine.dialect)
+                with self.engine.begin() as conn:
+                    conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind} NOT NULL "
+                                         f"DEFAULT {default}"))
 
     @property
     def dialect(self) -> str:
@@ -297,7 +317,8 @@ class Store:
         costs = {run_id: self.cost_totals(run_id) for run_id in {e.run_id for e in results}}
         return self.insert_ignore(EvalResultRow, [{
             "msg_id": e.msg_id, "run_id": e.run_id, "version": e.version, "step": e.step, "domain": e.domain,
-            "score": e.score, "n": e.n, "eval_set_sha256": e.eval_set_sha256, "created_at": e.created_at,
+            "score": e.score, "n": e.n, "eval_set_sha256": e.eval_set_sha256, "purpose": e.purpose,
+            "created_at": e.created_at,
             **_cost_columns(costs[e.run_id])} for e in results])
 
     def record_dead_letters(self, letters: Iterable) -> int:

@@ -10,7 +10,17 @@ Guarantees:
 - Afterwards every `scheduler.eval.every_versions`-th version is evaluated as it appears, and on
   stop the newest version is evaluated if it was not yet, so `final` is always the
   score of the last version.
-- Each evaluation is published as an `EvalResult` on `eval.<run>.<domain>`.
+- Each evaluation is published as an `EvalResult` on `eval.<run>.<domain>`, with
+  `purpose` = `heldout` for a zero-shot domain (`sampler.domains.<d>.heldout`), else `train`.
+- Sets only the pipeline can score (kind `drawn`: a domain source's `eval_problems`, e.g.
+  a held-out reasoning domain) go through `purpose=eval` rounds in either eval mode: one
+  right after the first weight version appears (its baseline, at the version rollout
+  served then), and one with every evaluation of a new version in `local` mode (in
+  `pipeline` mode the round covers every set). The final evaluation at stop is local, so
+  their last score is the last round's.
+- The gates judge the trained domains' scores (`purpose=train`) of the baseline, of each
+  evaluation of a version and of the final one; held-out scores, and those of the extra
+  rounds above, are recorded and published, never gated.
 - MAX_DELIVERIES advisories of the work streams are turned into dead letters
   (`scheduler.dlq`) while it runs.
 - The recorder (`scheduler.recorder`) runs alongside and stops only after the final
@@ -112,7 +122,7 @@ class SchedulerWorker:
         self.engine = await asyncio.to_thread(HFEngine, str(s.ctx.model_path), "cpu", ec.threads)
         self.watcher = WeightWatcher(s.js, s.reg, s.counters)
         await self.watcher.start()
-        if ec.eval.mode == "pipeline":
+        if ec.eval.mode == "pipeline" or self.suite.pipeline_only():
             self.pipeline = PipelineEval(s.js, s.reg, self.suite, ec.eval.timeout_s)
             await self.pipeline.start()
 
@@ -130,6 +140,7 @@ class SchedulerWorker:
             await put_json(s.js, s.reg, EVAL_BASELINE, {"version": 0, "score": s.counters["eval_score"]})
         if not await self.watcher.wait_first(s.stop):
             return
+        await self._pipeline_only_round()  # the baseline of the sets only the pipeline scores
         while not s.stop.is_set():
             newest = self.watcher.newest
             if newest and (self.last_eval < 0 or newest.version >= self.last_eval + self.ec.eval.every_versions):
@@ -149,9 +160,11 @@ class SchedulerWorker:
         """Evaluate the newest weight version: in the pipeline (eval mode `pipeline`, not
         `local`), else with this process's engine after loading it."""
         watcher = self.watcher
-        if self.pipeline is None or local:
+        if self.ec.eval.mode != "pipeline" or local:
             await watcher.maybe_load(self.engine)
             await self._evaluate_engine(watcher.loaded.version, watcher.loaded.step, watcher.loaded.metrics)
+            if not local:
+                await self._pipeline_only_round()
             return
         asked = watcher.newest.version
         result = await self.pipeline.evaluate(stop=self.s.stop)
@@ -161,6 +174,19 @@ class SchedulerWorker:
         version = asked if version is None else version
         await self._record_scores(scores, version, watcher.steps.get(version, 0), None)
         self.last_eval = max(asked, version)
+
+    async def _pipeline_only_round(self) -> None:
+        """A pipeline round over the sets only the pipeline scores (none: nothing), recorded
+        under the version most of its trajectories used; neither gated nor counted in `evals`."""
+        names = self.suite.pipeline_only()
+        if not names or self.pipeline is None:
+            return
+        result = await self.pipeline.evaluate(stop=self.s.stop, only=names)
+        if result is None:
+            return
+        scores, version = result
+        version = self.watcher.newest.version if version is None else version
+        await self._record_scores(scores, version, self.watcher.steps.get(version, 0), None, gated=False)
 
     async def _evaluate_engine(self, version: int, step: int, metrics: dict | None = None) -> None:
         """Score the engine's current weights as `version` locally."""
@@ -176,17 +202,24 @@ class SchedulerWorker:
                                             limits=limits_from(sc), timeout=sc.timeout_s,
                                             allow_degraded=sc.allow_degraded)
 
-    async def _record_scores(self, scores: dict, version: int, step: int, metrics: dict | None) -> None:
-        """Publish one `EvalResult` per domain, run the gates, update the counters."""
-        s = self.s
+    async def _record_scores(self, scores: dict, version: int, step: int, metrics: dict | None,
+                             gated: bool = True) -> None:
+        """Publish one `EvalResult` per domain (with its purpose); when `gated`, run the gates
+        on the gated sets' scores and count the evaluation."""
+        s, suite = self.s, self.suite
         for domain, (score, n, digest) in scores.items():
+            purpose = suite.purpose(domain)
             await publish(s.js, s.reg.eval(domain), EvalResult(
                 run_id=s.reg.run_id, version=version, step=step, domain=domain, score=score,
-                n=n, eval_set_sha256=digest))
+                n=n, eval_set_sha256=digest, purpose=purpose))
             s.counters[f"eval_{domain}"] = score
-            log.info("scheduler.eval", version=version, domain=domain, score=score, n=n, mode=self.ec.eval.mode)
-        await self.gates.after_eval(version, step, {d: v[0] for d, v in scores.items()}, metrics)
-        first = next(iter(scores.values()), (0.0, 0, ""))[0]
+            log.info("scheduler.eval", version=version, domain=domain, score=score, n=n, mode=self.ec.eval.mode,
+                     purpose=purpose)
+        if not gated:
+            return
+        judged = {d: v[0] for d, v in scores.items() if suite.purpose(d) == "train"}
+        await self.gates.after_eval(version, step, judged, metrics)
+        first = next(iter(judged.values()), 0.0)
         s.counters.update(eval_version=version, eval_score=first, evals=s.counters.get("evals", 0) + 1)
 
     # -- shutdown --------------------------------------------------------------------------

@@ -10,6 +10,10 @@ Guarantees:
   expression is an error, not a 0).
 - `arith_answer` / `calc_answer` return the integer answered, or None when the
   completion is not one: a wrong format scores as wrong, never as an exception.
+- `tagged_answer` (the reasoning-gym family's format) is the text of the last
+  `<answer>...</answer>`; without one, the text after the last `<answer>` left open (a
+  generation cut by its token budget); without that, the final non-empty line; stripped;
+  None when nothing non-empty remains.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import re
 
 _TOKEN = re.compile(r"\s*(\d+|[+\-*])")
 _CALC_ANSWER = re.compile(r"^\s*=?\s*(-?\d+)\s*$")
+_TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
 
 def arith_value(expression: str) -> int:
@@ -63,3 +69,17 @@ def calc_answer(text: str) -> int | None:
     """The integer of a final answer `=123` / `123`, else None."""
     m = _CALC_ANSWER.match(text or "")
     return int(m.group(1)) if m else None
+
+
+def tagged_answer(text: str) -> str | None:
+    """The answer of a completion in the `<answer>...</answer>` format (see the module guarantees)."""
+    text = text or ""
+    closed = _TAGGED.findall(text)
+    if closed:
+        found = closed[-1].strip()
+    elif ANSWER_OPEN in text:
+        found = text[text.rfind(ANSWER_OPEN) + len(ANSWER_OPEN):].strip()
+    else:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        found = lines[-1] if lines else ""
+    return found or None

@@ -387,6 +387,8 @@ class EvalResult(Message):
     """Problems evaluated."""
     eval_set_sha256: str
     """Content hash of the eval set."""
+    purpose: Literal["train", "heldout"] = "train"
+    """`heldout`: a zero-shot domain (`sampler.domains.<d>.heldout`), never trained on; `train`: a trained domain."""
 
 
 class TaskFate(BaseModel):

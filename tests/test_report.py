@@ -76,11 +76,12 @@ def test_report_writes_markdown_and_plots(run_path):
     out = build_report(run_path)
     text = out.read_text()
     assert out == run_path / "report.md"
-    assert "| arith | 20 | 0.250 | 0.500 (v1) | 0.450 (v2) |" in text
+    assert "| arith | train | 20 | 0.250 | 0.500 (v1) | 0.450 (v2) |" in text
     assert "released version: 1" in text and "detected at v2 (gain -0.125" in text
     assert "training samples scored: 6 (5 ok)" in text and "forgetting guard trips: 1" in text
     assert "mean policy-version lag of training samples: 0.40" in text
-    for name in ("reward_per_domain", "capability_cost", "curriculum", "throughput_staleness"):
+    for name in ("reward_per_domain", "capability_cost", "curriculum", "throughput_staleness", "heldout_vs_train",
+                 "domain_heatmap", "curriculum_weights"):
         png = run_path / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and f"plots/{name}.png" in text
     assert build_report(run_path).read_text() == text  # idempotent

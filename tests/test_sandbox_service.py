@@ -215,11 +215,15 @@ async def test_ttl_reaps_session_of_a_dead_client(nc, nats_url, run_id, sandbox_
     pool, tmpdir, _ = sandbox_worker(ttl=1.0)
     reg = Registry(run_id)
     keeper = await open_when_ready(nc, reg, pool, tmp_path)  # a live client: its pings keep it
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, nats_url, run_id, pool, "sleep 1.5"],
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, nats_url, run_id, pool, "sleep 4"],
                               stdout=subprocess.PIPE, cwd=ROOT)
     worker, session = client.stdout.readline().decode().split()
-    await asyncio.sleep(0.3)  # the exec is running
-    assert len(leftovers(tmpdir)[0]) == 2 and leftovers(tmpdir)[1], "the client's exec should be running"
+
+    async def running():  # the client's exec has started (under load it can take a while)
+        dirs, pids = leftovers(tmpdir)
+        return len(dirs) == 2 and bool(pids)
+
+    await eventually(running, 3.5, "the client's exec to be running", tmp_path)
     client.kill()
     client.wait()
 

@@ -221,3 +221,14 @@ def test_a_real_100m_bpe_checkpoint_runs_unchanged(real_100m, tmp_path, engine):
     assert summary["lost"] == 0 and summary["steps"] >= 3, summary
     assert summary["rollout"]["weights_loaded"] >= 1, summary["rollout"]
     assert AutoTokenizer.from_pretrained(tmp_path / "runs" / "real100m" / "model" / "start").chat_template
+
+
+def test_byte_level_tokenizers_skip_the_domain_sampling(tok):
+    """The byte-level BPE encodes any text, so the start check does not sample a hundred generators for it."""
+    from rlbus.tokenizer_check import PROBE, byte_level, tokenizer_problems
+
+    assert byte_level(tok) and not unencodable(tok, [PROBE])
+    assert not byte_level(build_char_tokenizer()) and unencodable(build_char_tokenizer(), [PROBE])
+    cfg = RunConfig()
+    cfg.sampler.domains["arith"].params = {}
+    assert tokenizer_problems(cfg, tok) == []

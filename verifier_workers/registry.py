@@ -51,6 +51,7 @@ BUILTINS: dict[str, str] = {
     "tool_calc": "verifier_workers.tool_calc_verifier:verify_tool_calc",
     "files": "verifier_workers.files_verifier:verify_files",
     "model": "verifier_workers.model_verifier:verify_model",
+    "reasoning_gym": "verifier_workers.reasoning_gym_verifier:verify_reasoning_gym",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

@@ -54,6 +54,8 @@ class ModelSection(Section):
     """Tiny model depth."""
     num_heads: int = 4
     """Tiny model attention heads."""
+    max_position_embeddings: int = Field(default=512, ge=16)
+    """Tiny model context in tokens (prompt + generation); longer contexts end an episode with `length`."""
 
 
 class SFTSection(Section):

@@ -1,10 +1,25 @@
-"""Config sections of the task sampler and its domains."""
+"""Config sections of the task sampler and its domains.
+
+Guarantees:
+- `sampler.domain_sets.reasoning_gym` (present, or `enabled`) expands, when the config
+  is validated, into one `sampler.domains` entry `rg-<dataset>` (`schemas.rg_family.domain_name`)
+  of `kind = "reasoning_gym"` per selected dataset, with `params = {dataset, range_mode,
+  eval_n[, max_prompt_chars]}` plus the dataset's override, levels 1..(its valid curriculum levels)
+  and the set's shared settings. A name that is no dataset (in `include`, `exclude`,
+  `heldout` or `overrides`) is an error naming the closest known ones; an empty selection
+  is an error. Expanding twice (a resolved config loaded again) is a no-op; an existing
+  `sampler.domains` entry of the same name that differs is an error.
+- With a domain set and neither `domains` nor the legacy `domain`/`difficulty` given, no
+  default `arith` domain is added.
+"""
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from schemas.config.base import Section
 
@@ -15,8 +30,10 @@ FIELD_TARGETS = ("id", "prompt", "gold", "hidden", "params", "level")
 class DomainConfig(Section):
     """One sampled domain: curriculum settings and, for file-backed domains, its data."""
 
-    target_reward: float = 0.8
-    """Reward the domain should reach; the gap to it drives its sampling share."""
+    target_reward: float | None = None
+    """Reward the domain should reach; the gap to it drives its sampling share. Unset: the
+    gap to the domain's baseline, its mean training reward at version 0 (the first
+    `scheduler.curriculum.window` rewards), so domains falling behind it get more share."""
     floor_share: float = Field(default=0.0, ge=0.0, le=1.0)
     """Minimum sampling share, so the domain never starves."""
     min_level: int = 1
@@ -103,6 +120,179 @@ class DomainConfig(Section):
         return self.min_level if self.start_level is None else self.start_level
 
 
+RG_PLACE = "sampler.domain_sets.reasoning_gym"
+RG_FIXED = ("kind", "heldout")
+"""DomainConfig fields the set decides (an override may not set them)."""
+
+
+class ReasoningGymSet(Section):
+    """`[sampler.domain_sets.reasoning_gym]`: reasoning-gym datasets as domains `rg-<dataset>`
+    (one `reasoning_gym` domain kind and verifier for all of them)."""
+
+    PLACE = RG_PLACE
+    enabled: bool = False
+    """Expand the set into `sampler.domains` (true as soon as the table is given)."""
+    include: list[str] = Field(default_factory=lambda: ["*"])
+    """Datasets to include: names or fnmatch globs over `reasoning_gym.factory.DATASETS` names
+    (`*` matches every dataset except `composite` and the slow `sokoban`, which must be named;
+    a glob skips a dataset none of whose levels validates in `range_mode`, a name is an error)."""
+    exclude: list[str] = Field(default_factory=list)
+    """Datasets (names or globs) taken out of `include`."""
+    heldout: list[str] = Field(default_factory=list)
+    """Datasets (names or globs) that become zero-shot domains (`heldout = true`: never
+    trained, only evaluated), whether or not `include` selects them."""
+    weight: float = Field(default=1.0, ge=0.0)
+    """Static sampling weight of each domain of the set (see `sampler.domains.<d>.weight`)."""
+    sft_weight: float | None = Field(default=None, ge=0.0)
+    """SFT share of each domain of the set (default: `weight`; datasets without a single gold
+    answer never demonstrate)."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Generated-token budget of each domain of the set (default: sampler.max_tokens)."""
+    target_reward: float | None = None
+    """Reward each domain of the set should reach (see `sampler.domains.<d>.target_reward`;
+    unset: as there)."""
+    floor_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Minimum sampling share of each domain of the set."""
+    pool: str = "short"
+    """Duration pool of each domain of the set (a `rollout.pools` name)."""
+    range_mode: Literal["inclusive", "upper_bound"] = "inclusive"
+    """How a curriculum level bounds a dataset's range attributes: `inclusive` (from the
+    easiest value up to the level's: reasoning-gym's default) or `upper_bound` (the level's
+    own segment only). Levels whose config a dataset rejects are skipped."""
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    """Longest question (characters) a domain of the set trains on: longer ones are skipped by
+    the sampler and counted (`skipped_prompt_too_long`), never truncated. None: no limit."""
+    eval_n: int = Field(default=32, ge=1)
+    """Most held-out eval problems per domain of the set (its source's `eval_problems` gives at
+    most min(this, `scheduler.eval.n`), at its start level; fewer when that level's question
+    space is small): drawn only from the content-hash eval slice (one hash bucket in 8)
+    that training never draws from."""
+    overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per dataset (its reasoning-gym name), `sampler.domains.<d>` fields over the set's, e.g.
+    `{ weight = 2.0, min_level = 2, max_level = 3, start_level = 2, max_tokens = 64 }`;
+    `params` merge into the domain's (`range_mode`, `config`: extra fields of the dataset's
+    own config, `max_prompt_chars`, `eval_n`). `kind` and `heldout` are the set's."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _given_means_enabled(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "enabled" not in data:
+            data = {**data, "enabled": True}
+        return data
+
+
+class DomainSets(Section):
+    """Families of domains expanded into `sampler.domains` when the config is validated."""
+
+    reasoning_gym: ReasoningGymSet = Field(default_factory=lambda: ReasoningGymSet(enabled=False))
+    """Every (selected) reasoning-gym dataset as a domain `rg-<dataset>`."""
+
+
+def _unknown(field: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"closest: {', '.join(close)}" if close else "see reasoning_gym.factory.DATASETS"
+    return f"{RG_PLACE}.{field}: unknown dataset {name!r} ({hint})"
+
+
+def _select(field: str, patterns: list[str], known: list[str], errors: list[str], skip=frozenset(),
+            named: set[str] | None = None) -> set[str]:
+    """The datasets `patterns` select (names given exactly are added to `named`)."""
+    out: set[str] = set()
+    for pat in patterns:
+        if any(c in pat for c in "*?["):
+            hits = {n for n in known if fnmatch.fnmatchcase(n, pat) and n not in skip}
+            if not hits:
+                errors.append(f"{RG_PLACE}.{field}: {pat!r} matches no dataset")
+            out |= hits
+        elif pat in known:
+            out.add(pat)
+            if named is not None:
+                named.add(pat)
+        else:
+            errors.append(_unknown(field, pat, known))
+    return out
+
+
+def _rg_domain(rs: ReasoningGymSet, dataset: str, heldout: bool, named: bool, errors: list[str]) -> DomainConfig | None:
+    """The domain of `dataset`, or None (with an error, unless only a glob chose a dataset
+    that has no valid level)."""
+    from schemas import rg_family
+
+    override = dict(rs.overrides.get(dataset) or {})
+    fixed = [k for k in RG_FIXED if k in override]
+    if fixed:
+        errors.append(f"{RG_PLACE}.overrides.{dataset}: {fixed} are set by the domain set, not per dataset")
+        return None
+    params: dict[str, Any] = {"dataset": dataset, "range_mode": rs.range_mode, "eval_n": rs.eval_n}
+    if rs.max_prompt_chars is not None:
+        params["max_prompt_chars"] = rs.max_prompt_chars
+    params.update(override.pop("params", None) or {})
+    mode, extra = params.get("range_mode", "inclusive"), params.get("config") or {}
+    try:
+        valid = rg_family.levels(dataset, mode, extra)
+    except ValueError as exc:
+        errors.append(f"{RG_PLACE}.overrides.{dataset}: {exc}")
+        return None
+    if not valid:
+        if not named and dataset not in rs.overrides:
+            return None
+        errors.append(f"{RG_PLACE}: dataset {dataset!r} has no level whose config validates in range_mode {mode!r} "
+                      f"({rg_family.level_problem(dataset, mode, extra)}); exclude it or set "
+                      f"overrides.{dataset}.params.range_mode")
+        return None
+    fields: dict[str, Any] = dict(kind="reasoning_gym", min_level=1, max_level=len(valid), weight=rs.weight,
+                                  sft_weight=rs.sft_weight, max_tokens=rs.max_tokens, target_reward=rs.target_reward,
+                                  floor_share=rs.floor_share, pool=rs.pool, heldout=heldout, params=params)
+    fields.update(override)
+    try:
+        dc = DomainConfig(**fields)
+    except ValidationError as exc:
+        errors.append(f"{RG_PLACE}.overrides.{dataset}: " + "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"] for e in exc.errors()))
+        return None
+    if dc.max_level > len(valid):
+        errors.append(f"{RG_PLACE}.overrides.{dataset}: max_level {dc.max_level} > the dataset's {len(valid)} "
+                      f"levels in range_mode {mode!r}")
+        return None
+    return dc
+
+
+def expand_reasoning_gym(rs: ReasoningGymSet) -> dict[str, DomainConfig]:
+    """The `sampler.domains` entries of the set (see the module guarantees); ValueError
+    naming every problem at once."""
+    from schemas import rg_family
+
+    known = rg_family.dataset_names()
+    errors: list[str] = []
+    named: set[str] = set()
+    members = _select("include", rs.include, known, errors, skip=frozenset(rg_family.EXPLICIT_ONLY), named=named)
+    members -= _select("exclude", rs.exclude, known, errors)
+    held = _select("heldout", rs.heldout, known, errors, named=named)
+    if not members and not errors:
+        errors.append(f"{RG_PLACE}: include {rs.include} minus exclude {rs.exclude} selects no dataset")
+    for name in rs.overrides:
+        if name not in known:
+            errors.append(_unknown("overrides", name, known))
+        elif name not in members | held:
+            errors.append(f"{RG_PLACE}.overrides: {name!r} is not selected by include/heldout")
+    out = {}
+    for dataset in sorted(members | held):
+        dc = _rg_domain(rs, dataset, dataset in held, dataset in named, errors)
+        if dc is not None:
+            out[rg_family.domain_name(dataset)] = dc
+    if errors:
+        raise ValueError("; ".join(errors))
+    return out
+
+
+def _set_given(data: dict) -> bool:
+    sets = data.get("domain_sets")
+    rs = sets.get("reasoning_gym") if isinstance(sets, dict) else getattr(sets, "reasoning_gym", None)
+    if isinstance(rs, dict):
+        return bool(rs.get("enabled", True))
+    return bool(getattr(rs, "enabled", False))
+
+
 def default_domains(domain: str = "arith", difficulty: int = 3) -> dict[str, DomainConfig]:
     """The single domain the legacy `sampler.domain`/`sampler.difficulty` fields describe."""
     return {domain: DomainConfig(min_level=1, max_level=max(6, difficulty), start_level=difficulty)}
@@ -116,7 +306,10 @@ class SamplerSection(Section):
     difficulty: int = 3
     """Starting difficulty when `domains` is not given (legacy single-domain setting)."""
     domains: dict[str, DomainConfig] = Field(default_factory=default_domains)
-    """Domains to sample, by name (`arith`, `math`); default: `domain` at levels 1..6 starting at `difficulty`."""
+    """Domains to sample, by name (`arith`, `math`); default: `domain` at levels 1..6 starting at `difficulty`
+    (none when a domain set is given without `domain`). Domain sets add theirs here."""
+    domain_sets: DomainSets = Field(default_factory=DomainSets)
+    """Families of domains expanded into `domains` (`reasoning_gym`)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per task (G)."""
     max_tokens: int = Field(default=8, ge=1)
@@ -141,6 +334,8 @@ class SamplerSection(Section):
     @classmethod
     def _derive_domains(cls, data: Any) -> Any:
         if isinstance(data, dict) and "domains" not in data:
+            if _set_given(data) and "domain" not in data and "difficulty" not in data:
+                return {**data, "domains": {}}
             domain, difficulty = data.get("domain", "arith"), data.get("difficulty", 3)
             if isinstance(domain, str) and isinstance(difficulty, int):
                 data = {**data, "domains": {domain: {"min_level": 1, "max_level": max(6, difficulty),
@@ -148,7 +343,22 @@ class SamplerSection(Section):
         return data
 
     @model_validator(mode="after")
+    def _expand_domain_sets(self):
+        rs = self.domain_sets.reasoning_gym
+        if rs.enabled:
+            for name, dc in expand_reasoning_gym(rs).items():
+                have = self.domains.get(name)
+                if have is None:
+                    self.domains[name] = dc  # in place: no re-validation of the section
+                elif have.model_dump() != dc.model_dump():
+                    raise ValueError(f"sampler.domains.{name} is also made by {RG_PLACE} and differs from it; "
+                                     f"set its fields in {RG_PLACE}.overrides instead")
+        return self
+
+    @model_validator(mode="after")
     def _some_domain(self):
         if not self.domains:
             raise ValueError("sampler.domains must name at least one domain")
+        if all(d.heldout for d in self.domains.values()):
+            raise ValueError("every sampler domain is heldout: at least one must be trained on")
         return self

@@ -45,7 +45,14 @@ class CurriculumSection(Section):
     enabled: bool = True
     """Run the curriculum (off: the static `sampler.domains.<d>.weight`s and start levels)."""
     temperature: float = Field(default=0.1, gt=0.0)
-    """Softmax temperature over the domains' reward gaps."""
+    """Softmax temperature over the domains' reward gaps (gap = target_reward, else the
+    domain's version-0 baseline reward, minus its reward EMA)."""
+    min_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Default floor: every trained domain gets at least max(its `floor_share`, this) of the
+    sampling (e.g. 0.002 with 100 domains, so none starves); the floors must sum to <= 1."""
+    max_share: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Cap: no domain gets more than this share (never below 1 / trained domains, nor below
+    the domain's own floor), so one lagging domain cannot take the whole run."""
     every_s: float = Field(default=5.0, gt=0.0)
     """How often a changed curriculum is published to KV `curriculum` and recorded."""
     ema_alpha: float = Field(default=0.1, gt=0.0, le=1.0)

@@ -1,0 +1,84 @@
+"""The `reasoning_gym` verifier: a reasoning-gym dataset's own `score_answer`, on the controlled side.
+
+Guarantees:
+- The answer is `schemas.answers.tagged_answer(final_text)`: the last `<answer>...</answer>`,
+  else an `<answer>` left open at the end, else the final non-empty line. None found:
+  `correct` 0, `answer_found` 0, status ok (the policy's fault, not an error).
+- Otherwise the dataset named in the hidden payload is rebuilt with the recipe the
+  sampler used (level, range_mode, config: `schemas.rg_family.build`; cached per recipe),
+  and `correct` is its `score_answer(answer, {question, answer, metadata})` (the packed
+  metadata restored: `rg_family.unpack`), partial credit
+  kept, clamped to [0, 1]; `answer_found` 1.
+- A hidden payload without `dataset`/`question` is unusable: `VerifierInputError` (dead
+  letter). A dataset this node's reasoning-gym lacks, a scorer that fails to build or
+  raises, or a non-numeric / non-finite score is a `VerifierInfraError` (retried, then
+  dead-lettered with its reason), never a reward of 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from schemas import Trajectory
+from schemas import rg_family as rg
+from schemas.answers import tagged_answer
+from verifier_workers.errors import VerifierInfraError
+from verifier_workers.verifiers import Verdict, VerifierInputError
+
+CACHED = 256
+"""Scorer dataset objects kept per process."""
+
+_lock = threading.Lock()
+_scorers: OrderedDict[str, Any] = OrderedDict()
+
+
+def scorer(hidden: dict[str, Any]):
+    """The dataset object that scores `hidden`'s task (VerifierInfraError when it cannot be built)."""
+    name = str(hidden["dataset"])
+    level, mode, extra = int(hidden.get("level") or 1), str(hidden.get("range_mode") or "inclusive"), hidden.get("config") or {}
+    key = json.dumps([name, level, mode, extra], sort_keys=True, default=repr)
+    with _lock:
+        if key in _scorers:
+            _scorers.move_to_end(key)
+            return _scorers[key]
+    if not rg.is_known(name):
+        raise VerifierInfraError(f"reasoning-gym dataset {name!r} is unknown to this node's reasoning-gym")
+    try:
+        ds = rg.build(name, level, mode, extra, seed=0, size=1)
+    except Exception as exc:  # any failure of the third-party dataset is infra, not a reward
+        raise VerifierInfraError(f"reasoning-gym scorer {name!r} (level {level}) failed to build: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    with _lock:
+        _scorers[key] = ds
+        while len(_scorers) > CACHED:
+            _scorers.popitem(last=False)
+    return ds
+
+
+def score(hidden: dict[str, Any], answer: str) -> float:
+    """The dataset's score of `answer` for `hidden`'s entry, in [0, 1] (VerifierInfraError when it raises)."""
+    entry = {"question": hidden["question"], "answer": rg.unpack(hidden.get("answer")),
+             "metadata": rg.unpack(hidden.get("metadata") or {})}
+    ds = scorer(hidden)
+    try:
+        value = float(ds.score_answer(answer, entry))
+    except Exception as exc:  # a scorer that raises is infra: retried, never a 0
+        raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} raised: {type(exc).__name__}: {exc}") from exc
+    if not math.isfinite(value):
+        raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} returned {value!r}")
+    return min(1.0, max(0.0, value))
+
+
+def verify_reasoning_gym(traj: Trajectory, hidden: dict | None = None) -> Verdict:
+    """Score the final answer with the task's dataset scorer (see the module guarantees)."""
+    if not isinstance(hidden, dict) or not hidden.get("dataset") or not isinstance(hidden.get("question"), str):
+        raise VerifierInputError("reasoning_gym task without a hidden payload {dataset, question, answer, metadata}")
+    answer = tagged_answer(traj.final_text)
+    if answer is None:
+        return Verdict({"correct": 0.0, "answer_found": 0.0}, details="no answer found")
+    value = score(hidden, answer)
+    return Verdict({"correct": value, "answer_found": 1.0}, details=f"answer={answer[:200]!r} score={value:.4g}")

@@ -13,6 +13,8 @@ Guarantees:
   any `heldout` (zero-shot) domain.
 - A domain whose source cannot start (`DomainUnavailable`) or says it is not
   `demonstrable` (e.g. a reasoning-gym dataset without single gold answers) is left out.
+- A domain whose `demonstration` raises ValueError mid-stream (none demonstrable at its level)
+  is dropped from the mix with a warning; the others go on.
 - The same seed and config give the same stream of batches.
 - A config where no domain can demonstrate itself is a clear error naming the fix.
 """
@@ -22,8 +24,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
+import structlog
+
 from producers.domains import DomainUnavailable, make_source
 from schemas.config import RunConfig
+
+log = structlog.get_logger()
 
 
 class DomainDemos:
@@ -34,10 +40,17 @@ class DomainDemos:
 
     def batches(self, seed: int, batch_size: int) -> Iterator[list]:
         """An endless stream of batches of `batch_size` demos, each from one domain."""
-        rng = random.Random(seed)
+        rng, weights = random.Random(seed), list(self.weights)
         while True:
-            k = rng.choices(range(len(self.sources)), weights=self.weights)[0]
-            yield [self.sources[k].demonstration(rng, self.levels[k]) for _ in range(batch_size)]
+            if not any(weights):
+                raise ValueError("no configured domain could demonstrate itself (see the warnings); "
+                                 "set sft.enabled=false")
+            k = rng.choices(range(len(self.sources)), weights=weights)[0]
+            try:
+                yield [self.sources[k].demonstration(rng, self.levels[k]) for _ in range(batch_size)]
+            except ValueError as exc:  # e.g. every prompt of the level skipped as too long: none to show
+                log.warning("sft.domain_dropped", reason=str(exc))
+                weights[k] = 0.0
 
 
 def domain_demos(cfg: RunConfig) -> DomainDemos:

@@ -238,6 +238,16 @@ def test_a_scorer_that_raises_is_infra_never_a_zero(easy):
         verify_reasoning_gym(traj_for(d, "<answer>3</answer>"), None)
 
 
+def test_an_answer_the_scorer_chokes_on_is_the_policys_zero_not_infra():
+    """prime_factorization's scorer raises on "7 91 4U" (int()), yet takes the gold answer: a malformed answer."""
+    cfg = rg_config(include=["prime_factorization"])
+    d = make_source("r", "rg-prime_factorization", cfg).make_task(random.Random(0), 1, 0)
+    v = verify_reasoning_gym(traj_for(d, "<answer>7 91 4U, 0</answer>"), wire(d.hidden))
+    assert v.components == {"correct": 0.0, "answer_found": 1.0, "answer_rejected": 1.0}
+    assert verify_reasoning_gym(traj_for(d, f"<answer>{d.hidden['answer']}</answer>"), wire(d.hidden)).components[
+        "correct"] == 1.0
+
+
 def test_tagged_answer_rule():
     assert tagged_answer("a <answer>1</answer> b <answer> 2 </answer> c") == "2"
     assert tagged_answer("work\n\n  7  \n") == "7"
@@ -272,6 +282,16 @@ def test_demonstrations_are_gold_answers_and_no_gold_datasets_opt_out(easy):
     assert not make_source("r1", "rg-rush_hour", mixed).demonstrable
     assert [s.ctx.name for s in domain_demos(mixed).sources] == ["rg-gcd"]
     assert "rg-lcm" not in [s.ctx.name for s in domain_demos(cfg).sources]  # heldout: never demonstrated
+
+
+def test_a_domain_with_no_demonstrable_prompt_is_dropped_from_sft_and_the_others_go_on():
+    """Every prompt of rg-leg_counting over max_prompt_chars: its demonstrations fail, SFT goes on with gcd."""
+    cfg = rg_config(f"{SET}.max_prompt_chars=140", include=["gcd", "leg_counting"])  # gcd: ~105 chars, legs 167+
+    demos = domain_demos(cfg)
+    assert sorted(s.ctx.name for s in demos.sources) == ["rg-gcd", "rg-leg_counting"]
+    stream = demos.batches(0, 2)
+    batches = [next(stream) for _ in range(6)]
+    assert all(len(b) == 2 and b[0][1][1] for b in batches)  # gold-answer completions, all from rg-gcd
 
 
 # --- CLI ------------------------------------------------------------------------------------------

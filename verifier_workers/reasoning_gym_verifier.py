@@ -12,7 +12,9 @@ Guarantees:
 - A hidden payload without `dataset`/`question` is unusable: `VerifierInputError` (dead
   letter). A dataset this node's reasoning-gym lacks, a scorer that fails to build or
   raises, or a non-numeric / non-finite score is a `VerifierInfraError` (retried, then
-  dead-lettered with its reason), never a reward of 0.
+  dead-lettered with its reason), never a reward of 0 - except when the scorer raises on the
+  policy's answer yet scores the entry's gold answer: then the answer is malformed (e.g.
+  prime_factorization's int() of "7 91 4U"), `correct` 0 with `answer_rejected` 1, status ok.
 """
 
 from __future__ import annotations
@@ -59,6 +61,21 @@ def scorer(hidden: dict[str, Any]):
     return ds
 
 
+class AnswerRejected(ValueError):
+    """The scorer raised on the policy's answer but scores the gold answer: a malformed answer."""
+
+
+def gold_scores(ds, entry: dict) -> bool:
+    """True when the entry has a gold answer and the scorer takes it without raising."""
+    if not isinstance(entry.get("answer"), str) or not entry["answer"]:
+        return False
+    try:
+        float(ds.score_answer(entry["answer"], entry))
+    except Exception:  # noqa: BLE001  (any failure on the gold answer is the scorer's: infra)
+        return False
+    return True
+
+
 def score(hidden: dict[str, Any], answer: str) -> float:
     """The dataset's score of `answer` for `hidden`'s entry, in [0, 1] (VerifierInfraError when it raises)."""
     entry = {"question": hidden["question"], "answer": rg.unpack(hidden.get("answer")),
@@ -66,8 +83,11 @@ def score(hidden: dict[str, Any], answer: str) -> float:
     ds = scorer(hidden)
     try:
         value = float(ds.score_answer(answer, entry))
-    except Exception as exc:  # a scorer that raises is infra: retried, never a 0
-        raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} raised: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # the answer's fault only if the scorer takes the gold answer: else infra
+        if not gold_scores(ds, entry):
+            raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} raised: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        raise AnswerRejected(f"{type(exc).__name__}: {exc}") from exc
     if not math.isfinite(value):
         raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} returned {value!r}")
     return min(1.0, max(0.0, value))
@@ -80,5 +100,9 @@ def verify_reasoning_gym(traj: Trajectory, hidden: dict | None = None) -> Verdic
     answer = tagged_answer(traj.final_text)
     if answer is None:
         return Verdict({"correct": 0.0, "answer_found": 0.0}, details="no answer found")
-    value = score(hidden, answer)
+    try:
+        value = score(hidden, answer)
+    except AnswerRejected as exc:  # the policy's malformed answer: a 0 it earned, status ok
+        return Verdict({"correct": 0.0, "answer_found": 1.0, "answer_rejected": 1.0},
+                       details=f"answer={answer[:200]!r} rejected by the scorer: {exc}"[:400])
     return Verdict({"correct": value, "answer_found": 1.0}, details=f"answer={answer[:200]!r} score={value:.4g}")

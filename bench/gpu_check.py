@@ -200,27 +200,9 @@ def generate_bench(torch, model, device, w: dict) -> dict:
                         "(as rollout_workers.engines.HFEngine.generate)"}
 
 
-def write_segments(path: Path, segments: list) -> int:
-    """The segments, concatenated, into a temp file renamed to `path`; bytes written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    size = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for seg in segments:
-            mv = memoryview(seg).cast("B")
-            while len(mv):
-                n = os.write(fd, mv)
-                size += n
-                mv = mv[n:]
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return size
-
-
 def publish_bench(model, directory: str) -> dict:
     """One weight version to a file, hashed while written (see the module docstring)."""
-    from bus.weight_blobs import state_segments, state_tensors, state_to_bytes
+    from bus.weight_blobs import state_segments, state_tensors, state_to_bytes, write_file_atomic
 
     with tempfile.TemporaryDirectory(prefix="rlbus-gpu-check-", dir=directory) as d:
         path = Path(d) / "v000001.safetensors"
@@ -233,7 +215,7 @@ def publish_bench(model, directory: str) -> dict:
         digest: dict = {}
         hasher = threading.Thread(target=lambda: digest.update(sha256=_sha256(segments)), name="sha256")
         hasher.start()
-        size = write_segments(path, segments)
+        size = write_file_atomic(path, segments)
         t_written = time.perf_counter()
         hasher.join()
         t_done = time.perf_counter()

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import struct
+import uuid
+from pathlib import Path
 
 KIND_KEY, META_KEY = "rlbus.kind", "rlbus.lora"  # safetensors header metadata of an adapter blob
 
@@ -140,3 +143,25 @@ def apply_adapter_blob(base_model, blob: bytes, meta: dict | None = None, *, mer
 def merged_state_blob(base_model, blob: bytes) -> bytes:
     """Full-state safetensors blob of `base_model` with the adapter merged in."""
     return state_to_bytes(apply_adapter_blob(base_model, blob))
+
+
+def write_file_atomic(path: Path, segments: list) -> int:
+    """Write the concatenated segments (blob segments, as `state_segments` gives them) to a unique temp file renamed to `path`; the size."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    size = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for seg in segments:
+                mv = memoryview(seg).cast("B")
+                while len(mv):
+                    n = os.write(fd, mv)
+                    size += n
+                    mv = mv[n:]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size

@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,6 +25,7 @@ import structlog
 
 from bus.objects import ChecksumMismatch, get_blob, put_blob, put_segments, sha256_hex, sha256_segments
 from bus.subjects import Registry
+from bus.weight_blobs import write_file_atomic
 
 log = structlog.get_logger()
 
@@ -51,28 +51,6 @@ def in_background_thread(fn, *args) -> concurrent.futures.Future:
 
     threading.Thread(target=run, name=f"bg-{getattr(fn, '__name__', 'work')}", daemon=True).start()
     return fut
-
-
-def _write_file_atomic(path: Path, segments: list) -> int:
-    """Write the concatenated segments to a unique temp file renamed to `path`; the size."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    size = 0
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for seg in segments:
-                mv = memoryview(seg).cast("B")
-                while len(mv):
-                    n = os.write(fd, mv)
-                    size += n
-                    mv = mv[n:]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return size
 
 
 
@@ -130,7 +108,7 @@ class FileStore:
         path = (self.root / name).resolve()
         digest = in_background_thread(sha256_segments, segments)
         try:
-            size = await asyncio.to_thread(_write_file_atomic, path, segments)
+            size = await asyncio.to_thread(write_file_atomic, path, segments)
             if on_written is not None:
                 try:
                     await on_written(path.as_uri(), size)

@@ -1,7 +1,8 @@
 """The `sleep` domain kind: tasks whose episodes take a known time (scheduling benchmarks).
 
 With the rollout engine `sleep`, an episode of this domain takes `params.seconds`
-(default 0.1) of wall time and is scored 1.0 by the `constant` verifier. It measures the
+(default 0.1) of wall time and is scored 1.0 by the `constant` verifier, which takes
+`params.verify_seconds` (default 0) per call: a slow verifier for the fault benchmark. It measures the
 pipeline's scheduling, never a model.
 """
 
@@ -24,4 +25,9 @@ class SleepDomain:
         seconds = float(self.ctx.dc.params.get("seconds", 0.1))
         return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{index}", difficulty=level,
                                  prompt=[ChatMessage(role="user", content=f"sleep:{seconds}")], verifier="constant",
-                                 pool=self.ctx.dc.pool))
+                                 verifier_params=self.verifier_params(), pool=self.ctx.dc.pool))
+
+    def verifier_params(self) -> dict:
+        """`params.verify_seconds`: how long the `constant` verifier takes per call (a slow verifier)."""
+        seconds = float(self.ctx.dc.params.get("verify_seconds", 0) or 0)
+        return {"seconds": seconds} if seconds else {}

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="run tool calls and tests WITHOUT sandbox isolation where bubblewrap is missing "
                          "(sets sandbox.allow_degraded=true; the console and summary.json say so)")
     up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. learner.lr=1e-4")
+    up.add_argument("--debug", action="store_true",
+                    help="show the Python traceback when the run stops on an unexpected error (by default one "
+                         "plain line names the error and the command that continues the run)")
 
     w = sub.add_parser("worker", help="run one role as one process",
                        description="Run exactly one role. Workers talk only over NATS; the run folder holds the prepared model.")
@@ -307,7 +310,7 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.exit(str(exc))
     configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
-    return up(cfg, args.config)
+    return up(cfg, args.config, debug=args.debug)
 
 
 def _resume(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -326,7 +329,7 @@ def _resume(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg.run.nats_url = args.nats_url
     configure_logging("launcher", cfg.run.run_id or None, level="WARNING")
     try:
-        return up(cfg, args.config, resume=Path(args.resume))
+        return up(cfg, args.config, resume=Path(args.resume), debug=args.debug)
     except ResumeError as exc:
         sys.exit(f"rlbus up --resume: {exc}")
 

@@ -31,15 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import structlog
 from rich.console import Console
 from rich.live import Live
 
@@ -50,12 +46,12 @@ from rlbus.accounting import account
 from rlbus.live import Snapshot, line, render
 from rlbus.monitor import Monitor, summary_dict
 from rlbus.plots import reward_curve
+from rlbus.supervisor import Supervisor
+from rlbus.watchdog import FatalStop, HeartbeatWatch, ServerKeeper, log_size, resume_command, store_full
 from schemas.config import RunConfig, dump_config
 
-log = structlog.get_logger()
-MAX_RESTARTS = 5
-START_ORDER = ("learner", "scheduler", "tracker", "verifier", "rollout", "sampler")
-STARTS_IF = {"tracker": lambda cfg: bool(cfg.tracking.backends)}
+START_ORDER = ("learner", "scheduler", "tracker", "sandbox", "verifier", "rollout", "sampler")
+STARTS_IF = {"tracker": lambda cfg: bool(cfg.tracking.backends), "sandbox": lambda cfg: cfg.sandbox.remote}
 """Roles started only when the config asks for them (every other role always starts)."""
 
 
@@ -159,101 +155,35 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
     return start
 
 
-class Supervisor:
-    """Worker processes of one run: start, restart, stop by PID."""
-
-    def __init__(self, run_path: Path, config_file: Path, nats_url: str, run_id: str, run_dir: Path):
-        self.run_path, self.config_file, self.nats_url, self.run_id, self.run_dir = (
-            run_path, config_file, nats_url, run_id, run_dir)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.server_pid: int | None = None
-        self.restarts: dict[str, int] = {}
-        self.stopping: set[str] = set()
-        (run_path / "logs").mkdir(parents=True, exist_ok=True)
-
-    def start(self, role: str) -> None:
-        """Start `rlbus worker ROLE` for this run."""
-        cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(self.config_file),
-               "--nats-url", self.nats_url, "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
-        logf = open(self.run_path / "logs" / f"{role}.log", "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_LAUNCHER_PID=str(os.getpid()))
-        self.procs[role] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env=env)
-        logf.close()
-        self.write_state()
-
-    def write_state(self) -> None:
-        """Record the server URL and every pid in `<run>/run.json` (for `rlbus dlq`, status, resume)."""
-        state = {"run_id": self.run_id, "nats_url": self.nats_url, "launcher_pid": os.getpid(),
-                 "server_pid": self.server_pid, "workers": {role: p.pid for role, p in self.procs.items()},
-                 "updated_at": time.time()}
-        tmp = self.run_path / "run.json.tmp"
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.run_path / "run.json")
-
-    def poll(self) -> str | None:
-        """Restart crashed workers; return a failure reason when one crash-loops."""
-        for role, proc in list(self.procs.items()):
-            if proc.poll() is None or role in self.stopping:
-                continue
-            self.restarts[role] = self.restarts.get(role, 0) + 1
-            log.warning("launcher.worker_exited", role=role, code=proc.returncode, restarts=self.restarts[role])
-            if self.restarts[role] > MAX_RESTARTS:
-                return f"{role} exited {self.restarts[role]} times (last code {proc.returncode}); see {self.run_path}/logs/{role}.log"
-            self.start(role)
-        return None
-
-    def signal(self, role: str) -> None:
-        """Ask a worker to finish (SIGTERM)."""
-        self.stopping.add(role)
-        proc = self.procs.get(role)
-        if proc and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-
-    async def wait(self, role: str, timeout: float) -> None:
-        """Wait for a signalled worker; SIGKILL after `timeout`."""
-        proc = self.procs.get(role)
-        if not proc:
-            return
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if proc.poll() is None:
-            log.warning("launcher.worker_killed", role=role)
-            proc.kill()
-            proc.wait(5)
-
-    async def stop(self, roles, timeout: float) -> None:
-        """Signal several workers, then wait for all of them."""
-        for r in roles:
-            self.signal(r)
-        for r in roles:
-            await self.wait(r, timeout)
-
-    def kill_all(self) -> None:
-        """Last resort: kill every worker still running."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-
-
 class RunLoop:
     """One supervised run, in phases: watch until a stop reason, drain, account, shut down."""
 
     def __init__(self, cfg: RunConfig, run_path: Path, t0: float, console: Console, sup: Supervisor,
-                 mon: Monitor, snap: Snapshot):
+                 mon: Monitor, snap: Snapshot, keeper: ServerKeeper, nc):
         self.cfg, self.run_path, self.t0, self.console = cfg, run_path, t0, console
-        self.sup, self.mon, self.snap = sup, mon, snap
+        self.sup, self.mon, self.snap, self.keeper, self.nc = sup, mon, snap, keeper, nc
         self.summary_path = run_path / "summary.json"
         self.interrupted = asyncio.Event()
+        self.fatal: FatalStop | None = None
+        self.heartbeats = HeartbeatWatch(cfg.run.heartbeat_timeout_s, mon.last_heartbeat)
+        self._log_offset = log_size(keeper.store_dir / "nats-server.log")
         self.live = Live(render(snap), console=console, refresh_per_second=2, transient=False) \
             if console.is_terminal else None
         self._last_line = 0.0
         reserve = cfg.run.drain_seconds + 25.0
         self.deadline = t0 + cfg.run.max_minutes * 60 - reserve if cfg.run.max_minutes else None
 
+    def say(self, text: str, style: str = "bold yellow") -> None:
+        """One plain console line about a fault and what was done (above the live view)."""
+        self.console.print(f"rlbus up: {text}", style=style, markup=False, highlight=False, soft_wrap=True)
+
     async def _refresh(self) -> None:
-        await self.mon.refresh(time.monotonic() - self.t0)
+        try:
+            await asyncio.wait_for(self.mon.refresh(time.monotonic() - self.t0), 10)
+        except Exception:  # noqa: BLE001 - the bus is away (restarting, reconnecting): keep the last view
+            self.snap.phase = "waiting for NATS"
+        else:
+            self.snap.phase = "running" if self.snap.phase == "waiting for NATS" else self.snap.phase
         if self.live:
             self.live.update(render(self.snap))
         elif time.monotonic() - self._last_line > 10:
@@ -273,41 +203,82 @@ class RunLoop:
             return "max_minutes"
         return None
 
+    def _faults(self) -> str | None:
+        """Heal what heals (a dead server, a frozen worker, a crashed one); the failure otherwise."""
+        try:
+            restarted = self.keeper.check()
+            if restarted:
+                self.say(restarted)
+                self.heartbeats.pause()
+                self.sup.server_pid = self.keeper.pid
+                self.sup.write_state()
+            full = store_full(self.keeper.store_dir, self.run_path, self._log_offset) if self.keeper.server else None
+            if full:
+                raise full
+        except FatalStop as exc:
+            self.fatal = exc
+            return exc.message
+        for role, pid, quiet in self.heartbeats.hung(self.sup.procs, self.nc.is_connected):
+            self.say(f"{role} (pid {pid}) sent no heartbeat for {quiet:.0f}s (frozen?): killed and restarted; "
+                     "its unacked work is redelivered")
+            self.sup.kill_hung(role)
+        failure = self.sup.poll()
+        for note in self.sup.notes:
+            self.say(note)
+        self.sup.notes.clear()
+        if failure:
+            self.fatal = FatalStop("crash-loop", failure, f"fix it, then continue with: {resume_command(self.run_path)}")
+        return failure
+
     async def watch(self) -> tuple[str, str | None]:
-        """Restart crashed workers and keep summary.json current until a stop reason; (reason, failure)."""
+        """Heal faults and keep summary.json current until a stop reason; (reason, failure)."""
         while True:
             await asyncio.sleep(0.5)
-            failure = self.sup.poll()
-            await self._refresh()
-            self.summary_path.write_text(json.dumps(summary_dict(self.snap, self.mon), indent=2))
+            failure = self._faults()
+            if not failure:
+                await self._refresh()
+                self.summary_path.write_text(json.dumps(summary_dict(self.snap, self.mon), indent=2))
             reason = self._stop_reason(failure)
             if reason:
                 return reason, failure
 
     async def drain(self, stop_reason: str) -> None:
-        """Stop the sampler, let in-flight work finish (bounded), then stop the rest in pipeline order."""
+        """Stop the sampler, let in-flight work finish (bounded), then stop the rest in pipeline order.
+        After a failure nothing drains and each role gets a few seconds: what is in flight stays
+        on the bus for `--resume`."""
         self.snap.phase = f"draining ({stop_reason})"
-        await self.sup.stop(["sampler"], 30)
-        drain_end = time.monotonic() + (self.cfg.run.drain_seconds if stop_reason != "failed" else 0)
+        failed = stop_reason == "failed"
+        grace = (lambda s: 5.0) if failed else (lambda s: s)
+        await self.sup.stop(["sampler"], grace(30))
+        drain_end = time.monotonic() + (0 if failed else self.cfg.run.drain_seconds)
         while time.monotonic() < drain_end and not (self.interrupted.is_set() and stop_reason != "interrupted"):
             await asyncio.sleep(0.5)
             await self._refresh()
             d = self.snap.depths
             if d.get("tasks", 1) == 0 and d.get("traj", 1) == 0 and d.get("rewards", 1) == 0:
                 break
-        await self.sup.stop(["rollout", "verifier"], 30)
-        await self.sup.stop(["learner"], 60)
-        await self.sup.stop(["scheduler"], 60)
-        await self.sup.stop(["tracker"], 60)  # last: it writes what the others published (no-op without one)
+        await self.sup.stop(["rollout", "verifier", "sandbox"], grace(30))
+        await self.sup.stop(["learner"], grace(60))
+        await self.sup.stop(["scheduler"], grace(60))
+        await self.sup.stop(["tracker"], grace(60))  # last: it writes what the others published (no-op without one)
         await asyncio.sleep(0.5)  # let the last eval result arrive
 
-    async def finish(self, js, reg: Registry, stop_reason: str, failure: str | None, server_pid: int | None) -> dict:
-        """Account for every message, write the final summary.json and reward_curve.png."""
+    async def finish(self, js, reg: Registry, stop_reason: str, failure: str | None) -> dict:
+        """Account for every message, write the final summary.json and reward_curve.png (after a
+        fatal fault the accounting is skipped when the bus cannot answer; summary.json says so)."""
         self.snap.phase = "stopped"
-        await self.mon.refresh(time.monotonic() - self.t0)
-        acc = await account(js, reg)
-        summary = summary_dict(self.snap, self.mon, acc, {"stop_reason": stop_reason, "failure": failure,
-                                                          "cpu_seconds": self.mon.cpu_seconds(server_pid)})
+        extra = {"stop_reason": stop_reason, "failure": failure, "cpu_seconds": self.mon.cpu_seconds(self.keeper.pid)}
+        if self.fatal:
+            extra.update(fault=self.fatal.fault, next_step=self.fatal.next_step)
+        acc = None
+        try:
+            await asyncio.wait_for(self.mon.refresh(time.monotonic() - self.t0), 10)
+            acc = await asyncio.wait_for(account(js, reg), 60 if not self.fatal else 10)
+        except Exception as exc:
+            if not self.fatal:
+                raise
+            extra["accounting"] = f"skipped: the bus did not answer ({type(exc).__name__})"
+        summary = summary_dict(self.snap, self.mon, acc, extra)
         self.summary_path.write_text(json.dumps(summary, indent=2))
         steps = sorted(self.mon.step_rewards.items())
         evals = {d: [(e.step, e.score) for e in per.values()] for d, per in self.mon.domain_evals.items()}
@@ -317,8 +288,12 @@ class RunLoop:
         return summary
 
 
+SUMMARY_KEYS = ("steps", "weight_versions", "tasks_published", "trained_samples", "dead_letters", "lost",
+                "trained_twice", "eval", "wall_seconds")
+
+
 async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t0: float, console: Console,
-                 server_pid: int | None = None, sandbox_isolation: str | None = None) -> int:
+                 keeper: ServerKeeper, sandbox_isolation: str | None = None) -> int:
     """Supervise a prepared run until its limits; return the exit code (1 only when it failed)."""
     reg = Registry(cfg.run.run_id)
     nc = await connect(nats_url, name="rlbus-launcher")
@@ -330,14 +305,14 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
 
     load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
     sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir)
-    sup.server_pid = server_pid
+    sup.server_pid = keeper.pid
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
     mon.sandbox_isolation = sandbox_isolation
     await mon.start(nc)
     for role in roles_to_start(cfg):
         sup.start(role)
-    run = RunLoop(cfg, run_path, t0, console, sup, mon, snap)
+    run = RunLoop(cfg, run_path, t0, console, sup, mon, snap, keeper, nc)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, run.interrupted.set)
     loop.add_signal_handler(signal.SIGTERM, run.interrupted.set)
@@ -346,37 +321,81 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     try:
         stop_reason, failure = await run.watch()
         await run.drain(stop_reason)
-        summary = await run.finish(js, reg, stop_reason, failure, server_pid)
+        summary = await run.finish(js, reg, stop_reason, failure)
     finally:
         # shutdown phases, in order: the live view, every worker still running, the bus connection
         if run.live:
             run.live.stop()
         sup.kill_all()
-        await nc.close()
-    console.print(json.dumps({k: summary[k] for k in ("steps", "weight_versions", "tasks_published", "trained_samples",
-                                                       "dead_letters", "lost", "trained_twice", "eval", "wall_seconds")}, indent=1))
+        await _close(nc)
+    console.print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=1))
     console.print(f"results: {run_path}/summary.json, {run_path}/reward_curve.png, logs in {run_path}/logs/")
+    if run.fatal:
+        run.say(f"stopped: {run.fatal.message}", style="bold red")
+        run.say(run.fatal.next_step, style="bold red")
     if sandbox_isolation == "degraded":
         console.print(DEGRADED_WARNING, highlight=False)
     return 1 if failure else 0
 
 
-def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> int:
-    """Entry point of `rlbus up` after config loading (`resume`: the run folder to continue)."""
+async def _close(nc) -> None:
+    try:
+        await asyncio.wait_for(nc.close(), 5)
+    except Exception:  # noqa: BLE001 - closing a connection to a dead server
+        pass
+
+
+def _start_server(cfg: RunConfig, run_path: Path, resume: bool, console: Console):
+    """The run's NATS: (url, server or None). Fresh: an embedded server; resumed: the run's
+    server when it still answers, else a new one on the run's store; none with run.nats_url."""
+    if cfg.run.nats_url:
+        return cfg.run.nats_url, None
+    if resume:
+        from rlbus.resume import AdoptedServer, read_state, server_answers
+
+        state = read_state(run_path)
+        url = state.get("nats_url") or ""
+        if url and asyncio.run(server_answers(url)):
+            console.print(f"reusing the run's nats-server at {url}")
+            return url, AdoptedServer(url, state.get("server_pid"))
+    server = EmbeddedNats(run_path / "nats").start()
+    console.print(f"embedded nats-server {'restarted ' if resume else ''}at {server.url} "
+                  f"({'on the run' + chr(39) + 's store' if resume else 'store'} {run_path / 'nats'})")
+    return server.url, server
+
+
+def check_model(cfg: RunConfig, console: Console) -> bool:
+    """Whether `model.path` (when set) is a local HF model folder; False after saying what to do."""
+    if not cfg.model.path or (Path(cfg.model.path) / "config.json").is_file():
+        return True
+    console.print(f"rlbus up: model.path {cfg.model.path!r} is not a local Hugging Face model folder (no config.json "
+                  "there); point it at a checkpoint folder, build a small one with `rlbus init-model DIR`, or leave "
+                  "model.path empty to build the tiny model", style="bold red", markup=False, highlight=False,
+                  soft_wrap=True)
+    return False
+
+
+def _checks(cfg: RunConfig, console: Console) -> str | None:
+    """Every check before anything starts; the sandbox isolation, or None after printing why not."""
+    if not (check_model(cfg, console) and check_tracking(cfg, console) and check_engine(cfg, console)):
+        return None
+    isolation = check_sandbox(cfg, console)
+    if isolation is None or not check_tokenizer(cfg, console):
+        return None
+    return isolation
+
+
+def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None, debug: bool = False) -> int:
+    """Entry point of `rlbus up` after config loading (`resume`: the run folder to continue).
+    An unexpected error ends in one plain line and the command that continues the run (the
+    traceback only with `debug`)."""
     t0 = time.monotonic()
     console = Console(stderr=False)
-    if not check_tracking(cfg, console):
-        return 1
-    if not check_engine(cfg, console):
-        return 1
-    isolation = check_sandbox(cfg, console)
+    isolation = _checks(cfg, console)
     if isolation is None:
         return 1
-    if not check_tokenizer(cfg, console):
-        return 1
-    server = None
     if resume is not None:
-        from rlbus.resume import AdoptedServer, check_launcher_gone, read_state, server_answers, stop_leftover_workers
+        from rlbus.resume import check_launcher_gone, read_state, stop_leftover_workers
 
         run_path = resume.resolve()
         run_dir = run_path.parent
@@ -386,16 +405,6 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> i
         stopped = stop_leftover_workers(state)
         console.print(f"resuming run {cfg.run.run_id} → {run_path}"
                       + (f" (stopped {len(stopped)} leftover worker(s))" if stopped else ""))
-        url = state.get("nats_url") or ""
-        if not cfg.run.nats_url and url and asyncio.run(server_answers(url)):
-            server = AdoptedServer(url, state.get("server_pid"))
-            console.print(f"reusing the run's nats-server at {url}")
-        elif cfg.run.nats_url:
-            url = cfg.run.nats_url
-        else:
-            server = EmbeddedNats(run_path / "nats").start()
-            url = server.url
-            console.print(f"embedded nats-server restarted at {url} on the run's store {run_path / 'nats'}")
     else:
         if not cfg.run.run_id:
             cfg.run.run_id = new_run_id(config_path)
@@ -403,15 +412,17 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None) -> i
         run_path = run_dir / cfg.run.run_id
         run_path.mkdir(parents=True, exist_ok=True)
         console.print(f"run {cfg.run.run_id} → {run_path}")
-        url = cfg.run.nats_url
-        if not url:
-            server = EmbeddedNats(run_path / "nats").start()
-            url = server.url
-            console.print(f"embedded nats-server at {url} (store {run_path / 'nats'})")
-    prepare_model(cfg, run_path, console)  # a resumed run already has it: returns at once
+    url, server = _start_server(cfg, run_path, resume is not None, console)
+    keeper = ServerKeeper(server, run_path / "nats", run_path)
     try:
-        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, server_pid=server.pid if server else None,
-                                  sandbox_isolation=isolation))
+        prepare_model(cfg, run_path, console)  # a resumed run already has it: returns at once
+        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, keeper, sandbox_isolation=isolation))
+    except Exception as exc:
+        if debug:
+            raise
+        console.print(f"rlbus up: stopped by an unexpected error: {type(exc).__name__}: {str(exc)[:300]}; "
+                      f"continue with: {resume_command(run_path)} (add --debug to see the traceback)",
+                      style="bold red", markup=False, highlight=False, soft_wrap=True)
+        return 1
     finally:
-        if server:
-            server.stop()
+        keeper.stop()

@@ -89,6 +89,7 @@ class Monitor:
         self.sandbox_isolation: str | None = None  # "bwrap" | "docker" | "degraded", probed by the launcher
         self.tasks_by_domain: dict[str, int] = {}  # KV `sampler.progress` by_domain
         self.curriculum: dict = {}  # KV `curriculum`: weights and levels
+        self.last_heartbeat: dict[int, float] = {}  # worker pid -> monotonic time of its last heartbeat
 
     async def start(self, nc) -> None:
         """Subscribe to telemetry, weight announcements and eval results."""
@@ -103,6 +104,8 @@ class Monitor:
         except DecodeError:
             return
         self.workers[m.worker_id], self.roles[m.worker_id] = m.values, m.role
+        if m.pid:
+            self.last_heartbeat[m.pid] = time.monotonic()
 
     async def _on_weights(self, raw) -> None:
         try:
@@ -239,7 +242,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
         "task_fates": counts or None, "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
         "eval": evals, "domains": domain_counts(mon),
         "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
-        "worker_restarts": snap.restarts,
+        "worker_restarts": snap.restarts, "depths": dict(snap.depths),
         "rollout": rollout_figures(mon),
         "plateau": mon.plateau, "released_version": mon.released_version,
         "sandbox_isolation": mon.sandbox_isolation,

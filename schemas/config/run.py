@@ -26,6 +26,9 @@ class RunSection(Section):
     """Connect to this NATS server; empty = start an embedded one."""
     drain_seconds: float = Field(default=20.0, ge=0.0)
     """At stop, how long the pipeline may drain after the sampler stops."""
+    heartbeat_timeout_s: float = Field(default=60.0, ge=0.0)
+    """`rlbus up` kills and restarts a worker that has sent heartbeats (every second) and then none for
+    this long while the launcher was connected (a frozen process: SIGSTOP, a deadlock); 0 = never."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Prometheus /metrics port of each worker (0 = off). Several workers on one host take
     the first free port from here upward; env RLBUS_METRICS_PORT sets one process's port."""

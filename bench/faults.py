@@ -1,0 +1,273 @@
+"""The fault matrix: every fault either heals by itself or stops with a clear next step, and nothing is lost.
+
+`python bench/faults.py` (about 25 minutes on 2 cores) runs each case on a real run
+(`bench.fault_run.BASE_CONFIG`, a small variant of examples/smoke.toml), puts its fault in
+at a seeded random point after the first weight versions, and records per case:
+`fault`, `healed` (the run reached its limits by itself), `resume_needed`, `lost` and
+`trained_twice` (from the final accounting), `dead_letters` (with their reasons),
+`recovery_s` (fault -> first learner step after it; through `--resume` where needed),
+`stopped_s` (fault -> the launcher's exit, for the cases that stop), and `message`
+(what the console said). Writes bench/results/faults.json and prints the table.
+
+`--case NAME` (repeatable) runs some cases; `--list` names them. Cases that need
+something this machine lacks (a Docker engine, PostgreSQL, root for a tmpfs) are rows
+with `skipped` and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fault_env import (
+    DOCKER_CONFIG,
+    PG_URL,
+    SANDBOX_CONFIG,
+    SLOW_VERIFIER_CONFIG,
+    LocalCluster,
+    TmpfsStore,
+    docker_leftovers,
+    pg_rows,
+    restart_docker,
+    restart_postgres,
+    skip_reason,
+)
+from bench.fault_run import BASE_CONFIG, ROOT, FaultRun
+
+RESULTS = ROOT / "bench" / "results" / "faults.json"
+FIRST_VERSIONS = 3
+"""The fault goes in after this many learner steps (weight versions published and hot-loaded)."""
+
+
+@dataclass
+class Case:
+    """One scripted fault: how to cause it, what the run needs, what fixes it when it cannot heal."""
+
+    fault: str
+    inject: Callable[[FaultRun, dict], str]
+    config: str = BASE_CONFIG
+    overrides: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    """`docker`, `postgres`, `root` (see `fault_env.skip_reason`)."""
+    prepare: Callable[[FaultRun, dict], None] | None = None
+    heal: Callable[[FaultRun, dict], None] | None = None
+    """Run before `--resume` when the launcher stopped (free the disk, ...)."""
+    cleanup: Callable[[FaultRun, dict], None] | None = None
+    check: Callable[[FaultRun, dict], dict] | None = None
+    """Extra figures for the row (rows in the SQL store, containers left, ...)."""
+    cheap: bool = False
+    """Part of the quick set that `make test` runs."""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def kill(role: str) -> Callable[[FaultRun, dict], str]:
+    def inject(run: FaultRun, ctx: dict) -> str:
+        pid = run.pid(role)
+        os.kill(pid, signal.SIGKILL)
+        return f"kill -9 {role} (pid {pid})"
+    return inject
+
+
+def freeze(role: str, seconds: float) -> Callable[[FaultRun, dict], str]:
+    def inject(run: FaultRun, ctx: dict) -> str:
+        pid = run.pid(role)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        return f"SIGSTOP {role} (pid {pid}) for {seconds:.0f}s, then SIGCONT"
+    return inject
+
+
+def _fill_store(run: FaultRun, ctx: dict) -> str:
+    return ctx["tmpfs"].fill()
+
+
+def _free_store(run: FaultRun, ctx: dict) -> None:
+    ctx["tmpfs"].free()
+
+
+def _prepare_tmpfs(run: FaultRun, ctx: dict) -> None:
+    ctx["tmpfs"] = TmpfsStore(run.run_path / "nats").mount()
+
+
+def _cleanup_tmpfs(run: FaultRun, ctx: dict) -> None:
+    ctx["tmpfs"].unmount()
+
+
+def _launcher_gone(run: FaultRun, ctx: dict) -> None:
+    """The orphaned workers stop by themselves (watch_launcher); recorded, then --resume."""
+    t0, workers = time.monotonic(), list(run.state().get("workers", {}).values())
+    while time.monotonic() - t0 < 60 and any(_alive(p) for p in workers):
+        time.sleep(0.5)
+    ctx["orphans_stopped_s"] = round(time.monotonic() - t0, 1) if not any(_alive(p) for p in workers) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _prepare_cluster(run: FaultRun, ctx: dict) -> None:
+    ctx["cluster"] = LocalCluster(run.tmp / "cluster").start()
+    run.overrides = (*run.overrides, f"run.nats_url={ctx['cluster'].urls}")
+
+
+def _kill_node(run: FaultRun, ctx: dict) -> str:
+    node = ctx["cluster"].kill(0)
+    time.sleep(20)
+    ctx["cluster"].restart(0)
+    return f"kill -9 nats node {node} (the first URL every client tried), restarted on its store 20 s later"
+
+
+CASES: list[Case] = [
+    Case("nats-server", kill("server"), cheap=True),
+    *[Case(f"kill-{role}", kill(role), cheap=role == "rollout") for role in
+      ("sampler", "rollout", "verifier", "learner", "scheduler")],
+    Case("kill-sandbox", kill("sandbox"), config=SANDBOX_CONFIG),
+    Case("sigstop-rollout", freeze("rollout", 20), cheap=True),
+    Case("store-full", _fill_store, needs=("root",), prepare=_prepare_tmpfs, heal=_free_store, cleanup=_cleanup_tmpfs),
+    Case("postgres-restart", lambda run, ctx: restart_postgres(), needs=("postgres",),
+         overrides=(f"scheduler.db_url={PG_URL}",), check=lambda run, ctx: pg_rows(run)),
+    Case("docker-restart", lambda run, ctx: restart_docker(), config=DOCKER_CONFIG, needs=("docker", "root"),
+         check=lambda run, ctx: docker_leftovers(run)),
+    Case("slow-verifier", lambda run, ctx: "every `slow` task's verifier call takes 30 s (a third of the tasks)",
+         config=SLOW_VERIFIER_CONFIG),
+    Case("cluster-node", _kill_node, prepare=_prepare_cluster, env={"RLBUS_STREAM_REPLICAS": "3"},
+         cleanup=lambda run, ctx: ctx["cluster"].stop()),
+    Case("kill-launcher", kill("launcher"), heal=_launcher_gone),
+]
+
+
+def follow(run: FaultRun, step0: int, t_fault: float, timeout: float) -> tuple[int | None, float | None, float]:
+    """Wait for the launcher's exit; (exit code, seconds to the first step past `step0`, seconds to exit)."""
+    deadline, recovery = time.monotonic() + timeout, None
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        if recovery is None and run.steps() > step0:
+            recovery = time.monotonic() - t_fault
+        run.state()
+        time.sleep(0.25)
+    return run.proc.poll(), recovery, time.monotonic() - t_fault
+
+
+def run_case(case: Case, tmp: Path, seed: int) -> dict:
+    """One case on a fresh run: start, fault, recover (or resume), account; always cleans up."""
+    reason = skip_reason(case.needs)
+    if reason:
+        return {"fault": case.fault, "skipped": reason}
+    rng, ctx = random.Random(f"{seed}-{case.fault}"), {}
+    run = FaultRun(tmp, case.fault, case.config, case.overrides, case.env)
+    try:
+        if case.prepare:
+            case.prepare(run, ctx)
+        run.start()
+        if not run.wait_steps(FIRST_VERSIONS, 300):
+            return {"fault": case.fault, "error": "the run never reached its first weight versions",
+                    "console": run.console()[-1500:]}
+        time.sleep(rng.uniform(0.0, 3.0))
+        step0, t_fault, seen = run.steps(), time.monotonic(), len(run.console())
+        injector = threading.Thread(target=lambda: ctx.__setitem__("what", case.inject(run, ctx)), daemon=True)
+        injector.start()
+        code, recovery, stopped = follow(run, step0, t_fault, 600)
+        injector.join(60)
+        row = {"fault": case.fault, "what": ctx.get("what"), "resume_needed": code != 0,
+               "stopped_s": round(stopped, 1) if code != 0 else None}
+        if code != 0:
+            if case.heal:
+                case.heal(run, ctx)
+            ctx["resumed"] = True
+            run.start(resume=True)
+            code, later, _ = follow(run, step0, t_fault, 600)
+            recovery = recovery if recovery is not None else later
+        return row | outcome(run, case, ctx, code, recovery, seen)
+    finally:
+        run.stop_everything()
+        if case.cleanup:
+            case.cleanup(run, ctx)
+
+
+def outcome(run: FaultRun, case: Case, ctx: dict, code: int | None, recovery: float | None, seen: int) -> dict:
+    """The accounting part of a row, from the final summary.json and the console after the fault."""
+    s, after = run.summary(), run.console()[seen:]
+    msgs = [ln.strip() for ln in after.splitlines() if ln.strip().startswith("rlbus up:")]
+    url = next((o.split("=", 1)[1] for o in run.overrides if o.startswith("scheduler.db_url=")), None)
+    row = {"healed": code == 0 and not ctx.get("resumed") and s.get("final") is True, "exit_code": code,
+           "lost": s.get("lost"), "trained_twice": s.get("trained_twice"), "dead_letters": s.get("dead_letters"),
+           "dead_letter_reasons": run.dead_letters(url), "recovery_s": round(recovery, 1) if recovery else None,
+           "steps": s.get("steps"), "restarts": s.get("worker_restarts"), "message": " | ".join(msgs)[:600],
+           "traceback": "Traceback" in after}
+    if ctx.get("orphans_stopped_s") is not None:
+        row["orphans_stopped_s"] = ctx["orphans_stopped_s"]
+    if case.check:
+        row.update(case.check(run, ctx))
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table (what docs/reliability.md shows)."""
+    head = "| fault | healed | resume needed | lost | trained twice | dead letters | recovery s | stopped s | console said |"
+    out = [head, "|" + "---|" * 9]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            out.append(f"| {r['fault']} | skipped: {r.get('skipped') or r.get('error')} |  |  |  |  |  |  |  |")
+            continue
+        dl = f"{r['dead_letters']}" + (f" ({', '.join(f'{k}: {v}' for k, v in r['dead_letter_reasons'].items())})"
+                                       if r["dead_letter_reasons"] else "")
+        msg = r["message"].replace("|", "/") or "(nothing: a restart is logged in logs/)"
+        out.append(f"| {r['fault']} | {'yes' if r['healed'] else 'no'} | {'yes' if r['resume_needed'] else 'no'} | "
+                   f"{r['lost']} | {r['trained_twice']} | {dl} | {r['recovery_s']} | {r['stopped_s'] or ''} | {msg} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", action="append", help="run only this case (repeatable); see --list")
+    ap.add_argument("--cheap", action="store_true", help="only the quick cases (nats-server, kill-rollout, sigstop-rollout)")
+    ap.add_argument("--list", action="store_true", help="print the case names and exit")
+    ap.add_argument("--seed", type=int, default=0, help="where each fault goes in (seeded per case)")
+    ap.add_argument("--out", default=str(RESULTS), help="where the JSON goes")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(c.fault for c in CASES))
+        return 0
+    unknown = set(args.case or ()) - {c.fault for c in CASES}
+    if unknown:
+        ap.error(f"unknown case(s) {sorted(unknown)}; --list names them")
+    cases = [c for c in CASES if (not args.case or c.fault in args.case) and (not args.cheap or c.cheap)]
+    rows, t0 = [], time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rlbus-faults-") as tmp:
+        for case in cases:
+            print(f"--- {case.fault}", flush=True)
+            rows.append(run_case(case, Path(tmp), args.seed))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"command": "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "seed": args.seed, "seconds": round(time.monotonic() - t0, 1), "load_avg": os.getloadavg(),
+              "host": platform.node(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    bad = [r["fault"] for r in rows if "lost" in r and (r["lost"] != 0 or r["trained_twice"] != 0)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from bus.server import EmbeddedNats, free_port
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
-SANDBOX_CONFIG = BASE_CONFIG.replace("hidden_size = 32\nnum_layers = 1", "hidden_size = 64\nnum_layers = 2").replace(
+SANDBOX_CONFIG = BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3").replace("hidden_size = 32\nnum_layers = 1", "hidden_size = 64\nnum_layers = 2").replace(
     "max_steps = 30\nseconds = 30", "max_steps = 300\nseconds = 90") + """
 [sampler.domains.tool_calc]
 weight = 1.0
@@ -43,8 +44,7 @@ timeout_s = 5.0
 DOCKER_CONFIG = SANDBOX_CONFIG.replace("remote = true", 'backend = "docker"\nwarm_pool = 1')
 """Tool episodes in Docker sandboxes (the engine restarts under them)."""
 
-SLOW_VERIFIER_CONFIG = BASE_CONFIG.replace("max_steps = 30", "max_steps = 0").replace(
-    "max_minutes = 7", "max_minutes = 4") + """
+SLOW_VERIFIER_CONFIG = BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3") + """
 [sampler.domains.arith]
 weight = 0.67
 [sampler.domains.slow]
@@ -123,7 +123,7 @@ class LocalCluster:
 
     def _config(self, i: int) -> str:
         routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.routes) if j != i)
-        return (f"server_name: n{i}\njetstream {{ store_dir: \"{self.root / f'n{i}'}\" }}\n"
+        return (f"server_name: n{i}\n"
                 f"cluster {{ name: rlbus-faults, listen: 127.0.0.1:{self.routes[i]}, routes: [{routes}] }}\n")
 
     def _start(self, i: int, wait: bool) -> None:
@@ -144,7 +144,24 @@ class LocalCluster:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(n and n._jetstream_ready() for n in self.nodes):
             time.sleep(0.5)
+        asyncio.run(self._meta_leader(deadline))
         return self
+
+    async def _meta_leader(self, deadline: float) -> None:
+        """Until the cluster's JetStream answers (a meta leader is elected)."""
+        import nats
+
+        while time.monotonic() < deadline:
+            try:
+                nc = await nats.connect(self.urls.split(","), connect_timeout=2, max_reconnect_attempts=0)
+                try:
+                    await nc.jetstream(timeout=2).account_info()
+                    return
+                finally:
+                    await nc.close()
+            except Exception:  # noqa: BLE001 - not ready yet
+                await asyncio.sleep(0.5)
+        raise TimeoutError(f"the local NATS cluster {self.urls} has no JetStream leader after 60 s")
 
     def kill(self, i: int) -> int:
         node = self.nodes[i]

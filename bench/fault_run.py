@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BASE_CONFIG = """
 [run]
-max_steps = 30
-max_minutes = 7
-drain_seconds = 8
+max_steps = 0
+max_minutes = 1.5
+drain_seconds = 5
 heartbeat_timeout_s = 8
 [model]
 tokenizer = "char"
@@ -54,7 +54,8 @@ checkpoint_every = 5
 n = 20
 every_versions = 10
 """
-"""A small variant of examples/smoke.toml: about a minute of RL on 2 cores after a 30-step SFT."""
+"""A small variant of examples/smoke.toml: 90 s in all (a 30-step SFT, about 45 s of RL at a few
+learner steps per second, the drain), so a fault at ~20 s has the rest of the run to heal in."""
 
 
 class FaultRun:

@@ -49,6 +49,8 @@ from bench.fault_env import (
 from bench.fault_run import BASE_CONFIG, ROOT, FaultRun
 
 RESULTS = ROOT / "bench" / "results" / "faults.json"
+SAID = ("rlbus up:", "resuming run", "embedded nats-server restarted", "reusing the run's nats-server")
+"""Console lines that tell the user about a fault and its recovery."""
 FIRST_VERSIONS = 3
 """The fault goes in after this many learner steps (weight versions published and hot-loaded)."""
 
@@ -71,6 +73,8 @@ class Case:
     """Extra figures for the row (rows in the SQL store, containers left, ...)."""
     cheap: bool = False
     """Part of the quick set that `make test` runs."""
+    role: str | None = None
+    """The process the fault replaces (`server` for nats-server): recovery counts from its replacement."""
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -140,11 +144,11 @@ def _kill_node(run: FaultRun, ctx: dict) -> str:
 
 
 CASES: list[Case] = [
-    Case("nats-server", kill("server"), cheap=True),
-    *[Case(f"kill-{role}", kill(role), cheap=role == "rollout") for role in
+    Case("nats-server", kill("server"), cheap=True, role="server"),
+    *[Case(f"kill-{role}", kill(role), cheap=role == "rollout", role=role) for role in
       ("sampler", "rollout", "verifier", "learner", "scheduler")],
-    Case("kill-sandbox", kill("sandbox"), config=SANDBOX_CONFIG),
-    Case("sigstop-rollout", freeze("rollout", 20), cheap=True),
+    Case("kill-sandbox", kill("sandbox"), config=SANDBOX_CONFIG, role="sandbox"),
+    Case("sigstop-rollout", freeze("rollout", 20), cheap=True, role="rollout"),
     Case("store-full", _fill_store, needs=("root",), prepare=_prepare_tmpfs, heal=_free_store, cleanup=_cleanup_tmpfs),
     Case("postgres-restart", lambda run, ctx: restart_postgres(), needs=("postgres",),
          overrides=(f"scheduler.db_url={PG_URL}",), check=lambda run, ctx: pg_rows(run)),
@@ -158,15 +162,27 @@ CASES: list[Case] = [
 ]
 
 
-def follow(run: FaultRun, step0: int, t_fault: float, timeout: float) -> tuple[int | None, float | None, float]:
-    """Wait for the launcher's exit; (exit code, seconds to the first step past `step0`, seconds to exit)."""
-    deadline, recovery = time.monotonic() + timeout, None
+def follow(run: FaultRun, step0: int, t_fault: float, timeout: float, role: str | None = None,
+           old_pid: int | None = None) -> tuple[int | None, float | None, float]:
+    """Wait for the launcher's exit; (exit code, seconds from the fault to the first learner step
+    after recovery, seconds to exit). Recovery is the first step past `step0`; with `role`, the
+    first step after that role's replacement process appeared in run.json (buffered work lets
+    the learner step on while a role is away; that is not recovery)."""
+    deadline, recovery, since, steps_then = time.monotonic() + timeout, None, None if role else t_fault, step0
     while time.monotonic() < deadline and run.proc.poll() is None:
-        if recovery is None and run.steps() > step0:
+        if since is None and _replaced(run, role, old_pid):
+            since, steps_then = time.monotonic(), run.steps()
+        if recovery is None and since is not None and run.steps() > steps_then:
             recovery = time.monotonic() - t_fault
-        run.state()
         time.sleep(0.25)
     return run.proc.poll(), recovery, time.monotonic() - t_fault
+
+
+def _replaced(run: FaultRun, role: str, old_pid: int | None) -> bool:
+    try:
+        return run.pid(role) != old_pid
+    except RuntimeError:
+        return False
 
 
 def run_case(case: Case, tmp: Path, seed: int) -> dict:
@@ -184,10 +200,11 @@ def run_case(case: Case, tmp: Path, seed: int) -> dict:
             return {"fault": case.fault, "error": "the run never reached its first weight versions",
                     "console": run.console()[-1500:]}
         time.sleep(rng.uniform(0.0, 3.0))
+        old_pid = run.pid(case.role) if case.role else None
         step0, t_fault, seen = run.steps(), time.monotonic(), len(run.console())
         injector = threading.Thread(target=lambda: ctx.__setitem__("what", case.inject(run, ctx)), daemon=True)
         injector.start()
-        code, recovery, stopped = follow(run, step0, t_fault, 600)
+        code, recovery, stopped = follow(run, step0, t_fault, 600, case.role, old_pid)
         injector.join(60)
         row = {"fault": case.fault, "what": ctx.get("what"), "resume_needed": code != 0,
                "stopped_s": round(stopped, 1) if code != 0 else None}
@@ -196,8 +213,7 @@ def run_case(case: Case, tmp: Path, seed: int) -> dict:
                 case.heal(run, ctx)
             ctx["resumed"] = True
             run.start(resume=True)
-            code, later, _ = follow(run, step0, t_fault, 600)
-            recovery = recovery if recovery is not None else later
+            code, recovery, _ = follow(run, max(step0, run.steps()), t_fault, 600)  # the resumed run's first step
         return row | outcome(run, case, ctx, code, recovery, seen)
     finally:
         run.stop_everything()
@@ -208,7 +224,7 @@ def run_case(case: Case, tmp: Path, seed: int) -> dict:
 def outcome(run: FaultRun, case: Case, ctx: dict, code: int | None, recovery: float | None, seen: int) -> dict:
     """The accounting part of a row, from the final summary.json and the console after the fault."""
     s, after = run.summary(), run.console()[seen:]
-    msgs = [ln.strip() for ln in after.splitlines() if ln.strip().startswith("rlbus up:")]
+    msgs = [ln.strip() for ln in after.splitlines() if ln.strip().startswith(SAID)]
     url = next((o.split("=", 1)[1] for o in run.overrides if o.startswith("scheduler.db_url=")), None)
     row = {"healed": code == 0 and not ctx.get("resumed") and s.get("final") is True, "exit_code": code,
            "lost": s.get("lost"), "trained_twice": s.get("trained_twice"), "dead_letters": s.get("dead_letters"),
@@ -245,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
     ap.add_argument("--seed", type=int, default=0, help="where each fault goes in (seeded per case)")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON goes")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only these cases' rows in the existing --out file (the others stay as they were)")
+    ap.add_argument("--keep", metavar="DIR", help="keep every run folder and console log under DIR (default: a temporary folder)")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(c.fault for c in CASES))
@@ -254,13 +273,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown case(s) {sorted(unknown)}; --list names them")
     cases = [c for c in CASES if (not args.case or c.fault in args.case) and (not args.cheap or c.cheap)]
     rows, t0 = [], time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rlbus-faults-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlbus-faults-") as scratch:
+        tmp = args.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for case in cases:
             print(f"--- {case.fault}", flush=True)
             rows.append(run_case(case, Path(tmp), args.seed))
             print(json.dumps(rows[-1]), flush=True)
-    result = {"command": "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "seed": args.seed, "seconds": round(time.monotonic() - t0, 1), "load_avg": os.getloadavg(),
+    command = "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    for r in rows:
+        r.update(command=command, load_avg=[round(x, 1) for x in os.getloadavg()], at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if args.merge and Path(args.out).exists():
+        fresh = {r["fault"] for r in rows}
+        old = [r for r in json.loads(Path(args.out).read_text()).get("rows", []) if r["fault"] not in fresh]
+        order = [c.fault for c in CASES]
+        rows = sorted(old + rows, key=lambda r: order.index(r["fault"]) if r["fault"] in order else len(order))
+    result = {"command": command, "seed": args.seed, "seconds": round(time.monotonic() - t0, 1),
               "host": platform.node(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -2,8 +2,9 @@
 
 Guarantees:
 - `EmbeddedNats.start()` returns only once the server accepts connections, on a free
-  loopback port, with JetStream storing under `store_dir`; otherwise it raises with the
-  server's own log tail.
+  loopback port (or the given one: a restart on the same port and store), with JetStream
+  storing under `store_dir` and ready by this process's own log lines (a restart appends to
+  the old log); otherwise it raises with the server's own log tail.
 - With `config=` (nats-server config text: `authorization {...}` from
   `bus.auth.server_auth_config`, a `tls {...}` block from `tls_block`), the text is written
   to `<store_dir>/nats.conf` (mode 0600) and passed with `-c`; command-line flags (port,
@@ -92,6 +93,10 @@ class EmbeddedNats:
                 f.write(self.config)
             cmd += ["-c", str(conf)]
         env = dict(os.environ, **self.env) if self.env else None
+        try:  # a restart on the same store appends to the same log: only what this process writes counts
+            self._log_offset = self.log_path.stat().st_size
+        except FileNotFoundError:
+            self._log_offset = 0
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         deadline = time.monotonic() + timeout
@@ -110,7 +115,9 @@ class EmbeddedNats:
 
     def _jetstream_ready(self) -> bool:
         try:
-            return "Server is ready" in self.log_path.read_text(errors="replace")
+            with self.log_path.open("rb") as f:
+                f.seek(getattr(self, "_log_offset", 0))
+                return b"Server is ready" in f.read()
         except FileNotFoundError:
             return False
 

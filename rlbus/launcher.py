@@ -77,6 +77,17 @@ def check_engine(cfg: RunConfig, console: Console) -> bool:
     return True
 
 
+def check_learner(cfg: RunConfig, console: Console) -> bool:
+    """Whether the learner's ranks fit this machine (`learner.world_size`, `learner.backend`;
+    before SFT, before NATS); False after printing what to set."""
+    from learner.distributed import world_problem
+
+    problem = world_problem(cfg.learner)
+    if problem:
+        console.print(f"rlbus up: {problem}", style="bold red", markup=False, highlight=False, soft_wrap=True)
+    return problem is None
+
+
 def check_tokenizer(cfg: RunConfig, console: Console) -> bool:
     """Whether the run's tokenizer encodes every character its domains produce (before SFT,
     before NATS); False after printing the domains and characters it cannot encode."""
@@ -244,23 +255,24 @@ class RunLoop:
 
     async def drain(self, stop_reason: str) -> None:
         """Stop the sampler, let in-flight work finish (bounded), then stop the rest in pipeline order.
-        After a failure nothing drains and each role gets a few seconds: what is in flight stays
-        on the bus for `--resume`."""
+        After a failure nothing drains: every role gets 5 s at once (what is in flight stays on
+        the bus for `--resume`), so a fatal fault ends the run within seconds."""
         self.snap.phase = f"draining ({stop_reason})"
-        failed = stop_reason == "failed"
-        grace = (lambda s: 5.0) if failed else (lambda s: s)
-        await self.sup.stop(["sampler"], grace(30))
-        drain_end = time.monotonic() + (0 if failed else self.cfg.run.drain_seconds)
+        if stop_reason == "failed":
+            await self.sup.stop(list(self.sup.procs), 5)
+            return
+        await self.sup.stop(["sampler"], 30)
+        drain_end = time.monotonic() + self.cfg.run.drain_seconds
         while time.monotonic() < drain_end and not (self.interrupted.is_set() and stop_reason != "interrupted"):
             await asyncio.sleep(0.5)
             await self._refresh()
             d = self.snap.depths
             if d.get("tasks", 1) == 0 and d.get("traj", 1) == 0 and d.get("rewards", 1) == 0:
                 break
-        await self.sup.stop(["rollout", "verifier", "sandbox"], grace(30))
-        await self.sup.stop(["learner"], grace(60))
-        await self.sup.stop(["scheduler"], grace(60))
-        await self.sup.stop(["tracker"], grace(60))  # last: it writes what the others published (no-op without one)
+        await self.sup.stop(["rollout", "verifier", "sandbox"], 30)
+        await self.sup.stop(["learner"], 60)
+        await self.sup.stop(["scheduler"], 60)
+        await self.sup.stop(["tracker"], 60)  # last: it writes what the others published (no-op without one)
         await asyncio.sleep(0.5)  # let the last eval result arrive
 
     async def finish(self, js, reg: Registry, stop_reason: str, failure: str | None) -> dict:
@@ -272,8 +284,8 @@ class RunLoop:
             extra.update(fault=self.fatal.fault, next_step=self.fatal.next_step)
         acc = None
         try:
-            await asyncio.wait_for(self.mon.refresh(time.monotonic() - self.t0), 10)
-            acc = await asyncio.wait_for(account(js, reg), 60 if not self.fatal else 10)
+            await asyncio.wait_for(self.mon.refresh(time.monotonic() - self.t0), 3 if self.fatal else 10)
+            acc = await asyncio.wait_for(account(js, reg), 10) if self.fatal else await account(js, reg)
         except Exception as exc:
             if not self.fatal:
                 raise
@@ -377,7 +389,8 @@ def check_model(cfg: RunConfig, console: Console) -> bool:
 
 def _checks(cfg: RunConfig, console: Console) -> str | None:
     """Every check before anything starts; the sandbox isolation, or None after printing why not."""
-    if not (check_model(cfg, console) and check_tracking(cfg, console) and check_engine(cfg, console)):
+    if not (check_model(cfg, console) and check_tracking(cfg, console) and check_engine(cfg, console)
+            and check_learner(cfg, console)):
         return None
     isolation = check_sandbox(cfg, console)
     if isolation is None or not check_tokenizer(cfg, console):

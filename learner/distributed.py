@@ -22,8 +22,48 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["decoder_layers", "full_state_dict", "init_from_env", "load_sharded", "save_sharded", "shard_model",
-           "wrap_ddp"]
+__all__ = ["decoder_layers", "full_state_dict", "init_from_env", "load_sharded", "resolve_backend", "save_sharded",
+           "shard_model", "world_problem", "wrap_ddp"]
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` -> nccl where CUDA is available, else gloo; other names unchanged."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def world_problem(lc) -> str | None:
+    """Why the learner section `lc` cannot start its ranks on this machine (one line that
+    says what to do), or None. Checked before any rank starts: nccl needs CUDA and at most
+    one rank per visible GPU; gloo at most one rank per CPU core (`os.cpu_count`); a
+    sharded learner trains a full model (no LoRA, no PCGrad, not the null policy)."""
+    n = lc.world_size
+    if n == 1:
+        return None
+    if lc.policy == "null":
+        return f"learner.world_size = {n} with learner.policy = 'null' (no model to shard); set learner.world_size = 1"
+    if lc.lora.rank > 0:
+        return f"learner.world_size = {n} does not support LoRA yet; set learner.lora.rank = 0 or learner.world_size = 1"
+    if lc.pcgrad:
+        return f"learner.world_size = {n} does not support PCGrad yet; set learner.pcgrad = false or learner.world_size = 1"
+    import torch
+
+    backend = resolve_backend(lc.backend)
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return "learner.backend = 'nccl' needs CUDA, which this machine lacks; set learner.backend = 'gloo' (or 'auto')"
+        gpus = torch.cuda.device_count()
+        if n > gpus:
+            return (f"learner.world_size = {n} but only {gpus} CUDA device(s) are visible; "
+                    f"set learner.world_size <= {gpus}")
+        return None
+    cores = os.cpu_count() or 1
+    if n > cores:
+        return f"learner.world_size = {n} but this machine has {cores} CPU core(s) for gloo; set learner.world_size <= {cores}"
+    return None
 
 
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
@@ -49,13 +89,15 @@ def decoder_layers(model):
     return list(layers)
 
 
-def shard_model(model, *, mesh=None, reshard_after_forward: bool = True):
-    """FSDP2: `fully_shard` each decoder block, then the whole model; returns the model."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model, *, mesh=None, reshard_after_forward: bool = True, mp_policy=None):
+    """FSDP2: `fully_shard` each decoder block, then the whole model; returns the model.
+    `mp_policy`: an optional `MixedPrecisionPolicy` for every unit."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 

@@ -21,12 +21,14 @@ Guarantees:
 - `beta == 0` never runs a reference model; with LoRA the reference is the base model
   (adapters disabled), so no second copy is loaded.
 - `dtype = "bf16"` runs forwards under `torch.autocast(bfloat16)` with fp32 master
-  weights, and fails at load time with a clear error where autocast is unavailable.
+  weights, and fails at load time with a clear error where autocast is unavailable or
+  the hardware has no native bf16 (`bf16_problem`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from pathlib import Path
 
@@ -80,7 +82,34 @@ def compute_context(dtype: str, device):
     if not torch.amp.is_autocast_available(device.type):
         raise RuntimeError(f"learner.dtype = 'bf16' needs torch.autocast on {device.type!r}, which this torch "
                            f"({torch.__version__}) does not support; use dtype = 'fp32'")
+    problem = bf16_problem(device.type)
+    if problem:
+        raise RuntimeError(problem)
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=4)
+def bf16_problem(device_type: str) -> str | None:
+    """None where `device_type` computes in bf16 natively, else the one-line reason and fix:
+    CUDA must report `is_bf16_supported`; a CPU needs oneDNN (mkldnn) with bf16 and, on
+    Linux, the AVX-512 BF16 or AMX-BF16 instructions (without them bf16 is emulated, slower
+    than fp32)."""
+    import torch
+
+    fix = "set learner.dtype = 'fp32'"
+    if device_type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else f"learner.dtype = 'bf16': this GPU has no bf16; {fix}"
+    if device_type != "cpu":
+        return None
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return f"learner.dtype = 'bf16': this torch/CPU has no oneDNN bf16 support; {fix}"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = set(cpuinfo.read_text().split())
+        if not flags & {"avx512_bf16", "amx_bf16"}:
+            return (f"learner.dtype = 'bf16': this CPU ({torch.backends.cpu.get_cpu_capability()}) lacks AVX-512 BF16 "
+                    f"and AMX-BF16, so bf16 would only be emulated; {fix}")
+    return None
 
 
 # ------------------------------------------------------------------ micro-batches

@@ -34,12 +34,25 @@ log = structlog.get_logger()
 
 def model_segments(model) -> list:
     """What a version publishes, as buffers: the adapter alone for a LoRA policy, else the
-    full state (zero-copy where `state_segments` can, else serialized)."""
+    full state (zero-copy where `state_segments` can, else serialized). `model` may also be
+    a full state dict already gathered to CPU (a sharded learner's `full_state`)."""
     from learner.lora import adapter_blob, is_lora
 
+    if isinstance(model, dict):
+        from safetensors.torch import save
+
+        return state_segments(model) or [memoryview(save({k: v.contiguous() for k, v in model.items()}))]
     if is_lora(model):
         return [memoryview(adapter_blob(model))]
     return state_segments(state_tensors(model)) or [memoryview(state_to_bytes(model))]
+
+
+def weights_dtype(model) -> str:
+    """The published dtype name ("float32"), "none" for the null policy."""
+    if model is None:
+        return "none"
+    first = next(iter(model.values())) if isinstance(model, dict) else next(model.parameters())
+    return str(first.dtype).replace("torch.", "")
 
 
 async def publish_version(js, reg: Registry, model, version: int, step: int, metrics: dict[str, float],
@@ -64,7 +77,7 @@ async def publish_version(js, reg: Registry, model, version: int, step: int, met
     else:
         uri, sha, size = await store.put_segments(name, await asyncio.to_thread(model_segments, model))
     wv = WeightVersion(run_id=reg.run_id, version=version, step=step, uri=uri, sha256=sha, bytes=size,
-                       dtype=str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "none",
+                       dtype=weights_dtype(model),
                        metrics=metrics)
     await publish(js, reg.weights, wv)
     await put_json(js, reg, WEIGHTS_LATEST, {"version": version, "msg_id": wv.msg_id, "uri": uri,

@@ -24,6 +24,14 @@ Guarantees:
   the released one; older blobs are deleted after each publish (`learner.retention`).
 - At most one learner per run trains at a time: it must hold the KV lease `learner.lease`
   (see `learner.lease`); a second one waits, and one that loses its lease stops.
+- `learner.world_size` = N > 1: this process is rank 0 and alone talks to the bus; it
+  starts ranks 1..N-1 after taking the lease (`learner.ranks`), broadcasts each step's
+  batch, and every rank steps its FSDP2 shard. The weights it publishes are gathered to
+  its CPU; checkpoints are DCP (`checkpoints/learner.dcp/`) holding the same state, so
+  the guarantees above hold unchanged. A rank that dies ends every rank (rank 0 exits
+  with `learner.ranks.RANK_DIED_EXIT`) and the restarted learner resumes from the last
+  checkpoint. A configuration the machine cannot run (`learner.distributed.world_problem`)
+  exits at start with one line saying what to set, before any rank starts.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from bus.pull import decode_batch, fetch
 from bus.session import WorkerContext, worker_session
 from bus.weight_stores import make_store
 from learner import checkpoint
+from learner.distributed import world_problem
 from learner.groups import Group, GroupPool, PooledSample, partition
 from learner.lease import LearnerLease
 from learner.retention import Retention
@@ -56,8 +65,9 @@ OVERRIDES_EVERY = 5  # steps between reads of the overrides
 class Learner:
     """State carried between steps (kept small on purpose)."""
 
-    def __init__(self, s, policy, ref, optimizer, pad_id):
+    def __init__(self, s, policy, ref, optimizer, pad_id, group=None):
         self.s, self.policy, self.ref, self.optimizer, self.pad_id = s, policy, ref, optimizer, pad_id
+        self.group = group  # learner.ranks.RankGroup when world_size > 1 (then policy/ref/optimizer are None)
         self.lc = s.cfg.learner
         self.pool = GroupPool(self.lc.group_deadline_s)
         self.step, self.version, self.tasks_done, self.samples_trained = 0, 0, 0, 0
@@ -66,6 +76,7 @@ class Learner:
         self.last_step_at = time.monotonic()
         self.short_window_at = -1.0  # last_step_at of the window last logged as short
         self.ckpt_path = s.ctx.run_path / "checkpoints" / "learner.pt"
+        self.dcp_root = s.ctx.run_path / "checkpoints" / "learner.dcp"  # world_size > 1
         self.ledger_seq = 0  # LEDGER sequence of this learner's last record (checkpointed)
         self.store = make_store(self.lc.weight_store, s.js, s.reg)  # where weight blobs go (nats, file://, s3://)
         self.retention = Retention(self.store, self.lc.keep_versions, s.js, s.reg)  # deletes superseded blobs
@@ -88,10 +99,30 @@ class Learner:
         # (re-record) every reward the checkpoint had already filtered.
         return info.ack_floor.stream_seq if info.ack_floor else 0
 
+    @property
+    def has_model(self) -> bool:
+        """False for the null policy (nothing to checkpoint)."""
+        return self.policy is not None or self.group is not None
+
+    async def weights(self):
+        """What `publish_version` publishes: the policy, or the ranks' gathered full state."""
+        return await self.group.full_state() if self.group else self.policy
+
     async def save_checkpoint(self) -> None:
         """Write model, optimizer, RNG and state atomically."""
         state = self.state(await self.rewards_position())
+        if self.group:
+            await self.group.save(self.dcp_root, state)
+            return
         await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy, optimizer=self.optimizer, state=state)
+
+    async def load_checkpoint(self) -> dict | None:
+        """Restore the last checkpoint into the model(s); its state, or None."""
+        if self.group:
+            return await self.group.load(self.dcp_root)
+        if self.policy is None:
+            return None
+        return await asyncio.to_thread(checkpoint.load, self.ckpt_path, model=self.policy, optimizer=self.optimizer)
 
     async def record(self, fates: list[TaskFate], rollback_after_seq: int | None = None) -> None:
         """Publish task fates (or a rollback marker) to the ledger; remember its sequence."""
@@ -189,8 +220,11 @@ class Learner:
         """One optimizer step on `samples`; returns its metrics (staleness included)."""
         scale = (skipped_loss_scale(self.lc.objective, [s.reward for s in samples], skipped)
                  if self.lc.skipped_keep_scale else 1.0)
-        metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id,
-                                          self.lc, loss_scale=scale)
+        if self.group:
+            metrics = await self.group.train(samples, self.lc, loss_scale=scale)
+        else:
+            metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id,
+                                              self.lc, loss_scale=scale)
         lags = [self.version - s.reward.trajectory.policy_version for s in samples]
         metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
         self.step += 1
@@ -214,12 +248,12 @@ class Learner:
         log.info("learner.step", step=self.step, version=self.version, **{k: round(v, 4) for k, v in metrics.items()})
         if self.step % self.lc.publish_every == 0:
             self.version += 1
-            await publish_version(self.s.js, self.s.reg, self.policy, self.version, self.step,
+            await publish_version(self.s.js, self.s.reg, await self.weights(), self.version, self.step,
                                   {**metrics, "samples_trained": float(self.samples_trained)}, store=self.store,
                                   nc=self.s.nc)
             c["version"] = self.version
             c["weights_deleted"] = c.get("weights_deleted", 0) + await self.retention.after_publish(self.version)
-        if self.step % self.lc.checkpoint_every == 0 and self.policy is not None:
+        if self.step % self.lc.checkpoint_every == 0 and self.has_model:
             await self.save_checkpoint()
         if self.step % OVERRIDES_EVERY == 0:
             await self.apply_overrides()
@@ -268,44 +302,64 @@ async def bind_learner_consumer(js, reg):
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the learner until stopped (or `ctx.max_messages` steps)."""
     lc = cfg.learner
-    max_steps = ctx.max_messages  # for the learner the generic message limit counts optimizer steps (None: no limit)
+    problem = world_problem(lc)  # before the bus, before any rank: one line saying what to set
+    if problem:
+        raise SystemExit(f"rlbus worker learner: {problem}")
     if lc.policy != "null":
         import torch
     async with worker_session("learner", cfg, ctx) as s:
-        if lc.policy == "null":
+        group = None
+        if lc.policy == "null" or lc.world_size > 1:
             policy = ref = optimizer = pad_id = None
         else:
             policy, ref, pad_id = await asyncio.to_thread(load_models, ctx.model_path, lc)
             optimizer = torch.optim.AdamW(policy.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
-        L = Learner(s, policy, ref, optimizer, pad_id)
         lease = LearnerLease(s.js, s.reg)
         if not await lease.acquire(s.stop):
             return s.counters
         lease_keeper = asyncio.create_task(lease.keep(s.stop))
-        saved = None
-        if policy is not None:
-            saved = await asyncio.to_thread(checkpoint.load, L.ckpt_path, model=policy, optimizer=optimizer)
-        await L.restore(saved)
-        if (await get_json(s.js, s.reg, WEIGHTS_LATEST)) is None:
-            await publish_version(s.js, s.reg, policy, 0, 0, {}, store=L.store)
-        elif s.counters.get("resumed_from_step") is not None:
-            L.version += 1  # the restored weights, announced under a new (monotonic) version
-            await publish_version(s.js, s.reg, policy, L.version, L.step, {}, store=L.store)
-        s.counters.update(step=L.step, version=L.version)
-        await L.progress()
-        sub = await bind_learner_consumer(s.js, s.reg)
-        while not s.stop.is_set():
-            if max_steps is not None and L.step >= max_steps:
-                break
-            await L.take(await fetch(sub, 512, 0.2))
-            while L.should_step() and not s.stop.is_set():
-                await L.step_once()
-        if lease.lost:
-            log.error("learner.fenced", why="another learner took the lease; stopping without recording")
-            return s.counters
-        await L.record([TaskFate(task_msg_id=g.task_msg_id, fate="pending") for g in L.pool.pending()])
-        if policy is not None:
-            await L.save_checkpoint()
-        lease_keeper.cancel()
-        await lease.release()
+        try:
+            if lc.world_size > 1:
+                from learner.ranks import RankGroup
+
+                group = RankGroup(lc, ctx.model_path, ctx.run_path)
+                await group.start()
+            L = Learner(s, policy, ref, optimizer, pad_id, group=group)
+            await serve(L, lease, ctx.max_messages)
+            if group and not lease.lost:
+                await group.close()
+        finally:
+            if group:
+                group.abort()  # no-op after a clean close; kills the ranks on any error
+            lease_keeper.cancel()
+        if not lease.lost:
+            await lease.release()
         return s.counters
+
+
+async def serve(L: Learner, lease: LearnerLease, max_steps: int | None) -> None:
+    """Resume, announce the weights, then train until stopped or `max_steps` optimizer steps
+    (the learner's unit of the generic message limit); at stop record what is still
+    pending and checkpoint (not when fenced: the lease's new holder owns the run)."""
+    s = L.s
+    await L.restore(await L.load_checkpoint())
+    if (await get_json(s.js, s.reg, WEIGHTS_LATEST)) is None:
+        await publish_version(s.js, s.reg, await L.weights(), 0, 0, {}, store=L.store)
+    elif s.counters.get("resumed_from_step") is not None:
+        L.version += 1  # the restored weights, announced under a new (monotonic) version
+        await publish_version(s.js, s.reg, await L.weights(), L.version, L.step, {}, store=L.store)
+    s.counters.update(step=L.step, version=L.version)
+    await L.progress()
+    sub = await bind_learner_consumer(s.js, s.reg)
+    while not s.stop.is_set():
+        if max_steps is not None and L.step >= max_steps:
+            break
+        await L.take(await fetch(sub, 512, 0.2))
+        while L.should_step() and not s.stop.is_set():
+            await L.step_once()
+    if lease.lost:
+        log.error("learner.fenced", why="another learner took the lease; stopping without recording")
+        return
+    await L.record([TaskFate(task_msg_id=g.task_msg_id, fate="pending") for g in L.pool.pending()])
+    if L.has_model:
+        await L.save_checkpoint()

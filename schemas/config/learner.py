@@ -122,7 +122,19 @@ class LearnerSection(Section):
     activation_checkpointing: bool = False
     """Recompute activations in backward (model.gradient_checkpointing_enable)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """Compute dtype: bf16 runs forward passes under torch.autocast (fp32 master weights)."""
+    """Compute dtype: bf16 runs forward passes under torch.autocast (fp32 master weights);
+    refused at start where the hardware has no bf16 (CUDA without it; a CPU without
+    AVX-512 BF16 / AMX)."""
+    world_size: int = Field(default=1, ge=1)
+    """Learner ranks. 1: one process (the checkpoint is `learner.pt`). N > 1: `rlbus worker
+    learner` is rank 0 (the only one on the bus) and starts ranks 1..N-1 itself; the model
+    is sharded with FSDP2, checkpoints are DCP (`checkpoints/learner.dcp/`). At most the
+    CUDA devices (nccl) or CPU cores (gloo) present; not with LoRA or PCGrad."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend with world_size > 1: `auto` = nccl with CUDA, else gloo."""
+    dist_timeout_s: float = Field(default=120.0, gt=0.0)
+    """Timeout of one collective between learner ranks: a rank that hangs (a dead one is
+    noticed at once) fails the learner after this long instead of blocking it."""
     weight_store: str = "nats"
     """Where weight blobs go: `nats` (run object store), `file:///dir`, or `s3://bucket/prefix` (boto3)."""
     keep_versions: int = Field(default=16, ge=0)

@@ -120,7 +120,8 @@ def store_full(store_dir: Path, run_path: Path, log_offset: int = 0) -> FatalSto
     logged = _storage_errors(store_dir / "nats-server.log", log_offset)
     if usage.free >= MIN_FREE_BYTES and not logged:
         return None
-    used = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
+    js_dir = store_dir / "jetstream" if (store_dir / "jetstream").is_dir() else store_dir
+    used = sum(f.stat().st_size for f in js_dir.rglob("*") if f.is_file())
     need = max(256 * 1024**2, used)
     why = f" (nats-server: {logged})" if logged else ""
     return FatalStop("store-full", f"the JetStream store at {store_dir} is out of disk space: {usage.free / 2**20:.1f} MiB "

@@ -16,6 +16,9 @@ Guarantees:
   (run_id, domain, window_s, window_start) is recomputed from `RewardRow` by `domain_stats`.
 - Times are Unix seconds (float), as in the wire messages, so window arithmetic is
   the same on every database.
+- Every write (insert-or-ignore, upsert, status) that loses its connection (the database
+  restarting: `OperationalError`) is retried with backoff for up to `WRITE_RETRY_S` before
+  the error reaches the caller; the writes are idempotent, so a retry never duplicates.
 - A store created before a column was added (`ADDED_COLUMNS`, e.g. `eval_results.purpose`)
   gets it, with its default, when opened.
 """
@@ -32,6 +35,21 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import JSON, Column, Field, Session, SQLModel, func, select
 
 DB_URL_ENV = "RLBUS_DB_URL"
+WRITE_RETRY_S = 20.0
+"""How long a write waits out a lost database connection (a PostgreSQL restart) before it raises."""
+
+
+def retrying(work):
+    """Run one idempotent write; retry it on `OperationalError` (connection lost) for up to WRITE_RETRY_S."""
+    deadline, delay = time.monotonic() + WRITE_RETRY_S, 0.25
+    while True:
+        try:
+            return work()
+        except sa.exc.OperationalError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 4.0)
 
 
 class RunRow(SQLModel, table=True):
@@ -250,6 +268,9 @@ class Store:
         Returns how many were new (exact on SQLite and PostgreSQL)."""
         if not rows:
             return 0
+        return retrying(lambda: self._insert_ignore(model, rows))
+
+    def _insert_ignore(self, model: type[SQLModel], rows: Sequence[dict[str, Any]]) -> int:
         stmt = self._insert(model)
         with self.engine.begin() as conn:
             if stmt is not None:
@@ -272,6 +293,9 @@ class Store:
         """Insert rows, replacing the non-key columns of rows whose primary key exists."""
         if not rows:
             return
+        retrying(lambda: self._upsert(model, rows))
+
+    def _upsert(self, model: type[SQLModel], rows: Sequence[dict[str, Any]]) -> None:
         table = model.__table__
         keys = [c.name for c in table.primary_key.columns]
         stmt = self._insert(model)
@@ -293,8 +317,10 @@ class Store:
 
     def set_run_status(self, run_id: str, status: str) -> None:
         """Set the run's status (`running`, `finished`, `failed`, ...)."""
-        with self.engine.begin() as conn:
-            conn.execute(sa.update(RunRow.__table__).where(RunRow.__table__.c.run_id == run_id).values(status=status))
+        def write() -> None:
+            with self.engine.begin() as conn:
+                conn.execute(sa.update(RunRow.__table__).where(RunRow.__table__.c.run_id == run_id).values(status=status))
+        retrying(write)
 
     def record_rewards(self, rewards: Iterable) -> int:
         """Rows for `Reward` messages; returns how many were new."""
@@ -356,14 +382,17 @@ class Store:
 
     # -- reads --------------------------------------------------------------------------
     def rows(self, model: type[SQLModel], run_id: str | None = None, order_by: str | None = None) -> list:
-        """All rows of a table (of one run), optionally ordered by a column."""
-        with Session(self.engine) as s:
-            q = select(model)
-            if run_id is not None:
-                q = q.where(model.run_id == run_id)
-            if order_by:
-                q = q.order_by(getattr(model, order_by))
-            return list(s.exec(q).all())
+        """All rows of a table (of one run), optionally ordered by a column (retried like a write)."""
+        q = select(model)
+        if run_id is not None:
+            q = q.where(model.run_id == run_id)
+        if order_by:
+            q = q.order_by(getattr(model, order_by))
+
+        def read() -> list:
+            with Session(self.engine) as s:
+                return list(s.exec(q).all())
+        return retrying(read)
 
     def count(self, model: type[SQLModel], run_id: str | None = None) -> int:
         """Number of rows of a table (of one run)."""

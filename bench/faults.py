@@ -115,6 +115,14 @@ def _cleanup_tmpfs(run: FaultRun, ctx: dict) -> None:
     ctx["tmpfs"].unmount()
 
 
+def _build_image(run: FaultRun, ctx: dict) -> None:
+    """The docker sandbox image (built once; `rlbus up` refuses to start without it)."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "rlbus.cli", "sandbox", "build-image"], check=True, cwd=ROOT,
+                   capture_output=True, timeout=900)
+
+
 def _launcher_gone(run: FaultRun, ctx: dict) -> None:
     """The orphaned workers stop by themselves (watch_launcher); recorded, then --resume."""
     t0, workers = time.monotonic(), list(run.state().get("workers", {}).values())
@@ -153,6 +161,7 @@ CASES: list[Case] = [
     Case("postgres-restart", lambda run, ctx: restart_postgres(), needs=("postgres",),
          overrides=(f"scheduler.db_url={PG_URL}",), check=lambda run, ctx: pg_rows(run)),
     Case("docker-restart", lambda run, ctx: restart_docker(), config=DOCKER_CONFIG, needs=("docker", "root"),
+         prepare=_build_image,
          check=lambda run, ctx: docker_leftovers(run)),
     Case("slow-verifier", lambda run, ctx: "every `slow` task's verifier call takes 30 s (a third of the tasks)",
          config=SLOW_VERIFIER_CONFIG),

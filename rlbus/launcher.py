@@ -112,7 +112,7 @@ def check_sandbox(cfg: RunConfig, console: Console) -> str | None:
 
     sc = cfg.sandbox
     try:  # remote: tool calls go to the sandbox service; the scheduler's evaluation runs local process sandboxes
-        isolation = probe_isolation("process" if sc.remote else sc.backend, sc.allow_degraded)
+        isolation = probe_isolation("process" if sc.remote else sc.backend, sc.allow_degraded, image=sc.image)
     except SandboxRefused as exc:
         console.print(f"[bold red]rlbus up: {exc}[/]", highlight=False)
         return None

@@ -62,14 +62,37 @@ def open_sandbox(backend: str = "process", *, image: str | None = None, limits: 
     return sb
 
 
-def probe_isolation(backend: str, allow_degraded: bool = False) -> Isolation:
+def probe_isolation(backend: str, allow_degraded: bool = False, image: str | None = None) -> Isolation:
     """The isolation sandboxes of `backend` get on this machine: "docker", "bwrap", or
     "degraded" (only when allowed; else `SandboxRefused` with the fix). The process
-    backend is probed with one real sandbox (started and closed); docker is not started."""
+    backend is probed with one real sandbox (started and closed); docker is not started,
+    but with `image` the engine must hold it (else `SandboxRefused` naming the build command)."""
     if resolve_backend(backend) == "docker":
+        if image:
+            _require_image(image)
         return "docker"
     from sandbox_workers.process import ProcessSandbox
 
     with ProcessSandbox(allow_degraded=allow_degraded) as sb:
         sb.start()
         return sb.isolation
+
+
+def _require_image(image: str) -> None:
+    """`SandboxRefused` with the build command when the engine lacks `image`."""
+    import docker
+
+    from sandbox_workers.base import SandboxRefused
+    from sandbox_workers.docker_pool import _missing_image_message
+
+    try:
+        client = docker.from_env()
+    except docker.errors.DockerException as exc:
+        raise SandboxRefused(f"sandbox.backend is docker but no Docker engine answers ({exc}); start one "
+                             "(`docker info` must work) or use backend = \"process\"") from None
+    try:
+        client.images.get(image)
+    except docker.errors.ImageNotFound:
+        raise SandboxRefused(_missing_image_message(image)) from None
+    finally:
+        client.close()

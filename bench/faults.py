@@ -263,6 +263,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+DOC_HEAD = """# Reliability: the fault matrix
+
+Every fault either heals by itself or stops with a clear next step, and nothing is lost.
+Each row is one real run (`bench/fault_run.py`'s base config, a small variant of
+examples/smoke.toml; the sandbox, Docker, slow-verifier and cluster cases add what they
+need, see `bench/fault_env.py`) with one scripted fault put in at a seeded random point
+after the first weight versions. `lost` and `trained_twice` come from the run's final
+per-message accounting; `recovery s` is the time from the fault to the first learner
+step after the replaced process (or the resumed run) came back; `stopped s` is the time
+from the fault to the launcher's exit for the cases that stop. Reproduce with
+`python bench/faults.py` (all cases, about 25 minutes on 2 cores) or `--case NAME`;
+`python bench/faults.py --doc` rewrites this file from bench/results/faults.json.
+"""
+
+
+NOTES = "<!-- notes: kept by --doc -->"
+
+
+def write_doc(result: dict, path: Path) -> None:
+    """docs/reliability.md from a results file: the table, then each row's command and details;
+    whatever follows the NOTES marker in the old file is kept (hand-written findings)."""
+    notes = path.read_text().split(NOTES, 1)[1] if path.exists() and NOTES in path.read_text() else "\n"
+    lines = [DOC_HEAD, table(result["rows"]), "", "## Per case", ""]
+    for r in result["rows"]:
+        keep = {k: v for k, v in r.items() if k not in ("fault", "command", "message")}
+        lines.append(f"- **{r['fault']}** ({r.get('at', '')}, load {r.get('load_avg', '')}): `{r.get('command', '')}`; "
+                     + json.dumps(keep))
+    path.write_text("\n".join(lines) + "\n\n" + NOTES + notes)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", help="run only this case (repeatable); see --list")
@@ -273,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="replace only these cases' rows in the existing --out file (the others stay as they were)")
     ap.add_argument("--keep", metavar="DIR", help="keep every run folder and console log under DIR (default: a temporary folder)")
+    ap.add_argument("--doc", action="store_true", help="rewrite docs/reliability.md from --out and exit")
     args = ap.parse_args(argv)
+    if args.doc:
+        write_doc(json.loads(Path(args.out).read_text()), ROOT / "docs" / "reliability.md")
+        return 0
     if args.list:
         print("\n".join(c.fault for c in CASES))
         return 0

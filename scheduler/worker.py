@@ -64,6 +64,7 @@ from schemas import EvalResult
 from schemas.config import RunConfig
 
 log = structlog.get_logger()
+EVAL_INFRA_TRIES = 4
 
 
 class SchedulerWorker:
@@ -189,8 +190,21 @@ class SchedulerWorker:
         await self._record_scores(scores, version, self.watcher.steps.get(version, 0), None, gated=False)
 
     async def _evaluate_engine(self, version: int, step: int, metrics: dict | None = None) -> None:
-        """Score the engine's current weights as `version` locally."""
-        await self._record_scores(await self.suite.evaluate(self.engine, self._open_eval_sandbox), version, step, metrics)
+        """Score the engine's current weights as `version` locally. A sandbox that fails under
+        the evaluation's tool episodes (infrastructure: the Docker engine restarting) repeats the
+        round, up to EVAL_INFRA_TRIES times, 5 s apart, before the error ends the worker."""
+        from rollout_workers.agent import SandboxUnavailable
+
+        for attempt in range(1, EVAL_INFRA_TRIES + 1):
+            try:
+                scores = await self.suite.evaluate(self.engine, self._open_eval_sandbox)
+                break
+            except SandboxUnavailable as exc:
+                if attempt == EVAL_INFRA_TRIES:
+                    raise
+                log.warning("scheduler.eval_infra_retry", version=version, attempt=attempt, error=str(exc)[:200])
+                await asyncio.sleep(5.0)
+        await self._record_scores(scores, version, step, metrics)
         self.last_eval = version
 
     async def _open_eval_sandbox(self):

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -130,10 +131,14 @@ async def decode_batch(js: JetStreamContext, reg: Registry, stage: str, raws: Se
 
 
 async def fetch(sub, batch: int, timeout: float) -> list[Msg]:
-    """Fetch up to `batch` messages; an idle time-out returns []."""
+    """Fetch up to `batch` messages; an idle time-out returns [], and so does a consumer that is
+    briefly unavailable (503: its stream electing a leader in a cluster), after a short pause."""
     try:
         return await sub.fetch(batch, timeout=timeout)
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return []
+    except nats.js.errors.ServiceUnavailableError:
+        await asyncio.sleep(min(timeout, 0.5))
         return []
 
 

@@ -1,6 +1,10 @@
-"""`rlbus tasks show`: print one task exactly as the sampler would make it; reads no run, no NATS.
+"""`rlbus tasks show|list|build`: inspect tasks exactly as the sampler would make them, and the
+repository-task cache; reads no run, no NATS.
 
     rlbus tasks show --domain rg-<dataset> --seed S --index I [--level L] [--hidden] [--json] [--config FILE]
+    rlbus tasks list --domain repo [--json] [--cache-dir DIR]
+    rlbus tasks show --domain repo --task-id ID [--files] [--gold-patch] [--json] [--cache-dir DIR]
+    rlbus tasks build repo --from-sdist NAME==VERSION ... [--out DIR] [--max-per-package N]
 
 Guarantees:
 - The task comes from the sampler's own code path: the domain's source
@@ -17,6 +21,13 @@ Guarantees:
   verifier-only payload: `answer`, `metadata`, ...; packed values shown plainly).
   Without `--json`, a readable listing. The public task never holds the hidden payload.
 - Whatever a third-party generator prints goes to stderr, never into stdout's output.
+- `--domain repo` reads the repository-task cache (`producers.repo_cache`; default the
+  committed `producers/repo_tasks/`, or `--cache-dir` / `$RLBUS_REPO_TASKS`): `list --json`
+  prints one object per line `{"task_id", "source", "files": N}`; `show --json` prints ONE
+  object `{"task_id", "issue", "files", "gold_patch"}` where `files` is the list of public
+  paths, or `{path: content}` with `--files`, and `gold_patch` is the diff with
+  `--gold-patch`, else null. Hidden tests are never printed. An empty cache, or an id it
+  lacks, is reported on stderr with the command that builds the cache (exit 1 / 2).
 """
 
 from __future__ import annotations
@@ -34,8 +45,38 @@ EPILOG = """examples:
   rlbus tasks show --domain rg-basic_arithmetic --seed 3 --index 0 --level 2 --hidden --json
   rlbus tasks show --domain arith --config examples/demo.toml --index 0
 
+  rlbus tasks show --domain repo --task-id fixture-clamp --gold-patch
+
 exit status: 0 printed, 2 unusable input (unknown domain, level out of range, config error,
-a domain that cannot start, a task its source skips).
+a domain that cannot start, a task its source skips, a repo task id the cache lacks).
+"""
+
+LIST_EPILOG = """The repository tasks ship in producers/repo_tasks/ (committed), built from real
+packages by `rlbus tasks build repo`; --cache-dir or $RLBUS_REPO_TASKS reads another cache.
+
+examples:
+  rlbus tasks list --domain repo
+  rlbus tasks list --domain repo --json | head -3
+  rlbus tasks show --domain repo --task-id $(rlbus tasks list --domain repo --json | head -1 | jq -r .task_id)
+
+exit status: 0 listed, 1 the cache is empty (the message names the build command), 2 bad input.
+"""
+
+BUILD_EPILOG = """How a task is made: the sdist is fetched with `pip download --no-deps --no-binary :all:`
+(build time only; the package index pip is configured with), its own test suite runs once in
+the bubblewrap process sandbox and must pass; then one source site at a time is mutated (flip
+a comparison, off-by-one, drop a branch, swap two call arguments) and the suite rerun; a mutant
+that makes 1..--max-targets tests fail becomes a task: the failing tests are its hidden targets
+(their test files are hidden), the other tests its regression guard, the issue text the failing
+call and its error, the gold patch the diff back to the original. A local sdist or unpacked
+directory may replace NAME==VERSION (offline builds, tests).
+
+examples:
+  rlbus tasks build repo --from-sdist inflection==0.5.1 toolz==1.0.0
+  rlbus tasks build repo --from-sdist toolz==1.0.0 --out /tmp/tasks --max-per-package 3
+  RLBUS_REPO_TASKS=/tmp/tasks rlbus tasks list --domain repo
+
+exit status: 0 at least one task built, 1 none (every package skipped: the reasons are printed).
 """
 
 
@@ -111,6 +152,9 @@ def show(args: argparse.Namespace) -> int:
     """Run `rlbus tasks show`."""
     from producers.domains import TaskSkipped
 
+    if args.domain == REPO_DOMAIN:
+        return show_repo(args)
+
     try:
         _, drawn = draw(args.domain, args.seed, args.index, args.level, args.config)
     except (ValueError, TaskSkipped) as exc:  # TaskInputError, ConfigError, DomainUnavailable, a skipped draw
@@ -128,6 +172,103 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
+REPO_DOMAIN = "repo"
+
+
+def _empty_cache(cmd: str, cache_dir) -> int:
+    from producers import repo_cache
+
+    where = cache_dir or repo_cache.default_cache_dir()
+    print(f"rlbus tasks {cmd}: the repo task cache {where} is empty; build it with: {repo_cache.BUILD_HINT}",
+          file=sys.stderr)
+    return 1
+
+
+def list_repo(args: argparse.Namespace) -> int:
+    """Run `rlbus tasks list --domain repo` (see the module guarantees)."""
+    from producers import repo_cache
+
+    if args.domain != REPO_DOMAIN:
+        print(f"rlbus tasks list: only --domain {REPO_DOMAIN} has a task list; other domains generate "
+              "their tasks: see `rlbus tasks show --domain D --index I`", file=sys.stderr)
+        return 2
+    tasks = repo_cache.list_tasks(args.cache_dir)
+    if not tasks:
+        return _empty_cache("list", args.cache_dir)
+    if args.json:
+        for t in tasks:
+            print(json.dumps({"task_id": t.task_id, "source": t.source, "files": len(t.files)}))
+        return 0
+    width = max(len(t.task_id) for t in tasks)
+    print(f"{'TASK_ID':<{width}}  {'SOURCE':<28} FILES TARGETS REGRESSION")
+    for t in tasks:
+        print(f"{t.task_id:<{width}}  {t.source:<28} {len(t.files):>5} {len(t.target_tests):>7} "
+              f"{len(t.regression_tests):>10}")
+    print(f"{len(tasks)} tasks; licences: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(repo_cache.package_licences(args.cache_dir).items())))
+    return 0
+
+
+def show_repo(args: argparse.Namespace) -> int:
+    """Run `rlbus tasks show --domain repo --task-id ID` (see the module guarantees)."""
+    from producers import repo_cache
+
+    if not args.task_id:
+        print("rlbus tasks show: --domain repo needs --task-id ID (see `rlbus tasks list --domain repo`)",
+              file=sys.stderr)
+        return 2
+    try:
+        task = repo_cache.load_task(args.task_id, args.cache_dir)
+    except repo_cache.TaskNotCached as exc:
+        if not repo_cache.read_index(args.cache_dir)["tasks"]:
+            _empty_cache("show", args.cache_dir)
+        print(f"rlbus tasks show: {exc}", file=sys.stderr)
+        return 2
+    files = dict(sorted(task.files.items())) if args.files else sorted(task.files)
+    if args.json:
+        print(json.dumps({"task_id": task.task_id, "issue": task.issue, "files": files,
+                          "gold_patch": task.gold_patch if args.gold_patch else None}, ensure_ascii=False))
+        return 0
+    print(f"task_id {task.task_id}  source {task.source}  files {len(task.files)}  "
+          f"targets {len(task.target_tests)}  regression {len(task.regression_tests)}")
+    print("--- issue ---")
+    print(task.issue.rstrip("\n"))
+    print("--- files ---")
+    for path in sorted(task.files):
+        print(path)
+    if args.files:
+        for path, text in files.items():
+            print(f"--- {path} ---")
+            print(text.rstrip("\n"))
+    if args.gold_patch:
+        print("--- gold patch ---")
+        print(task.gold_patch.rstrip("\n"))
+    return 0
+
+
+def build_repo(args: argparse.Namespace) -> int:
+    """Run `rlbus tasks build repo` (see BUILD_EPILOG and `producers.repo_build`)."""
+    from pathlib import Path
+
+    from producers import repo_build, repo_cache
+    from rlbus.log import configure_logging
+
+    configure_logging("tasks-build", level="WARNING")  # stdout is the per-package summary
+    limits = repo_build.BuildLimits(max_per_package=args.max_per_package, max_tries=args.max_tries,
+                                    max_targets=args.max_targets, timeout=args.timeout, seed=args.seed,
+                                    allow_degraded=args.allow_degraded_sandbox)
+    out = Path(args.out) if args.out else repo_cache.default_cache_dir()
+
+    def progress(r) -> None:
+        status = f"skipped: {r.skipped}" if r.skipped else f"{len(r.tasks)} tasks"
+        print(f"{r.spec}: {status} (licence {r.licence or '?'}, {r.tried} mutants tried, {r.survived} survived, "
+              f"{r.rejected} rejected, {r.seconds} s)", flush=True)
+
+    total = sum(len(r.tasks) for r in repo_build.build(args.from_sdist, out, limits, progress))
+    print(f"{total} tasks written to {out}")
+    return 0 if total else 1
+
+
 def add_task_args(p: argparse.ArgumentParser, *, domain: bool = True) -> None:
     """The flags that name one task (shared with `rlbus verify`)."""
     if domain:
@@ -140,8 +281,9 @@ def add_task_args(p: argparse.ArgumentParser, *, domain: bool = True) -> None:
 
 def register(sub) -> None:
     """Add `tasks` to the `rlbus` subcommands."""
-    p = sub.add_parser("tasks", help="inspect the tasks a domain makes (no run, no NATS)",
-                       description="Inspect tasks exactly as the sampler makes them.")
+    p = sub.add_parser("tasks", help="inspect the tasks a domain makes; list/build the repo task cache (no NATS)",
+                       description="Inspect tasks exactly as the sampler makes them; list, show and build the "
+                                   "repository-task cache (--domain repo).")
     tsub = p.add_subparsers(dest="tasks_command", required=True, metavar="SUBCOMMAND")
     s = tsub.add_parser("show", help="print one task (and, with --hidden, its verifier-only payload)",
                         description="Print task --index of --domain for run seed --seed, as the sampler makes it.",
@@ -149,4 +291,36 @@ def register(sub) -> None:
     add_task_args(s)
     s.add_argument("--hidden", action="store_true", help="also print the hidden payload (gold answer, metadata)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    s.add_argument("--task-id", help="with --domain repo: the cached repo task to show")
+    s.add_argument("--files", action="store_true", help="with --domain repo: add the public files' contents")
+    s.add_argument("--gold-patch", action="store_true", help="with --domain repo: add the gold patch (unified diff)")
+    s.add_argument("--cache-dir", help="with --domain repo: the task cache (default producers/repo_tasks/ "
+                   "or $RLBUS_REPO_TASKS)")
     s.set_defaults(func=show)
+    _register_repo(tsub)
+
+
+def _register_repo(tsub) -> None:
+    ls = tsub.add_parser("list", help="list the cached repository tasks (--domain repo)",
+                         description="List the repository tasks in the task cache.",
+                         epilog=LIST_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ls.add_argument("--domain", required=True, help="repo (the only domain with a task cache)")
+    ls.add_argument("--json", action="store_true", help='one object per line: {"task_id", "source", "files": N}')
+    ls.add_argument("--cache-dir", help="the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
+    ls.set_defaults(func=list_repo)
+    b = tsub.add_parser("build", help="build repository tasks from real packages (build time: uses pip download)",
+                        description="Build repository tasks by mutating packages' sources and running their suites.",
+                        epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("kind", choices=[REPO_DOMAIN], help="what to build: repo")
+    b.add_argument("--from-sdist", nargs="+", required=True, metavar="NAME==VERSION",
+                   help="pure-Python packages whose sdists carry their test suite (or a local sdist / directory)")
+    b.add_argument("--out", help="the task cache to write (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
+    b.add_argument("--max-per-package", type=int, default=10, help="most tasks per package (default 10)")
+    b.add_argument("--max-tries", type=int, default=80, help="most mutants run per package (default 80)")
+    b.add_argument("--max-targets", type=int, default=20,
+                   help="a mutant failing more tests than this is rejected (default 20)")
+    b.add_argument("--timeout", type=float, default=120.0, help="wall seconds per suite run (default 120)")
+    b.add_argument("--seed", type=int, default=0, help="the mutation-site shuffle seed (default 0)")
+    b.add_argument("--allow-degraded-sandbox", action="store_true",
+                   help="run the suites without bubblewrap (rlimits only; NOT isolated)")
+    b.set_defaults(func=build_repo)

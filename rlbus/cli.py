@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         return _main(args)
     except (NatsAuthError, PermissionDenied) as exc:
         sys.exit(f"rlbus {args.command}: {exc}")
+    except BrokenPipeError:  # `rlbus ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _up(args: argparse.Namespace) -> int:

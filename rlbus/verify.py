@@ -2,6 +2,7 @@
 
     rlbus verify --domain D [--task-id ID] [--gold G] --answer-file F [--backend docker|process]
     rlbus verify --domain rg-<dataset> --seed S --index I [--level L] [--config FILE] --answer-file F
+    rlbus verify --domain repo (--task-id ID [--task-cache DIR] | --task-file T.json) --patch-file F
 
 Guarantees:
 - Prints exactly ONE JSON line on stdout: `{"reward", "components", "status", "details",
@@ -20,6 +21,11 @@ Guarantees:
   path, `rlbus.tasks_cmd.draw`), with its hidden payload, composed exactly as a verifier
   worker composes it (`verifier_workers.worker.score`: the domain's reward weights too).
   A verifier that cannot run (`VerifierInfraError`, e.g. a scorer that raises) exits 3.
+- `--domain repo` scores the unified diff in `--patch-file` (then `--answer-file` is not
+  needed) against a repo task: `--task-id` loads it from the task cache
+  (`producers.repo_cache.load_task`, imported only here), `--task-file` reads a RepoTask
+  JSON file. The trajectory carries the diff as its `diff` artifact, exactly as the
+  rollout side exports it; `backend` is `docker`. The repo sandbox failing exits 3.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ EPILOG = """how each verifier reads its inputs:
            gold answer (e.g. '\\frac{1}{2}').
   arith    F holds the answer; --task-id (or --gold) is the expression, e.g. '12*7+3'.
   extract  F holds the answer text with a JSON object; --gold is the gold JSON object.
+  repo     --patch-file F holds a unified diff against the task's repository; --task-id is a
+           cached repo task (`rlbus tasks list --domain repo`), or --task-file a RepoTask JSON.
   rg-*     F holds the model's reply (answer in <answer>...</answer>, else its last line);
            --seed/--index/--level name the task as `rlbus tasks show` does.
 
@@ -47,6 +55,7 @@ examples:
   rlbus verify --domain arith --task-id '12*7+3' --answer-file answer.txt
   rlbus verify --domain extract --gold '{"name": "Ada", "year": 1843}' --answer-file reply.txt
   rlbus verify --domain rg-leg_counting --seed 0 --index 7 --answer-file reply.txt
+  rlbus verify --domain repo --task-id fixture-calc --patch-file fix.diff
 
 output (one JSON line):
   {"reward": 1.0, "components": {"correct": 1.0, "compiles": 1.0, "pass_rate": 1.0},
@@ -64,7 +73,11 @@ def register(sub) -> None:
     p.add_argument("--domain", required=True, help="verifier / domain: code, math, arith, extract (or a plugin)")
     p.add_argument("--task-id", help="problem id: a HumanEval id for code, the expression for arith")
     p.add_argument("--gold", help="gold answer: text for math, a JSON object for extract, the expression for arith")
-    p.add_argument("--answer-file", required=True, help="file with the answer to score ('-' reads stdin)")
+    p.add_argument("--answer-file", help="file with the answer to score ('-' reads stdin); "
+                                         "optional with --patch-file")
+    p.add_argument("--patch-file", help="repo: file with the candidate unified diff ('-' reads stdin)")
+    p.add_argument("--task-file", help="repo: a RepoTask JSON file (instead of --task-id)")
+    p.add_argument("--task-cache", help="repo: the task cache dir for --task-id (default: the shipped cache)")
     p.add_argument("--backend", choices=("docker", "process"), help="sandbox for code (default: docker if reachable)")
     p.add_argument("--timeout", type=float, help="code: seconds the candidate may run (default 10)")
     from rlbus.tasks_cmd import add_task_args
@@ -151,15 +164,74 @@ def verify_task(args, answer: str) -> int:
     return 0
 
 
+def _repo_task(args):
+    """The RepoTask the flags name (InputProblem when they name none)."""
+    from schemas.repo_task import RepoTask
+
+    if args.task_file:
+        try:
+            return RepoTask.from_json(Path(args.task_file).read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            raise InputProblem(f"cannot read --task-file: {exc}") from None
+    if not args.task_id:
+        raise InputProblem("--domain repo needs --task-id (a cached repo task) or --task-file T.json")
+    try:
+        from producers.repo_cache import load_task
+    except ImportError:
+        raise InputProblem("no repo task cache in this install (producers.repo_cache); use --task-file") from None
+    try:
+        return load_task(args.task_id, args.task_cache)
+    except Exception as exc:  # noqa: BLE001 - not cached, corrupt: the message says what to do
+        raise InputProblem(str(exc)) from None
+
+
+def verify_repo_patch(args, patch: str) -> int:
+    """`--domain repo`: score the diff against the task (see the module guarantees)."""
+    import dataclasses
+
+    from verifier_workers.repo_verifier import RepoSandboxInfraError, verify_repo
+    from verifier_workers.verifiers import VerifierInputError
+
+    try:
+        task = _repo_task(args)
+        params = {"problem_id": task.task_id, **({"timeout_s": args.timeout} if args.timeout else {})}
+        traj = _trajectory("repo", "", params, "cli").model_copy(update={"artifacts": {"diff": patch.encode()}})
+        verdict = verify_repo(traj, {"task": dataclasses.asdict(task)})
+    except (InputProblem, VerifierInputError) as exc:
+        print(f"rlbus verify: {exc}", file=sys.stderr)
+        return 2
+    except RepoSandboxInfraError as exc:
+        print(f"rlbus verify: sandbox failure: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps({"reward": verdict.reward, "components": verdict.components, "status": verdict.status,
+                      "details": verdict.details, "backend": "docker"}))
+    return 0
+
+
+def _read_input(path: str, flag: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise InputProblem(f"cannot read {flag}: {exc}") from None
+
+
 def main(args) -> int:
     """Run `rlbus verify`."""
     from verifier_workers import registry
     from verifier_workers.verifiers import VerifierInputError
 
     try:
-        answer = sys.stdin.read() if args.answer_file == "-" else Path(args.answer_file).read_text()
-    except OSError as exc:
-        print(f"rlbus verify: cannot read --answer-file: {exc}", file=sys.stderr)
+        if args.patch_file and args.domain != "repo":
+            raise InputProblem("--patch-file is for --domain repo")
+        if args.domain == "repo":
+            if not args.patch_file:
+                raise InputProblem("--domain repo needs --patch-file F (a unified diff)")
+            return verify_repo_patch(args, _read_input(args.patch_file, "--patch-file"))
+        if not args.answer_file:
+            raise InputProblem("--answer-file is required (or --patch-file with --domain repo)")
+        answer = _read_input(args.answer_file, "--answer-file")
+    except InputProblem as exc:
+        print(f"rlbus verify: {exc}", file=sys.stderr)
         return 2
     if is_task_domain(args):
         return verify_task(args, answer)

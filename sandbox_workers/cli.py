@@ -1,6 +1,6 @@
 """`rlbus sandbox ...`: build the sandbox image, run one command in a fresh sandbox, reap.
 
-    rlbus sandbox build-image [--tag T]
+    rlbus sandbox build-image [--tag T] [--repo [--with REQ ...]]
     rlbus sandbox exec [--backend docker|process|auto] [--image I] [--timeout S]
                        [--memory-mb M] [--allow-degraded-sandbox] -- CMD ...
     rlbus sandbox reap [--all]
@@ -28,6 +28,7 @@ from sandbox_workers.base import Limits
 
 EPILOG = """examples:
   rlbus sandbox build-image                          # build rlbus-sandbox:latest (offline)
+  rlbus sandbox build-image --repo                   # build rlbus-repo-sandbox:latest (pytest inside)
   rlbus sandbox exec -- python3 -c 'print(6 * 7)'    # process backend (bubblewrap)
   rlbus sandbox exec --backend docker --timeout 2 -- sh -c 'while :; do :; done'
   rlbus sandbox exec --backend docker --memory-mb 128 -- python3 -c 'b = b"x" * (1 << 30)'
@@ -51,7 +52,12 @@ def register(sub) -> None:
     b = actions.add_parser("build-image", help="build the docker backend's image from compose/sandbox.Dockerfile",
                            description="Build offline (no pull, no network in RUN steps) from a base image "
                                        "already on the engine.")
-    b.add_argument("--tag", default="rlbus-sandbox:latest", help="image tag (default: rlbus-sandbox:latest)")
+    b.add_argument("--tag", help="image tag (default: rlbus-sandbox:latest, or rlbus-repo-sandbox:latest with --repo)")
+    b.add_argument("--repo", action="store_true",
+                   help="build the repository-task image (pytest inside, from a wheelhouse fetched on the host) "
+                        "from compose/repo-sandbox.Dockerfile")
+    b.add_argument("--with", dest="extra", action="append", default=[], metavar="REQ",
+                   help="--repo: also put REQ's wheels in the image's wheelhouse (task deps); repeatable")
     b.set_defaults(func=_build_image)
 
     e = actions.add_parser("exec", help="run one command in a fresh sandbox; print the result as one JSON line",
@@ -74,10 +80,17 @@ def register(sub) -> None:
 
 
 def _build_image(args) -> int:
-    from sandbox_workers.images import ImageBuildError, build_image
+    from sandbox_workers.images import DEFAULT_TAG, ImageBuildError, build_image
 
     try:
-        image_id = build_image(args.tag, on_line=lambda line: print(line, file=sys.stderr))
+        if args.repo:
+            from sandbox_workers.repo_image import REPO_TAG, build_repo_image
+
+            args.tag = args.tag or REPO_TAG
+            image_id = build_repo_image(args.tag, extra=args.extra, on_line=lambda line: print(line, file=sys.stderr))
+        else:
+            args.tag = args.tag or DEFAULT_TAG
+            image_id = build_image(args.tag, on_line=lambda line: print(line, file=sys.stderr))
     except (ImageBuildError, RuntimeError) as exc:
         print(f"rlbus sandbox build-image: {exc}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ Guarantees:
   included): the task cache and eval sets are keyed by it.
 - `is_protected(path, test_dirs)` says whether an edit to `path` must be dropped by the
   verifier: test files (`test_*.py`, `*_test.py`), `conftest.py` anywhere, pytest/tox
-  configuration files (`pytest.ini`, `tox.ini`, `setup.cfg`, `pyproject.toml`: their
+  configuration files (`pytest.ini`, `.pytest.ini`, `tox.ini`, `setup.cfg`, `pyproject.toml`: their
   `[tool:pytest]` / `[tool.pytest...]` sections cannot be edited apart, so the whole file
   is protected), `sitecustomize.py`, `usercustomize.py`, any `*.pth`, and anything under a
   test directory.
@@ -29,7 +29,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
-PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
                              "sitecustomize.py", "usercustomize.py"})
 DEFAULT_TEST_DIRS = ("tests", "test", "testing")
 

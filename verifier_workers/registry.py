@@ -52,6 +52,7 @@ BUILTINS: dict[str, str] = {
     "files": "verifier_workers.files_verifier:verify_files",
     "model": "verifier_workers.model_verifier:verify_model",
     "reasoning_gym": "verifier_workers.reasoning_gym_verifier:verify_reasoning_gym",
+    "repo": "verifier_workers.repo_verifier:verify_repo",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

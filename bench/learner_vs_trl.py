@@ -117,7 +117,7 @@ def trl_inputs(rewards, pad_id: int):
 class Ours:
     """Our learner step on Reward messages."""
 
-    def __init__(self, model_dir: Path, rewards, lr: float):
+    def __init__(self, model_dir: Path, rewards, lr: float, learner_fields: dict | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -129,15 +129,15 @@ class Ours:
         except ImportError:  # before train_step moved out of worker.py
             from learner.worker import train_step
         self.train_step = train_step
-        self.lc = LearnerSection(lr=lr)
+        self.lc = LearnerSection(lr=lr, **(learner_fields or {}))
         self.policy = AutoModelForCausalLM.from_pretrained(model_dir)
         self.policy.train()
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=self.lc.weight_decay)
         self.samples = [PooledSample(r, None) for r in rewards]
 
-    def step(self, samples=None, loss_scale: float = 1.0) -> None:
-        self.train_step(self.policy, None, self.opt, self.samples if samples is None else samples, 0, self.lc,
-                        loss_scale=loss_scale)
+    def step(self, samples=None, loss_scale: float = 1.0) -> dict:
+        return self.train_step(self.policy, None, self.opt, self.samples if samples is None else samples, 0,
+                               self.lc, loss_scale=loss_scale)
 
 
 class Peer:
@@ -173,9 +173,9 @@ class Peer:
         self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop per update
         self.model, self.inputs, self.torch = self.trainer.model, inputs, torch
 
-    def step(self) -> None:
-        t = self.trainer
-        t.training_step(self.model, dict(self.inputs), self.inputs["num_items_in_batch"])
+    def step(self, inputs: dict | None = None) -> None:
+        t, inputs = self.trainer, self.inputs if inputs is None else inputs
+        t.training_step(self.model, dict(inputs), inputs["num_items_in_batch"])
         t.accelerator.clip_grad_norm_(self.model.parameters(), t.args.max_grad_norm)
         t.optimizer.step()
         t.lr_scheduler.step()

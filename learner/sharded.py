@@ -96,11 +96,12 @@ class RankTrainer:
     def plan(self, lengths: list[int], lc) -> list[list[int]]:
         """The step's micro-batches (`plan_micro_batches`), split further when there are
         fewer than ranks (at most ceil(batch / ranks) rows each), so every rank has work."""
-        chunks = plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size)
+        chunks = plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size, lc.micro_batch_max_padding)
         if len(chunks) >= self.world or len(lengths) < self.world:
             return chunks
         rows = math.ceil(len(lengths) / self.world)
-        return plan_micro_batches(lengths, lc.micro_batch_tokens, min(rows, lc.micro_batch_size or rows))
+        return plan_micro_batches(lengths, lc.micro_batch_tokens, min(rows, lc.micro_batch_size or rows),
+                                  lc.micro_batch_max_padding)
 
     def my_micro_batches(self, chunks: list[list[int]]) -> list[tuple[list[int], bool]]:
         """(rows, real) of this rank: every N-th micro-batch, padded with zero-weighted

@@ -115,23 +115,31 @@ def bf16_problem(device_type: str) -> str | None:
 # ------------------------------------------------------------------ micro-batches
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int = 0, max_rows: int = 0) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_tokens: int = 0, max_rows: int = 0,
+                       max_padding: float = 0.0) -> list[list[int]]:
     """Split sample indices into micro-batches of length-sorted samples.
 
     A micro-batch holds at most `max_rows` samples (0 = no limit) and at most
     `max_tokens` padded positions, rows x its longest sample (0 = no limit; a sample
-    longer than the budget gets a micro-batch of its own).
+    longer than the budget gets a micro-batch of its own). With `max_padding` > 0, a
+    micro-batch also closes before the next (shorter) sample would raise its padded share
+    above `max_padding`, so every micro-batch, and the step, pads at most that fraction.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     chunks: list[list[int]] = []
+    real = 0
     for i in order:
         cur = chunks[-1] if chunks else None
+        width = lengths[cur[0]] if cur else 0
         fits = cur is not None and (not max_rows or len(cur) < max_rows) and \
-            (not max_tokens or (len(cur) + 1) * lengths[cur[0]] <= max_tokens)
+            (not max_tokens or (len(cur) + 1) * width <= max_tokens) and \
+            (not max_padding or 1.0 - (real + lengths[i]) / ((len(cur) + 1) * max(1, width)) <= max_padding)
         if fits:
             cur.append(i)
+            real += lengths[i]
         else:
             chunks.append([i])
+            real = lengths[i]
     return chunks
 
 
@@ -270,8 +278,8 @@ def pcgrad_accumulate(policy, ref, batch: dict, adv, lengths, domains: list[str]
     grads, parts, chunks = [], [], []
     for d in sorted(set(domains)):
         idx = [i for i, x in enumerate(domains) if x == d]
-        dchunks = [[idx[j] for j in c] for c in plan_micro_batches([lengths[i] for i in idx],
-                                                                   lc.micro_batch_tokens, lc.micro_batch_size)]
+        dchunks = [[idx[j] for j in c] for c in plan_micro_batches([lengths[i] for i in idx], lc.micro_batch_tokens,
+                                                                   lc.micro_batch_size, lc.micro_batch_max_padding)]
         for p in params:
             p.grad = None
         parts += accumulate(policy, ref, batch, adv, dchunks, lc)
@@ -353,7 +361,7 @@ def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int,
     if lc.pcgrad and len(set(domains)) > 1:
         parts, chunks, extra = pcgrad_accumulate(policy, ref, batch, adv, lengths, domains, lc)
     else:
-        chunks = plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size)
+        chunks = plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size, lc.micro_batch_max_padding)
         parts = accumulate(policy, ref, batch, adv, chunks, lc)
     if loss_scale != 1.0:
         for p in policy.parameters():

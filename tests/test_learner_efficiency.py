@@ -87,8 +87,8 @@ def test_plan_micro_batches_buckets_by_length():
 ])
 def test_micro_batched_loss_and_grad_equal_one_batch(model_dir, cfg):
     batch = samples()
-    full, g_full = grads_of(model_dir, batch, **cfg)
-    micro, g_micro = grads_of(model_dir, batch, micro_batch_tokens=48, **cfg)
+    full, g_full = grads_of(model_dir, batch, micro_batch_max_padding=0.0, **cfg)  # one padded batch
+    micro, g_micro = grads_of(model_dir, batch, micro_batch_tokens=48, micro_batch_max_padding=0.0, **cfg)
     assert full["micro_batches"] == 1 and micro["micro_batches"] > 2
     assert micro["padding_frac"] < full["padding_frac"]
     for k in ("loss", "pg_loss", "kl"):
@@ -151,3 +151,16 @@ def test_aggregate_tokens_per_kind():
     assert aggregate_tokens("grpo", tok, mask).item() == pytest.approx((1.5 + 4.0) / 2)
     assert aggregate_tokens("dapo", tok, mask).item() == pytest.approx(7.0 / 3)
     assert aggregate_tokens("dr_grpo", tok, mask, max_len=10).item() == pytest.approx(7.0 / 20)
+
+
+def test_the_padding_cap_keeps_mixed_lengths_under_ten_percent():
+    import random
+
+    rng = random.Random(0)
+    for n in (8, 64, 256):
+        lengths = [rng.randint(64, 512) for _ in range(n)]
+        assert padding_fraction(lengths, plan_micro_batches(lengths)) > 0.25  # one batch pads to the longest
+        capped = plan_micro_batches(lengths, max_padding=0.1)
+        assert padding_fraction(lengths, capped) <= 0.1
+        assert sorted(i for c in capped for i in c) == list(range(n))  # every sample exactly once
+        assert len(capped) <= max(4, n // 4), len(capped)

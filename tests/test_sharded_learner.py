@@ -67,7 +67,8 @@ def max_diff(a: dict, b: dict) -> float:
 def test_two_ranks_match_one_rank_and_dcp_round_trips(model_dir, tmp_path):
     from learner.ranks import RankGroup
 
-    lc = LearnerSection(world_size=2, backend="gloo", lr=1e-3, micro_batch_size=5, dist_timeout_s=60)
+    lc = LearnerSection(world_size=2, backend="gloo", lr=1e-3, micro_batch_size=5, dist_timeout_s=60,
+                       micro_batch_max_padding=0.0)  # the micro-batch counts below are the test's design
     # the first half with micro-batches of <= 5 (3: one rank runs a zero-weighted one), the
     # rest without a cap (1 micro-batch on one rank, split in 2 for 2 ranks) and with a KL
     # term (beta raised mid-run, as the forgetting guard does: the ranks load the reference then)

@@ -119,6 +119,9 @@ class LearnerSection(Section):
     """Max padded tokens (rows x width) per micro-batch, gradients accumulated; 0 = no token cap."""
     micro_batch_size: int = Field(default=0, ge=0)
     """Max sequences per micro-batch; 0 = no cap (with micro_batch_tokens 0 too: one batch)."""
+    micro_batch_max_padding: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """Most padded share of a micro-batch: length-sorted samples start a new micro-batch before
+    padding would pass it (mixed lengths pad at most this much); 0 = no padding cap."""
     activation_checkpointing: bool = False
     """Recompute activations in backward (model.gradient_checkpointing_enable)."""
     dtype: Literal["fp32", "bf16"] = "fp32"

@@ -48,6 +48,7 @@ BUILTINS: dict[str, str] = {
     "judge": "producers.jsonl_source:JudgeDomain",
     "sleep": "producers.sleep_domain:SleepDomain",
     "reasoning_gym": "producers.reasoning_gym_domain:ReasoningGymDomain",
+    "repo": "producers.repo_domain:RepoDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

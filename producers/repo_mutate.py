@@ -27,9 +27,10 @@ Guarantees:
 from __future__ import annotations
 
 import ast
-import difflib
 import re
 from dataclasses import dataclass
+
+from schemas.repo_task import unified_diff  # noqa: F401 - re-exported: the diff format lives in schemas
 
 OPERATORS = ("flip_comparison", "off_by_one", "drop_branch", "swap_args")
 NEGATED = {ast.Lt: ">=", ast.GtE: "<", ast.LtE: ">", ast.Gt: "<=", ast.Eq: "!=", ast.NotEq: "==",
@@ -197,22 +198,6 @@ def apply_site(source: str, site: Site) -> str:
     except SyntaxError as exc:
         raise ValueError(f"the mutant does not parse: {exc}") from exc
     return new
-
-
-def unified_diff(old: dict[str, str], new: dict[str, str]) -> str:
-    """The unified diff old → new over every path in either (a/ b/ prefixes, sorted paths)."""
-    out: list[str] = []
-    for path in sorted(set(old) | set(new)):
-        a, b = old.get(path, ""), new.get(path, "")
-        if a == b:
-            continue
-        a_lines, b_lines = a.splitlines(keepends=True), b.splitlines(keepends=True)
-        for seq in (a_lines, b_lines):
-            if seq and not seq[-1].endswith("\n"):
-                seq[-1] += "\n\\ No newline at end of file\n"
-        out.extend(difflib.unified_diff(a_lines, b_lines, f"a/{path}" if path in old else "/dev/null",
-                                        f"b/{path}" if path in new else "/dev/null"))
-    return "".join(out)
 
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")

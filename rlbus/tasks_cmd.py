@@ -5,6 +5,7 @@ repository-task cache; reads no run, no NATS.
     rlbus tasks list --domain repo [--json] [--cache-dir DIR]
     rlbus tasks show --domain repo --task-id ID [--files] [--gold-patch] [--json] [--cache-dir DIR]
     rlbus tasks build repo --from-sdist NAME==VERSION ... [--out DIR] [--max-per-package N]
+    rlbus tasks scripts --domain repo --out DIR [--empty] [--task-id ID ...] [--cache-dir DIR]
 
 Guarantees:
 - The task comes from the sampler's own code path: the domain's source
@@ -28,6 +29,11 @@ Guarantees:
   paths, or `{path: content}` with `--files`, and `gold_patch` is the diff with
   `--gold-patch`, else null. Hidden tests are never printed. An empty cache, or an id it
   lacks, is reported on stderr with the command that builds the cache (exit 1 / 2).
+- `scripts` writes one `<task_id>.json` script per task (default every cached task and the
+  hand-written `fixture-*` ones) for the
+  `scripted` engine (`rollout_workers.scripted_engine`): the gold patch through `apply_patch`
+  then `submit`, or with `--empty` only `submit`. The gold patch is public cache content
+  (operators and tests); nothing hidden is written.
 """
 
 from __future__ import annotations
@@ -246,6 +252,35 @@ def show_repo(args: argparse.Namespace) -> int:
     return 0
 
 
+def scripts_repo(args: argparse.Namespace) -> int:
+    """Run `rlbus tasks scripts --domain repo --out DIR [--empty]` (see the module guarantees)."""
+    from pathlib import Path
+
+    from producers import repo_cache
+    from rollout_workers.scripted_engine import EMPTY_STEPS, gold_steps, write_script
+
+    if args.domain != REPO_DOMAIN:
+        print(f"rlbus tasks scripts: only --domain {REPO_DOMAIN} has scripts", file=sys.stderr)
+        return 2
+    try:
+        if args.task_id:
+            tasks = [repo_cache.load_task(i, args.cache_dir) for i in args.task_id]
+        else:
+            from producers.repo_fixtures import fixture_tasks
+
+            tasks = repo_cache.list_tasks(args.cache_dir)
+            tasks += [t for i, t in sorted(fixture_tasks().items()) if i not in {x.task_id for x in tasks}] if tasks else []
+    except repo_cache.TaskNotCached as exc:
+        print(f"rlbus tasks scripts: {exc}", file=sys.stderr)
+        return 2
+    if not tasks:
+        return _empty_cache("scripts", args.cache_dir)
+    for t in tasks:
+        write_script(Path(args.out), t.task_id, list(EMPTY_STEPS) if args.empty else gold_steps(t.gold_patch))
+    print(f"wrote {len(tasks)} {'empty' if args.empty else 'gold'} scripts to {args.out}")
+    return 0
+
+
 def build_repo(args: argparse.Namespace) -> int:
     """Run `rlbus tasks build repo` (see BUILD_EPILOG and `producers.repo_build`)."""
     from pathlib import Path
@@ -324,3 +359,12 @@ def _register_repo(tsub) -> None:
     b.add_argument("--allow-degraded-sandbox", action="store_true",
                    help="run the suites without bubblewrap (rlimits only; NOT isolated)")
     b.set_defaults(func=build_repo)
+    sc = tsub.add_parser("scripts", help="write scripted-engine scripts for repo tasks (gold patch, or --empty)",
+                         description="Write one <task_id>.json script per repository task for rollout.engine = "
+                                     "'scripted' (rollout.scripted.dir).")
+    sc.add_argument("--domain", required=True, help="repo")
+    sc.add_argument("--out", required=True, help="the script directory to write")
+    sc.add_argument("--empty", action="store_true", help="scripts that only submit (the repository untouched)")
+    sc.add_argument("--task-id", action="append", default=[], help="only this task (repeatable; fixture-* ids too)")
+    sc.add_argument("--cache-dir", help="the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
+    sc.set_defaults(func=scripts_repo)

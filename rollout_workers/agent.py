@@ -13,8 +13,16 @@ One call runs every sample of a batch of tasks together, turn by turn:
    observation as a tool turn; a json call that is malformed, names an unknown tool or
    fails its schema runs nothing: its tool turn is the structured error observation and
    its `ToolCall` carries the `error` kind (never a crash, never a silent 0);
-4. repeat until a turn without a call (the final answer), `max_turns`, or the context
-   budget.
+4. repeat until a turn without a call (the final answer), `submit()`, `max_turns`, or the
+   context budget (`context_budget` tokens, default `MAX_CONTEXT_TOKENS`, never past the
+   engine's `max_context`): an episode whose next turn would not fit ends with `length`.
+
+Repository tasks (`Task.workspace`, the `repo` tools of `schemas.tool_protocol`): the
+sandbox starts with the repository in its work dir, each tool is one recorded execution
+(`rollout_workers.repo_tools`), `submit()` ends the episode (`stop`), and at the end, however
+it ended (`length` included), the repository's state is exported as a unified diff against
+the original into `artifacts["diff"]` (UTF-8; empty when no sandbox was opened) before the
+sandbox closes. A state that cannot be read back raises `SandboxUnavailable` for the batch.
 
 Guarantees:
 - A trajectory holds every turn's tokens in order; only model tokens are `trainable`
@@ -52,9 +60,9 @@ from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
 from schemas.tool_protocol import (
     TOOL_NAMES,
     Call,
-    call_close,
     declared_tools,
     error_observation,
+    is_repo_call,
     parse_call,
     tool_command,
     tool_turn_text,
@@ -63,6 +71,8 @@ from schemas.tool_protocol import (
 log = structlog.get_logger()
 
 MAX_CONTEXT_TOKENS = 4096
+"""Default context budget of an episode (prompt + every turn), in tokens (`rollout.max_context_tokens`)."""
+DIFF_ARTIFACT = "diff"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -85,6 +95,8 @@ class Episode:
     tokens: int = 0
     generate_seconds: float = 0.0
     artifacts: dict[str, bytes] = field(default_factory=dict)
+    export_error: str = ""
+    """Why the final repository state could not be exported ("" when it was, or none was due)."""
 
     @property
     def model_turns(self) -> int:
@@ -97,19 +109,22 @@ class Episode:
                                     artifacts=self.artifacts)
 
 
-def cut_at_call(engine, sample, tool_format: str = "tags") -> tuple[np.ndarray, np.ndarray, str, bool]:
+def cut_at_call(engine, sample, tool_format: str = "tags",
+                tools: list[str] | None = None) -> tuple[np.ndarray, np.ndarray, str, bool]:
     """(ids, logprobs, text, has_call): the turn cut just after its first complete tool call."""
-    if parse_call(sample.text, tool_format, []) is None:
+    tools = list(tools or [])
+    call = parse_call(sample.text, tool_format, tools)
+    if call is None:
         return sample.token_ids, sample.logprobs, sample.text, False
-    ids, close = sample.token_ids, call_close(tool_format)
-    if sample.text.endswith(close) and sample.text.count(close) == 1:
+    ids = sample.token_ids
+    if call.end == len(sample.text):
         return ids, sample.logprobs, sample.text, True  # the engine stopped at the close (vLLM's `stop`)
     lo, hi = 1, len(ids)  # the shortest prefix whose text holds the whole call (a prefix's text grows with it)
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if close in engine.decode(ids[:mid]) else (mid + 1, hi)
+        lo, hi = (lo, mid) if parse_call(engine.decode(ids[:mid]), tool_format, tools) else (mid + 1, hi)
     text = engine.decode(ids[:lo])
-    if close in text:
+    if parse_call(text, tool_format, tools) is not None:
         return ids[:lo], sample.logprobs[:lo], text, True
     return ids, sample.logprobs, sample.text, True
 
@@ -126,10 +141,12 @@ def new_episodes(engine, tasks: list[Task], groups) -> list[Episode]:
     return out
 
 
-def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float) -> Call | None:
+def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float,
+                   limit: int = MAX_CONTEXT_TOKENS) -> Call | None:
     """Append a generated turn; returns its tool call (`schemas.tool_protocol.Call`, maybe a
-    refused one), or None when the episode ended."""
-    ids, logprobs, text, has_call = cut_at_call(engine, sample, ep.task.tool_format)
+    refused one), or None when the episode ended (`submit()` included: it runs nothing, the
+    episode ends with `stop`). `limit`: the context budget in tokens."""
+    ids, logprobs, text, has_call = cut_at_call(engine, sample, ep.task.tool_format, ep.task.tools)
     ep.turns.append(Turn(role="assistant", text=text, token_ids=pack_i32(ids), logprobs=pack_f32(logprobs),
                          trainable=True, policy_version=version))
     ep.context.extend(int(x) for x in ids)
@@ -140,13 +157,18 @@ def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float) ->
     if not wants_tool:
         ep.done, ep.finish_reason = True, sample.finish_reason
         return None
+    call = parse_call(text, ep.task.tool_format, ep.task.tools)
+    if call is not None and call.tool == "submit" and not call.error:
+        ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool="submit", code=call.code or "{}"))
+        ep.done, ep.finish_reason = True, "stop"
+        return None
     if ep.model_turns >= ep.task.max_turns:
         ep.done, ep.finish_reason = True, "max_turns"
         return None
-    if len(ep.context) + ep.task.max_tokens >= MAX_CONTEXT_TOKENS:
+    if len(ep.context) + ep.task.max_tokens >= limit:
         ep.done, ep.finish_reason = True, "length"
         return None
-    return parse_call(text, ep.task.tool_format, ep.task.tools)
+    return call
 
 
 def add_tool_turn(engine, ep: Episode, observation: str) -> None:
@@ -161,10 +183,20 @@ def add_tool_turn(engine, ep: Episode, observation: str) -> None:
     ep.context.extend(int(x) for x in ids)
 
 
+async def _open(ep: Episode, open_sandbox) -> None:
+    """Open the episode's sandbox (with the task's repository in it, when it has one)."""
+    ep.sandbox = await (open_sandbox(repo=True) if ep.task.workspace else open_sandbox())
+    if ep.task.workspace:
+        from rollout_workers.repo_tools import setup_workspace
+
+        await setup_workspace(ep.sandbox, ep.task.workspace)
+
+
 async def run_call(engine, ep: Episode, call: Call, open_sandbox, slots: asyncio.Semaphore,
-                   timeout: float | None) -> None:
+                   timeout: float | None, caps: tuple[int, int] | None = None) -> None:
     """Run one tool call in the episode's sandbox and append the observation turn (a refused
-    call runs nothing: its turn is the structured error observation)."""
+    call runs nothing: its turn is the structured error observation); `caps`: observation
+    clip (stdout, stderr chars) of repository tools."""
     if call.error:
         ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool=call.tool or "unparsed", code=call.raw,
                                       exit_code=-1, error=call.error))
@@ -174,10 +206,15 @@ async def run_call(engine, ep: Episode, call: Call, open_sandbox, slots: asyncio
     async with slots:
         try:
             if ep.sandbox is None:
-                ep.sandbox = await open_sandbox()
-            tool, path, argv = tool_command([call.tool])
-            await ep.sandbox.write_file(path, program.encode())
-            obs = await ep.sandbox.observe(argv, timeout)
+                await _open(ep, open_sandbox)
+            if is_repo_call(call):
+                from rollout_workers.repo_tools import run_repo_tool
+
+                tool, obs = call.tool, await run_repo_tool(ep.sandbox, call, timeout, caps)
+            else:
+                tool, path, argv = tool_command([call.tool])
+                await ep.sandbox.write_file(path, program.encode())
+                obs = await ep.sandbox.observe(argv, timeout)
         except Exception as exc:  # the sandbox edge: infrastructure, never a policy outcome
             raise SandboxUnavailable(f"sandbox failed for task {ep.task.task_id}: {type(exc).__name__}: {exc}") from exc
     r = obs.result
@@ -188,11 +225,21 @@ async def run_call(engine, ep: Episode, call: Call, open_sandbox, slots: asyncio
 
 
 async def finish(ep: Episode) -> None:
-    """Export the requested artifacts and close the episode's sandbox (always)."""
+    """Export the requested artifacts (a repo task's diff) and close the episode's sandbox (always)."""
     sb, ep.sandbox = ep.sandbox, None
     if sb is None:
+        if ep.task.workspace:
+            ep.artifacts[DIFF_ARTIFACT] = b""  # nothing was opened: nothing changed
         return
     try:
+        if ep.task.workspace:
+            from rollout_workers.repo_tools import export_diff
+
+            try:
+                diff, _ = await export_diff(sb, ep.task.workspace)
+                ep.artifacts[DIFF_ARTIFACT] = diff.encode()
+            except Exception as exc:  # noqa: BLE001 - the sandbox edge: the batch is retried (run_episodes raises)
+                ep.export_error = f"{type(exc).__name__}: {exc}"
         for path in ep.task.verifier_params.get("export", []) or []:
             try:
                 ep.artifacts[str(path)] = await sb.read_file(str(path))
@@ -205,13 +252,17 @@ async def finish(ep: Episode) -> None:
 async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
                        open_sandbox: Callable[[], Awaitable[object]], before_turn: Callable[[], Awaitable] | None = None,
                        slots: int = 8, tool_timeout: float | None = None,
-                       deadline: float | None = None) -> list[Episode]:
+                       deadline: float | None = None, context_budget: int | None = None,
+                       obs_caps: tuple[int, int] | None = None) -> list[Episode]:
     """Every sample of `tasks` (which share group size, max_tokens and temperature) to the end;
-    past `deadline` (time.monotonic) no new turn starts: live episodes end with `length`."""
+    past `deadline` (time.monotonic) no new turn starts: live episodes end with `length`.
+    `context_budget`: most tokens of an episode's context (default MAX_CONTEXT_TOKENS), never
+    more than the engine's `max_context`; `obs_caps`: repository tools' observation clip."""
     t = tasks[0]
     n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
     sem = asyncio.Semaphore(slots)
-    limit = min(MAX_CONTEXT_TOKENS, getattr(engine, "max_context", None) or MAX_CONTEXT_TOKENS)
+    budget = context_budget or MAX_CONTEXT_TOKENS
+    limit = min(budget, getattr(engine, "max_context", None) or budget)
     episodes: list[Episode] = []
     try:
         if before_turn:
@@ -226,9 +277,10 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
         live = episodes
         while live:
             v = version()
-            calls = [(ep, add_model_turn(engine, ep, s, v, each)) for ep, s in zip(live, samples, strict=True)]
+            calls = [(ep, add_model_turn(engine, ep, s, v, each, budget)) for ep, s in zip(live, samples, strict=True)]
             calls = [(ep, prog) for ep, prog in calls if prog is not None]
-            await asyncio.gather(*(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout) for ep, prog in calls))
+            await asyncio.gather(*(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout, obs_caps)
+                                   for ep, prog in calls))
             live = [ep for ep, _ in calls]
             for ep in live:  # the next turn must fit the engine's context: else the episode ends here
                 if len(ep.context) + max_tokens > limit:
@@ -248,5 +300,9 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
             samples = [g[0] for g in nxt]
     finally:
         await asyncio.gather(*(finish(ep) for ep in episodes), return_exceptions=True)
+    failed = [ep for ep in episodes if ep.export_error]
+    if failed:
+        raise SandboxUnavailable(f"final repository state of task {failed[0].task.task_id} could not be exported: "
+                                 f"{failed[0].export_error}")
     return episodes
 

@@ -21,6 +21,7 @@ Guarantees:
   the verify-first path would decline, or for tied weights that swapping cannot keep.
   While one is unsettled, every other load raises RuntimeError (it would overwrite the
   weights being verified, or the ones a rollback restores).
+- `make_engine("scripted", ...)` replays tool-call scripts (`rollout_workers.scripted_engine`).
 - `make_engine("vllm", ...)` in a Python without vLLM raises `VLLMMissing`, whose message
   names `make vllm-env` (the CPU environment) and the gpu extra; `close_engine` ends what an
   engine spawned (`VLLMEngine.close`).
@@ -245,12 +246,17 @@ def require_engine(kind: str) -> None:
         raise VLLMMissing(vllm_missing_message())
 
 
-def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="standard"):
+def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="standard", scripted=None):
     """Engine by config name. `vllm`: the `rollout.vllm` section (a `VLLMEngineSection`: tier and
     engine options), or just a tier name. `kind = "vllm"` without vLLM importable raises
-    `VLLMMissing` naming `make vllm-env`, before anything starts."""
+    `VLLMMissing` naming `make vllm-env`, before anything starts. `scripted`: the
+    `rollout.scripted` section (its `dir`), or the directory itself."""
     if kind == "null":
         return NullEngine()
+    if kind == "scripted":
+        from rollout_workers.scripted_engine import ScriptedEngine
+
+        return ScriptedEngine(model_path, scripted if isinstance(scripted, str) else getattr(scripted, "dir", ""))
     if kind == "sleep":
         return SleepEngine()
     if kind == "hf":
@@ -262,4 +268,4 @@ def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="sta
         if isinstance(vllm, str):
             return VLLMEngine(model_path, vllm)
         return VLLMEngine.from_config(model_path, vllm)
-    raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', 'sleep' or 'vllm')")
+    raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', 'sleep', 'scripted' or 'vllm')")

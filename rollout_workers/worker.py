@@ -77,7 +77,8 @@ def count_tool_errors(counters: dict[str, float], episodes) -> None:
 
 
 async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
-    """A zero-argument coroutine function opening one episode sandbox (local or remote).
+    """A coroutine function opening one episode sandbox (local or remote; `repo=True`: from
+    `sandbox.repo_image`, for repository tasks).
 
     A local sandbox records its executions with the run's tool-result secret, so
     verifiers can check every observation (see `sandbox_workers.integrity`)."""
@@ -89,8 +90,11 @@ async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
 
         recorder = LocalRecorder.for_run(s.js, s.reg, ctx.run_path)
 
-    async def open_one():
-        return await open_async_sandbox(cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder)
+    repo_sc = cfg.sandbox.model_copy(update={"image": cfg.sandbox.repo_image})
+
+    async def open_one(repo: bool = False):
+        """One sandbox; `repo`: for a repository task (image `sandbox.repo_image`)."""
+        return await open_async_sandbox(repo_sc if repo else cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder)
 
     return open_one
 
@@ -147,7 +151,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     tasks_per_pool = ctx.max_messages
     async with worker_session("rollout", cfg, ctx) as s, contextlib.AsyncExitStack() as stack:
         engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.hf.device, rc.hf.threads,
-                                         rc.vllm)
+                                         rc.vllm, scripted=rc.scripted)
         stack.callback(close_engine, engine)  # an engine's spawned processes end with the worker
         watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True, nc=s.nc)
         await watcher.start()
@@ -160,7 +164,9 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         async def run_tool_tasks(tasks: list[Task], deadline: float) -> list:
             episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
                                           before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
-                                          tool_timeout=cfg.sandbox.timeout_s, deadline=deadline)
+                                          tool_timeout=cfg.sandbox.timeout_s, deadline=deadline,
+                                          context_budget=rc.max_context_tokens,
+                                          obs_caps=(rc.observation_chars, rc.observation_chars // 2))
             count_tool_errors(s.counters, episodes)
             return [(s.reg.traj(ep.task.domain), ep.trajectory()) for ep in episodes]
 

@@ -52,8 +52,10 @@ class AsyncSandbox(abc.ABC):
     isolation: str = "degraded"
 
     @abc.abstractmethod
-    async def observe(self, cmd: list[str] | str, timeout: float | None = None) -> Observation:
-        """Run `cmd`; the result plus its observation text (and exec_id when recorded)."""
+    async def observe(self, cmd: list[str] | str, timeout: float | None = None,
+                      caps: tuple[int, int] | None = None) -> Observation:
+        """Run `cmd`; the result plus its observation text (and exec_id when recorded), stdout and
+        stderr clipped to `caps` chars (`integrity.obs_caps`: the defaults when None)."""
 
     async def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
         """Run `cmd` (argv list, or a string run by `/bin/sh -c`) in the work dir."""
@@ -66,6 +68,11 @@ class AsyncSandbox(abc.ABC):
     @abc.abstractmethod
     async def write_file(self, path: str, data: bytes) -> None:
         """Create or replace a file in the work dir (parents created)."""
+
+    async def write_files(self, files: list[tuple[str, bytes]]) -> None:
+        """Create or replace several files (default: one `write_file` each; backends may batch)."""
+        for path, data in files:
+            await self.write_file(path, data)
 
     @abc.abstractmethod
     async def reset(self) -> None:
@@ -125,13 +132,14 @@ class LocalAsyncSandbox(AsyncSandbox):
             raise SandboxClosed(f"sandbox session {self.session} is closed; open a new one")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def observe(self, cmd: list[str] | str, timeout: float | None = None) -> Observation:
+    async def observe(self, cmd: list[str] | str, timeout: float | None = None,
+                      caps: tuple[int, int] | None = None) -> Observation:
         result = await self._call(self._sandbox.execute, cmd, timeout)
         if self._recorder is None:
-            from sandbox_workers.integrity import render_observation
+            from sandbox_workers.integrity import obs_caps, render_observation
 
-            return Observation(result, render_observation(result))
-        exec_id, text = await self._recorder.record(self.session, cmd, result)
+            return Observation(result, render_observation(result, *obs_caps(caps)))
+        exec_id, text = await self._recorder.record(self.session, cmd, result, caps)
         return Observation(result, text, exec_id)
 
     async def read_file(self, path: str) -> bytes:
@@ -139,6 +147,9 @@ class LocalAsyncSandbox(AsyncSandbox):
 
     async def write_file(self, path: str, data: bytes) -> None:
         await self._call(self._sandbox.write_file, path, bytes(data))
+
+    async def write_files(self, files: list[tuple[str, bytes]]) -> None:
+        await self._call(self._sandbox.write_files, [(p, bytes(d)) for p, d in files])
 
     async def reset(self) -> None:
         await self._call(self._sandbox.reset)

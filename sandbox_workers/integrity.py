@@ -10,7 +10,8 @@ every observation-looking block of a trajectory against those records.
 Observation format (the canonical text; the digest covers it byte for byte):
 
     <obs exit=CODE[ timeout][ oom][ trunc]>
-    STDOUT (at most `max_stdout` chars: head + "…[N chars cut]…" + tail; omitted if empty)
+    STDOUT (at most `max_stdout` chars: head + "…[N chars cut]…" + tail; omitted if empty;
+            `trunc` set when cut; callers may ask for other caps: `obs_caps`)
     <err>STDERR TAIL (last `max_stderr` chars, "…" prefixed when cut)</err>   (omitted if empty)
     </obs>
 
@@ -67,6 +68,8 @@ MIN_SECRET_BYTES = 16
 MAX_STDOUT = 1000
 MAX_STDERR = 600
 MAX_CMD_CHARS = 4096
+MAX_CAP_CHARS = 256 * 1024
+"""Largest observation cap a caller may ask for (`obs_caps`)."""
 _EXEC_ID = re.compile(r"^[0-9a-f]{32}$")
 _TAG_LIKE = re.compile(r"<(\s*/?\s*obs)", re.IGNORECASE)
 _BLOCK = re.compile(r"<\s*obs\b[^>]*>.*?(?:<\s*/\s*obs\s*>|\Z)", re.IGNORECASE | re.DOTALL)
@@ -96,15 +99,26 @@ def _clip_head(text: str, limit: int) -> str:
     return text if len(text) <= limit else "…" + text[-limit:]
 
 
+def obs_caps(caps: tuple[int, int] | None) -> tuple[int, int]:
+    """(max_stdout, max_stderr) chars of an observation: `caps` when given (each at least 64 and at
+    most MAX_CAP_CHARS), else the defaults MAX_STDOUT, MAX_STDERR."""
+    if caps is None:
+        return MAX_STDOUT, MAX_STDERR
+    return tuple(min(MAX_CAP_CHARS, max(64, int(c))) for c in caps)
+
+
 def render_observation(result: ExecResult, max_stdout: int = MAX_STDOUT, max_stderr: int = MAX_STDERR) -> str:
-    """The canonical observation text of `result` (format in the module docstring)."""
+    """The canonical observation text of `result` (format in the module docstring); `trunc` is
+    set when the sandbox capped the output, or this rendering clipped stdout or stderr."""
+    stdout, stderr = result.stdout.rstrip("\n"), result.stderr.rstrip("\n")
+    clipped = result.truncated or len(stdout) > max_stdout or len(stderr) > max_stderr
     flags = "".join(f" {name}" for name, on in
-                    (("timeout", result.timed_out), ("oom", result.oom), ("trunc", result.truncated)) if on)
+                    (("timeout", result.timed_out), ("oom", result.oom), ("trunc", clipped)) if on)
     lines = [f"<obs exit={int(result.exit_code)}{flags}>"]
-    out = _escape(_clip_middle(result.stdout.rstrip("\n"), max_stdout))
+    out = _escape(_clip_middle(stdout, max_stdout))
     if out:
         lines.append(out)
-    err = _escape(_clip_head(result.stderr.rstrip("\n"), max_stderr))
+    err = _escape(_clip_head(stderr, max_stderr))
     if err:
         lines.append(f"<err>{err}</err>")
     lines.append("</obs>")
@@ -176,9 +190,10 @@ class ExecRecorder:
         self.js, self.reg, self._secret, self.worker = js, reg, secret, worker
         self._kv = None
 
-    async def record(self, session: str, cmd: list[str] | str, result: ExecResult) -> tuple[str, str]:
-        """Store the record of `result`; returns (exec_id, observation text)."""
-        exec_id, text = new_exec_id(), render_observation(result)
+    async def record(self, session: str, cmd: list[str] | str, result: ExecResult,
+                     caps: tuple[int, int] | None = None) -> tuple[str, str]:
+        """Store the record of `result` rendered with `caps` (`obs_caps`); returns (exec_id, observation text)."""
+        exec_id, text = new_exec_id(), render_observation(result, *obs_caps(caps))
         rec = ExecRecord(exec_id, session, _cmd_text(cmd), observation_digest(self._secret, exec_id, text),
                          result.exit_code, result.timed_out, result.oom, self.worker, time.time())
         await self._put(exec_id, rec.to_bytes())

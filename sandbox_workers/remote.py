@@ -149,11 +149,15 @@ class RemoteSandbox(AsyncSandbox):
                               f"{timeout:.1f}s; open a new session") from None
         return raise_for(unpack(msg.data))
 
-    async def observe(self, cmd: list[str] | str, timeout: float | None = None) -> Observation:
+    async def observe(self, cmd: list[str] | str, timeout: float | None = None,
+                      caps: tuple[int, int] | None = None) -> Observation:
         limit = self.default_timeout if timeout is None else float(timeout)
         if not isinstance(cmd, str):
             cmd = [str(a) for a in cmd]
-        reply = await self._request("exec", {"cmd": cmd, "timeout": limit}, timeout=limit + EXEC_MARGIN_S)
+        body: dict = {"cmd": cmd, "timeout": limit}
+        if caps is not None:
+            body["caps"] = [int(c) for c in caps]
+        reply = await self._request("exec", body, timeout=limit + EXEC_MARGIN_S)
         return Observation(ExecResult(**reply["result"]), reply["observation"], reply.get("exec_id"))
 
     async def read_file(self, path: str) -> bytes:

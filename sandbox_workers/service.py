@@ -272,8 +272,11 @@ class SandboxService:
         timeout = req.get("timeout")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise Refused("bad_request", f"timeout must be a positive number of seconds, got {timeout!r}")
+        caps = req.get("caps")
+        if caps is not None and not (isinstance(caps, list) and len(caps) == 2 and all(isinstance(c, int) for c in caps)):
+            raise Refused("bad_request", f"caps must be two integers (stdout, stderr chars), got {caps!r}")
         try:
-            obs = await session.sandbox.observe(cmd, timeout)
+            obs = await session.sandbox.observe(cmd, timeout, None if caps is None else tuple(caps))
         except RecordFailed as exc:
             raise Refused("infra_error", str(exc)) from exc
         self._count("execs")

@@ -148,6 +148,10 @@ class Task(Message):
     pool: str = "short"
     """Expected-duration class: rollout workers pull each pool through its own consumer
     (own ack_wait, in_progress cadence and time budget), so long episodes never starve short ones."""
+    workspace: dict[str, str] = Field(default_factory=dict)
+    """Public files the episode's sandbox starts with (path -> UTF-8 text: a repo task's
+    repository); at the end the rollout side exports their diff as the `diff` artifact.
+    Never hidden content. Absent on the wire = none."""
 
 
 class Turn(BaseModel):
@@ -286,6 +290,9 @@ class Reward(Message):
     """Short verifier log (truncated)."""
     verify_seconds: float = 0.0
     """Time spent verifying."""
+    sandbox_seconds: float = 0.0
+    """Wall time the verifier spent in sandboxes (container hand-out, writes and runs; 0 for a
+    verifier that runs none). The episode's own sandbox time is in `trajectory.tool_calls`."""
 
 
 class WeightVersion(Message):

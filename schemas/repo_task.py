@@ -14,6 +14,9 @@ Guarantees:
   never `hidden_files`, `target_tests`, `regression_tests` or `gold_patch`.
 - `content_hash()` is the sha256 of the canonical JSON of the whole task (hidden parts
   included): the task cache and eval sets are keyed by it.
+- `unified_diff(old, new)` is the unified diff between two trees (a/ b/ prefixes, sorted
+  paths, `\\ No newline at end of file` markers): what the gold patches are and what the
+  rollout side exports; the verifier's strict applier applies it back exactly.
 - `is_protected(path, test_dirs)` says whether an edit to `path` must be dropped by the
   verifier: test files (`test_*.py`, `*_test.py`), `conftest.py` anywhere, pytest/tox
   configuration files (`pytest.ini`, `.pytest.ini`, `tox.ini`, `setup.cfg`, `pyproject.toml`: their
@@ -24,11 +27,20 @@ Guarantees:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
+PROMPT_TASK_LINE = "Repository task: "
+"""A repo task's prompt carries `PROMPT_TASK_LINE + task_id` on a line of its own (the scripted
+engine finds its script by it; the id is public)."""
+PROMPT_FORMAT_LINE = "Tool call format: "
+"""... and `PROMPT_FORMAT_LINE + tool_format` (`tags` or `json`)."""
+PROMPT_TASK_RE = re.compile(r"^" + re.escape(PROMPT_TASK_LINE) + r"(\S+)\s*$", re.MULTILINE)
+PROMPT_FORMAT_RE = re.compile(r"^" + re.escape(PROMPT_FORMAT_LINE) + r"(tags|json)\s*$", re.MULTILINE)
 PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
                              "sitecustomize.py", "usercustomize.py"})
 DEFAULT_TEST_DIRS = ("tests", "test", "testing")
@@ -96,3 +108,19 @@ class RepoTask:
     def public_view(self) -> dict:
         """What the policy side may see: the id, the issue, the repository files."""
         return {"task_id": self.task_id, "issue": self.issue, "files": dict(self.files)}
+
+
+def unified_diff(old: dict[str, str], new: dict[str, str]) -> str:
+    """The unified diff old → new over every path in either (a/ b/ prefixes, sorted paths)."""
+    out: list[str] = []
+    for path in sorted(set(old) | set(new)):
+        a, b = old.get(path, ""), new.get(path, "")
+        if a == b and (path in old) == (path in new):
+            continue
+        a_lines, b_lines = a.splitlines(keepends=True), b.splitlines(keepends=True)
+        for seq in (a_lines, b_lines):
+            if seq and not seq[-1].endswith("\n"):
+                seq[-1] += "\n\\ No newline at end of file\n"
+        out.extend(difflib.unified_diff(a_lines, b_lines, f"a/{path}" if path in old else "/dev/null",
+                                        f"b/{path}" if path in new else "/dev/null"))
+    return "".join(out)

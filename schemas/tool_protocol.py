@@ -28,6 +28,21 @@ message (`schemas.chat.tool_turn`: `<tool_response>` framing with the BPE templa
 plain text itself for a tokenizer without a template), so the integrity check is the same
 in both formats.
 
+Repository tools (the `repo` domain; `REPO_TOOLS`), in both formats. Under `json` they are
+ordinary calls (`{"name": "read_file", "arguments": {"path": "pkg/a.py", "start": 1}}`);
+under `tags` each tool is its own tag, the main argument its body, the others attributes:
+
+    <list_files>PATH</list_files>
+    <read_file start="N" end="M">PATH</read_file>          (start/end optional, 1-based, inclusive)
+    <write_file path="PATH">CONTENT</write_file>
+    <apply_patch>UNIFIED DIFF</apply_patch>
+    <run>SHELL COMMAND</run>                                 (cwd /work, the repository)
+    <submit></submit>                                        (or <submit/>: the episode ends)
+
+A body's one leading newline is dropped (CONTENT and DIFF keep the rest byte for byte; PATH
+and COMMAND are stripped). Tags arguments are checked against the same JSON schemas as
+json ones (`start`/`end` must be integers), so a bad call is the same structured error.
+
 Guarantees (`parse_call`, pure):
 - It finds the FIRST complete call of a model turn in the task's format (None: no call,
   the turn is the final answer); `end` is the offset just past its closing tag.
@@ -41,15 +56,16 @@ Guarantees (`parse_call`, pure):
 
 from __future__ import annotations
 
+import html
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
 JSON_CALL_OPEN, JSON_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_FORMATS = ("tags", "json")
-STOP_STRINGS = (CALL_CLOSE, JSON_CALL_CLOSE)
-"""Every format's closing tag: where an engine may stop generating a turn."""
+STOP_STRINGS_BASE = (CALL_CLOSE, JSON_CALL_CLOSE)
 ERROR_KINDS = ("malformed_json", "unknown_tool", "bad_arguments")
 """What can be wrong with a json call (counted per domain as `tool_errors`)."""
 
@@ -70,7 +86,41 @@ TOOL_SPECS: dict[str, dict] = {
                        "required": ["code"], "additionalProperties": False}}},
 }
 """Tool name -> its spec (name, description, JSON-schema parameters): the only copy."""
+
+
+def _fn(name: str, description: str, props: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": props, "required": required, "additionalProperties": False}}}
+
+
+_PATH = {"type": "string", "minLength": 1, "maxLength": 4096, "description": "Path relative to the repository root."}
+TOOL_SPECS.update({
+    "list_files": _fn("list_files", "List the files under a directory of the repository (recursively).",
+                      {"path": {**_PATH, "description": "Directory relative to the repository root ('.': all)."}},
+                      ["path"]),
+    "read_file": _fn("read_file", "Show a file of the repository with line numbers (optionally only lines "
+                     "start..end, 1-based, inclusive).",
+                     {"path": _PATH, "start": {"type": "integer", "minimum": 1},
+                      "end": {"type": "integer", "minimum": 1}}, ["path"]),
+    "write_file": _fn("write_file", "Create or replace a file of the repository with the given content.",
+                      {"path": _PATH, "content": {"type": "string", "description": "The whole new file."}},
+                      ["path", "content"]),
+    "apply_patch": _fn("apply_patch", "Apply a unified diff (paths a/FILE b/FILE, relative to the repository "
+                       "root) to the repository; all of it applies or nothing does.",
+                       {"unified_diff": {**_CODE, "description": "The unified diff."}}, ["unified_diff"]),
+    "run": _fn("run", "Run a shell command in the repository root (e.g. python -m pytest -x -q tests); its "
+               "exit code and output are returned.",
+               {"command": {**_CODE, "maxLength": 8192, "description": "The shell command."}}, ["command"]),
+    "submit": _fn("submit", "Submit the repository as it is now; the episode ends.", {}, []),
+})
 TOOL_NAMES = set(TOOL_SPECS)
+REPO_TOOLS = ("list_files", "read_file", "write_file", "apply_patch", "run", "submit")
+"""The repository tools, in the order a repo task offers them."""
+_REPO_BODY = {"list_files": "path", "read_file": "path", "write_file": "content", "apply_patch": "unified_diff",
+              "run": "command", "submit": None}
+"""Tags format: the argument a repository tool's tag body holds (None: no body)."""
+_VERBATIM = frozenset({"content", "unified_diff"})
+REPO_STOP_STRINGS = tuple(f"</{t}>" for t in REPO_TOOLS) + ("<submit/>",)
 
 
 # Runs main.py like a REPL cell: every statement, then prints repr() of a final bare
@@ -150,6 +200,8 @@ class Call:
     """"" for a runnable call, else one of `ERROR_KINDS`."""
     detail: str = ""
     """What was wrong (for the error observation)."""
+    args: dict = field(default_factory=dict, compare=False)
+    """The call's arguments as parsed (json: `arguments`; tags: body and attributes)."""
 
 
 @lru_cache(maxsize=None)
@@ -173,17 +225,14 @@ def _json_call(raw: str, end: int, tools: list[str]) -> Call:
         return Call(name, "", raw, end, "unknown_tool", f"no tool named {name!r}; available: {sorted(tools)}")
     if args is None:
         return Call(name, "", raw, end, "bad_arguments", "missing \"arguments\" (an object)")
-    problems = sorted(_validator(name).iter_errors(args), key=lambda e: list(e.absolute_path))
-    if problems:
-        first = problems[0]
-        where = "arguments" + "".join(f"[{p!r}]" for p in first.absolute_path)
-        return Call(name, "", raw, end, "bad_arguments", f"{where}: {first.message}")
-    return Call(name, args["code"], raw, end)
+    return _checked(name, args, raw, end)
 
 
 def parse_call(text: str, tool_format: str, tools: list[str]) -> Call | None:
     """The first complete call of `text` in `tool_format` for a task offering `tools` (module guarantees)."""
     if tool_format == "tags":
+        if any(t in _REPO_BODY for t in tools):
+            return _repo_tag_call(text, tools)
         found = find_call(text)
         if found is None:
             return None
@@ -211,6 +260,76 @@ def error_observation(call: Call) -> str:
 def json_call_text(tool: str, code: str) -> str:
     """A well-formed json call of `tool` with program `code` (what SFT demos teach)."""
     return f"{JSON_CALL_OPEN}{json.dumps({'name': tool, 'arguments': {'code': code}})}{JSON_CALL_CLOSE}"
+
+
+STOP_STRINGS = STOP_STRINGS_BASE + REPO_STOP_STRINGS
+"""Every format's closing tags (the repository tools' included): where an engine may stop a turn."""
+
+
+def is_repo_call(call: Call | None) -> bool:
+    """Whether `call` is one of the repository tools (`REPO_TOOLS`)."""
+    return call is not None and call.tool in _REPO_BODY
+
+
+_ATTR = re.compile(r'([A-Za-z_]+)\s*=\s*"([^"]*)"')
+
+
+def _repo_tag_call(text: str, tools: list[str]) -> Call | None:
+    """The first complete repository-tool tag of `text` among `tools` (tags format), else None."""
+    best = None
+    for tool in tools:
+        if tool not in _REPO_BODY:
+            continue
+        m = re.search(rf"<{tool}(\s[^<>]*?)?(/?)>", text)
+        if m is None or (best is not None and m.start() >= best[0].start()):
+            continue
+        if m.group(2) == "/":
+            body, end = "", m.end()
+        else:
+            close = text.find(f"</{tool}>", m.end())
+            if close < 0:
+                continue
+            body, end = text[m.end():close], close + len(f"</{tool}>")
+        best = (m, tool, body, end)
+    if best is None:
+        return None
+    m, tool, body, end = best
+    args: dict = {k: html.unescape(v) for k, v in _ATTR.findall(m.group(1) or "")}
+    for key in ("start", "end"):
+        if key in args and re.fullmatch(r"\s*\d+\s*", args[key]):
+            args[key] = int(args[key])
+    field_name = _REPO_BODY[tool]
+    if field_name is not None:
+        args[field_name] = body[1:] if body.startswith("\n") and field_name in _VERBATIM else body
+        if field_name not in _VERBATIM:
+            args[field_name] = args[field_name].strip()
+    return _checked(tool, args, text[m.start():end], end)
+
+
+def _checked(name: str, args: dict, raw: str, end: int) -> Call:
+    """A Call of tool `name` with `args`, or one with `bad_arguments` when they fail its schema."""
+    problems = sorted(_validator(name).iter_errors(args), key=lambda e: list(e.absolute_path))
+    if problems:
+        first = problems[0]
+        where = "arguments" + "".join(f"[{p!r}]" for p in first.absolute_path)
+        return Call(name, "", raw, end, "bad_arguments", f"{where}: {first.message}")
+    code = args.get("code") if "code" in args else json.dumps(args, sort_keys=True, ensure_ascii=False)
+    return Call(name, code, raw, end, args=dict(args))
+
+
+def repo_call_text(tool: str, args: dict, tool_format: str) -> str:
+    """A well-formed call of repository tool `tool` with `args` in `tool_format` (the inverse of
+    `parse_call`: what the scripted engine writes and SFT demos would teach)."""
+    if tool not in _REPO_BODY:
+        raise ValueError(f"{tool!r} is not a repository tool ({REPO_TOOLS})")
+    if tool_format == "json":
+        return f"{JSON_CALL_OPEN}{json.dumps({'name': tool, 'arguments': args}, ensure_ascii=False)}{JSON_CALL_CLOSE}"
+    body_key = _REPO_BODY[tool]
+    attrs = "".join(f' {k}="{html.escape(str(v), quote=True)}"' for k, v in args.items() if k != body_key)
+    body = "" if body_key is None else str(args.get(body_key, ""))
+    if body_key in _VERBATIM:
+        body = "\n" + body
+    return f"<{tool}{attrs}>{body}</{tool}>"
 
 
 class ToolDemo(list):

@@ -63,19 +63,37 @@ class VLLMEngineSection(Section):
     """Most sequences decoded in one step (a batch's prompts x samples); None: vLLM's default."""
 
 
+class ScriptedEngineSection(Section):
+    """Settings of the `scripted` engine (no model: tool calls replayed from scripts); the other engines ignore them."""
+
+    dir: str = ""
+    """Directory of scripts, one `<task_id>.json` per task (`rlbus tasks scripts --domain repo --out DIR`
+    writes gold or empty ones). Relative paths are taken from the working directory."""
+
+
 class RolloutSection(Section):
     """Rollout workers."""
 
     PLACE = "rollout"
     RENAMED = {"device": "hf.device", "threads": "hf.threads", "vllm_tier": "vllm.tier"}
 
-    engine: Literal["hf", "null", "sleep", "vllm"] = "hf"
+    engine: Literal["hf", "null", "sleep", "vllm", "scripted"] = "hf"
     """`hf`: transformers/torch; `null`: fixed output without a model (benchmarks); `sleep`: like null, but
-    each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: vLLM (GPU: the gpu extra; CPU: `make vllm-env`)."""
+    each batch takes its `sleep` tasks' seconds (scheduling benchmarks); `vllm`: vLLM (GPU: the gpu extra; CPU: `make vllm-env`);
+    `scripted`: tool calls replayed from `rollout.scripted.dir` (tests and task checks, no model)."""
     hf: HFEngineSection = Field(default_factory=HFEngineSection)
     """The `hf` engine's settings."""
     vllm: VLLMEngineSection = Field(default_factory=VLLMEngineSection)
     """The `vllm` engine's settings."""
+    scripted: ScriptedEngineSection = Field(default_factory=ScriptedEngineSection)
+    """The `scripted` engine's settings."""
+    max_context_tokens: int = Field(default=4096, ge=16)
+    """Context budget of a multi-turn episode in tokens (prompt, model and tool turns); an episode
+    whose next turn would not fit ends with finish_reason `length` (and is verified as it stands).
+    Never more than the engine's own `max_context`."""
+    observation_chars: int = Field(default=4000, ge=64, le=262144)
+    """Repository tools: stdout characters an observation keeps (head + tail, flagged `trunc` when
+    cut); stderr keeps half as many (its tail)."""
     batch_tasks: int = Field(default=8, ge=1)
     """Tasks fetched and generated in one batch."""
     ack_wait_s: float = 60.0

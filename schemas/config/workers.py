@@ -21,6 +21,9 @@ class SandboxSection(Section):
     (`apt-get install bubblewrap`, or `backend = "docker"`). `--allow-degraded-sandbox` sets it."""
     image: str = "rlbus-sandbox:latest"
     """Docker image (build it with `rlbus sandbox build-image`)."""
+    repo_image: str = "rlbus-repo-sandbox:latest"
+    """Docker image of repository-task episodes (tasks with a `workspace`: python + pytest + the
+    offline wheelhouse; `rlbus sandbox build-image --repo`)."""
     remote: bool = False
     """Rollout workers use the sandbox service over NATS (`rlbus worker sandbox`) instead of a local backend."""
     pool: str = "default"

@@ -135,3 +135,23 @@ def curriculum_area(path: Path, times: list[float], weights: dict[str, list[floa
            ylim=(0.0, 1.0), xlim=(times[0], times[-1] if times[-1] > times[0] else times[0] + 1))
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="x-small", frameon=False)
     return _finish(fig, path)
+
+
+def capability_cost_curves(path: Path, curves: dict[str, dict[str, list[tuple[float, float, int]]]]) -> Path:
+    """The capability-cost curve: one panel per cost measure (`rlbus.report.cost_curves`), eval
+    score per domain vs the cumulative cost recorded with each eval; up to `TOP_LABELLED` domains
+    named. No measure recorded: one panel saying so."""
+    plt = _pyplot()
+    panels = max(1, len(curves))
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels + 1.0, 4), dpi=110, squeeze=False)
+    if not curves:
+        _empty(axes[0][0], "evaluations with a cost")
+        axes[0][0].set(xlabel="cumulative cost", ylabel="eval score", title="capability vs cost")
+        return _finish(fig, path)
+    for ax, (label, per) in zip(axes[0], curves.items()):
+        for i, (domain, pts) in enumerate(sorted(per.items())):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=domain if i < TOP_LABELLED else None)
+        ax.set(xlabel=f"cumulative {label}", ylabel="eval score", title=f"capability vs {label}", ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    return _finish(fig, path)

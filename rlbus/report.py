@@ -17,11 +17,15 @@ Guarantees:
   heldout`, next to the trained domains' mean per version), `domain_heatmap.png` (domains x
   weight version -> mean training reward, domains sorted by mean reward, versions bucketed
   to at most `HEATMAP_COLUMNS` columns), `curriculum_weights.png` (stacked curriculum
-  weights over time, from `curriculum_updates`). With many domains, line plots name at most
+  weights over time, from `curriculum_updates`), `capability_cost_curve.png` (the capability-cost
+  curve: eval score per domain vs the cumulative cost recorded with each eval, one panel per
+  measure: tokens, CPU seconds, sandbox seconds; a repo domain's score is its completion
+  rate). With many domains, line plots name at most
   `rlbus.plots.TOP_LABELLED` of them.
 - `report.md` is rewritten on every call (idempotent); it links the plots by relative
-  path and lists evals (purpose, baseline, best, final), the released version, the plateau
-  and one row per domain (tasks scored, rewards, mean reward, last curriculum level and weight).
+  path and lists evals (purpose, baseline, best, final), the released version, the plateau,
+  one capability-cost line per evaluated domain (first and last score, the cost so far at
+  the last) and one row per domain (tasks scored, rewards, mean reward, last curriculum level and weight).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from rlbus.plots import TOP_LABELLED, curriculum_area, domain_heatmap, heldout_vs_train
+from rlbus.plots import TOP_LABELLED, capability_cost_curves, curriculum_area, domain_heatmap, heldout_vs_train
 
 HEATMAP_COLUMNS = 60
 
@@ -124,6 +128,50 @@ def capability_cost(evals, gates, steps: dict[int, int]) -> tuple[str, dict[str,
                 out[e.domain].append((float(cost(e)), e.score))
             return label, dict(out)
     return "learner step", {}
+
+
+COST_MEASURES = (("tokens", "cost_tokens"), ("CPU seconds", "cost_cpu_seconds"),
+                 ("sandbox seconds", "cost_sandbox_seconds"))
+"""(label, `eval_results` column) of the cumulative costs each eval row carries (`scheduler.store`)."""
+
+
+def cost_curves(evals) -> dict[str, dict[str, list[tuple[float, float, int]]]]:
+    """cost label -> domain -> [(cumulative cost when recorded, eval score, version)], in recording
+    order. An eval recorded before anything of that measure was (its cost NULL: e.g. the
+    version-0 baseline) is at cost 0; a measure no eval carries is left out."""
+    ordered = sorted(evals, key=lambda e: (e.created_at, e.version))
+    out: dict[str, dict[str, list]] = {}
+    for label, column in COST_MEASURES:
+        costs = [getattr(e, column, None) for e in ordered]
+        if all(c is None for c in costs):
+            continue
+        first = next(i for i, c in enumerate(costs) if c is not None)
+        per: dict[str, list] = defaultdict(list)
+        for i, (e, cost) in enumerate(zip(ordered, costs)):
+            if cost is not None or i < first:
+                per[e.domain].append((float(cost or 0.0), e.score, e.version))
+        out[label] = dict(per)
+    return out
+
+
+def _amount(x: float) -> str:
+    return f"{x:,.0f}".replace(",", " ") if x >= 100 else f"{x:.1f}"
+
+
+def cost_lines(evals) -> list[str]:
+    """report.md's capability-cost lines: per domain, the first and the last eval score with the
+    cost so far at the last one (every measure recorded)."""
+    per: dict[str, list] = defaultdict(list)
+    for e in sorted(evals, key=lambda e: (e.created_at, e.version)):
+        per[e.domain].append(e)
+    lines = []
+    for domain, es in sorted(per.items()):
+        first, last = es[0], es[-1]
+        spent = [f"{_amount(float(v))} {label}" for label, column in COST_MEASURES
+                 if (v := getattr(last, column, None)) is not None]
+        lines.append(f"- {domain}: eval score {first.score:.3f} (v{first.version}) -> {last.score:.3f} "
+                     f"(v{last.version}) at " + (", ".join(spent) if spent else "no recorded cost"))
+    return lines or ["no evaluations recorded"]
 
 
 def purposes(evals) -> dict[str, str]:
@@ -348,6 +396,7 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     heldout_vs_train(plots / "heldout_vs_train.png", *heldout_and_train_mean(evals, config_domains or None))
     domain_heatmap(plots / "domain_heatmap.png", *reward_grid(rewards))
     curriculum_area(plots / "curriculum_weights.png", *curriculum_series(updates, t0))
+    capability_cost_curves(plots / "capability_cost_curve.png", cost_curves(evals))
 
     released = max((g.version for g in gates if g.released), default=None)
     trained = [r for r in rewards if r.purpose == "train"]
@@ -371,6 +420,9 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
           "![held-out vs trained domains](plots/heldout_vs_train.png)", "",
           "![mean reward by domain and version](plots/domain_heatmap.png)", "",
           "![curriculum weights, stacked](plots/curriculum_weights.png)", "",
+          "## Capability vs cost", "",
+          "![eval score vs cumulative tokens, CPU and sandbox seconds](plots/capability_cost_curve.png)", "",
+          *cost_lines(evals), "",
           "## Domains", "", *domain_table(rewards, updates), ""]
     out = run_path / "report.md"
     out.write_text("\n".join(md))

@@ -16,9 +16,13 @@ Guarantees:
   as their own tasks made greedy: `purpose=eval`, one sample, temperature 0, their verifier,
   params, tools and pool as drawn; their hidden gold is put in the run's hidden bucket (under
   the task's `hidden_ref`) before the first round that publishes them.
-- The score of a domain is the fraction of its problems whose reward has `correct` == 1
-  (the scalar when a verifier reports no `correct`), over the whole set: a problem whose
+- The score of a domain is the fraction of its problems whose reward has its success
+  component == 1 (`SUCCESS_COMPONENTS`: `correct`, else `resolved`, the repo verifier's
+  task completion, so a repo domain's score is its completion rate whatever its reward
+  weights; the scalar when a verifier reports neither), over the whole set: a problem whose
   reward did not arrive within the timeout counts as wrong and is reported (`missing`).
+  Each score is recorded (`EvalResult` -> `eval_results`) next to the run's cost so far
+  (tokens, CPU seconds, sandbox seconds: `scheduler.store`).
 - The version a round reports is the policy version most of its trajectories were
   generated with (weights may change during a round); the range is logged.
 - A round is abandoned, and reports nothing, as soon as the caller's `stop` event is set:
@@ -66,8 +70,14 @@ def eval_tasks(suite, run_id: str, round_id: int, only: list[str] | None = None)
     return out
 
 
+SUCCESS_COMPONENTS = ("correct", "resolved")
+"""The component that says a problem was solved, first found wins; else the scalar reward."""
+
+
 def is_correct(r: Reward) -> bool:
-    return float(r.components.get("correct", r.reward)) >= 1.0
+    """Whether the reward's success component (else its scalar) is 1."""
+    key = next((k for k in SUCCESS_COMPONENTS if k in r.components), None)
+    return float(r.components[key] if key else r.reward) >= 1.0
 
 
 @dataclass

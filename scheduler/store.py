@@ -20,7 +20,12 @@ Guarantees:
   restarting: `OperationalError`) is retried with backoff for up to `WRITE_RETRY_S` before
   the error reaches the caller; the writes are idempotent, so a retry never duplicates.
 - A store created before a column was added (`ADDED_COLUMNS`, e.g. `eval_results.purpose`)
-  gets it, with its default, when opened.
+  gets it, with its default (NULL for a nullable column), when opened.
+- Cost so far: every `EvalResultRow` carries the run's cumulative cost when it was recorded:
+  CPU/GPU seconds and tokens summed over the `costs` rows (heartbeat totals per stage, None
+  before any), and sandbox seconds summed over the recorded rewards (`RewardRow.sandbox_seconds`:
+  the episode's tool executions plus the verifier's own sandbox time, `reward_sandbox_seconds`;
+  message-derived, so a redelivered reward never counts twice; None before any reward).
 """
 
 import math
@@ -95,6 +100,8 @@ class EvalResultRow(SQLModel, table=True):
     cost_cpu_seconds: float | None = None
     cost_gpu_seconds: float | None = None
     cost_tokens: int | None = None
+    cost_sandbox_seconds: float | None = None
+    """Sandbox wall seconds of every reward recorded so far (episode tool executions + verifiers)."""
 
 
 class DomainStatRow(SQLModel, table=True):
@@ -164,6 +171,8 @@ class RewardRow(SQLModel, table=True):
     policy_version: int
     task_msg_id: str = ""
     created_at: float
+    sandbox_seconds: float = 0.0
+    """Sandbox wall time of this sample: its episode's tool executions plus its verification's."""
 
 
 class GateCheckRow(SQLModel, table=True):
@@ -190,8 +199,17 @@ class GateCheckRow(SQLModel, table=True):
 
 TABLES: tuple[type[SQLModel], ...] = (RunRow, WeightVersionRow, EvalResultRow, DomainStatRow, DeadLetterRow,
                                       CurriculumUpdateRow, CostRow, RewardRow, GateCheckRow)
-ADDED_COLUMNS: tuple[tuple[type[SQLModel], str, str], ...] = ((EvalResultRow, "purpose", "'train'"),)
-"""(table, column, SQL default) of columns added after the first release: `Store` adds them to older stores."""
+ADDED_COLUMNS: tuple[tuple[type[SQLModel], str, str], ...] = (
+    (EvalResultRow, "purpose", "'train'"), (EvalResultRow, "cost_sandbox_seconds", "NULL"),
+    (RewardRow, "sandbox_seconds", "0"))
+"""(table, column, SQL default) of columns added after the first release: `Store` adds them to older
+stores (NOT NULL unless the default is NULL)."""
+
+
+def reward_sandbox_seconds(reward) -> float:
+    """A `Reward`'s sandbox wall seconds: its episode's executed tool calls plus its verifier's own."""
+    episode = sum(c.duration_ms for c in reward.trajectory.tool_calls if not c.error) / 1000.0
+    return float(episode + getattr(reward, "sandbox_seconds", 0.0))
 
 
 def resolve_url(url: str | None, run_path: Path) -> str:
@@ -239,8 +257,9 @@ class Store:
             table = model.__table__
             if column not in {c["name"] for c in inspector.get_columns(table.name)}:
                 kind = table.c[column].type.compile(dialect=self.engine.dialect)
+                null = "" if default.upper() == "NULL" else " NOT NULL"
                 with self.engine.begin() as conn:
-                    conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind} NOT NULL "
+                    conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind}{null} "
                                          f"DEFAULT {default}"))
 
     @property
@@ -328,7 +347,8 @@ class Store:
             "msg_id": r.msg_id, "run_id": r.run_id, "domain": r.trajectory.domain,
             "difficulty": r.trajectory.difficulty, "purpose": r.trajectory.purpose, "reward": float(r.reward),
             "status": r.status, "policy_version": r.trajectory.policy_version,
-            "task_msg_id": r.trajectory.task_msg_id, "created_at": r.created_at} for r in rewards])
+            "task_msg_id": r.trajectory.task_msg_id, "created_at": r.created_at,
+            "sandbox_seconds": reward_sandbox_seconds(r)} for r in rewards])
 
     def record_weights(self, versions: Iterable) -> int:
         """Rows for `WeightVersion` messages; returns how many were new."""
@@ -341,10 +361,11 @@ class Store:
         time (None when no cost was recorded yet); returns how many were new."""
         results = list(results)
         costs = {run_id: self.cost_totals(run_id) for run_id in {e.run_id for e in results}}
+        sandbox = {run_id: self.sandbox_seconds(run_id) for run_id in costs}
         return self.insert_ignore(EvalResultRow, [{
             "msg_id": e.msg_id, "run_id": e.run_id, "version": e.version, "step": e.step, "domain": e.domain,
             "score": e.score, "n": e.n, "eval_set_sha256": e.eval_set_sha256, "purpose": e.purpose,
-            "created_at": e.created_at,
+            "created_at": e.created_at, "cost_sandbox_seconds": sandbox[e.run_id],
             **_cost_columns(costs[e.run_id])} for e in results])
 
     def record_dead_letters(self, letters: Iterable) -> int:
@@ -412,6 +433,14 @@ class Store:
         if not n:
             return None
         return {"cpu_seconds": float(cpu or 0), "gpu_seconds": float(gpu or 0), "tokens": int(tokens or 0)}
+
+    def sandbox_seconds(self, run_id: str) -> float | None:
+        """Sandbox wall seconds summed over a run's recorded rewards, or None if none is recorded."""
+        t = RewardRow.__table__.c
+        with self.engine.connect() as conn:
+            n, total = conn.execute(sa.select(func.count(), func.sum(t.sandbox_seconds))
+                                    .where(t.run_id == run_id)).one()
+        return float(total or 0.0) if n else None
 
     def delete_run(self, run_id: str) -> None:
         """Delete every row of a run, in every table."""

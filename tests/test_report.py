@@ -100,3 +100,43 @@ def test_report_cli_and_empty_store(tmp_path):
     helped = subprocess.run([sys.executable, "-m", "rlbus.cli", "report", "--help"], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
     assert "examples:" in helped.stdout
+
+
+def test_capability_cost_curve_per_domain(tmp_path):
+    """Eval rows recorded with the store's own writes after costs and rewards accrue: the curve's
+    points are (cost so far, score) per measure and domain, and report.md has one line per domain."""
+    from rlbus.report import cost_curves, cost_lines
+    from schemas import Reward, ToolCall, Trajectory
+
+    path = tmp_path / "runs" / "cc"
+    store = open_store(None, path)
+    store.ensure_run("cc", {})
+    for v, (tokens, cpu, tool_ms, resolved) in enumerate(((0, 0.0, 0.0, 0.0), (5000, 40.0, 1500.0, 0.5),
+                                                          (12000, 95.0, 2500.0, 1.0))):
+        if tokens:
+            store.set_cost("cc", "rollout", cpu_seconds=cpu, tokens=tokens)
+            traj = Trajectory(run_id="cc", task_id=f"t{v}", task_msg_id=f"m{v}", domain="repo", group_id=f"g{v}",
+                              group_size=1, sample_index=0, turns=[], verifier="repo", policy_version=v,
+                              tool_calls=[ToolCall(turn=0, tool="run", code="pytest", exec_id=f"e{v}",
+                                                   duration_ms=tool_ms)])
+            store.record_rewards([Reward(run_id="cc", msg_id=f"rw{v}", trajectory=traj, reward=resolved,
+                                         components={"resolved": resolved}, sandbox_seconds=1.0,
+                                         created_at=T0 + 10 * v)])
+        store.record_evals([EvalResult(run_id="cc", version=v, step=v, domain=d, score=s, n=4, eval_set_sha256="h",
+                                       created_at=T0 + 10 * v + 1)
+                            for d, s in (("repo", resolved), ("arith", 0.25 * v))])
+    evals = store.rows(EvalResultRow, "cc")
+    store.close()
+    curves = cost_curves(evals)
+    # v0's eval came before any reward or cost row: its cost so far is 0
+    assert curves["sandbox seconds"]["repo"] == [(0.0, 0.0, 0), (2.5, 0.5, 1), (6.0, 1.0, 2)]
+    assert curves["tokens"]["repo"] == [(0.0, 0.0, 0), (5000.0, 0.5, 1), (12000.0, 1.0, 2)]
+    assert curves["CPU seconds"]["arith"] == [(0.0, 0.0, 0), (40.0, 0.25, 1), (95.0, 0.5, 2)]
+    assert cost_lines(evals) == [
+        "- arith: eval score 0.000 (v0) -> 0.500 (v2) at 12 000 tokens, 95.0 CPU seconds, 6.0 sandbox seconds",
+        "- repo: eval score 0.000 (v0) -> 1.000 (v2) at 12 000 tokens, 95.0 CPU seconds, 6.0 sandbox seconds"]
+    text = build_report(path).read_text()
+    assert "## Capability vs cost" in text and "plots/capability_cost_curve.png" in text
+    assert "- repo: eval score 0.000 (v0) -> 1.000 (v2) at 12 000 tokens" in text
+    assert (path / "plots" / "capability_cost_curve.png").read_bytes()[:8] == PNG
+    assert cost_curves([]) == {} and cost_lines([]) == ["no evaluations recorded"]

@@ -279,7 +279,7 @@ def check_program(program: str, tests: str, entry_point: str, *, prompt: str = "
     res, reappeared = _run_in_sandbox(name, files, timeout_s, memory_mb)
     took = time.perf_counter() - t0
     verdict = _judge(res, nonce, tests_sha, cand_sha, reappeared)
-    verdict.weights = weights
+    verdict.weights, verdict.sandbox_s = weights, took
     verdict.details = (f"{verdict.details} [{how}; backend={name}/{res.isolation}; {took * 1000:.0f} ms]"
                        f"{_tail(res.stderr)}")
     return verdict

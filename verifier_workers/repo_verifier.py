@@ -28,6 +28,8 @@ Scoring:
 - `resolved` 1.0 iff every target and every regression test passed, the run finished
   (pytest's session ended) and nothing was flagged. The scalar follows the trajectory's
   `reward_weights`, default `resolved`.
+- The verdict's `sandbox_s` is the wall time of steps 2-3 (the run's sandbox cost; 0 when
+  the diff did not apply and no container ran).
 - Status `tamper` (every component 0) when the harness flags tampering or the result
   file's MAC is wrong; `timeout` when the run passed `timeout_s` (tests without a result
   count as failed); else `ok`.
@@ -170,9 +172,10 @@ def check_patch(task: RepoTask, diff: str, *, params: tuple[float, int, int, flo
                        details=f"{drops}the diff does not apply: {'; '.join(prep.patch.errors)[:800]}")
     t0 = time.perf_counter()
     body = _run(task, prep, params, image)
+    took = time.perf_counter() - t0
     verdict = _judge(task, prep, body)
-    verdict.weights = weights
-    verdict.details = f"{drops}{verdict.details}\n[{(time.perf_counter() - t0) * 1000:.0f} ms]"
+    verdict.weights, verdict.sandbox_s = weights, took
+    verdict.details = f"{drops}{verdict.details}\n[{took * 1000:.0f} ms]"
     return verdict
 
 

@@ -38,6 +38,8 @@ class Verdict:
     status: str = "ok"
     details: str = ""
     weights: dict[str, float] = field(default_factory=lambda: {"correct": 1.0})
+    sandbox_s: float = 0.0
+    """Wall time the verification spent in sandboxes (0 for a verifier that runs none): the run's sandbox cost."""
 
     @property
     def reward(self) -> float:

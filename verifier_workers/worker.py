@@ -132,7 +132,7 @@ def score(traj: Trajectory, hidden: dict | None = None) -> Reward:
     reward, components = compose_reward(traj, verdict)
     return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=reward,
                   components=components, status=verdict.status, details=verdict.details[:2000],
-                  verify_seconds=time.perf_counter() - t0)
+                  verify_seconds=time.perf_counter() - t0, sandbox_seconds=verdict.sandbox_s)
 
 
 # -- retries -----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -360,6 +361,40 @@ def curve_gains(result: dict) -> dict | None:
     return out
 
 
+def time_to_target(curve: list, acc0: float, gain: float) -> float | None:
+    """Seconds into the budget of the first curve point (marks, then the end) whose accuracy
+    is at least `acc0 + gain`; None when no point of the run got there. Resolution is the
+    spacing of the marks: the true crossing lies between the previous point and this one."""
+    for seconds, _, acc in curve:
+        if acc is not None and acc >= acc0 + gain - 1e-12:
+            return float(seconds)
+    return None
+
+
+def times_to_target(result: dict, gain: float) -> dict | None:
+    """Per side: each run's `time_to_target` at start + `gain` (None = not reached within the
+    budget), how many runs reached it, and the median over runs counting a miss as never
+    (None when half or more missed). Unlike a ratio of gains it stays meaningful when a side's
+    gain is zero or negative. None without curves."""
+    acc0 = result["start_accuracy"]
+    out = {"target_gain": gain, "target_accuracy": round(acc0 + gain, 4)}
+    for side, key in (("ours", "ours_curve"), ("peer", "peer_curve")):
+        per_run = [time_to_target(r[key], acc0, gain) for r in result["runs"] if r.get(key)]
+        ranked = sorted(per_run, key=lambda s: math.inf if s is None else s)
+        median = statistics.median([math.inf if s is None else s for s in ranked]) if ranked else None
+        out[side] = {"seconds_per_seed": per_run, "reached": sum(s is not None for s in per_run),
+                     "runs": len(per_run), "median_s": None if median in (None, math.inf) else median}
+    if not out["ours"]["runs"] and not out["peer"]["runs"]:
+        return None
+    return out
+
+
+def retarget(path: Path, gains: list[float]) -> dict:
+    """Time-to-target figures for a recorded result JSON (its runs' curves), per target gain."""
+    result = json.loads(path.read_text())
+    return {f"{g:g}": times_to_target(result, g) for g in gains}
+
+
 def plot_curves(result: dict, path: Path) -> None:
     """Accuracy against seconds into the budget, one thin line per run, the mean bold."""
     import matplotlib
@@ -425,9 +460,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--curve", default="", metavar="S,S,...",
                     help="also evaluate each side's policy as it stood at these seconds into its budget "
                          "(e.g. 60,120,180): a learning curve per run, plotted next to the result JSON")
+    ap.add_argument("--target-gain", default="0.02", metavar="G,G,...",
+                    help="with --curve: report each side's time to reach start + G (fraction; 0.02 = 2 points)")
+    ap.add_argument("--retarget", metavar="RESULT_JSON",
+                    help="only print the time-to-target figures of a recorded result (its curves) and exit")
     ap.add_argument("--out", default=str(RESULT), help="result JSON path")
     a = ap.parse_args()
     a.marks = tuple(sorted(float(x) for x in a.curve.split(",") if x.strip()))
+    a.target_gains = [float(x) for x in a.target_gain.split(",") if x.strip()]
     if any(not 0 < m < a.minutes * 60 for m in a.marks):
         ap.error(f"--curve marks must lie inside the budget (0, {a.minutes * 60:g}) seconds")
     return a
@@ -481,7 +521,7 @@ def command_line(a) -> str:
             + (" --ours-weights nats" if a.ours_weights == "nats" else "")
             + "".join(f" --ours-set {kv}" for kv in a.ours_set)
             + (f" --hidden {a.hidden} --layers {a.layers}" if (a.hidden, a.layers) != (128, 4) else "")
-            + (f" --curve {a.curve}" if a.marks else "")
+            + (f" --curve {a.curve} --target-gain {a.target_gain}" if a.marks else "")
             + (f" --sides {a.sides}" if set(a.sides.split(",")) != {"ours", "trl"} else ""))
 
 
@@ -489,6 +529,10 @@ def main() -> dict:
     from importlib.metadata import version
 
     a = parse_args()
+    if a.retarget:
+        figures = retarget(Path(a.retarget), a.target_gains)
+        print(json.dumps(figures, indent=2))
+        return figures
     sides = set(a.sides.split(","))
     dynamic = not a.no_dynamic_sampling
     threads = os.cpu_count() or 2
@@ -551,6 +595,7 @@ def main() -> dict:
     }
     if marks:
         result["curve_mean_gain"] = curve_gains(result)
+        result["time_to_target"] = {f"{g:g}": times_to_target(result, g) for g in a.target_gains}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

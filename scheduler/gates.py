@@ -30,7 +30,13 @@ Guarantees:
   `learner.progress`). The gain per unit is the least-squares slope of capability over
   cost across the last `scheduler.plateau.window` points, per 1000 samples. The first version where
   it falls below `scheduler.plateau.threshold` is the plateau; once detected it stays detected.
-  KV `plateau` = {"detected", "at_version", "gain_per_unit", "window", "unit"}; with
+  Eval noise is accounted for: with `scheduler.plateau.z` > 0 a window counts only when
+  gain + z x its standard error is below the threshold, the standard error coming from the
+  binomial noise of each point (capability c over `scheduler.eval.n` problems per domain:
+  variance c(1-c)/(n x domains), an upper bound for a mean of per-domain proportions). So a
+  curve that rises under ±4-point noise (n = 200) does not read as flat from one unlucky
+  window; a flat one still does once the window's cost span makes the error small.
+  KV `plateau` = {"detected", "at_version", "gain_per_unit", "gain_se", "window", "unit"}; with
   `scheduler.plateau.stop`, KV `status` = "stop-requested" as well (the launcher
   watches it).
 """
@@ -126,6 +132,8 @@ class Plateau:
     gain_per_unit: float | None
     window: int
     unit: str = PLATEAU_UNIT
+    gain_se: float | None = None
+    """Standard error of `gain_per_unit` from the eval sets' binomial noise (None: not computed)."""
 
 
 def least_squares_slope(xs: list[float], ys: list[float]) -> float | None:
@@ -140,21 +148,44 @@ def least_squares_slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
-def first_plateau(points: list[tuple[int, float, float]], window: int, threshold: float) -> Plateau:
+def slope_se(xs: list[float], variances: list[float]) -> float | None:
+    """Standard error of the least-squares slope of independent points with these noise
+    variances (the slope is sum w_i y_i with w_i = (x_i - mean x) / Sxx); None when xs do not vary."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mx = sum(xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return None
+    return math.sqrt(sum(((x - mx) / sxx) ** 2 * v for x, v in zip(xs, variances, strict=True)))
+
+
+def first_plateau(points: list[tuple[int, float, float]], window: int, threshold: float, *,
+                  problems: int = 0, z: float = 0.0) -> Plateau:
     """`points` = (version, cost in samples, capability) in version order. Scans each
     window of `window` consecutive points; the first whose slope x 1000 is below
-    `threshold` is the plateau (at its last version). Not detected: `gain_per_unit` is the
-    newest window's gain (None with fewer than `window` points or constant cost)."""
-    gain = None
+    `threshold` is the plateau (at its last version). With `problems` > 0 (eval problems
+    behind each capability point) and `z` > 0, a window is a plateau only when
+    gain + z x SE < threshold, SE = the gain's standard error under binomial noise
+    (variance c(1-c)/problems per point): noise alone rarely makes a rising curve look flat.
+    Not detected: `gain_per_unit` (and `gain_se`) are the newest window's (None with fewer
+    than `window` points or constant cost)."""
+    gain = se = None
     for end in range(window, len(points) + 1):
         chunk = points[end - window:end]
-        slope = least_squares_slope([c for _, c, _ in chunk], [s for _, _, s in chunk])
+        xs, ys = [c for _, c, _ in chunk], [s for _, _, s in chunk]
+        slope = least_squares_slope(xs, ys)
         if slope is None:
             continue
         gain = slope * PER_SAMPLES
-        if gain < threshold:
-            return Plateau(True, chunk[-1][0], gain, window)
-    return Plateau(False, None, gain, window)
+        se = None
+        if problems > 0:
+            raw = slope_se(xs, [min(max(y, 0.0), 1.0) * (1 - min(max(y, 0.0), 1.0)) / problems for y in ys])
+            se = None if raw is None else raw * PER_SAMPLES
+        if gain + z * (se or 0.0) < threshold:
+            return Plateau(True, chunk[-1][0], gain, window, gain_se=se)
+    return Plateau(False, None, gain, window, gain_se=se)
 
 
 def capability(scores: dict[str, float], domains: list[str]) -> float | None:
@@ -248,10 +279,11 @@ class Gates:
         trip = await self._guard(version, scores)
         progress = await get_json(self.js, self.reg, LEARNER_PROGRESS)
         cost = estimated_samples(step, metrics, progress)
-        cap = capability(scores, [d for d in scores if d != self.general])
+        own = [d for d in scores if d != self.general]
+        cap = capability(scores, own)
         if cost is not None and cap is not None:
             self.points = [p for p in self.points if p[0] < version] + [(version, cost, cap)]
-        await self._plateau()
+        await self._plateau(len(own))
         row = {"run_id": self.reg.run_id, "version": version, "step": step, "scores": dict(scores),
                "floors": decision.floors, "passed": decision.passed, "failures": decision.failures,
                "released": released, "cost_samples": cost, "capability": cap, "forgetting": trip is not None,
@@ -286,9 +318,10 @@ class Gates:
                         reason=trip.reason)
         return trip
 
-    async def _plateau(self) -> None:
+    async def _plateau(self, domains: int = 1) -> None:
         pc = self.cfg.scheduler.plateau
-        found = first_plateau(self.points, pc.window, pc.threshold)
+        found = first_plateau(self.points, pc.window, pc.threshold, z=pc.z,
+                              problems=self.cfg.scheduler.eval.n * max(1, domains))
         if self.plateau and self.plateau.detected:
             return  # latched at the first detection
         self.plateau = found

@@ -58,3 +58,41 @@ def test_curve_mean_gain_averages_each_runs_points_then_the_runs():
     assert got["ours_per_seed"] == [0.03, 0.01] and got["peer_per_seed"] == [0.01, 0.01]
     assert got["ours"] == 0.02 and got["peer"] == 0.01 and got["ratio"] == 2.0
     assert curve_gains({"start_accuracy": 0.1, "runs": [{}]}) is None
+
+
+def test_time_to_target_is_the_first_point_at_or_above_start_plus_gain():
+    from bench.e2e_vs_trl import time_to_target
+
+    curve = [[30, 100, 0.11], [60, 200, None], [90, 300, 0.125], [240, "final", 0.10]]
+    assert time_to_target(curve, 0.10, 0.02) == 90.0  # 0.125 >= 0.12; the end fell back, still reached
+    assert time_to_target(curve, 0.10, 0.01) == 30.0  # exactly start + gain counts
+    assert time_to_target(curve, 0.10, 0.05) is None  # never: no time, not a number of seconds
+
+
+def test_times_to_target_per_side_with_misses_counted_as_never():
+    from bench.e2e_vs_trl import times_to_target
+
+    result = {"start_accuracy": 0.10,
+              "runs": [{"ours_curve": [[60, 5, 0.12], [240, "final", 0.14]],
+                        "peer_curve": [[60, 4, 0.10], [240, "final", 0.09]]},
+                       {"ours_curve": [[60, 5, 0.10], [240, "final", 0.12]],
+                        "peer_curve": [[60, 4, 0.13], [240, "final", 0.11]]},
+                       {"ours_curve": [[60, 5, 0.09], [240, "final", 0.10]],
+                        "peer_curve": [[60, 4, 0.08], [240, "final", 0.08]]}]}
+    got = times_to_target(result, 0.02)
+    assert got["target_accuracy"] == 0.12
+    assert got["ours"] == {"seconds_per_seed": [60.0, 240.0, None], "reached": 2, "runs": 3, "median_s": 240.0}
+    # TRL reached it in one run of three: the median run never did
+    assert got["peer"] == {"seconds_per_seed": [None, 60.0, None], "reached": 1, "runs": 3, "median_s": None}
+    assert times_to_target({"start_accuracy": 0.1, "runs": [{}]}, 0.02) is None
+
+
+def test_retarget_reads_a_recorded_result(tmp_path):
+    from bench.e2e_vs_trl import retarget
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"start_accuracy": 0.05, "runs": [{"ours_curve": [[30, 3, 0.08]],
+                                                                   "peer_curve": [[30, 2, 0.06]]}]}))
+    got = retarget(path, [0.01, 0.02])
+    assert got["0.01"]["ours"]["median_s"] == 30.0 and got["0.01"]["peer"]["median_s"] == 30.0
+    assert got["0.02"]["peer"]["median_s"] is None

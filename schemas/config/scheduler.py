@@ -88,6 +88,9 @@ class PlateauSection(Section):
     """Eval-score gain per 1000 trained samples (least-squares slope over the window) below which the run has plateaued."""
     window: int = Field(default=4, ge=2)
     """Number of most recent evaluations the slope is fitted over."""
+    z: float = Field(default=1.0, ge=0.0)
+    """A window is a plateau only when gain + z x its standard error (binomial noise of the
+    eval scores, `scheduler.eval.n` problems per domain) is below the threshold; 0 = the bare slope."""
     stop: bool = False
     """Ask the launcher to stop the run (KV `status` = "stop-requested") once a plateau is detected."""
 

@@ -207,8 +207,8 @@ def restart_docker() -> str:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 0:
         time.sleep(0.5)
-    log = open("/tmp/dockerd.log", "ab")
-    subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open("/tmp/dockerd.log", "ab") as log:  # the engine keeps its own copy of the descriptor
+        subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     while time.monotonic() < deadline + 60:
         if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
             break

@@ -116,11 +116,10 @@ def _cleanup_tmpfs(run: FaultRun, ctx: dict) -> None:
 
 
 def _build_image(run: FaultRun, ctx: dict) -> None:
-    """The docker sandbox image (built once; `rlbus up` refuses to start without it)."""
-    import subprocess
+    """The docker sandbox image (built only when missing or stale; `rlbus up` refuses to start without it)."""
+    from sandbox_workers.images import ensure_image
 
-    subprocess.run([sys.executable, "-m", "rlbus.cli", "sandbox", "build-image"], check=True, cwd=ROOT,
-                   capture_output=True, timeout=900)
+    ensure_image()
 
 
 def _launcher_gone(run: FaultRun, ctx: dict) -> None:

@@ -76,17 +76,22 @@ def image_labels(tag: str = DEFAULT_TAG, client=None) -> dict[str, str] | None:
 def build_image(tag: str = DEFAULT_TAG, *, dockerfile: Path = DOCKERFILE, client=None,
                 on_line: Callable[[str], None] | None = None) -> str:
     """Build the sandbox image offline; returns its id. `on_line` gets each log line."""
-    import docker
-
     client = _client(client)
     if not dockerfile.is_file():
         raise ImageBuildError(f"no Dockerfile at {dockerfile} (run from a checkout of the project)")
+    return run_build(client, _context(dockerfile), tag, {SHA_LABEL: dockerfile_sha(dockerfile)}, on_line)
+
+
+def run_build(client, context, tag: str, labels: dict[str, str], on_line: Callable[[str], None] | None = None) -> str:
+    """Build the tar `context` as `tag` offline (never pulls, RUN steps without network);
+    the image id, or ImageBuildError with the build's last lines."""
+    import docker
+
     lines: list[str] = []
     image_id = None
     try:
-        for chunk in client.api.build(fileobj=_context(dockerfile), custom_context=True, tag=tag,
-                                      pull=False, rm=True, forcerm=True, network_mode="none",
-                                      labels={SHA_LABEL: dockerfile_sha(dockerfile)}, decode=True):
+        for chunk in client.api.build(fileobj=context, custom_context=True, tag=tag, pull=False, rm=True,
+                                      forcerm=True, network_mode="none", labels=labels, decode=True):
             if "error" in chunk:
                 raise ImageBuildError(_failure(tag, chunk["error"], lines))
             text = (chunk.get("stream") or chunk.get("status") or "").rstrip()
@@ -97,9 +102,7 @@ def build_image(tag: str = DEFAULT_TAG, *, dockerfile: Path = DOCKERFILE, client
             image_id = (chunk.get("aux") or {}).get("ID", image_id)
     except docker.errors.APIError as exc:
         raise ImageBuildError(_failure(tag, str(exc), lines)) from exc
-    if image_id is None:
-        image_id = client.api.inspect_image(tag)["Id"]
-    return image_id
+    return image_id or client.api.inspect_image(tag)["Id"]
 
 
 def _failure(tag: str, error: str, lines: list[str]) -> str:

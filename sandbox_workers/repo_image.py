@@ -27,7 +27,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-from sandbox_workers.images import ROOT, SHA_LABEL, ImageBuildError, _client, _failure, image_labels
+from sandbox_workers.images import ROOT, SHA_LABEL, ImageBuildError, _client, image_labels, run_build
 
 DOCKERFILE = ROOT / "compose" / "repo-sandbox.Dockerfile"
 REPO_TAG = "rlbus-repo-sandbox:latest"
@@ -82,27 +82,9 @@ def _context(dockerfile: Path, wheels: list[Path]) -> io.BytesIO:
 def build_repo_image(tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None,
                      on_line: Callable[[str], None] | None = None) -> str:
     """Fetch the wheels, then build the image offline; returns its id."""
-    import docker
 
     wheels = fetch_wheels(wheelhouse_dir(), [*REQUIREMENTS, *(extra or [])])
-    client = _client(client)
-    lines: list[str] = []
-    image_id = None
-    try:
-        for chunk in client.api.build(fileobj=_context(DOCKERFILE, wheels), custom_context=True, tag=tag,
-                                      pull=False, rm=True, forcerm=True, network_mode="none",
-                                      labels={SHA_LABEL: image_sha(wheels)}, decode=True):
-            if "error" in chunk:
-                raise ImageBuildError(_failure(tag, chunk["error"], lines))
-            text = (chunk.get("stream") or chunk.get("status") or "").rstrip()
-            if text:
-                lines.append(text)
-                if on_line:
-                    on_line(text)
-            image_id = (chunk.get("aux") or {}).get("ID", image_id)
-    except docker.errors.APIError as exc:
-        raise ImageBuildError(_failure(tag, str(exc), lines)) from exc
-    return image_id or client.api.inspect_image(tag)["Id"]
+    return run_build(_client(client), _context(DOCKERFILE, wheels), tag, {SHA_LABEL: image_sha(wheels)}, on_line)
 
 
 def ensure_repo_image(tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None,

@@ -17,8 +17,11 @@ Guarantees:
   counted per domain and kind as `tool_errors.<domain>.<kind>`.
 - Tasks that offer tools run as multi-turn agent episodes (`rollout_workers.agent`) in
   sandboxes from the `sandbox` config section: local (`backend`), or sessions of the
-  sandbox service when `sandbox.remote`. When the sandbox itself fails, the batch's tool
-  tasks are retried (nak with delay), never published as low-reward trajectories.
+  sandbox service when `sandbox.remote`; a repository task's sandbox is from
+  `sandbox.repo_image` either way (a remote one asks the service for that image, which the
+  service refuses unless it is one it was configured with). When the sandbox itself fails,
+  the batch's tool tasks are retried (nak with delay), never published as low-reward
+  trajectories.
 - No trajectory generated with a weight version leaves the worker before that version's
   sha256 check passed. The watcher is speculative (`WeightWatcher(speculative=True)`): a
   `file://` version serves as soon as it is read, and its sha256 is checked in the
@@ -90,11 +93,11 @@ async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
 
         recorder = LocalRecorder.for_run(s.js, s.reg, ctx.run_path)
 
-    repo_sc = cfg.sandbox.model_copy(update={"image": cfg.sandbox.repo_image})
-
     async def open_one(repo: bool = False):
-        """One sandbox; `repo`: for a repository task (image `sandbox.repo_image`)."""
-        return await open_async_sandbox(repo_sc if repo else cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder)
+        """One sandbox; `repo`: for a repository task (image `sandbox.repo_image`, asked of the
+        service when remote)."""
+        return await open_async_sandbox(cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder,
+                                        image=cfg.sandbox.repo_image if repo else None)
 
     return open_one
 

@@ -10,8 +10,10 @@ Guarantees:
   --die-with-parent follows the thread that spawned it), so calls on one sandbox are
   serialized and never block the event loop. `close` is idempotent; any call after
   it raises `SandboxClosed`.
-- `open_async_sandbox(sc, nc, run_id)` gives a local sandbox, or a session of the
-  sandbox service (`RemoteSandbox`) when `sc.remote` is true.
+- `open_async_sandbox(sc, nc, run_id, image=...)` gives a local sandbox, or a session of the
+  sandbox service (`RemoteSandbox`) when `sc.remote` is true; `image` (e.g. `sc.repo_image`)
+  replaces `sc.image` locally and is asked of the service remotely, which starts it only if
+  it is one of the images it was configured with (`ImageNotAllowed` otherwise).
 """
 
 from __future__ import annotations
@@ -171,11 +173,12 @@ def limits_from(sc: SandboxSection) -> Limits:
 
 
 async def open_async_sandbox(sc: SandboxSection, nc=None, run_id: str | None = None, *,
-                             recorder: ExecRecorder | None = None) -> AsyncSandbox:
+                             recorder: ExecRecorder | None = None, image: str | None = None) -> AsyncSandbox:
     """A local sandbox from `sc.backend`, or a sandbox-service session when `sc.remote`.
 
     Remote needs `nc` (a NATS connection) and `run_id` (exec records go to its bucket);
-    `recorder` (local only) records executions, see `integrity.LocalRecorder`.
+    `recorder` (local only) records executions, see `integrity.LocalRecorder`; `image`: the
+    docker image instead of `sc.image` (remote: asked of the service; None: its default).
     """
     if sc.remote:
         if nc is None or not run_id:
@@ -184,7 +187,7 @@ async def open_async_sandbox(sc: SandboxSection, nc=None, run_id: str | None = N
         from bus.subjects import Registry
         from sandbox_workers.remote import RemoteSandbox
 
-        return await RemoteSandbox.open(nc, Registry(run_id), sc.pool)
-    return await LocalAsyncSandbox.open(sc.backend, image=sc.image, limits=limits_from(sc),
+        return await RemoteSandbox.open(nc, Registry(run_id), sc.pool, image=image)
+    return await LocalAsyncSandbox.open(sc.backend, image=image or sc.image, limits=limits_from(sc),
                                         timeout=sc.timeout_s, recorder=recorder, warm_pool=sc.warm_pool,
                                         allow_degraded=sc.allow_degraded)

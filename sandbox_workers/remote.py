@@ -1,8 +1,10 @@
 """Sandbox sessions over NATS request/reply: the wire protocol and the client.
 
 Protocol (msgpack both ways; subjects from `bus.subjects.Registry`):
-- `sandbox.<pool>.open` (queue group `sandbox-<pool>`): {"run_id"} ->
-  {"ok": true, "session", "worker", "timeout_s", "ttl_s", "isolation"}.
+- `sandbox.<pool>.open` (queue group `sandbox-<pool>`): {"run_id", "image"?} ->
+  {"ok": true, "session", "worker", "timeout_s", "ttl_s", "isolation", "image"}. Without
+  "image" the worker starts its default (`sandbox.image`); with one, only an image of its
+  allow-list (`sandbox_workers.service.allowed_images`), else `image_not_allowed`.
 - `sandbox.<pool>.s.<worker>.<op>`, op in exec/read/write/reset/ping/close, body
   {"session", ...}: exec {"cmd", "timeout"} -> {"result", "exec_id", "observation"};
   read {"path"} -> {"data"}; write {"path", "data"}; reset, ping, close -> {}.
@@ -40,7 +42,7 @@ EXEC_MARGIN_S = 10.0
 OP_TIMEOUT_S = 30.0
 OPEN_TIMEOUT_S = 30.0
 ERROR_CODES = ("bad_request", "unknown_session", "capacity", "not_found", "too_large", "sandbox_error",
-               "infra_error", "internal")
+               "infra_error", "internal", "image_not_allowed")
 START_HINT = "start one: rlbus worker sandbox --config CONFIG --run-id RUN (sandbox.pool={pool})"
 
 
@@ -86,6 +88,10 @@ class BadRequest(SandboxError, ValueError):
     """The request was malformed (or a path outside the work dir)."""
 
 
+class ImageNotAllowed(SandboxError):
+    """The worker was not configured to start the image asked for (nothing was started)."""
+
+
 def raise_for(reply: dict) -> dict:
     """`reply` if ok, else the exception its error code maps to."""
     if reply.get("ok"):
@@ -95,7 +101,7 @@ def raise_for(reply: dict) -> dict:
     if code == "not_found":
         raise FileNotFoundError(message)
     cls = {"unknown_session": UnknownSession, "capacity": CapacityExceeded,
-           "bad_request": BadRequest}.get(code, SandboxError)
+           "bad_request": BadRequest, "image_not_allowed": ImageNotAllowed}.get(code, SandboxError)
     raise cls(code, message)
 
 
@@ -109,17 +115,20 @@ class RemoteSandbox(AsyncSandbox):
         self.default_timeout = float(opened["timeout_s"])
         self.ttl_s = float(opened["ttl_s"])
         self.isolation = opened.get("isolation", "degraded")
+        self.image: str | None = opened.get("image")
         self._closed = False
         self._keepalive = asyncio.create_task(self._ping_forever())
 
     @classmethod
     async def open(cls, nc, reg: Registry, pool: str = "default", *, timeout: float = OPEN_TIMEOUT_S,
-                   attempts: int = 3) -> RemoteSandbox:
-        """Open a session on any worker of `pool` (full workers are retried `attempts` times)."""
+                   attempts: int = 3, image: str | None = None) -> RemoteSandbox:
+        """Open a session on any worker of `pool` (full workers are retried `attempts` times);
+        `image`: the docker image to start (None: the worker's default)."""
         subject = reg.sandbox_open(pool)
+        body = {"run_id": reg.run_id} if image is None else {"run_id": reg.run_id, "image": image}
         for attempt in range(1, attempts + 1):
             try:
-                msg = await nc.request(subject, pack({"run_id": reg.run_id}), timeout=timeout)
+                msg = await nc.request(subject, pack(body), timeout=timeout)
                 return cls(nc, reg, pool, raise_for(unpack(msg.data)))
             except nats.errors.NoRespondersError:
                 raise SandboxUnavailable("infra_error", f"no sandbox worker serves pool {pool!r}: "

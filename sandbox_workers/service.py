@@ -10,6 +10,11 @@ Guarantees:
   `unknown_session`, `capacity`, `not_found`, `too_large`, `sandbox_error`,
   `infra_error`, `internal`). Nothing a client sends crashes the worker.
 - A worker holds at most `sandbox.max_sessions` sessions (opening ones included).
+- An `open` starts the worker's default image (`sandbox.image`) or the one it names, only
+  if that is in the worker's allow-list (`allowed_images`: `sandbox.image` and
+  `sandbox.repo_image` of its own config); any other name, or a non-string, is refused
+  with `image_not_allowed` before anything starts (fail closed: a client cannot make the
+  service run an image its operator did not configure).
 - Each session's blocking backend runs on its own thread (`LocalAsyncSandbox`), so a
   slow exec in one session never delays another; ops of one session are serialized.
 - Every op refreshes the session's TTL (`sandbox.session_ttl_s`); a session with no op
@@ -127,6 +132,7 @@ class SandboxService:
         self.tasks: set[asyncio.Task] = set()
         self.subs: list = []
         self.last_activity = time.monotonic()
+        self.allowed = allowed_images(sc)
         self.ops = {"exec": self._exec, "read": self._read, "write": self._write, "reset": self._reset,
                     "ping": self._ping, "close": self._close_op}
 
@@ -139,7 +145,7 @@ class SandboxService:
                                                  cb=self._on_op))
         await self.nc.flush()
         log.info("sandbox.service.serving", pool=self.pool, worker=self.worker_id,
-                 max_sessions=self.sc.max_sessions, ttl_s=self.sc.session_ttl_s)
+                 max_sessions=self.sc.max_sessions, ttl_s=self.sc.session_ttl_s, images=sorted(self.allowed))
 
     async def stop(self) -> None:
         """Stop answering, let ops in flight finish, close every session."""
@@ -226,12 +232,13 @@ class SandboxService:
     async def _open(self, req: dict) -> dict:
         run_id = req.get("run_id") or self.reg.run_id
         check_token_or_refuse("run_id", run_id)
+        image = self._image(req)
         if len(self.sessions) + self.opening >= self.sc.max_sessions:
             raise Refused("capacity", f"worker {self.worker_id} holds max_sessions={self.sc.max_sessions}")
         self.opening += 1
         try:
             sandbox = await LocalAsyncSandbox.open(
-                self.sc.backend, image=self.sc.image, limits=limits_from(self.sc), timeout=self.sc.timeout_s,
+                self.sc.backend, image=image, limits=limits_from(self.sc), timeout=self.sc.timeout_s,
                 recorder=self._recorder(run_id), allow_degraded=self.sc.allow_degraded)
         except Exception as exc:
             log.error("sandbox.session.open_failed", error=repr(exc))
@@ -242,9 +249,19 @@ class SandboxService:
         self.sessions[session.id] = session
         self._count("sessions_opened")
         self.counters["sessions_open"] = len(self.sessions)
-        log.info("sandbox.session.opened", session=session.id, run=run_id, isolation=sandbox.isolation)
+        log.info("sandbox.session.opened", session=session.id, run=run_id, isolation=sandbox.isolation, image=image)
         return {"session": session.id, "worker": self.worker_id, "timeout_s": self.sc.timeout_s,
-                "ttl_s": self.sc.session_ttl_s, "isolation": sandbox.isolation}
+                "ttl_s": self.sc.session_ttl_s, "isolation": sandbox.isolation, "image": image}
+
+    def _image(self, req: dict) -> str:
+        """The image an open asks for (default `sandbox.image`); Refused unless it is allowed."""
+        image = req.get("image")
+        if image is None:
+            return self.sc.image
+        if not isinstance(image, str) or image not in self.allowed:
+            raise Refused("image_not_allowed", f"worker {self.worker_id} does not start image {image!r}; it "
+                          f"starts {sorted(self.allowed)} (sandbox.image, sandbox.repo_image of its config)")
+        return image
 
     def _recorder(self, run_id: str) -> ExecRecorder:
         if run_id not in self.recorders:
@@ -303,6 +320,11 @@ class SandboxService:
 
     async def _ping(self, session: Session, req: dict) -> dict:
         return {}
+
+
+def allowed_images(sc: SandboxSection) -> frozenset[str]:
+    """The images a sandbox worker of config `sc` starts on request: `sc.image` and `sc.repo_image`."""
+    return frozenset({sc.image, sc.repo_image})
 
 
 def _decode(data: bytes):

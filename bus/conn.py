@@ -8,8 +8,8 @@ Guarantees:
   prefix `_INBOX_<user>` its permissions allow. A refused login raises `NatsAuthError`
   at once; a refused publish/subscribe is logged (`bus.permission_denied`) and raised
   by `check_permitted` / `publish_checked` as `PermissionDenied`.
-- `ensure_topology` creates or updates every stream, the KV bucket and the object
-  store of a run; calling it again with the same registry changes nothing. With
+- `ensure_topology` creates or updates every stream, the KV buckets and the object
+  stores (weights, payloads) of a run; calling it again with the same registry changes nothing. With
   `role=`, it only creates what that role uses and is missing (`bus.auth.ROLE_TOPOLOGY`)
   and never updates, so it needs no more than the role's NATS permissions.
 - `ensure_consumer` creates or updates a durable with the registry's explicit config.
@@ -180,7 +180,7 @@ async def publish_checked(nc: nats.NATS, subject: str, data: bytes) -> None:
 
 
 async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None = None) -> None:
-    """Create or update every stream, the run's KV bucket and its object store.
+    """Create or update every stream, the run's KV buckets and its object stores (weights, payloads).
 
     With `role`: create only the streams/buckets `role` uses that are missing, update
     nothing (what a worker with per-role permissions may do; an admin updates)."""
@@ -201,10 +201,11 @@ async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None 
         await js.key_value(reg.hidden_bucket)
     except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
         await js.create_key_value(bucket=reg.hidden_bucket, history=1, replicas=stream_replicas())
-    try:
-        await js.object_store(reg.object_bucket)
-    except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
-        await js.create_object_store(bucket=reg.object_bucket, replicas=stream_replicas())
+    for bucket in (reg.object_bucket, reg.payload_bucket):
+        try:
+            await js.object_store(bucket)
+        except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
+            await js.create_object_store(bucket=bucket, replicas=stream_replicas())
 
 
 async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) -> None:
@@ -227,11 +228,12 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
                 await js.key_value(bucket)
             except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
                 await js.create_key_value(bucket=bucket, history=history, replicas=stream_replicas())
-    if "OBJ_weights" in families:
-        try:
-            await js.object_store(reg.object_bucket)
-        except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
-            await js.create_object_store(bucket=reg.object_bucket, replicas=stream_replicas())
+    for family, bucket in (("OBJ_weights", reg.object_bucket), ("OBJ_payloads", reg.payload_bucket)):
+        if family in families:
+            try:
+                await js.object_store(bucket)
+            except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
+                await js.create_object_store(bucket=bucket, replicas=stream_replicas())
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
@@ -260,7 +262,7 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
     names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
-                                       f"OBJ_{reg.object_bucket}"]
+                                       f"OBJ_{reg.object_bucket}", f"OBJ_{reg.payload_bucket}"]
     for name in names:
         try:
             await js.delete_stream(name)

@@ -1,4 +1,5 @@
-"""Weight blobs in the NATS object store, addressed by URI and checked by sha256.
+"""Blobs in the NATS object store, addressed by URI and checked by sha256: weight blobs, and
+the public payloads of `bus.payloads` (large repositories and diffs).
 
 Guarantees:
 - `put_blob` / `put_segments` store bytes (or the concatenation of several buffers,
@@ -90,8 +91,11 @@ def _meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
 
-async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: list) -> tuple[str, str, int]:
-    """Store the concatenation of `segments` as object `name` in `bucket`; (uri, sha256, size)."""
+async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: list,
+                       purge_replaced: bool = True) -> tuple[str, str, int]:
+    """Store the concatenation of `segments` as object `name` in `bucket`; (uri, sha256, size).
+    `purge_replaced=False` leaves the chunks of an object it replaces in place (for writers
+    without purge rights: content-addressed names, where a replaced object is a duplicate)."""
     store = await js.object_store(bucket)  # checks the bucket exists
     nc = js._nc
     try:
@@ -130,14 +134,14 @@ async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: l
         except Exception:  # noqa: BLE001 - best effort; the original error matters
             pass
         raise
-    if old is not None and not old.deleted and old.nuid:
+    if purge_replaced and old is not None and not old.deleted and old.nuid:
         await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{old.nuid}")
     return f"{SCHEME}://{bucket}/{name}", sha, total
 
 
-async def put_blob(js: JetStreamContext, bucket: str, name: str, data) -> tuple[str, str, int]:
-    """Store `data` as object `name` in `bucket`; return (uri, sha256, size)."""
-    return await put_segments(js, bucket, name, [memoryview(data)])
+async def put_blob(js: JetStreamContext, bucket: str, name: str, data, purge_replaced: bool = True) -> tuple[str, str, int]:
+    """Store `data` as object `name` in `bucket`; return (uri, sha256, size) (`purge_replaced`: see `put_segments`)."""
+    return await put_segments(js, bucket, name, [memoryview(data)], purge_replaced)
 
 
 async def _get_object(js: JetStreamContext, bucket: str, name: str, uri: str) -> tuple[bytes, str]:

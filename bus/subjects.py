@@ -169,6 +169,13 @@ class Registry:
         return f"weights-{self.run_id}"
 
     @property
+    def payload_bucket(self) -> str:
+        """Object store bucket of public payloads too large for a message (a repository tree, a
+        trajectory's diff: `bus.payloads`), named by content. Never hidden data, never weights:
+        weight retention works on `object_bucket` only."""
+        return f"payloads-{self.run_id}"
+
+    @property
     def kv_stream(self) -> str:
         """The stream behind the run's KV bucket (a key's history is read from it)."""
         return f"KV_{self.kv_bucket}"

@@ -68,10 +68,13 @@ class DomainContext:
 
 @dataclass
 class Drawn:
-    """A task plus its verifier-only payload."""
+    """A task plus its verifier-only payload, and the public payloads its refs name."""
 
     task: Task
     hidden: dict[str, Any] | None = None
+    payloads: dict[str, bytes] = field(default_factory=dict)
+    """sha256 -> bytes of each public payload the task names by reference (`Task.workspace_ref`):
+    whoever publishes the task stores them first (`bus.payloads.put_payloads`)."""
 
 
 class DomainUnavailable(ValueError):
@@ -201,3 +204,4 @@ class StaticSource:
         fields.setdefault("task_id", f"{self.ctx.name}-{index}")
         fields.setdefault("difficulty", level)
         return Drawn(finish_task(self.ctx, **fields), hidden)
+

@@ -2,8 +2,8 @@
 
 Each task is a cached `schemas.repo_task.RepoTask` (`producers.repo_cache`): the policy gets
 the issue, the repository's file list and how to call the repository tools; the episode's
-sandbox starts with the repository (`Task.workspace`); the `repo` verifier scores the diff
-the rollout side exports against the hidden tests.
+sandbox starts with the repository (`Task.workspace`, or `Task.workspace_ref` when it is large);
+the `repo` verifier scores the diff the rollout side exports against the hidden tests.
 
 Params (`sampler.domains.<d>.params`):
 - `tasks`: task ids, or `"all"` (default: every cached task; `fixture-*` ids resolve to the
@@ -13,7 +13,9 @@ Params (`sampler.domains.<d>.params`):
 - `eval_n`: most eval tasks (default 16); `cache_dir`: the task cache (default
   `producers/repo_tasks/` or `$RLBUS_REPO_TASKS`);
 - `verifier`: public `repo` verifier params (`timeout_s`, `memory_mb`, `pids`, `cpus`);
-- `max_workspace_bytes`: largest repository a task may carry inline (default 512 KiB).
+- `max_workspace_bytes`: largest repository a task carries inline (default 512 KiB); a larger
+  one travels by reference;
+- `max_workspace_ref_bytes`: largest repository a task may carry at all (default 64 MiB).
 
 Guarantees:
 - A training task is a pure function of (index, params): training id `index mod n` of a
@@ -22,12 +24,15 @@ Guarantees:
   hash, at most min(n, eval_n)) as their own tasks, fixed by the cache's content hashes.
 - The public task holds the prompt (issue, file list, tool usage, plus the lines
   `PROMPT_TASK_LINE` and `PROMPT_FORMAT_LINE`), the tools (`REPO_TOOLS`), the repository
-  files in `workspace` (public: what the agent may see), verifier `repo` and its public
-  params. The hidden payload is `{"task": <the RepoTask as a dict>}` (hidden tests, target
-  ids, gold patch): only the verifier reads it (`bus.hidden`, chunked when large).
-- A repository over `max_workspace_bytes` is not published: `TaskSkipped("workspace_too_large")`,
-  counted; an unknown id, an empty cache or no training task left is a config error
-  naming the build command.
+  files (public: what the agent may see) in `workspace`, or, over `max_workspace_bytes`, as a
+  `workspace_ref` to a payload object (`bus.payloads.pack_files`, content-addressed: the same
+  repository is one object) that the `Drawn` carries in `payloads` for the publisher to store
+  before the task goes out; verifier `repo` and its public params. The hidden payload is
+  `{"task": <the RepoTask as a dict>}` (hidden tests, target ids, gold patch): only the verifier
+  reads it (`bus.hidden`, chunked in the hidden bucket when large, never in the payload store).
+- A repository over `max_workspace_ref_bytes` is not published: `TaskSkipped("workspace_too_large")`,
+  counted (a bound on what one episode's sandbox is sent, not a message limit); an unknown id,
+  an empty cache or no training task left is a config error naming the build command.
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from bus.hidden import hidden_ref_for
+from bus.payloads import pack_files, payload_ref
+from bus.subjects import Registry
 from producers.domains import DomainContext, Drawn, TaskSkipped, finish_task
 from producers.repo_cache import BUILD_HINT, list_tasks, load_task
-from schemas import ChatMessage
+from schemas import BlobRef, ChatMessage
 from schemas.repo_task import PROMPT_FORMAT_LINE, PROMPT_TASK_LINE, RepoTask
 from schemas.tool_protocol import REPO_TOOLS, repo_call_text
 
@@ -95,6 +102,8 @@ class RepoDomain:
         self.cache_dir = p.get("cache_dir") or None
         self.eval_n = int(p.get("eval_n", 16))
         self.max_workspace_bytes = int(p.get("max_workspace_bytes", 512 * 1024))
+        self.max_workspace_ref_bytes = int(p.get("max_workspace_ref_bytes", 64 * 1024 * 1024))
+        self._packed: dict[str, tuple[BlobRef, bytes]] = {}  # task_id -> its workspace payload (built once)
         self.verifier_params = dict(p.get("verifier") or {})
         chosen = p.get("tasks", "all")
         if chosen in ("all", None, []):
@@ -117,19 +126,31 @@ class RepoDomain:
             raise ValueError(f"sampler.domains.{name}: no training task left (every task is an eval task)")
         random.Random(f"repo-{self.ctx.cfg.run.seed}-{name}").shuffle(self.train)
 
-    def _drawn(self, task: RepoTask, task_id: str, level: int) -> Drawn:
-        if workspace_bytes(task) > self.max_workspace_bytes:
+    def _workspace(self, task: RepoTask) -> tuple[dict, dict[str, bytes]]:
+        """(the Task's workspace fields, the payloads they name): inline, else by reference."""
+        size = workspace_bytes(task)
+        if size <= self.max_workspace_bytes:
+            return {"workspace": dict(task.files)}, {}
+        if size > self.max_workspace_ref_bytes:
             self.skipped["workspace_too_large"] += 1
-            raise TaskSkipped("workspace_too_large", f"{task.task_id}: {workspace_bytes(task)} bytes")
+            raise TaskSkipped("workspace_too_large", f"{task.task_id}: {size} bytes > max_workspace_ref_bytes")
+        if task.task_id not in self._packed:
+            blob = pack_files(task.files)
+            self._packed[task.task_id] = (payload_ref(Registry(self.ctx.run_id), blob), blob)
+        ref, blob = self._packed[task.task_id]
+        return {"workspace_ref": ref}, {ref.sha256: blob}
+
+    def _drawn(self, task: RepoTask, task_id: str, level: int) -> Drawn:
+        workspace, payloads = self._workspace(task)
         digest = task.content_hash()
         fmt = self.ctx.dc.tool_format
         out = finish_task(self.ctx, task_id=task_id, difficulty=level, verifier="repo",
                           prompt=[ChatMessage(role="user", content=render_prompt(task, fmt))],
-                          tools=list(REPO_TOOLS), workspace=dict(task.files),
+                          tools=list(REPO_TOOLS), **workspace,
                           verifier_params={**self.verifier_params, "repo_task": task.task_id,
                                            "content_hash": digest},
                           hidden_ref=hidden_ref_for(self.ctx.name, f"{task.task_id}-{digest[:16]}"))
-        return Drawn(out, {"task": asdict(task)})
+        return Drawn(out, {"task": asdict(task)}, payloads)
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
         task = self.train[index % len(self.train)]

@@ -12,7 +12,9 @@ Guarantees:
 - Problems of the held-out evaluation set are never used for training.
 - Tasks come from the domain registry (`producers.domains`); a task's hidden payload
   (gold, tests) is stored in the run's hidden bucket under `task.hidden_ref` before the
-  task is published, so a verifier can always resolve it.
+  task is published, so a verifier can always resolve it; likewise the public payloads a
+  task names by reference (`Drawn.payloads`: a large repository) are in the run's payload
+  bucket (`bus.payloads`) before the task is published.
 - The published count survives restarts (KV `sampler.progress`).
 - Each task's domain is drawn by the curriculum weights (KV `curriculum`, written by the
   scheduler: {"weights": {...}, "levels": {...}, "version": n}) and its `difficulty` is
@@ -40,6 +42,7 @@ import structlog
 
 from bus.hidden import put_hidden
 from bus.kv import CURRICULUM, DURATIONS, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
+from bus.payloads import put_payloads
 from bus.publish import publish, publish_many
 from bus.session import WorkerContext, worker_session
 from producers.domains import Drawn, TaskSkipped, make_sources
@@ -154,6 +157,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             raise ValueError(f"no domain left to train: every other one is disabled ({disabled})")
         s.counters["domains_disabled"] = len(disabled)
         hidden_stored: set[str] = set()
+        payloads_stored: set[str] = set()
         saved = await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}
         published = int(saved.get("published", 0))
         by_pool = {p: 0 for p in sc.inflight_caps} | dict(saved.get("by_pool") or {"short": published})
@@ -186,6 +190,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
                 if d.hidden is not None and d.task.hidden_ref not in hidden_stored:
                     await put_hidden(s.js, s.reg, d.task.hidden_ref, d.hidden)
                     hidden_stored.add(d.task.hidden_ref)
+                await put_payloads(s.js, s.reg, d.payloads, payloads_stored)
             tasks = [d.task for d in drawn]
             await publish_many(s.js, [(s.reg.tasks(t.domain, t.pool), t) for t in tasks])
             await publish(s.js, s.reg.ledger("sampler"), TaskFates(

@@ -18,11 +18,14 @@ One call runs every sample of a batch of tasks together, turn by turn:
    engine's `max_context`): an episode whose next turn would not fit ends with `length`.
 
 Repository tasks (`Task.workspace`, the `repo` tools of `schemas.tool_protocol`): the
-sandbox starts with the repository in its work dir, each tool is one recorded execution
-(`rollout_workers.repo_tools`), `submit()` ends the episode (`stop`), and at the end, however
-it ended (`length` included), the repository's state is exported as a unified diff against
-the original into `artifacts["diff"]` (UTF-8; empty when no sandbox was opened) before the
-sandbox closes. A state that cannot be read back raises `SandboxUnavailable` for the batch.
+sandbox starts with the repository in its work dir (a task that names it by `workspace_ref`
+must be resolved first, `rollout_workers.repo_payloads`; else `run_episodes` raises
+ValueError), each tool is one recorded execution (`rollout_workers.repo_tools`), `submit()`
+ends the episode (`stop`), and at the end, however it ended (`length` included), the
+repository's state is exported as a unified diff against the original into
+`artifacts["diff"]` (UTF-8; empty when no sandbox was opened) before the sandbox closes. A
+state that cannot be read back raises `SandboxUnavailable` for the batch. (A diff too large
+to travel inline is moved to the payload store afterwards, by the rollout worker.)
 
 Guarantees:
 - A trajectory holds every turn's tokens in order; only model tokens are `trainable`
@@ -55,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from schemas import Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
+from schemas import BlobRef, Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
 from schemas.tool_protocol import (
     TOOL_NAMES,
@@ -95,6 +98,8 @@ class Episode:
     tokens: int = 0
     generate_seconds: float = 0.0
     artifacts: dict[str, bytes] = field(default_factory=dict)
+    artifact_refs: dict[str, BlobRef] = field(default_factory=dict)
+    """Artifacts moved to the payload store (`rollout_workers.repo_payloads.offload_artifacts`)."""
     export_error: str = ""
     """Why the final repository state could not be exported ("" when it was, or none was due)."""
 
@@ -106,7 +111,7 @@ class Episode:
         """The Trajectory of the finished episode (`Trajectory.from_task`: ids derived from the task's)."""
         return Trajectory.from_task(self.task, self.sample_index, self.turns, finish_reason=self.finish_reason,
                                     generate_seconds=self.generate_seconds, tool_calls=self.tool_calls,
-                                    artifacts=self.artifacts)
+                                    artifacts=self.artifacts, artifact_refs=self.artifact_refs)
 
 
 def cut_at_call(engine, sample, tool_format: str = "tags",
@@ -258,6 +263,10 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
     past `deadline` (time.monotonic) no new turn starts: live episodes end with `length`.
     `context_budget`: most tokens of an episode's context (default MAX_CONTEXT_TOKENS), never
     more than the engine's `max_context`; `obs_caps`: repository tools' observation clip."""
+    unresolved = [x.task_id for x in tasks if x.workspace_ref is not None and not x.workspace]
+    if unresolved:
+        raise ValueError(f"tasks {unresolved} name their repository by reference: resolve it first "
+                         "(rollout_workers.repo_payloads.resolve_workspaces)")
     t = tasks[0]
     n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
     sem = asyncio.Semaphore(slots)

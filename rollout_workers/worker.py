@@ -22,6 +22,10 @@ Guarantees:
   service refuses unless it is one it was configured with). When the sandbox itself fails,
   the batch's tool tasks are retried (nak with delay), never published as low-reward
   trajectories.
+- Payloads by reference (`rollout_workers.repo_payloads`): a task's `workspace_ref` is
+  fetched and checked before its sandbox opens, an artifact over
+  `rollout.artifact_inline_bytes` is stored in the payload bucket and published as a ref;
+  a payload that cannot be fetched or stored retries the batch like a failed sandbox.
 - No trajectory generated with a weight version leaves the worker before that version's
   sha256 check passed. The watcher is speculative (`WeightWatcher(speculative=True)`): a
   `file://` version serves as soon as it is read, and its sha256 is checked in the
@@ -43,11 +47,13 @@ from collections import defaultdict
 import structlog
 
 from bus.conn import pull_subscription
+from bus.payloads import PayloadCache
 from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
 from bus.session import Session, WorkerContext, worker_session
 from rollout_workers.agent import SandboxUnavailable, run_episodes
 from rollout_workers.engines import Sample, close_engine, make_engine
+from rollout_workers.repo_payloads import offload_artifacts, resolve_workspaces
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of
@@ -163,14 +169,18 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         await watcher.maybe_load(engine)
 
         open_sandbox = await sandbox_opener(cfg, ctx, s)
+        workspaces = PayloadCache(s.js, s.reg)
 
         async def run_tool_tasks(tasks: list[Task], deadline: float) -> list:
+            tasks = await resolve_workspaces(tasks, workspaces)
             episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
                                           before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
                                           tool_timeout=cfg.sandbox.timeout_s, deadline=deadline,
                                           context_budget=rc.max_context_tokens,
                                           obs_caps=(rc.observation_chars, rc.observation_chars // 2))
             count_tool_errors(s.counters, episodes)
+            moved = await offload_artifacts(s.js, s.reg, episodes, rc.artifact_inline_bytes)
+            s.counters["artifacts_by_ref"] = s.counters.get("artifacts_by_ref", 0) + moved
             return [(s.reg.traj(ep.task.domain), ep.trajectory()) for ep in episodes]
 
         async def handle(batch: list[Delivery], budget_s: float):

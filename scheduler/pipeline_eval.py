@@ -15,7 +15,10 @@ Guarantees:
   kind `drawn` (a domain source's `eval_problems`, held-out domains' included) are published
   as their own tasks made greedy: `purpose=eval`, one sample, temperature 0, their verifier,
   params, tools and pool as drawn; their hidden gold is put in the run's hidden bucket (under
-  the task's `hidden_ref`) before the first round that publishes them.
+  the task's `hidden_ref`), and the public payloads they name by reference (a large
+  repository: `Drawn.payloads`) in the run's payload bucket with the task's ref rebound to
+  this run (`bus.payloads.rebind`: the sets are drawn as run `eval`), before the first round
+  that publishes them.
 - The score of a domain is the fraction of its problems whose reward has its success
   component == 1 (`SUCCESS_COMPONENTS`: `correct`, else `resolved`, the repo verifier's
   task completion, so a repo domain's score is its completion rate whatever its reward
@@ -41,7 +44,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from bus.hidden import put_hidden
+from bus.payloads import put_payloads, rebind
 from bus.publish import publish_many
+from bus.subjects import Registry
 from producers import tool_calc
 from schemas import ChatMessage, DecodeError, Reward, Task, decode
 
@@ -59,6 +64,8 @@ def eval_tasks(suite, run_id: str, round_id: int, only: list[str] | None = None)
             ids = dict(run_id=run_id, msg_id=f"ev{round_id}.{name}.{i}-r{run_id}", task_id=f"eval-{name}-{i}",
                        domain=name, purpose="eval", group_size=1, temperature=0.0)
             if s["kind"] == "drawn":
+                if p.task.workspace_ref is not None:  # drawn as run `eval`: its repository is stored in this run
+                    ids["workspace_ref"] = rebind(p.task.workspace_ref, Registry(run_id))
                 out.append(p.task.model_copy(update=ids))
                 continue
             common = dict(**ids, max_tokens=s["max_tokens"], prompt=[ChatMessage(role="user", content=p.prompt)])
@@ -107,6 +114,7 @@ class PipelineEval:
         self._sub = None
         self.last: dict = {}  # the last round: tasks published, rewards received
         self.hidden_stored: set[str] = set()
+        self.payloads_stored: set[str] = set()
 
     async def start(self) -> None:
         from nats.js.api import DeliverPolicy
@@ -136,7 +144,8 @@ class PipelineEval:
             self.rounds[round_id].add(r)
 
     async def _store_hidden(self, names) -> None:
-        """Put the hidden gold of the `drawn` sets among `names` (once per process)."""
+        """Put the hidden gold of the `drawn` sets among `names`, and the public payloads their
+        tasks name by reference (a large repository: `Drawn.payloads`), once per process."""
         for name in names:
             s = self.suite.sets[name]
             if s["kind"] != "drawn":
@@ -146,6 +155,7 @@ class PipelineEval:
                 if d.hidden is not None and ref and ref not in self.hidden_stored:
                     await put_hidden(self.js, self.reg, ref, d.hidden)
                     self.hidden_stored.add(ref)
+                await put_payloads(self.js, self.reg, d.payloads, self.payloads_stored)
 
     async def evaluate(self, stop: asyncio.Event | None = None, only: list[str] | None = None,
                        ) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:

@@ -3,6 +3,7 @@
 from schemas.glance import RewardGlance, glance_reward
 from schemas.messages import (
     SCHEMA_VERSION,
+    BlobRef,
     ChatMessage,
     DeadLetter,
     DecodeError,
@@ -28,7 +29,7 @@ from schemas.messages import (
     unpack_i32,
 )
 
-__all__ = ["SCHEMA_VERSION", "ChatMessage", "DeadLetter", "DecodeError", "EvalResult", "Message", "Metric", "Reward",
+__all__ = ["SCHEMA_VERSION", "BlobRef", "ChatMessage", "DeadLetter", "DecodeError", "EvalResult", "Message", "Metric", "Reward",
            "RewardGlance", "Task", "TaskFate", "TaskFates", "ToolCall", "Trajectory", "Turn", "WeightPrefetch",
            "WeightVersion", "decode", "encode", "glance_reward", "new_msg_id", "pack_f32", "pack_i32", "render_prompt",
            "unpack_f32", "unpack_i32"]

@@ -21,7 +21,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from schemas.payload_ref import BlobRef
 
 SCHEMA_VERSION = 1
 
@@ -152,6 +154,11 @@ class Task(Message):
     """Public files the episode's sandbox starts with (path -> UTF-8 text: a repo task's
     repository); at the end the rollout side exports their diff as the `diff` artifact.
     Never hidden content. Absent on the wire = none."""
+    workspace_ref: BlobRef | None = None
+    """The same public repository as a payload object (`bus.payloads.pack_files`: a msgpack map
+    path -> text) when it is too large to travel inline (the domain's `max_workspace_bytes`);
+    `workspace` is then empty on the wire and the rollout side fills it from the object
+    (sha256-checked) before the episode's sandbox opens. Absent on the wire = none."""
 
 
 class Turn(BaseModel):
@@ -256,11 +263,23 @@ class Trajectory(Message):
     """Every tool call of the episode with its execution result, in order."""
     artifacts: dict[str, bytes] = Field(default_factory=dict)
     """Final files exported from the episode's sandbox (path -> bytes), for verifiers such as `files`."""
+    artifact_refs: dict[str, BlobRef] = Field(default_factory=dict)
+    """Artifacts too large to travel inline (over `rollout.artifact_inline_bytes`: a repo episode's
+    diff), by reference; a name is here or in `artifacts`, never both. The verifier worker puts
+    them into `artifacts` (sha256-checked) before its verifier runs. Absent on the wire = none."""
+
+    @model_validator(mode="after")
+    def _artifact_once(self):
+        both = sorted(set(self.artifacts) & set(self.artifact_refs))
+        if both:
+            raise ValueError(f"artifacts {both} are both inline and by reference")
+        return self
 
     @classmethod
     def from_task(cls, task: Task, sample_index: int, turns: list[Turn], *, finish_reason: str = "stop",
                   generate_seconds: float = 0.0, tool_calls: list[ToolCall] | None = None,
-                  artifacts: dict[str, bytes] | None = None) -> Trajectory:
+                  artifacts: dict[str, bytes] | None = None,
+                  artifact_refs: dict[str, BlobRef] | None = None) -> Trajectory:
         """Sample `sample_index` of `task`, fields copied; final_text, version (-1: none), tokens from the answers."""
         model = [t for t in turns if t.role == "assistant"] or [Turn(role="assistant", text="")]
         return cls(run_id=task.run_id, msg_id=f"{task.msg_id}-{sample_index}", task_id=task.task_id,
@@ -271,7 +290,7 @@ class Trajectory(Message):
                    finish_reason=finish_reason, final_text=model[-1].text,
                    policy_version=model[-1].policy_version, generate_seconds=generate_seconds,
                    tokens=sum(len(t.token_ids) // 4 for t in model), tool_calls=tool_calls or [],
-                   artifacts=artifacts or {})
+                   artifacts=artifacts or {}, artifact_refs=artifact_refs or {})
 
 
 class Reward(Message):

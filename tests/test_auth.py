@@ -212,6 +212,33 @@ async def test_verifier_scores_with_hidden_data_and_monitor_tails_rewards(as_use
     assert leaked == []
 
 
+async def test_payloads_by_reference_each_role_exactly_its_rights(as_user):
+    """Sampler puts a workspace, rollout reads it and puts a diff, verifier reads the diff; the
+    verifier writes no payload, and neither rollout nor verifier writes (or the verifier reads) weights."""
+    from bus.objects import put_blob
+    from bus.payloads import get_payload, put_payload
+    from bus.weight_stores import NatsStore
+
+    reg = Registry(RUN)
+    admin, sampler, rollout, verifier = [await as_user(u) for u in ("admin", "sampler", "rollout", "verifier")]
+    ajs, sjs, rjs, vjs = (nc.jetstream(timeout=5) for nc in (admin, sampler, rollout, verifier))
+    for js, role in ((sjs, "sampler"), (rjs, "rollout"), (vjs, "verifier")):
+        await ensure_topology(js, reg, role=role)  # sampler and rollout create the payload bucket when missing
+    workspace = await put_payload(sjs, reg, b"w" * 3000)
+    assert await put_payload(sjs, reg, b"w" * 3000) == workspace  # already there: nothing written, no purge needed
+    assert await get_payload(rjs, reg, workspace) == b"w" * 3000
+    diff = await put_payload(rjs, reg, b"d" * 3000)
+    assert await get_payload(vjs, reg, diff) == b"d" * 3000
+    assert await denied(put_payload(vjs, reg, b"v" * 3000))
+    wv = await publish_version(ajs, reg, None, 0, 0, {})
+    assert await denied(get_blob(vjs, wv.uri, wv.sha256))
+    for js in (rjs, vjs):
+        assert await denied(put_blob(js, reg.object_bucket, "v000009.safetensors", b"forged"))
+    assert await denied(sjs.purge_stream(f"OBJ_{reg.payload_bucket}"))
+    names = await NatsStore(ajs, reg.payload_bucket).names()
+    assert len(names) == 2 and "v000009.safetensors" not in await NatsStore(ajs, reg.object_bucket).names()
+
+
 async def test_generated_env_and_rendered_conf_work_together(tmp_path):
     """`natsauth write-env` + `write-conf`: the server reads passwords from its environment."""
     import subprocess

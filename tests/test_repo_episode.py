@@ -258,10 +258,17 @@ async def test_the_context_budget_ends_an_episode_with_length_and_it_is_still_ve
 ROOT = Path(__file__).resolve().parent.parent
 
 
+BY_REFERENCE = ("--set", "sampler.domains.repo.params.max_workspace_bytes=64", "--set", "rollout.artifact_inline_bytes=64")
+"""Limits under every fixture repository (about 400 bytes) and gold diff: both travel by reference."""
+
+
 @docker_only
-def test_rlbus_up_repo_example_gold_scripts_complete_every_eval_task(tmp_path, repo_image):
+@pytest.mark.parametrize("by_reference", [False, True], ids=["inline", "by-reference"])
+def test_rlbus_up_repo_example_gold_scripts_complete_every_eval_task(tmp_path, repo_image, by_reference):
     """`rlbus up examples/repo.toml` on the small fixture repositories with gold scripts: every
-    published task is accounted for (lost 0) and the pipeline eval's completion rate is 1.0."""
+    published task is accounted for (lost 0) and the pipeline eval's completion rate is 1.0; the
+    same with every repository and diff by reference (`bus.payloads`), eval tasks (published by
+    the scheduler) included."""
     scripts = tmp_path / "gold"
     for tid in ("fixture-wordcount", "fixture-stack", "fixture-clamp", "fixture-partial"):
         write_script(scripts, tid, gold_steps(load_task(tid).gold_patch))
@@ -272,7 +279,7 @@ def test_rlbus_up_repo_example_gold_scripts_complete_every_eval_task(tmp_path, r
          "--set", f"rollout.scripted.dir={scripts}", "--set", "sampler.max_inflight_tasks=4",
          "--set", 'sampler.domains.repo.params.tasks=["fixture-wordcount", "fixture-stack"]',
          "--set", 'sampler.domains.repo.params.eval_tasks=["fixture-clamp", "fixture-partial"]',
-         "--set", "scheduler.eval.timeout_s=90"],
+         "--set", "scheduler.eval.timeout_s=90", *(BY_REFERENCE if by_reference else ())],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -283,3 +290,30 @@ def test_rlbus_up_repo_example_gold_scripts_complete_every_eval_task(tmp_path, r
     assert repo["reward_mean"] == 1.0 and set(repo["statuses"]) == {"ok"}, repo
     ev = s["eval"]["repo"]
     assert ev["n"] == 2 and ev["baseline"] == 1.0, ev
+    if by_reference:
+        _check_by_reference(tmp_path / "runs" / run_id)
+
+
+def _check_by_reference(run_path: Path) -> None:
+    """Every stored reward's diff is a ref to its gold patch; every repository is in the payload store."""
+    import asyncio
+
+    from bus.payloads import get_payload, pack_files, payload_name, payload_ref
+    from bus.weight_stores import NatsStore
+    from rlbus.run_reader import iter_rewards, jetstream, reach_run
+
+    async def read(access) -> tuple[list, set[str]]:
+        async with jetstream(access, "pytest-by-reference") as js:
+            rewards = [r async for _, r in iter_rewards(js, access.reg, "repo")]
+            for r in rewards:
+                ref = r.trajectory.artifact_refs["diff"]
+                gold = load_task(r.trajectory.verifier_params["repo_task"]).gold_patch.encode()
+                assert "diff" not in r.trajectory.artifacts and await get_payload(js, access.reg, ref) == gold
+            return rewards, set(await NatsStore(js, access.reg.payload_bucket).names())
+
+    with reach_run(run_path) as access:
+        rewards, names = asyncio.run(read(access))
+        reg = access.reg
+    assert {r.trajectory.purpose for r in rewards} == {"train", "eval"}
+    for tid in ("fixture-wordcount", "fixture-stack", "fixture-clamp", "fixture-partial"):
+        assert payload_name(payload_ref(reg, pack_files(load_task(tid).files)).sha256) in names, tid

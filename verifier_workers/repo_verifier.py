@@ -3,8 +3,11 @@
 `verify_repo(traj, hidden)` scores the trajectory's diff (`traj.artifacts["diff"]`, UTF-8,
 as the rollout side exports the final repository state; else `traj.final_text`) against
 the task in the hidden payload: `hidden["task"]`, a `schemas.repo_task.RepoTask` as a
-dict (`dataclasses.asdict`) or its `to_json()` text. (Large tasks will travel through the
-object store, with the payload carrying a reference; not yet.)
+dict (`dataclasses.asdict`) or its `to_json()` text. A large task is chunked in the hidden
+bucket (`bus.hidden`); a large diff travels by reference (`traj.artifact_refs["diff"]`), and
+the verifier worker puts it into `artifacts` (sha256-checked, `bus.payloads`) before this
+runs. A diff still by reference here (nobody resolved it) is an infrastructure error, never
+scored as the final text.
 
 Order of verification (guaranteed):
 1. On the host, in memory (`verifier_workers.repo_diff`): the original files, the diff
@@ -105,7 +108,11 @@ def load_task(hidden: dict | None) -> RepoTask:
 
 
 def candidate_diff(traj: Trajectory) -> str:
-    """The diff to verify: the `diff` artifact (UTF-8), else the final text."""
+    """The diff to verify: the `diff` artifact (UTF-8), else the final text; a diff left by
+    reference (`artifact_refs`, unresolved) raises RepoSandboxInfraError."""
+    if DIFF_ARTIFACT in traj.artifact_refs and DIFF_ARTIFACT not in traj.artifacts:
+        raise RepoSandboxInfraError(f"the diff is by reference ({traj.artifact_refs[DIFF_ARTIFACT].uri}) and was not "
+                                    "resolved: score through the verifier worker (bus.payloads.resolve_artifacts)")
     raw = traj.artifacts.get(DIFF_ARTIFACT)
     if raw is not None:
         return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

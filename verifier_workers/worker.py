@@ -5,9 +5,14 @@ Guarantees:
   dead-lettered with the reason: at once for unusable input (unknown verifier, bad
   parameters, reward weights naming a component the trajectory does not have), after
   retries for infrastructure failures.
-- Infrastructure failures are never rewards: a `VerifierInfraError`, `HiddenDataMissing`
-  or any unexpected exception a verifier raises naks the trajectory with a wait that
-  doubles per delivery (`RetryPolicy`), and on the consumer's last delivery dead-letters
+- Artifacts a trajectory carries by reference (`Trajectory.artifact_refs`: a large diff) are
+  fetched from the run's payload bucket and checked (size, sha256) before its verifier runs,
+  which sees them in `artifacts`; the published Reward embeds the trajectory as it arrived
+  (refs, not bytes). A missing or corrupt object (`PayloadUnavailable`) is an infrastructure
+  failure like the next point's.
+- Infrastructure failures are never rewards: a `VerifierInfraError`, `HiddenDataMissing`,
+  `PayloadUnavailable` or any unexpected exception a verifier raises naks the trajectory with
+  a wait that doubles per delivery (`RetryPolicy`), and on the consumer's last delivery dead-letters
   it with error_type `infra_error`. No Reward, least of all one of 0, is published for it.
 - The scalar reward is the weighted sum of the verifier's components plus the process
   components (`turns_used`, `tool_success_rate`), with the domain's `reward_weights`,
@@ -35,6 +40,7 @@ import structlog
 
 from bus.conn import pull_subscription
 from bus.hidden import HiddenCache, HiddenDataMissing
+from bus.payloads import PayloadUnavailable, resolve_artifacts
 from bus.publish import publish_many
 from bus.pull import Delivery, Reject, Retry, run_pull_stream
 from bus.session import WorkerContext, worker_session
@@ -122,14 +128,16 @@ def run_verifier(traj: Trajectory, hidden: dict | None) -> Verdict:
         raise VerifierCrash(f"verifier {traj.verifier!r} crashed: {type(exc).__name__}: {exc}") from exc
 
 
-def score(traj: Trajectory, hidden: dict | None = None) -> Reward:
-    """Verify one trajectory and compose its Reward.
+def score(traj: Trajectory, hidden: dict | None = None, embed: Trajectory | None = None) -> Reward:
+    """Verify one trajectory and compose its Reward (which embeds `embed`, default `traj`: the
+    trajectory as it arrived when `traj` is its copy with artifacts resolved).
 
     Raises VerifierInputError (unusable task) or VerifierInfraError (retry later).
     """
     t0 = time.perf_counter()
     verdict = run_verifier(traj, hidden)
     reward, components = compose_reward(traj, verdict)
+    traj = embed if embed is not None else traj
     return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=reward,
                   components=components, status=verdict.status, details=verdict.details[:2000],
                   verify_seconds=time.perf_counter() - t0, sandbox_seconds=verdict.sandbox_s)
@@ -254,17 +262,22 @@ class Scorer:
         return forged
 
     async def _score(self, traj: Trajectory, payload: dict | None) -> Reward:
+        embed = traj
+        if traj.artifact_refs:
+            if self.js is None:
+                raise VerifierInfraError("trajectory has artifacts by reference but this scorer has no bus connection")
+            traj = await resolve_artifacts(self.js, self.reg, traj)
         if self.concurrency <= 0:
-            return score(traj, payload)
+            return score(traj, payload, embed)
         if self.inline_policy.inline(traj.verifier):
             self.inline_calls += 1
             t0 = time.perf_counter()
             try:
-                return score(traj, payload)
+                return score(traj, payload, embed)
             finally:
                 self.inline_policy.observe(traj.verifier, time.perf_counter() - t0)
         async with self.slots:
-            reward = await asyncio.get_running_loop().run_in_executor(self.executor, score, traj, payload)
+            reward = await asyncio.get_running_loop().run_in_executor(self.executor, score, traj, payload, embed)
         self.inline_policy.observe(traj.verifier, reward.verify_seconds)
         return reward
 
@@ -279,7 +292,7 @@ class Scorer:
             return await self._score(traj, payload)
         except VerifierInputError as exc:
             raise Reject(f"verifier input: {exc}") from exc
-        except (VerifierInfraError, HiddenDataMissing) as exc:
+        except (VerifierInfraError, HiddenDataMissing, PayloadUnavailable) as exc:
             try:
                 self.policy.fail(d.delivered, exc)
             except (Retry, Reject) as outcome:

@@ -94,6 +94,11 @@ class RolloutSection(Section):
     observation_chars: int = Field(default=4000, ge=64, le=262144)
     """Repository tools: stdout characters an observation keeps (head + tail, flagged `trunc` when
     cut); stderr keeps half as many (its tail)."""
+    artifact_inline_bytes: int = Field(default=256 * 1024, ge=0, le=512 * 1024)
+    """Largest artifact (a repository episode's diff, an exported file) a trajectory carries inline;
+    a larger one goes to the run's payload object store and the trajectory carries its reference
+    (uri, sha256, size), which the verifier resolves (sha256-checked) before scoring. At most
+    512 KiB, so a trajectory stays well inside NATS's message size."""
     batch_tasks: int = Field(default=8, ge=1)
     """Tasks fetched and generated in one batch."""
     ack_wait_s: float = 60.0

@@ -20,6 +20,12 @@ Guarantees:
   "417*382"}}</tool_call>` and the segments are a `ToolDemo` whose `tools` are the specs
   the prompt declares (the chat template renders them into the system turn, as rollout
   does), so the domain teaches either format.
+- Domain param `direct_share` (0..1, default 0): the fraction of SFT demonstrations in which
+  the teacher answers from memory, `=159294` with no tool call (a correct answer, as a
+  teacher that multiplies in its head gives it); the rest call the tool. A tiny model
+  cannot imitate mental 3-digit products, so the habit scores near 0 for it: the demo
+  mixes the two so that RL has a choice to make (examples/demo.toml). Other params are
+  refused at start-up.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import random
 from dataclasses import dataclass, field
 
 from producers.domains import DomainContext, Drawn, finish_task
+from producers.params import share_param
 from schemas import ChatMessage
 from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, ToolDemo, json_call_text, tool_specs, tool_turn_text
 
@@ -70,8 +77,9 @@ def heldout_set(seed: int, n: int, level: int) -> list[Problem]:
 
 
 def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset(),
-                  tool_format: str = "tags") -> list[tuple[str, bool]]:
-    """SFT segments (text, trainable) of one worked episode in `tool_format`."""
+                  tool_format: str = "tags", direct_share: float = 0.0) -> list[tuple[str, bool]]:
+    """SFT segments (text, trainable) of one worked episode in `tool_format`; with
+    probability `direct_share`, one answered without the tool."""
     from sandbox_workers.base import ExecResult
     from sandbox_workers.integrity import render_observation
 
@@ -79,6 +87,9 @@ def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = froz
         p = generate(rng, level)
         if p.expression not in heldout:
             break
+    if direct_share > 0 and rng.random() < direct_share:
+        direct = [(p.prompt, False), (f"={p.answer}", True)]
+        return ToolDemo(direct, tool_specs([TOOL])) if tool_format == "json" else direct
     obs = render_observation(ExecResult(exit_code=0, stdout=f"{p.answer}\n", stderr=""))
     if tool_format == "json":
         return ToolDemo([(p.prompt, False), (json_call_text(TOOL, p.expression), True),
@@ -93,11 +104,13 @@ class ToolCalcDomain:
 
     ctx: DomainContext
     heldout: frozenset[str] = field(init=False)
+    direct_share: float = field(init=False)
 
     def __post_init__(self) -> None:
         ev = self.ctx.cfg.scheduler.eval
         levels = range(self.ctx.dc.min_level, self.ctx.dc.max_level + 1)
         self.heldout = frozenset(p.expression for lvl in levels for p in heldout_set(ev.seed, ev.n, lvl))
+        self.direct_share = share_param(self.ctx.name, self.ctx.dc.params, "direct_share", ("direct_share",))
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
         while True:
@@ -110,4 +123,4 @@ class ToolCalcDomain:
                                  verifier_params={"expression": p.expression}))
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
-        return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format)
+        return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format, self.direct_share)

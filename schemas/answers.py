@@ -10,6 +10,10 @@ Guarantees:
   expression is an error, not a 0).
 - `arith_answer` / `calc_answer` return the integer answered, or None when the
   completion is not one: a wrong format scores as wrong, never as an exception.
+  `arith_answer` takes a bare integer (`72`) or a worked answer, the work in parentheses
+  then `=` and the integer (`(70+2)=72`, as `worked_completion` writes it). The work is
+  digits and `+ -` only and is never scored: only the final integer counts, so showing
+  work can neither earn nor cost reward by itself. One work group at most.
 - `tagged_answer` (the reasoning-gym family's format) is the text of the last
   `<answer>...</answer>`; without one, the text after the last `<answer>` left open (a
   generation cut by its token budget); without that, the final non-empty line; stripped;
@@ -57,12 +61,27 @@ def arith_value(expression: str) -> int:
     return sum(terms)
 
 
+_ARITH_ANSWER = re.compile(r"(?:\([-+\d]{1,40}\)=)?(-?\d{1,12})")
+
+
 def arith_answer(completion: str) -> int | None:
-    """The integer the model answered: the whole completion, stripped; None if it is not one."""
-    text = completion.strip()
-    if re.fullmatch(r"-?\d{1,12}", text):
-        return int(text)
-    return None
+    """The integer the model answered: the whole completion, stripped, either a bare integer
+    or `(work)=integer`; None if it is neither."""
+    m = _ARITH_ANSWER.fullmatch(completion.strip())
+    return int(m.group(1)) if m else None
+
+
+def worked_completion(expression: str, answer: int) -> str | None:
+    """The worked answer to a one-operator `a+b` / `a-b` of operands with 2+ digits: the high
+    parts and the last digits combined first, `(70+2)=72` for `21+51`, `(40-4)=36` for
+    `83-47`; None for other expressions (one digit, several operators, `*`)."""
+    m = re.fullmatch(r"(\d{2,})([+-])(\d{2,})", expression)
+    if not m:
+        return None
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    sign = 1 if op == "+" else -1
+    high, low = (a // 10 + sign * (b // 10)) * 10, a % 10 + sign * (b % 10)
+    return f"({high}{'+' if low >= 0 else '-'}{abs(low)})={answer}"
 
 
 def calc_answer(text: str) -> int | None:

@@ -7,9 +7,7 @@ and knows nothing of domains).
 Guarantees:
 - `sft_batches(cfg, batch_size)` draws each batch from ONE domain, chosen by its static
   weight (`sft_weight`, else `weight`): short arith and long tool episodes are never
-  padded together, so each step costs what its domain costs. A source with a
-  `demonstration_batch(rng, level, n)` makes its batches itself (tool_calc: one habit per
-  batch), the others one `demonstration` per row.
+  padded together, so each step costs what its domain costs.
 - arith demonstrates at `sft.difficulty`, every other domain at its starting level;
   held-out eval problems are never demonstrated (each source excludes its own), nor is
   any `heldout` (zero-shot) domain.
@@ -48,12 +46,8 @@ class DomainDemos:
                 raise ValueError("no configured domain could demonstrate itself (see the warnings); "
                                  "set sft.enabled=false")
             k = rng.choices(range(len(self.sources)), weights=weights)[0]
-            src, level = self.sources[k], self.levels[k]
             try:
-                if hasattr(src, "demonstration_batch"):
-                    yield src.demonstration_batch(rng, level, batch_size)
-                else:
-                    yield [src.demonstration(rng, level) for _ in range(batch_size)]
+                yield [self.sources[k].demonstration(rng, self.levels[k]) for _ in range(batch_size)]
             except ValueError as exc:  # e.g. every prompt of the level skipped as too long: none to show
                 log.warning("sft.domain_dropped", reason=str(exc))
                 weights[k] = 0.0

@@ -20,9 +20,8 @@ Guarantees:
   "417*382"}}</tool_call>` and the segments are a `ToolDemo` whose `tools` are the specs
   the prompt declares (the chat template renders them into the system turn, as rollout
   does), so the domain teaches either format.
-- Domain param `direct_share` (0..1, default 0): the fraction of SFT batches
-  (`demonstration_batch`; single demonstrations: of demonstrations) in which the teacher
-  answers from memory, `=159294` with no tool call (a correct answer, as a
+- Domain param `direct_share` (0..1, default 0): the fraction of SFT demonstrations in which
+  the teacher answers from memory, `=159294` with no tool call (a correct answer, as a
   teacher that multiplies in its head gives it); the rest call the tool. A tiny model
   cannot imitate mental 3-digit products, so the habit scores near 0 for it: the demo
   mixes the two so that RL has a choice to make (examples/demo.toml). Other params are
@@ -125,10 +124,3 @@ class ToolCalcDomain:
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
         return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format, self.direct_share)
-
-    def demonstration_batch(self, rng: random.Random, level: int, n: int) -> list:
-        """`n` SFT demonstrations of ONE habit: all from memory (probability `direct_share`)
-        or all with the tool, so a batch of short direct answers is never padded to the
-        length of tool episodes (`producers.demos` pads per batch)."""
-        share = 1.0 if self.direct_share > 0 and rng.random() < self.direct_share else 0.0
-        return [demonstration(rng, level, self.heldout, self.ctx.dc.tool_format, share) for _ in range(n)]

@@ -108,14 +108,3 @@ def test_a_bad_share_is_a_start_up_error(tmp_path, arith_params, tool_params, me
     with pytest.raises(ValueError, match=re.escape(message)):
         make_source("r", name, cfg)
 
-
-def test_tool_calc_sft_batches_hold_one_habit_each(tmp_path):
-    from producers.demos import sft_batches
-
-    cfg = _cfg(tmp_path, "sft_weight = 0.0", "params = { direct_share = 0.6 }")
-    habits = []
-    for batch, _ in zip(sft_batches(cfg, 16), range(400), strict=False):
-        kinds = {len(d) for d in batch}
-        assert len(kinds) == 1  # never a short answer padded to a tool episode's length
-        habits.append(kinds.pop() == 2)
-    assert 0.53 < sum(habits) / len(habits) < 0.67

@@ -47,8 +47,12 @@ def test_recorded_rising_demo_curve_is_not_a_plateau(name):
         assert found.gain_se is not None and found.gain_se > 0
 
 
-def test_a_recorded_curve_that_peaks_fires_only_after_its_rise():
-    run = CURVES["issue20_demo6"]  # arith rose to v200, then fell back
+PEAKED = sorted(n for n, r in CURVES.items() if "rise_ends_at" in r)
+
+
+@pytest.mark.parametrize("name", PEAKED)
+def test_a_recorded_curve_that_peaks_fires_only_after_its_rise(name):
+    run = CURVES[name]  # e.g. issue20_demo6: arith rose to v200, then fell back
     pts = points(run)
     for end in range(1, len(pts) + 1):  # as the run saw it, one evaluation at a time
         found = demo_plateau(pts[:end], run["domains"])

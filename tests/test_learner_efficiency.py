@@ -14,6 +14,7 @@ from learner.groups import PooledSample
 from learner.objectives import aggregate_tokens
 from learner.pcgrad import pcgrad
 from learner.step import (
+    bf16_problem,
     compute_context,
     enable_activation_checkpointing,
     load_models,
@@ -106,6 +107,11 @@ def test_activation_checkpointing_same_grad(model_dir):
     assert_grads_close(a, b)
 
 
+NO_BF16 = bf16_problem("cpu")
+needs_bf16 = pytest.mark.skipif(NO_BF16 is not None, reason=f"no native bf16 on this CPU: {NO_BF16}")
+
+
+@needs_bf16
 def test_bf16_autocast_step_close_to_fp32(model_dir):
     batch = samples()
     fp32, _ = grads_of(model_dir, batch)
@@ -127,7 +133,9 @@ def test_pcgrad_step_projects_domain_gradients(model_dir):
     assert metrics["pcgrad_conflicts"] == n and metrics["pcgrad_conflict_frac"] == n / 2
     assert_grads_close(combined, expected)
     plain, g_plain = grads_of(model_dir, batch)
-    assert plain["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    # the GRPO loss is a sum of terms that nearly cancel (advantages sum to 0 per group), so
+    # its relative error under another summation order (micro-batches of 3) is large: absolute
+    assert plain["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
     if n == 0:
         assert_grads_close(combined, g_plain)
 
@@ -140,7 +148,11 @@ def test_beta_zero_loads_no_reference(model_dir):
 
 
 def test_bf16_needs_autocast_on_the_device():
-    assert compute_context("bf16", torch.device("cpu")) is not None
+    if NO_BF16 is None:
+        assert compute_context("bf16", torch.device("cpu")) is not None
+    else:  # a CPU without AVX-512 BF16 / AMX (e.g. AVX2 only): the clear start-up error
+        with pytest.raises(RuntimeError, match="set learner.dtype = 'fp32'"):
+            compute_context("bf16", torch.device("cpu"))
     with pytest.raises(RuntimeError, match="dtype = 'fp32'"):
         compute_context("bf16", torch.device("meta"))
 

@@ -27,7 +27,7 @@ from learner.groups import PooledSample
 from learner.step import train_step
 from rlbus.tiny_model import build_tiny_model
 from schemas.config import LearnerSection
-from tests.test_learner_efficiency import samples
+from tests.test_learner_efficiency import needs_bf16, samples
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64)
@@ -123,6 +123,7 @@ BF16_LOSS_ATOL = 1e-3  # per-step loss difference (the GRPO losses here are of o
 BF16_GRAD_NORM_RTOL = 0.02  # per-step gradient-norm difference, relative
 
 
+@needs_bf16
 @pytest.mark.timeout(120)
 def test_bf16_steps_track_fp32_steps(model_dir):
     lc32 = LearnerSection(lr=1e-4)

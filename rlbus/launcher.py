@@ -387,10 +387,31 @@ def check_model(cfg: RunConfig, console: Console) -> bool:
     return False
 
 
+def check_domains(cfg: RunConfig, console: Console) -> bool:
+    """Whether every configured domain's task source builds (its kind, `params` and data;
+    before SFT, before NATS): False after printing each domain's problem and the table to fix.
+    A domain that is unavailable here (`DomainUnavailable`) is not a problem: the sampler
+    leaves it out and reports it."""
+    from producers.domains import DomainUnavailable, make_source
+
+    ok = True
+    for name in cfg.sampler.domains:
+        try:
+            make_source("check", name, cfg)
+        except DomainUnavailable:
+            continue
+        except (ValueError, OSError) as exc:
+            console.print(f"rlbus up: {exc}; fix [sampler.domains.{name}] in the config (or the --set that "
+                          "changed it), then run it again", style="bold red", markup=False, highlight=False,
+                          soft_wrap=True)
+            ok = False
+    return ok
+
+
 def _checks(cfg: RunConfig, console: Console) -> str | None:
     """Every check before anything starts; the sandbox isolation, or None after printing why not."""
     if not (check_model(cfg, console) and check_tracking(cfg, console) and check_engine(cfg, console)
-            and check_learner(cfg, console)):
+            and check_learner(cfg, console) and check_domains(cfg, console)):
         return None
     isolation = check_sandbox(cfg, console)
     if isolation is None or not check_tokenizer(cfg, console):

@@ -108,3 +108,18 @@ def test_a_bad_share_is_a_start_up_error(tmp_path, arith_params, tool_params, me
     with pytest.raises(ValueError, match=re.escape(message)):
         make_source("r", name, cfg)
 
+
+
+def test_rlbus_up_refuses_a_bad_share_before_anything_starts(tmp_path, capsys):
+    """The launcher's start-up checks build every domain's source: a bad share stops `rlbus up`
+    with the domain's message and the table to fix, before NATS, the model or a run folder."""
+    from rlbus.launcher import up
+
+    cfg = _cfg(tmp_path, "params = { worked_share = 1.5 }")
+    cfg.run.run_dir = str(tmp_path / "runs")
+    assert up(cfg, None) == 1
+    out = capsys.readouterr().out
+    assert "params.worked_share must be a number in [0, 1], got 1.5" in out
+    assert "fix [sampler.domains.arith]" in out
+    assert "unexpected error" not in out and "--resume" not in out
+    assert not (tmp_path / "runs").exists()

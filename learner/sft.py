@@ -17,6 +17,9 @@ Guarantees:
   as rollout renders a `tool_format = "json"` task's prompt.
 - It stops at `seconds` of wall time or `max_steps` optimizer steps, whichever comes
   first, and always takes at least one step.
+- Each step's gradient is the batch's mean loss over its supervised tokens, computed in
+  length-sorted micro-batches of at most `micro_batch_tokens` padded tokens
+  (`sft_step_loss`), so short rows are not padded to a long row's length.
 - AdamW, linear warmup then cosine decay to 10% of `lr` over the run's progress
   (the larger of step fraction and time fraction), gradient clipping at 1.0.
 - The same `seed` and batches give the same weights, unless the time budget is what
@@ -89,6 +92,57 @@ def make_batch(tokenizer, demos: list) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+CHUNK_OVERHEAD_TOKENS = 256
+"""What one more forward/backward call costs, in padded tokens (the tiny model's per-call
+overhead on CPU); `micro_batches` weighs it against the padding a cut saves."""
+
+
+def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """`batch`'s rows sorted by length and cut into micro-batches of at most `max_tokens`
+    padded tokens (at least one row each), each trimmed to its own longest row: the same
+    rows and labels, without padding short rows to a long one's length (a batch that
+    mixes bare answers with tool episodes). The cuts minimise padded tokens plus
+    `CHUNK_OVERHEAD_TOKENS` per micro-batch (exact, over the sorted rows)."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    order = torch.argsort(lengths, stable=True).tolist()
+    ls = [int(lengths[i]) for i in order]
+    n = len(ls)
+    best, cut = [0] + [None] * n, [0] * (n + 1)  # best[j]: cost of rows[:j]; cut[j]: where its last chunk starts
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):
+            size = (j - i) * ls[j - 1]
+            if size > max_tokens and i < j - 1:
+                break  # longer chunks ending at j only grow
+            cost = best[i] + size + CHUNK_OVERHEAD_TOKENS
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    bounds, j = [], n
+    while j > 0:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    out = []
+    for i, j in reversed(bounds):
+        rows = order[i:j]
+        out.append({k: v[rows, : ls[j - 1]] for k, v in batch.items()})
+    return out
+
+
+def sft_step_loss(model, batch: dict[str, torch.Tensor], max_tokens: int) -> float:
+    """Backpropagate the batch's mean next-token loss over its supervised tokens (as
+    `model(**batch).loss`), computed in length-sorted micro-batches (`micro_batches`):
+    the same gradient up to float rounding, at the cost of the real tokens. Returns the loss."""
+    total = int((batch["labels"][:, 1:] != -100).sum())
+    loss_sum = 0.0
+    for mb in micro_batches(batch, max_tokens):
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        part = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                 mb["labels"][:, 1:].reshape(-1), ignore_index=-100,
+                                                 reduction="sum")
+        (part / max(1, total)).backward()
+        loss_sum += part.item()
+    return loss_sum / max(1, total)
+
+
 def lr_factor(progress: float, step: int, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then cosine from 1 to 0.1 as progress goes 0 -> 1."""
     if step < warmup:
@@ -107,6 +161,7 @@ def run_sft(
     seed: int = 0,
     threads: int = 2,
     progress: bool = True,
+    micro_batch_tokens: int = 2048,
 ) -> dict:
     """Supervised fine-tuning on `batches` until `seconds` or `max_steps`; returns a summary.
 
@@ -150,14 +205,12 @@ def run_sft(
             drawn = next(batches)
             samples += len(drawn)
             batch_size = batch_size or len(drawn)
-            batch = make_batch(tokenizer, drawn)
-            loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = sft_step_loss(model, make_batch(tokenizer, drawn), micro_batch_tokens)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            losses.append(loss.item())
+            losses.append(loss)
             bar.update(task, completed=min(done, 1.0), step=step, loss=losses[-1])
         bar.update(task, completed=1.0)
     train_seconds = time.monotonic() - t0

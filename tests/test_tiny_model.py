@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.sft import make_batch, run_sft
+from learner.sft import make_batch, micro_batches, run_sft, sft_step_loss
 from producers import arith
 from producers.demos import batches_of
 from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
@@ -81,6 +81,32 @@ def test_make_batch_masks_prompt_and_padding():
     assert mask[0].tolist() == [1] * 6 + [0] * 3 and mask[1].tolist() == [1] * 9
     assert labels[0].tolist() == [-100] * 4 + tok.encode("3") + [1] + [-100] * 3
     assert labels[1].tolist() == [-100] * 6 + tok.encode("30") + [1]
+
+
+def test_micro_batched_sft_step_is_the_full_batch_step(tmp_path):
+    """SFT's length-sorted micro-batches give the gradient and loss of `model(**batch).loss`
+    on the whole padded batch, for a batch that mixes bare answers with tool episodes."""
+    from producers import tool_calc
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
+    rng = random.Random(3)
+    demos = [(p.prompt, p.completion) for p in (arith.generate(rng, 3) for _ in range(20))]
+    demos += [tool_calc.demonstration(rng, 1, direct_share=0.5) for _ in range(12)]
+    rng.shuffle(demos)
+    batch = make_batch(tok, demos)
+    parts = micro_batches(batch, 200)
+    assert len(parts) > 2 and sum(len(p["input_ids"]) for p in parts) == len(demos)
+    assert sum(p["input_ids"].numel() for p in parts) < 0.8 * batch["input_ids"].numel()  # padding dropped
+    full = model(**batch).loss
+    full.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    got = sft_step_loss(model, batch, 200)
+    assert got == pytest.approx(full.item(), rel=1e-5)
+    for g, w in zip((p.grad for p in model.parameters()), want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_short_sft_reduces_loss(tmp_path):

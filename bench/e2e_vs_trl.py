@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULT = ROOT / "bench" / "results" / "e2e_vs_trl.json"
-EVAL_SEED, DIFFICULTY, MAX_TOKENS = 1234, 3, 6
+EVAL_SEED, DIFFICULTY, MAX_TOKENS = 1234, 3, 6  # MAX_TOKENS: the default of --max-tokens
 GROUP, PROMPTS_PER_STEP, TEMPERATURE = 8, 16, 1.0
 EVAL_N, LR = 1000, 3e-5  # defaults of --eval-n and --lr (3e-4 degraded both sides in scouting; 1e-4 gains about the same)
 
@@ -103,7 +103,8 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
     return tmp / "start", stats
 
 
-def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, blob: bytes | None = None) -> float:
+def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, blob: bytes | None = None,
+             max_tokens: int = MAX_TOKENS) -> float:
     """Greedy held-out accuracy of a model dir (optionally with another state dict, or a
     published weight blob, loaded)."""
     from bus.weight_blobs import load_state_bytes
@@ -117,7 +118,7 @@ def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, bl
         load_state_bytes(engine.model, blob)
     if state_dict is not None or blob is not None:
         engine.model.eval()
-    return greedy_accuracy(engine, heldout(eval_n), MAX_TOKENS)
+    return greedy_accuracy(engine, heldout(eval_n), max_tokens)
 
 
 def arith_reward(completions, answer, **_) -> list[float]:
@@ -144,7 +145,7 @@ def trl_dataset(n: int, seed: int, eval_n: int):
 
 
 def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, lr: float, eval_n: int,
-            seed: int = 0, marks: tuple[float, ...] = ()) -> dict:
+            seed: int = 0, marks: tuple[float, ...] = (), max_tokens: int = MAX_TOKENS) -> dict:
     """TRL GRPOTrainer from `start` for `seconds` of wall time; saves the model to `out`.
 
     `marks` (seconds since the trainer was constructed): the policy as it stood at each
@@ -175,7 +176,7 @@ def run_trl(start: Path, out: Path, seconds: float, reward_fn, threads: int, *, 
 
     t0 = time.monotonic()
     args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-                      num_generations=GROUP, max_completion_length=MAX_TOKENS, temperature=TEMPERATURE,
+                      num_generations=GROUP, max_completion_length=max_tokens, temperature=TEMPERATURE,
                       learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, loss_type="grpo",
                       epsilon=0.2, epsilon_high=0.28, max_grad_norm=1.0, weight_decay=0.0, optim="adamw_torch",
                       num_iterations=1, max_steps=10**6, use_cpu=True, bf16=False, report_to="none",
@@ -253,7 +254,7 @@ every_versions = 1000000
 def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float = LR, eval_n: int = EVAL_N,
              seed: int = 0, skip_zero_variance: bool = False, verifier: str = "", verifier_section: str = "",
              env: dict | None = None, overrides: tuple[str, ...] = (), weights: str = "file",
-             marks: tuple[float, ...] = ()) -> dict:
+             marks: tuple[float, ...] = (), max_tokens: int = MAX_TOKENS) -> dict:
     """`rlbus up` from `start` for `seconds` of sampling (`overrides`: `--set KEY=VALUE` each);
     returns the summary and final state dict.
 
@@ -268,7 +269,7 @@ def run_ours(start: Path, tmp: Path, seconds: float, run_id: str, *, lr: float =
     weight_dir = tmp / f"weights-{run_id}"
     weight_store = f"file://{weight_dir}" if weights == "file" else "nats"
     cfg = OURS_CONFIG.format(run_id=run_id, run_dir=tmp / "runs", max_minutes=round((seconds + reserve) / 60, 4),
-                             start=start, group=GROUP, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, lr=lr,
+                             start=start, group=GROUP, max_tokens=max_tokens, temperature=TEMPERATURE, lr=lr,
                              groups=PROMPTS_PER_STEP, eval_n=eval_n, seed=seed,
                              skip_zero_variance=str(skip_zero_variance).lower(),
                              verifier_line=f'verifier = "{verifier}"' if verifier else "",
@@ -446,6 +447,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=1, help="RL runs per side from the same start (seeds 0..N-1)")
     ap.add_argument("--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1")
     ap.add_argument("--lr", type=float, default=LR, help="learning rate, both sides")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                    help="completion tokens, both sides and the evaluation (12 for a start that shows its work, "
+                         "the demo's `(70+2)=72`)")
     ap.add_argument("--eval-n", type=int, default=EVAL_N, help="held-out problems (excluded from all training)")
     ap.add_argument("--sides", default="ours,trl", help="which sides to run (scouting: one side)")
     ap.add_argument("--no-dynamic-sampling", action="store_true",
@@ -479,15 +483,15 @@ def ours_side(a, run: dict, start: Path, tmp: Path, acc0: float, threads: int) -
     run["load_avg"]["before_ours"] = os.getloadavg()
     ours = run_ours(start, tmp, seconds, f"e2e{seed}x{int(time.time())}", lr=a.lr, eval_n=a.eval_n,
                     seed=seed, skip_zero_variance=not a.no_dynamic_sampling, overrides=tuple(a.ours_set),
-                    weights=a.ours_weights, marks=marks)
-    run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads)
+                    weights=a.ours_weights, marks=marks, max_tokens=a.max_tokens)
+    run["ours_accuracy"] = accuracy(start, a.eval_n, ours["state_dict"], threads, max_tokens=a.max_tokens)
     if marks:
         run["ours_curve"] = []
         for mark, (weight_version, blob) in ours["blobs"].items():
             if weight_version == 0:
                 acc = acc0  # nothing published yet: the start
             else:  # None when the version's file was gone
-                acc = accuracy(start, a.eval_n, threads=threads, blob=blob) if blob else None
+                acc = accuracy(start, a.eval_n, threads=threads, blob=blob, max_tokens=a.max_tokens) if blob else None
             run["ours_curve"].append([mark, weight_version, acc])
         run["ours_curve"].append([seconds, "final", run["ours_accuracy"]])
     run["ours_detail"] = _ours_detail(ours, seconds)
@@ -500,10 +504,10 @@ def trl_side(a, run: dict, start: Path, tmp: Path, threads: int) -> None:
     seed, seconds, marks = run["seed"], a.minutes * 60, a.marks
     run["load_avg"]["before_trl"] = os.getloadavg()
     peer = run_trl(start, tmp / f"trl{seed}", seconds, arith_reward, threads, lr=a.lr, eval_n=a.eval_n,
-                   seed=seed, marks=marks)
-    run["peer_accuracy"] = accuracy(Path(peer["final_dir"]), a.eval_n, threads=threads)
+                   seed=seed, marks=marks, max_tokens=a.max_tokens)
+    run["peer_accuracy"] = accuracy(Path(peer["final_dir"]), a.eval_n, threads=threads, max_tokens=a.max_tokens)
     if marks:
-        run["peer_curve"] = [[mark, step, accuracy(start, a.eval_n, state, threads)]
+        run["peer_curve"] = [[mark, step, accuracy(start, a.eval_n, state, threads, max_tokens=a.max_tokens)]
                              for mark, (step, state) in sorted(peer.pop("snapshots").items())]
         run["peer_curve"].append([seconds, "final", run["peer_accuracy"]])
     peer.pop("snapshots", None)
@@ -517,6 +521,8 @@ def command_line(a) -> str:
     return (f"python bench/e2e_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
             f"--sft-steps {a.sft_steps} --seeds {a.seeds} --lr {a.lr:g} --eval-n {a.eval_n}"
             + (f" --first-seed {a.first_seed}" if a.first_seed else "")
+            + (f" --max-tokens {a.max_tokens}" if a.max_tokens != MAX_TOKENS else "")
+            + (f" --start {a.start}" if a.start else "")
             + (" --no-dynamic-sampling" if a.no_dynamic_sampling else "")
             + (" --ours-weights nats" if a.ours_weights == "nats" else "")
             + "".join(f" --ours-set {kv}" for kv in a.ours_set)
@@ -544,7 +550,7 @@ def main() -> dict:
         start, sft = ((Path(a.start), {"given": a.start}) if a.start
                       else prepare_start(tmp, a.sft_seconds, a.sft_steps, a.eval_n, hidden=a.hidden,
                                          layers=a.layers))
-        acc0 = accuracy(start, a.eval_n, threads=threads)
+        acc0 = accuracy(start, a.eval_n, threads=threads, max_tokens=a.max_tokens)
         print(f"start accuracy {acc0:.3f} (n={a.eval_n}) after SFT {sft}", flush=True)
         for seed in range(a.first_seed, a.first_seed + a.seeds):
             run: dict = {"seed": seed, "load_avg": {}}
@@ -579,12 +585,12 @@ def main() -> dict:
         if marks else None,
         "start_accuracy": acc0,
         "eval": {"set": f"scheduler.evaluation.eval_set({EVAL_SEED}, {a.eval_n}, {DIFFICULTY})", "n": a.eval_n,
-                 "greedy": True, "max_tokens": MAX_TOKENS,
+                 "greedy": True, "max_tokens": a.max_tokens,
                  "binomial_se_points": round(100 * (max(acc0, 0.01) * (1 - acc0) / a.eval_n) ** 0.5, 2)},
         "sft": sft,
         "runs": runs,
         "settings": {"group_size": GROUP, "prompts_per_step": PROMPTS_PER_STEP, "lr": a.lr, "beta": 0.0,
-                     "temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "difficulty": DIFFICULTY,
+                     "temperature": TEMPERATURE, "max_tokens": a.max_tokens, "difficulty": DIFFICULTY,
                      "ours_dynamic_sampling": dynamic, "ours_overrides": a.ours_set, "ours_weights": a.ours_weights,
                      "torch_threads_trl": threads,
                      "ours_config": "see OURS_CONFIG in this file"},

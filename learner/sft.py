@@ -5,7 +5,9 @@ Guarantees:
   e.g. `producers.demos`, is the caller's business). A demo is a `(prompt, completion)`
   pair (the loss covers the completion), or, for multi-turn episodes, a list of
   `(text, trainable)` segments (the loss covers the trainable ones: the model's own
-  turns, never prompts or tool observations). Every sequence ends with a supervised
+  turns, never prompts or tool observations). A segment whose flag is `None` is the
+  model's own text left unsupervised: it is encoded as model text and seen as context,
+  but not trained on (a teacher's digits the student cannot learn, `producers.tool_calc`). Every sequence ends with a supervised
   `<eos>`; prompt, context and padding are masked with -100. Batches are right-padded.
 - Demos are tokenized as rollout tokenizes episodes (`schemas.chat`): with a chat
   template, the first (context) segment is the prompt rendered as a user message with
@@ -42,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemas.chat import encode_text, has_template, prompt_ids, tool_turn, user_prompt
 
-Segments = list[tuple[str, bool]]
+Segments = list[tuple[str, bool | None]]
 Demo = "tuple[str, str] | Segments"
 
 
@@ -60,7 +62,7 @@ def segment_ids(tokenizer, segments: Segments, tools: list[dict] | None = None) 
         return tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
     out = []
     for k, (text, train) in enumerate(segments):
-        if train:
+        if train or train is None:  # None: model text, not supervised (module guarantees)
             out.append(encode_text(tokenizer, text))
         elif k == 0:  # an empty prompt (a replay `text` line) stays empty: plain text, no turn markers
             out.append(prompt_ids(tokenizer, user_prompt(text), tools) if text else [])

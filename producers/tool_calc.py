@@ -77,9 +77,12 @@ def heldout_set(seed: int, n: int, level: int) -> list[Problem]:
 
 
 def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset(),
-                  tool_format: str = "tags", direct_share: float = 0.0) -> list[tuple[str, bool]]:
+                  tool_format: str = "tags", direct_share: float = 0.0) -> list[tuple[str, bool | None]]:
     """SFT segments (text, trainable) of one worked episode in `tool_format`; with
-    probability `direct_share`, one answered without the tool."""
+    probability `direct_share`, one answered without the tool: the `=` that opens an
+    answer from memory is supervised, the product's digits are shown but not trained on
+    (flag None: a student that cannot multiply in its head could only memorise them as
+    noise, which set its arithmetic back: docs/benchmarks.md, "demo")."""
     from sandbox_workers.base import ExecResult
     from sandbox_workers.integrity import render_observation
 
@@ -88,7 +91,7 @@ def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = froz
         if p.expression not in heldout:
             break
     if direct_share > 0 and rng.random() < direct_share:
-        direct = [(p.prompt, False), (f"={p.answer}", True)]
+        direct = [(p.prompt, False), ("=", True), (str(p.answer), None)]
         return ToolDemo(direct, tool_specs([TOOL])) if tool_format == "json" else direct
     obs = render_observation(ExecResult(exit_code=0, stdout=f"{p.answer}\n", stderr=""))
     if tool_format == "json":
@@ -122,5 +125,5 @@ class ToolCalcDomain:
                                  max_turns=max(2, self.ctx.dc.max_turns), verifier="tool_calc",
                                  verifier_params={"expression": p.expression}))
 
-    def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
+    def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool | None]]:
         return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format, self.direct_share)

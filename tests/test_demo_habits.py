@@ -80,12 +80,28 @@ def test_sft_mix_holds_each_habit_in_its_share(tmp_path):
     assert 0.27 < worked < 0.33
     assert all(arith_answer(d[1][0]) == arith_value(d[0][0].rstrip("=")) for d in arith_demos)
     tool_demos = [tool_src.demonstration(rng, 1) for _ in range(2000)]
-    direct = [d for d in tool_demos if len(d) == 2]
+    direct = [d for d in tool_demos if len(d) == 3]
     assert 0.56 < len(direct) / len(tool_demos) < 0.64
-    for prompt, answer in direct:  # the teacher's direct answer is the right product
+    for prompt, opens, digits in direct:  # the teacher's direct answer is the right product
         a, b = map(int, prompt[0].removesuffix("=?").split("*"))
-        assert answer == (f"={a * b}", True)
-    assert all(len(d) == 4 and d[1][0].startswith("<py>") for d in tool_demos if len(d) != 2)
+        assert opens == ("=", True) and digits == (str(a * b), None)  # the habit is trained, the digits are not
+    assert all(len(d) == 4 and d[1][0].startswith("<py>") for d in tool_demos if len(d) != 3)
+
+
+def test_direct_answers_train_the_habit_not_the_digits():
+    """In an answer from memory only the opening `=` (and the closing eos) carry loss; the
+    product's digits are in the sequence as context, unsupervised."""
+    from learner.sft import make_batch
+    from rlbus.tiny_model import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    demo = tool_calc.demonstration(random.Random(0), 1, direct_share=1.0)
+    batch = make_batch(tok, [demo])
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    text = tok.decode(ids)
+    assert text == demo[0][0] + "=" + demo[2][0] + "<eos>"
+    trained = [tok.decode([i]) for i, lab in zip(ids, labels) if lab != -100]
+    assert trained == ["=", "<eos>"]
 
 
 def test_default_share_leaves_the_demo_stream_unchanged(tmp_path):

@@ -289,7 +289,9 @@ def test_rlbus_up_repo_example_gold_scripts_complete_every_eval_task(tmp_path, r
     repo = s["domains"]["repo"]
     assert repo["reward_mean"] == 1.0 and set(repo["statuses"]) == {"ok"}, repo
     ev = s["eval"]["repo"]
-    assert ev["n"] == 2 and ev["baseline"] == 1.0, ev
+    # every pipeline round completes both eval tasks; the first round is recorded under the version
+    # rollout served then, which under load can already be version 1 (then `baseline`, v0's score, is None)
+    assert ev["n"] == 2 and ev["curve"] and set(ev["curve"].values()) == {1.0}, ev
     if by_reference:
         _check_by_reference(tmp_path / "runs" / run_id)
 

@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.subjects import ConsumerSpec, Registry, stream_replicas
+from schemas.redact import redact_url
 
 log = structlog.get_logger()
 
@@ -69,7 +70,7 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
     `nats.connect` as they are (e.g. `max_reconnect_attempts=0` for a one-shot probe).
     """
     extra, who, user, creds = _login_options(user, password, creds, tls_ca, tls_cert, tls_key)
-    events = _ConnectionEvents(url, name, who)
+    events = _ConnectionEvents(redact_url(url), name, who)  # logged: never with a password
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: every node's URL, comma-separated
     settings = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                     disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
@@ -92,8 +93,8 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
         with contextlib.suppress(BaseException):
             await attempt
         how = f"with .creds file {creds}" if creds else (f"as user {user!r}" if user else "without credentials")
-        log.error("bus.login_refused", url=url, user=who)
-        raise NatsAuthError(f"NATS server {url} refused the login {how} (authorization violation); set "
+        log.error("bus.login_refused", url=redact_url(url), user=who)
+        raise NatsAuthError(f"NATS server {redact_url(url)} refused the login {how} (authorization violation); set "
                             f"RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (e.g. `set -a; . compose/.env; set +a`), "
                             f"or pass --nats-creds FILE")
     nc = attempt.result()
@@ -201,11 +202,19 @@ async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None 
         await js.key_value(reg.hidden_bucket)
     except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
         await js.create_key_value(bucket=reg.hidden_bucket, history=1, replicas=stream_replicas())
-    for bucket in (reg.object_bucket, reg.payload_bucket):
-        try:
-            await js.object_store(bucket)
-        except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
-            await js.create_object_store(bucket=bucket, replicas=stream_replicas())
+    for bucket, max_bytes in [(reg.object_bucket, None), *reg.payload_buckets().values()]:
+        await _ensure_object_store(js, bucket, max_bytes)
+
+
+async def _ensure_object_store(js: JetStreamContext, bucket: str, max_bytes: int | None) -> None:
+    """Create object store `bucket` when missing (a byte cap when `max_bytes`); other errors propagate."""
+    try:
+        await js.object_store(bucket)
+    except NotFoundError:  # BucketNotFoundError: create it
+        from nats.js.api import ObjectStoreConfig
+
+        config = ObjectStoreConfig(bucket=bucket, replicas=stream_replicas(), max_bytes=max_bytes or -1)
+        await js.create_object_store(config=config)
 
 
 async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) -> None:
@@ -228,12 +237,12 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
                 await js.key_value(bucket)
             except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
                 await js.create_key_value(bucket=bucket, history=history, replicas=stream_replicas())
-    for family, bucket in (("OBJ_weights", reg.object_bucket), ("OBJ_payloads", reg.payload_bucket)):
+    payloads = reg.payload_buckets()
+    for family, (bucket, max_bytes) in (("OBJ_weights", (reg.object_bucket, None)),
+                                        ("OBJ_workspaces", payloads["workspace"]),
+                                        ("OBJ_artifacts", payloads["artifact"])):
         if family in families:
-            try:
-                await js.object_store(bucket)
-            except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
-                await js.create_object_store(bucket=bucket, replicas=stream_replicas())
+            await _ensure_object_store(js, bucket, max_bytes)
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
@@ -262,7 +271,7 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
     names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
-                                       f"OBJ_{reg.object_bucket}", f"OBJ_{reg.payload_bucket}"]
+                                       f"OBJ_{reg.object_bucket}", f"OBJ_{reg.workspace_bucket}", f"OBJ_{reg.artifact_bucket}"]
     for name in names:
         try:
             await js.delete_stream(name)

@@ -28,6 +28,7 @@ from bus.conn import connect, ensure_topology
 from bus.subjects import Registry
 from bus.telemetry import report_forever, start_metrics_server
 from schemas.config import RunConfig
+from schemas.redact import redact_url
 
 log = structlog.get_logger()
 
@@ -115,7 +116,7 @@ async def worker_session(role: str, cfg: RunConfig, ctx: WorkerContext):
     start_metrics_server(role, session.counters, cfg.run.metrics_port)  # /metrics when run.metrics_port is set
     reporter = asyncio.create_task(report_forever(nc, reg, role, session.counters))
     orphan_watch = asyncio.create_task(watch_launcher(role, stop))
-    log.info(f"{role}.started", nats_url=ctx.nats_url)
+    log.info(f"{role}.started", nats_url=redact_url(ctx.nats_url))  # never a password in a log line
     try:
         yield session
     finally:

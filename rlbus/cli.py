@@ -167,7 +167,9 @@ def _dlq_url(args) -> str:
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if value:
-            return value
+            from schemas.redact import strip_credentials
+
+            return strip_credentials(value)  # stored redacted: the login comes from RLBUS_NATS_USER/PASSWORD
     sys.exit(f"rlbus dlq: no server URL recorded in {run_path} (run.json / config.json); pass --nats-url URL")
 
 
@@ -261,7 +263,7 @@ def _worker(args) -> int:
 
         os.environ[ALLOW_DEGRADED_ENV] = "1"
     run_dir = Path(args.run_dir or cfg.run.run_dir)
-    ctx = WorkerContext(run_id=run_id, nats_url=args.nats_url or cfg.run.nats_url or "nats://127.0.0.1:4222",
+    ctx = WorkerContext(run_id=run_id, nats_url=_worker_url(args, cfg),
                         run_path=run_dir / run_id, max_messages=args.max_messages, until_idle=args.until_idle,
                         configured_model=cfg.model.path)
     module = {"sampler": "producers.sampler", "rollout": "rollout_workers.worker", "verifier": "verifier_workers.worker",
@@ -271,6 +273,18 @@ def _worker(args) -> int:
 
     asyncio.run(importlib.import_module(module).run(cfg, ctx))
     return 0
+
+
+def _worker_url(args, cfg) -> str:
+    """--nats-url, else env RLBUS_NATS_URL (how `rlbus up` hands over credentials), else the config's."""
+    from schemas.redact import NATS_URL_ENV, is_redacted
+
+    url = args.nats_url or os.environ.get(NATS_URL_ENV) or cfg.run.nats_url or "nats://127.0.0.1:4222"
+    if is_redacted(url):
+        sys.exit(f"rlbus worker: the NATS URL's password is redacted ('***', as the run folder keeps it); pass the "
+                 f"real URL in env {NATS_URL_ENV} or --nats-url, or a URL without credentials and the login in "
+                 "RLBUS_NATS_USER / RLBUS_NATS_PASSWORD")
+    return url
 
 
 def main(argv: list[str] | None = None) -> int:

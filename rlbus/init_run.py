@@ -23,6 +23,9 @@ Guarantees:
   temporary folder and renamed, so a killed init never leaves a half-written start.
 - With a server URL, init also creates the run's streams and buckets (idempotently),
   so every worker finds them.
+- No credential lands in `config.json` or a worker's argv (issue 27): URL passwords are
+  redacted there (`schemas.redact`); the worker gets the NATS URL in env `RLBUS_NATS_URL`
+  and the run store's from `RLBUS_DB_URL`.
 - A role's worker reads `<run>/config.json` when it exists (one source of truth for all
   containers), else RLBUS_CONFIG with RLBUS_SET.
 - `health` is true only when a worker of ROLE in this container (same host name) has
@@ -80,15 +83,15 @@ def init_run(config: str, overrides: list[str], run_id: str, run_dir: str, nats_
     """Prepare the run folder (config.json, model/start, secret) and, with a URL, the run's topology."""
     from rich.console import Console
 
-    from rlbus.launcher import prepare_model
-    from schemas.config import dump_config, load_config
+    from rlbus.launcher import prepare_model, write_redacted_config
+    from schemas.config import load_config
 
     cfg = load_config(config, overrides)
     cfg.run.run_id, cfg.run.run_dir = run_id, str(run_dir)  # the server URL stays out: it may hold credentials
     run_path = Path(run_dir) / run_id
     run_path.mkdir(parents=True, exist_ok=True)
     tmp = run_path / "config.json.tmp"
-    dump_config(cfg, tmp)
+    write_redacted_config(cfg, tmp)  # a db_url's password never lands in the run folder
     os.replace(tmp, run_path / "config.json")
     out(f"init: run {run_id} config written to {run_path / 'config.json'} (from {config}"
         + (f" with {' '.join(overrides)})" if overrides else ")"))
@@ -173,8 +176,8 @@ async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeo
 def worker_argv(role: str, settings: dict, extra: list[str]) -> list[str]:
     """`rlbus worker ROLE ...` arguments for this run."""
     config_json = run_path_of(settings) / "config.json"
-    argv = ["worker", role, "--nats-url", settings["nats_url"], "--run-id", settings["run_id"],
-            "--run-dir", settings["run_dir"]]
+    # the URL (it may hold NATS_USER/NATS_PASSWORD) goes by env RLBUS_NATS_URL (see `main`), never argv
+    argv = ["worker", role, "--run-id", settings["run_id"], "--run-dir", settings["run_dir"]]
     if config_json.exists():
         argv += ["--config", str(config_json)]
     else:
@@ -216,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     from rlbus.cli import main as cli_main
+    from schemas.redact import NATS_URL_ENV
 
+    os.environ[NATS_URL_ENV] = settings["nats_url"]
     return cli_main(worker_argv(what, settings, rest))
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import time
@@ -312,11 +313,11 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     js = nc.jetstream(timeout=30)
     await ensure_topology(js, reg)
     config_file = run_path / "config.json"
-    dump_config(cfg, config_file)
+    write_redacted_config(cfg, config_file)
     from sandbox_workers.integrity import load_or_create_secret
 
     load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
-    sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir)
+    sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir, secret_env=secret_env(cfg))
     sup.server_pid = keeper.pid
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
@@ -350,6 +351,24 @@ async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t
     return 1 if failure else 0
 
 
+def write_redacted_config(cfg: RunConfig, path: Path) -> None:
+    """`dump_config` with every URL's password replaced by `***` (schemas.redact): the run
+    folder never holds a credential; workers get the real URLs by environment (`secret_env`)."""
+    from schemas.redact import redact_tree
+
+    dump_config(cfg, path)
+    path.write_text(json.dumps(redact_tree(json.loads(path.read_text())), indent=2))
+
+
+def secret_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment for the workers holding what config.json has redacted: the run store's URL."""
+    from scheduler.store import DB_URL_ENV
+    from schemas.redact import is_redacted, redact_url
+
+    url = cfg.scheduler.db_url
+    return {DB_URL_ENV: url} if url and redact_url(url) != url and not is_redacted(url) else {}
+
+
 async def _close(nc) -> None:
     try:
         await asyncio.wait_for(nc.close(), 5)
@@ -361,6 +380,10 @@ def _start_server(cfg: RunConfig, run_path: Path, resume: bool, console: Console
     """The run's NATS: (url, server or None). Fresh: an embedded server; resumed: the run's
     server when it still answers, else a new one on the run's store; none with run.nats_url."""
     if cfg.run.nats_url:
+        from schemas.redact import NATS_URL_ENV, is_redacted
+
+        if is_redacted(cfg.run.nats_url):  # a resumed run's config.json: `up` checked the variable is set
+            return os.environ[NATS_URL_ENV], None
         return cfg.run.nats_url, None
     if resume:
         from rlbus.resume import AdoptedServer, read_state, server_answers
@@ -374,6 +397,19 @@ def _start_server(cfg: RunConfig, run_path: Path, resume: bool, console: Console
     console.print(f"embedded nats-server {'restarted ' if resume else ''}at {server.url} "
                   f"({'on the run' + chr(39) + 's store' if resume else 'store'} {run_path / 'nats'})")
     return server.url, server
+
+
+def _redacted_url_without_env(cfg: RunConfig, console: Console) -> bool:
+    """True (after saying what to do) when run.nats_url's password is redacted (a resumed run's
+    config.json never keeps it) and env RLBUS_NATS_URL does not hold the real URL."""
+    from schemas.redact import NATS_URL_ENV, is_redacted
+
+    if not (cfg.run.nats_url and is_redacted(cfg.run.nats_url)) or os.environ.get(NATS_URL_ENV):
+        return False
+    console.print(f"rlbus up: the run's NATS URL {cfg.run.nats_url} has its password redacted (the run folder never "
+                  f"keeps it); pass --nats-url with the real URL, or set {NATS_URL_ENV}", style="bold red",
+                  markup=False, highlight=False, soft_wrap=True)
+    return True
 
 
 def check_model(cfg: RunConfig, console: Console) -> bool:
@@ -446,6 +482,8 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None, debu
         run_path = run_dir / cfg.run.run_id
         run_path.mkdir(parents=True, exist_ok=True)
         console.print(f"run {cfg.run.run_id} → {run_path}")
+    if _redacted_url_without_env(cfg, console):
+        return 1
     url, server = _start_server(cfg, run_path, resume is not None, console)
     keeper = ServerKeeper(server, run_path / "nats", run_path)
     try:

@@ -9,6 +9,9 @@ Guarantees:
   dies of SIGKILL too, so it never wakes to publish again); the next `poll()` restarts it.
 - `<run>/run.json` always names the server URL, the server's pid and every worker's pid
   (`rlbus dlq`, `status` and `--resume` read it).
+- No credential reaches argv or `run.json` (issue 27): the URL there is redacted
+  (`schemas.redact`); workers get the full NATS URL in env `RLBUS_NATS_URL`, and any
+  other secret (`secret_env`, e.g. `RLBUS_DB_URL`) by environment too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import structlog
 
+from schemas.redact import NATS_URL_ENV, redact_url
+
 log = structlog.get_logger()
 MAX_RESTARTS = 5
 
@@ -31,9 +36,11 @@ MAX_RESTARTS = 5
 class Supervisor:
     """Worker processes of one run: start, restart, stop by PID."""
 
-    def __init__(self, run_path: Path, config_file: Path, nats_url: str, run_id: str, run_dir: Path):
+    def __init__(self, run_path: Path, config_file: Path, nats_url: str, run_id: str, run_dir: Path,
+                 secret_env: dict[str, str] | None = None):
         self.run_path, self.config_file, self.nats_url, self.run_id, self.run_dir = (
             run_path, config_file, nats_url, run_id, run_dir)
+        self.secret_env = dict(secret_env or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.server_pid: int | None = None
         self.restarts: dict[str, int] = {}
@@ -43,10 +50,12 @@ class Supervisor:
 
     def start(self, role: str) -> None:
         """Start `rlbus worker ROLE` for this run."""
+        # the URL travels by environment (only this user reads /proc/<pid>/environ), never argv
         cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(self.config_file),
-               "--nats-url", self.nats_url, "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
+               "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
         logf = open(self.run_path / "logs" / f"{role}.log", "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_LAUNCHER_PID=str(os.getpid()))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_LAUNCHER_PID=str(os.getpid()), **self.secret_env)
+        env[NATS_URL_ENV] = self.nats_url
         # idle OpenMP threads sleep instead of spinning: every role shares the cores (bench/learner_scale.py
         # measured 3-5x the CPU per step with the default spin-wait on a loaded 2-core machine)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -57,7 +66,7 @@ class Supervisor:
 
     def write_state(self) -> None:
         """Record the server URL and every pid in `<run>/run.json` (for `rlbus dlq`, status, resume)."""
-        state = {"run_id": self.run_id, "nats_url": self.nats_url, "launcher_pid": os.getpid(),
+        state = {"run_id": self.run_id, "nats_url": redact_url(self.nats_url), "launcher_pid": os.getpid(),
                  "server_pid": self.server_pid, "workers": {role: p.pid for role, p in self.procs.items()},
                  "updated_at": time.time()}
         tmp = self.run_path / "run.json.tmp"

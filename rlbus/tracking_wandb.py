@@ -8,7 +8,8 @@ Guarantees:
 - The wandb run id is the rlbus run id and `resume="allow"`: a restarted tracker (or
   `rlbus up --resume`) continues the same wandb run; offline, each tracker process writes
   its own `offline-run-*` dir under that id and `wandb sync` joins them.
-- The resolved run config is the wandb run config; project, entity, name and tags come
+- The resolved run config (every URL's password redacted: schemas.redact) is the wandb
+  run config; project, entity, name and tags come
   from `[tracking]`.
 - Every row carries `learner/step` (the x axis every metric is defined against) and
   `wall_time` (the source message's stored time; wandb's own `_timestamp` is when the
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from rlbus.tracking_backends import EXTRA, TrackingUnavailable
 from rlbus.tracking_points import SAMPLE_COLUMNS, Point, Table
+from schemas.redact import redact_tree
 
 STEP_KEY, TIME_KEY = "learner/step", "wall_time"
 
@@ -50,7 +52,7 @@ class WandbBackend:
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True, save_code=False)
         self.run = wandb.init(project=tc.project, entity=tc.entity or None, name=tc.run_name or cfg.run.run_id,
                               id=cfg.run.run_id, resume="allow", dir=str(run_path), tags=list(tc.tags),
-                              config=cfg.model_dump(mode="json"), mode=wandb_mode(), settings=settings)
+                              config=redact_tree(cfg.model_dump(mode="json")), mode=wandb_mode(), settings=settings)
         self.run.define_metric(STEP_KEY)
         self.run.define_metric(TIME_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)

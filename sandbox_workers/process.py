@@ -27,8 +27,8 @@ Guarantees (on top of those in `sandbox_workers.base`):
   which `sandbox.allow_degraded` / `--allow-degraded-sandbox` give, or env
   `RLBUS_SANDBOX_ALLOW_DEGRADED=1`, how the setting reaches code verifiers). Asking for
   `isolation="degraded"` needs the same permission. Allowed, the sandbox degrades to
-  uid drop + rlimits only, reports `isolation="degraded"` and logs `sandbox.degraded`
-  as a warning. Degraded mode has no network or filesystem isolation: the command sees
+  uid drop + rlimits only, reports `isolation="degraded"`, logs `sandbox.degraded` and
+  prints a red warning on stderr naming what allowed it (config or env var). Degraded mode has no network or filesystem isolation: the command sees
   the host's network and filesystem; only its cwd, HOME and TMPDIR are private (the
   per-sandbox work dir, mode 0700).
 
@@ -71,7 +71,7 @@ from sandbox_workers.base import (
     decode_output,
     sandbox_path_parts,
 )
-from sandbox_workers.process_bwrap import MARKER_ENV, SANDBOX_PATH, bwrap_argv, bwrap_path
+from sandbox_workers.process_bwrap import MARKER_ENV, SANDBOX_PATH, bwrap_argv, bwrap_path, warn_degraded
 from sandbox_workers.process_host import children, count_uid_procs, find_cgroup_parent, uid_pids
 
 log = structlog.get_logger()
@@ -113,6 +113,8 @@ class ProcessSandbox(Sandbox):
         (also allowed by env `RLBUS_SANDBOX_ALLOW_DEGRADED=1`); else `start` raises `SandboxRefused`."""
         self.requested = isolation
         self.allow_degraded = allow_degraded or degraded_allowed_by_env()
+        self.degraded_source = ("sandbox.allow_degraded (or --allow-degraded-sandbox)" if allow_degraded
+                                else f"env {ALLOW_DEGRADED_ENV}={os.environ.get(ALLOW_DEGRADED_ENV, '')}")
         self.base_dir = base_dir
         self.id = uuid.uuid4().hex[:12]
         self.marker = f"rlbus-sbx-{self.id}"
@@ -165,8 +167,9 @@ class ProcessSandbox(Sandbox):
                 raise SandboxRefused(f"bwrap required but unusable: {why}")
         if not self.allow_degraded:
             raise SandboxRefused(refusal_message(why))
-        log.warning("sandbox.degraded", sandbox=self.id, reason=why,
+        log.warning("sandbox.degraded", sandbox=self.id, reason=why, allowed_by=self.degraded_source,
                     fix="apt-get install -y bubblewrap (and allow user namespaces)")
+        warn_degraded(self.degraded_source, why)  # on the console too, however it was allowed
         return "degraded"
 
     def _probe_bwrap(self) -> tuple[bool, str]:

@@ -66,3 +66,23 @@ def bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str,
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", MARKER_ENV, marker,
         "--", *INIT_SHIM, *argv,
     ]
+
+
+_degraded_warned: set[str] = set()
+
+
+def warn_degraded(source: str, why: str) -> None:
+    """Print the red DEGRADED warning on stderr (rich console), once per process and `source`,
+    whichever way degraded mode was granted: `sandbox.allow_degraded` / `--allow-degraded-sandbox`,
+    or a (perhaps leftover) `RLBUS_SANDBOX_ALLOW_DEGRADED` in the environment (issue 27)."""
+    if source in _degraded_warned:
+        return
+    _degraded_warned.add(source)
+    from rich.console import Console
+
+    Console(stderr=True).print(
+        f"[bold red]sandbox isolation: DEGRADED (allowed by {source}; {why}): commands the policy emits run WITHOUT "
+        "network or filesystem isolation (rlimits only): they reach this host's network, including a local "
+        "unauthenticated NATS bus they can publish on, and its files. Install bubblewrap (apt-get install -y "
+        "bubblewrap), or unset RLBUS_SANDBOX_ALLOW_DEGRADED / sandbox.allow_degraded to refuse instead.[/]",
+        highlight=False, markup=True, soft_wrap=True)

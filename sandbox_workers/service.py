@@ -20,6 +20,10 @@ Guarantees:
 - Every op refreshes the session's TTL (`sandbox.session_ttl_s`); a session with no op
   in flight and none for a TTL (its client died) is closed: no process and no work
   dir of it is left. Clients keep idle sessions alive with `ping`.
+- Sessions belong to the worker's own run (`run.run_id` of its config): a `run_id` the
+  client sends is ignored, so execs are only ever recorded in that run's bucket.
+- An exec's `timeout` is at most `sandbox.max_exec_timeout_s` (default 600 s): a larger
+  one (or infinity) is clamped to it, a non-positive or non-number one is `bad_request`.
 - Every exec is recorded with its observation digest in the session run's
   `toolrec-<run>` bucket and answered with `exec_id` + the observation text
   (`sandbox_workers.integrity`); a record that cannot be stored is an `infra_error`.
@@ -230,8 +234,13 @@ class SandboxService:
 
     # -- open / close ---------------------------------------------------------------
     async def _open(self, req: dict) -> dict:
-        run_id = req.get("run_id") or self.reg.run_id
-        check_token_or_refuse("run_id", run_id)
+        # the run whose toolrec bucket records this session's execs is the worker's own (its config),
+        # never the client's choice: a client naming another run could write records a verifier of
+        # that run would trust (issue 27). A different `run_id` in the request is ignored.
+        run_id = self.reg.run_id
+        asked = req.get("run_id")
+        if asked is not None and asked != run_id:
+            log.warning("sandbox.session.run_id_ignored", asked=str(asked)[:80], run=run_id)
         image = self._image(req)
         if len(self.sessions) + self.opening >= self.sc.max_sessions:
             raise Refused("capacity", f"worker {self.worker_id} holds max_sessions={self.sc.max_sessions}")
@@ -287,8 +296,12 @@ class SandboxService:
         if not (isinstance(cmd, str) or (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd))):
             raise Refused("bad_request", "cmd must be a string or a non-empty list of strings")
         timeout = req.get("timeout")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):  # NaN fails `> 0` too
             raise Refused("bad_request", f"timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is not None and timeout > self.sc.max_exec_timeout_s:  # inf included
+            self._count("exec_timeouts_clamped")
+            timeout = self.sc.max_exec_timeout_s
         caps = req.get("caps")
         if caps is not None and not (isinstance(caps, list) and len(caps) == 2 and all(isinstance(c, int) for c in caps)):
             raise Refused("bad_request", f"caps must be two integers (stdout, stderr chars), got {caps!r}")

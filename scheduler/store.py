@@ -39,6 +39,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import JSON, Column, Field, Session, SQLModel, func, select
 
+from schemas.redact import is_redacted, redact_tree
+
 DB_URL_ENV = "RLBUS_DB_URL"
 WRITE_RETRY_S = 20.0
 """How long a write waits out a lost database connection (a PostgreSQL restart) before it raises."""
@@ -213,7 +215,15 @@ def reward_sandbox_seconds(reward) -> float:
 
 
 def resolve_url(url: str | None, run_path: Path) -> str:
-    """The database URL: `url`, else `$RLBUS_DB_URL`, else SQLite `<run_path>/run.db`."""
+    """The database URL: `url`, else `$RLBUS_DB_URL`, else SQLite `<run_path>/run.db`.
+    A `url` whose password was redacted (`***`, as config.json keeps it: schemas.redact) is
+    replaced by `$RLBUS_DB_URL`, where `rlbus up` hands the real one to its workers; without
+    it this raises (fail closed: never a login with the placeholder)."""
+    if url and is_redacted(url):
+        if not os.environ.get(DB_URL_ENV):
+            raise ValueError(f"the run store URL {url} has its password redacted (the run folder never keeps it); "
+                             f"set {DB_URL_ENV} to the full URL")
+        url = None
     url = url or os.environ.get(DB_URL_ENV) or None
     if url is None:
         Path(run_path).mkdir(parents=True, exist_ok=True)
@@ -330,8 +340,9 @@ class Store:
 
     # -- message writes -----------------------------------------------------------------
     def ensure_run(self, run_id: str, config: dict | None = None, status: str = "running") -> bool:
-        """Create the run's row if it does not exist; True if it was created."""
-        return self.insert_ignore(RunRow, [{"run_id": run_id, "config": config or {}, "started_at": time.time(),
+        """Create the run's row if it does not exist (its config with URL passwords redacted); True if created."""
+        # no credential in the stored config (issue 27): every URL's password is redacted
+        return self.insert_ignore(RunRow, [{"run_id": run_id, "config": redact_tree(config or {}), "started_at": time.time(),
                                             "status": status}]) > 0
 
     def set_run_status(self, run_id: str, status: str) -> None:

@@ -59,7 +59,8 @@ def sandbox_worker(tmp_path, spawn_worker, run_id, monkeypatch):
 
     made: list[Path] = []
 
-    def start(max_sessions: int = 4, ttl: float = 30.0, timeout: float = 10.0, backend: str = "process"):
+    def start(max_sessions: int = 4, ttl: float = 30.0, timeout: float = 10.0, backend: str = "process",
+              max_exec_timeout: float = 600.0):
         pool = f"p{uuid.uuid4().hex[:8]}"
         # not under tmp_path: the sandbox uid must be able to traverse to its work dir
         tmpdir = Path(tempfile.mkdtemp(prefix=f"rlbus-test-{pool}-"))
@@ -67,7 +68,8 @@ def sandbox_worker(tmp_path, spawn_worker, run_id, monkeypatch):
         made.append(tmpdir)
         config = tmp_path / f"{pool}.toml"
         config.write_text(f'[sandbox]\npool = "{pool}"\nmax_sessions = {max_sessions}\n'
-                          f'session_ttl_s = {ttl}\ntimeout_s = {timeout}\nbackend = "{backend}"\n')
+                          f'session_ttl_s = {ttl}\ntimeout_s = {timeout}\nbackend = "{backend}"\n'
+                          f'max_exec_timeout_s = {max_exec_timeout}\n')
         monkeypatch.setenv("TMPDIR", str(tmpdir))
         monkeypatch.setenv("RLBUS_TOOL_SECRET", SECRET)
         proc = spawn_worker("sandbox", run_id, config, log_name=f"sandbox-{pool}")
@@ -148,7 +150,8 @@ async def test_bad_requests_get_error_replies(nc, run_id, sandbox_worker, tmp_pa
     assert (await raw(nc, op("write"), {"session": sbx.session, "path": "x", "data": "str"}))["error"]["code"] == "bad_request"
     unknown_op = f"sandbox.{pool}.s.{sbx.worker}.fly"
     assert (await raw(nc, unknown_op, {"session": sbx.session}))["error"]["code"] == "bad_request"
-    assert (await raw(nc, reg.sandbox_open(pool), {"run_id": "bad.id"}))["error"]["code"] == "bad_request"
+    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": True}))["error"]["code"] == "bad_request"
+    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": float("nan")}))["error"]["code"] == "bad_request"
     assert (await sbx.execute("echo still-fine")).stdout == "still-fine\n"
     with pytest.raises(UnknownSession):
         await RemoteSandbox(nc, reg, pool, {"session": "nope", "worker": sbx.worker, "timeout_s": 1,
@@ -362,3 +365,40 @@ async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_wor
     assert proc.wait(60) == 0
     if backend == "docker":
         assert _labelled_containers() == [], "sandbox containers left after the worker stopped"
+
+
+async def test_client_cannot_choose_the_run_its_execs_are_recorded_in(nc, run_id, sandbox_worker, tmp_path):
+    """Issue 27: an `open` naming another run (`victim`) still records in the worker's own run's bucket;
+    before, the record went to `toolrec-victim`, where that run's verifiers would trust it."""
+    pool, _, _ = sandbox_worker()
+    reg = Registry(run_id)
+    await (await open_when_ready(nc, reg, pool, tmp_path)).close()  # the worker is up
+    victim = Registry(f"victim{uuid.uuid4().hex[:6]}")
+    opened = await raw(nc, reg.sandbox_open(pool), {"run_id": victim.run_id})
+    assert "error" not in opened, opened
+    sbx = RemoteSandbox(nc, victim, pool, opened)
+    obs = await sbx.observe("echo recorded")
+    ok, forged = await verify_observations(nc.jetstream(), reg, SECRET.encode(), [ToolTurn(obs.exec_id, obs.text)])
+    assert len(ok) == 1 and forged == []
+    with contextlib.suppress(NotFoundError):  # no bucket at all: nothing was written for the victim
+        ok_v, _ = await verify_observations(nc.jetstream(), victim, SECRET.encode(), [ToolTurn(obs.exec_id, obs.text)])
+        assert ok_v == []
+    # a malformed run id is ignored as well (never a subject token)
+    assert "error" not in await raw(nc, reg.sandbox_open(pool), {"run_id": "bad.id"})
+    await sbx.close()
+
+
+async def test_exec_timeout_is_clamped_to_the_configured_maximum(nc, run_id, sandbox_worker, tmp_path):
+    """Issue 27: a client asking for a huge (or infinite) timeout gets `sandbox.max_exec_timeout_s`;
+    before, `sleep 30` with timeout 1e9 ran its full 30 s and held the session (and a worker slot)."""
+    pool, _, _ = sandbox_worker(max_exec_timeout=1.0)
+    reg = Registry(run_id)
+    sbx = await open_when_ready(nc, reg, pool, tmp_path)
+    for asked in (1e9, float("inf")):
+        t0 = time.monotonic()
+        reply = await raw(nc, reg.sandbox_session_op(pool, sbx.worker, "exec"),
+                          {"session": sbx.session, "cmd": "sleep 30", "timeout": asked})
+        took = time.monotonic() - t0
+        assert "error" not in reply, reply
+        assert reply["result"]["timed_out"] and took < 8, (asked, took, reply)
+    await sbx.close()

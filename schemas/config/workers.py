@@ -34,6 +34,8 @@ class SandboxSection(Section):
     """Process limit per sandbox."""
     timeout_s: float = Field(default=10.0, gt=0)
     """Default wall-clock limit per command."""
+    max_exec_timeout_s: float = Field(default=600.0, gt=0)
+    """Service: the longest wall-clock limit an exec may ask for; a larger `timeout` is clamped to it."""
     warm_pool: int = Field(default=2, ge=0)
     """Docker: containers kept started and clean, ready to hand out."""
     session_ttl_s: float = Field(default=120.0, gt=0)

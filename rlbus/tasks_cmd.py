@@ -68,8 +68,9 @@ examples:
 exit status: 0 listed, 1 the cache is empty (the message names the build command), 2 bad input.
 """
 
-BUILD_EPILOG = """How a task is made: the sdist is fetched with `pip download --no-deps --no-binary :all:`
-(build time only; the package index pip is configured with), its own test suite runs once in
+BUILD_EPILOG = """How a task is made: the sdist file is downloaded from the package index pip is configured
+with (build time only) and checked against the index's sha256; it is never built (no setup.py
+runs on this host: producers/sdist_fetch.py), only unpacked; its own test suite runs once in
 the bubblewrap process sandbox and must pass; then one source site at a time is mutated (flip
 a comparison, off-by-one, drop a branch, swap two call arguments) and the suite rerun; a mutant
 that makes 1..--max-targets tests fail becomes a task: the failing tests are its hidden targets
@@ -281,11 +282,27 @@ def scripts_repo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetched(spec: str, tmp) -> str:
+    """A local sdist / directory as is; else NAME==VERSION's sdist downloaded (never built: no
+    setup.py runs on this host) and verified against the index's sha256 (`producers.sdist_fetch`)."""
+    from pathlib import Path
+
+    from producers.sdist_fetch import fetch_sdist
+
+    if Path(spec).exists():
+        return spec
+    got = fetch_sdist(spec, Path(tmp))
+    print(f"{spec}: fetched {got.path.name} sha256 {got.sha256} (verified against the index)", flush=True)
+    return str(got.path)
+
+
 def build_repo(args: argparse.Namespace) -> int:
     """Run `rlbus tasks build repo` (see BUILD_EPILOG and `producers.repo_build`)."""
+    import tempfile
     from pathlib import Path
 
     from producers import repo_build, repo_cache
+    from producers.sdist_fetch import SdistFetchError
     from rlbus.log import configure_logging
 
     configure_logging("tasks-build", level="WARNING")  # stdout is the per-package summary
@@ -299,7 +316,15 @@ def build_repo(args: argparse.Namespace) -> int:
         print(f"{r.spec}: {status} (licence {r.licence or '?'}, {r.tried} mutants tried, {r.survived} survived, "
               f"{r.rejected} rejected, {r.seconds} s)", flush=True)
 
-    total = sum(len(r.tasks) for r in repo_build.build(args.from_sdist, out, limits, progress))
+    total = 0
+    for spec in args.from_sdist:
+        with tempfile.TemporaryDirectory(prefix="rlbus-sdist-") as tmp:
+            try:
+                local = _fetched(spec, Path(tmp))
+            except SdistFetchError as exc:
+                print(f"{spec}: skipped: {exc}", flush=True)
+                continue
+            total += sum(len(r.tasks) for r in repo_build.build([local], out, limits, progress))
     print(f"{total} tasks written to {out}")
     return 0 if total else 1
 
@@ -343,7 +368,7 @@ def _register_repo(tsub) -> None:
     ls.add_argument("--json", action="store_true", help='one object per line: {"task_id", "source", "files": N}')
     ls.add_argument("--cache-dir", help="the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
     ls.set_defaults(func=list_repo)
-    b = tsub.add_parser("build", help="build repository tasks from real packages (build time: uses pip download)",
+    b = tsub.add_parser("build", help="build repository tasks from real packages (build time: downloads sdists, never builds them)",
                         description="Build repository tasks by mutating packages' sources and running their suites.",
                         epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("kind", choices=[REPO_DOMAIN], help="what to build: repo")

@@ -13,8 +13,11 @@ Guarantees:
   was found, the last-number fallback does not count as format).
 - A missing or unparseable gold raises `VerifierInputError` (dead letter). An answer that
   does not parse, or whose parsing times out, scores 0.0 with status "ok" (policy's fault).
-- math-verify's timeouts use SIGALRM, which only works in the main thread; elsewhere the
-  verifier runs without them.
+- The gold and the answer are parsed and compared (`equivalent_in_job`) in an `answer_pool`
+  job, never in this process: sympy parsing is eval-based, so a policy answer is code there,
+  held to the pool's CPU / memory / wall limits with no credentials. An answer that hits a
+  limit scores 0 with status `answer_limit`. math-verify's timeouts (SIGALRM) apply, as the
+  job runs them in its main thread; the pool failing is a `VerifierInfraError`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 import threading
 
 from schemas import Trajectory
+from verifier_workers.errors import VerifierInfraError
 from verifier_workers.verifiers import Verdict, VerifierInputError
 
 TIMEOUT_S = 5
@@ -88,8 +92,8 @@ def _parse(expr: str, *, fallback: bool):
                  parsing_timeout=parse_timeout)
 
 
-def parse_gold(gold: object) -> list:
-    """The parsed gold answer, or VerifierInputError if it is missing or malformed."""
+def _gold_text(gold: object) -> str:
+    """The gold's expression text, or VerifierInputError when it is missing or empty."""
     if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
         raise VerifierInputError("math task without a string/number verifier_params.gold")
     text = _strip_math(str(gold))
@@ -97,24 +101,50 @@ def parse_gold(gold: object) -> list:
     text = boxed if boxed is not None else text
     if not text:
         raise VerifierInputError("math task with an empty verifier_params.gold")
-    parsed = _parse(text, fallback=False)
+    return text
+
+
+def parse_gold(gold: object) -> list:
+    """The parsed gold answer, or VerifierInputError if it is missing or malformed (in this process:
+    for the controlled-side gold only; answers are parsed in the answer pool)."""
+    parsed = _parse(_gold_text(gold), fallback=False)
     if not parsed:
         raise VerifierInputError(f"math gold does not parse: {str(gold)[:200]!r}")
     return parsed
 
 
-def verify_math(traj: Trajectory, hidden: dict | None = None) -> Verdict:
-    """1.0 iff the final answer is equivalent to gold (math-verify), else 0.0."""
+def equivalent_in_job(gold_text: str, answer: str | None) -> dict:
+    """In an answer-pool job (its main thread: math-verify's SIGALRM timeouts apply): whether the
+    gold parses and whether `answer` is equivalent to it."""
     from math_verify import verify
 
-    raw_gold = (hidden or {}).get("gold", traj.verifier_params.get("gold"))
-    gold = parse_gold(raw_gold)
-    answer, format_ok = extract_answer(traj.final_text or "")
+    gold = _parse(gold_text, fallback=False)
+    if not gold:
+        return {"gold": False, "correct": False}
     correct = False
     if answer is not None and len(answer) <= _MAX_ANSWER_CHARS:
         parsed = _parse(answer, fallback=True)
         if parsed:
             _, verify_timeout = _timeouts()
             correct = bool(verify(gold, parsed, timeout_seconds=verify_timeout))
+    return {"gold": True, "correct": correct}
+
+
+def verify_math(traj: Trajectory, hidden: dict | None = None) -> Verdict:
+    """1.0 iff the final answer is equivalent to gold (math-verify, in the answer pool), else 0.0."""
+    from verifier_workers import answer_pool
+
+    raw_gold = (hidden or {}).get("gold", traj.verifier_params.get("gold"))
+    gold_text = _gold_text(raw_gold)
+    answer, format_ok = extract_answer(traj.final_text or "")
+    out = answer_pool.call("verifier_workers.math_verifier:equivalent_in_job", (gold_text, answer))
+    if out.kind == "limit":
+        return Verdict({"correct": 0.0, "format": float(format_ok)}, status="answer_limit",
+                       details=f"answer={answer!r} hit the answer pool's {out.limit} limit"[:400])
+    if out.kind != "ok" or not isinstance(out.value, dict):
+        raise VerifierInfraError(f"math-verify failed in the answer pool: {out.error or out.value!r}"[:400])
+    if not out.value.get("gold"):
+        raise VerifierInputError(f"math gold does not parse: {str(raw_gold)[:200]!r}")
+    correct = out.value.get("correct") is True
     return Verdict({"correct": float(correct), "format": float(format_ok)},
                    details=f"answer={answer!r}")

@@ -8,7 +8,12 @@ Guarantees:
   sampler used (level, range_mode, config: `schemas.rg_family.build`; cached per recipe),
   and `correct` is its `score_answer(answer, {question, answer, metadata})` (the packed
   metadata restored: `rg_family.unpack`), partial credit
-  kept, clamped to [0, 1]; `answer_found` 1.
+  kept, clamped to [0, 1]; `answer_found` 1. Every `score_answer` call (the policy's answer,
+  and the gold check below) runs in its own `answer_pool` job, never in this process: the
+  dataset is built (and cached) in the pool's template from the recipe, the answer is scored
+  in a pristine fork of it under CPU / memory / wall limits with no credentials. An answer
+  that hits a limit scores 0 with status `answer_limit` (never infra); a scorer's bare
+  `eval(answer)` takes Python literals only (so a list answer keeps its partial credit).
 - A hidden payload without `dataset`/`question` is unusable: `VerifierInputError` (dead
   letter). A dataset this node's reasoning-gym lacks, a scorer that fails to build or
   raises, or a non-numeric / non-finite score is a `VerifierInfraError` (retried, then
@@ -28,6 +33,7 @@ from typing import Any
 from schemas import Trajectory
 from schemas import rg_family as rg
 from schemas.answers import tagged_answer
+from verifier_workers import answer_pool
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.verifiers import Verdict, VerifierInputError
 
@@ -65,32 +71,53 @@ class AnswerRejected(ValueError):
     """The scorer raised on the policy's answer but scores the gold answer: a malformed answer."""
 
 
-def gold_scores(ds, entry: dict) -> bool:
-    """True when the entry has a gold answer and the scorer takes it without raising."""
-    if not isinstance(entry.get("answer"), str) or not entry["answer"]:
-        return False
-    try:
-        float(ds.score_answer(entry["answer"], entry))
-    except Exception:  # noqa: BLE001  (any failure on the gold answer is the scorer's: infra)
-        return False
-    return True
+class AnswerLimit(Exception):
+    """The answer hit a limit of the answer pool (cpu, memory, wall, output): the policy's 0."""
 
 
-def score(hidden: dict[str, Any], answer: str) -> float:
-    """The dataset's score of `answer` for `hidden`'s entry, in [0, 1] (VerifierInfraError when it raises)."""
-    entry = {"question": hidden["question"], "answer": rg.unpack(hidden.get("answer")),
-             "metadata": rg.unpack(hidden.get("metadata") or {})}
-    ds = scorer(hidden)
-    try:
-        value = float(ds.score_answer(answer, entry))
-    except Exception as exc:  # the answer's fault only if the scorer takes the gold answer: else infra
-        if not gold_scores(ds, entry):
-            raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} raised: "
-                                     f"{type(exc).__name__}: {exc}") from exc
-        raise AnswerRejected(f"{type(exc).__name__}: {exc}") from exc
-    if not math.isfinite(value):
-        raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} returned {value!r}")
-    return min(1.0, max(0.0, value))
+SCORE_REF = "verifier_workers.reasoning_gym_verifier:score_in_job"
+WARM_REF = "verifier_workers.reasoning_gym_verifier:scorer"
+
+
+def _entry(hidden: dict[str, Any]) -> dict:
+    return {"question": hidden["question"], "answer": rg.unpack(hidden.get("answer")),
+            "metadata": rg.unpack(hidden.get("metadata") or {})}
+
+
+def score_in_job(hidden: dict[str, Any], answer: str) -> float:
+    """In an answer-pool job: the dataset's raw `score_answer(answer, entry)` as a float."""
+    return float(scorer(hidden).score_answer(answer, _entry(hidden)))
+
+
+def _pool_score(hidden: dict[str, Any], answer: str) -> answer_pool.Outcome:
+    out = answer_pool.call(SCORE_REF, (hidden, answer), warm=(WARM_REF, (hidden,)))
+    if out.kind == "infra":
+        raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} failed to build: {out.error}")
+    return out
+
+
+def gold_scores(hidden: dict[str, Any]) -> bool:
+    """True when the entry has a gold answer and the scorer takes it without raising (in its own job)."""
+    gold = rg.unpack(hidden.get("answer"))
+    if not isinstance(gold, str) or not gold:
+        return False
+    return _pool_score(hidden, gold).kind == "ok"
+
+
+def score(hidden: dict[str, Any], answer: str) -> tuple[float, list[str]]:
+    """(the dataset's score of `answer` in [0, 1], operations the answer attempted and the pool
+    refused). Raises VerifierInfraError (scorer broken), AnswerRejected, AnswerLimit."""
+    out = _pool_score(hidden, answer)
+    if out.kind == "limit":
+        raise AnswerLimit(out.limit)
+    if out.kind == "raised":  # the answer's fault only if the scorer takes the gold answer: else infra
+        if not gold_scores(hidden):
+            raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} raised: {out.error}")
+        raise AnswerRejected(out.error)
+    value = out.value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} returned {str(value)[:80]!r}")
+    return min(1.0, max(0.0, float(value))), out.blocked
 
 
 def verify_reasoning_gym(traj: Trajectory, hidden: dict | None = None) -> Verdict:
@@ -101,8 +128,13 @@ def verify_reasoning_gym(traj: Trajectory, hidden: dict | None = None) -> Verdic
     if answer is None:
         return Verdict({"correct": 0.0, "answer_found": 0.0}, details="no answer found")
     try:
-        value = score(hidden, answer)
+        value, blocked = score(hidden, answer)
+    except AnswerLimit as exc:  # the answer hit a CPU / memory / wall limit: a 0 it earned, never infra
+        return Verdict({"correct": 0.0, "answer_found": 1.0}, status="answer_limit",
+                       details=f"answer={answer[:200]!r} hit the answer pool's {exc} limit"[:400])
     except AnswerRejected as exc:  # the policy's malformed answer: a 0 it earned, status ok
         return Verdict({"correct": 0.0, "answer_found": 1.0, "answer_rejected": 1.0},
                        details=f"answer={answer[:200]!r} rejected by the scorer: {exc}"[:400])
-    return Verdict({"correct": value, "answer_found": 1.0}, details=f"answer={answer[:200]!r} score={value:.4g}")
+    refused = f" refused={blocked[:3]}" if blocked else ""
+    return Verdict({"correct": value, "answer_found": 1.0},
+                   details=f"answer={answer[:200]!r} score={value:.4g}{refused}"[:600])

@@ -18,6 +18,12 @@ Guarantees:
 - A verifier that cannot run for reasons outside the task (sandbox, model, network)
   raises `errors.VerifierInfraError` (re-exported here): the worker retries it and never
   turns it into a reward.
+- Untrusted verifiers: a callable with `fn.untrusted = True`, or `register(..., untrusted=True)`,
+  never runs in this process: the registry returns a wrapper that runs the whole call in an
+  `answer_pool` job (limits, no credentials; the job imports the verifier by its `module:attr`
+  reference, the trajectory and hidden payload travel as plain data), and rebuilds the Verdict
+  from plain data (components must be finite numbers). A call at a limit is a 0 with status
+  `answer_limit`; a verdict that is not plain data is a `VerifierInfraError`.
 - `compose()` turns named components into the scalar reward: a weighted sum, by default
   just the `correct` component.
 """
@@ -33,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from verifier_workers.errors import VerifierInfraError  # noqa: F401  (re-exported)
+from verifier_workers.errors import VerifierInfraError  # (re-exported)
 
 if TYPE_CHECKING:
     from verifier_workers.verifiers import Verdict
@@ -96,10 +102,13 @@ def reset_entry_points() -> None:
             del _loaded[name]
 
 
-def register(name: str, fn: Verifier, *, replace: bool = False) -> None:
-    """Register `fn` as verifier `name` (refuses an existing name unless `replace`)."""
+def register(name: str, fn: Verifier, *, replace: bool = False, untrusted: bool = False) -> None:
+    """Register `fn` as verifier `name` (refuses an existing name unless `replace`); `untrusted`:
+    every call runs in the answer pool (see the module docstring)."""
     if not callable(fn):
         raise TypeError(f"verifier {name!r} is not callable: {fn!r}")
+    if untrusted or getattr(fn, "untrusted", False) is True:
+        fn = pooled(f"{fn.__module__}:{fn.__qualname__}")
     with _lock:
         if not replace and (name in _registered or name in BUILTINS or name in _discover()):
             raise ValueError(f"verifier {name!r} is already registered")
@@ -129,7 +138,56 @@ def _load(name: str, ref: str | EntryPoint) -> Verifier:
         raise _input_error(f"verifier {name!r} ({where}) failed to load: {type(exc).__name__}: {exc}") from exc
     if not callable(fn):
         raise _input_error(f"verifier {name!r} is not callable: {fn!r}")
+    if getattr(fn, "untrusted", False) is True:
+        return pooled(ref.value if isinstance(ref, EntryPoint) else ref)
     return fn
+
+
+def call_in_job(ref: str, traj: dict, hidden: dict | None, with_hidden: bool) -> dict:
+    """In an answer-pool job: the verifier `ref` on the rebuilt trajectory, its Verdict as plain data."""
+    from schemas import Trajectory
+
+    module, _, attr = ref.partition(":")
+    fn = importlib.import_module(module)
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    t = Trajectory.model_validate(traj)
+    v = fn(t, hidden) if with_hidden else fn(t)
+    return {"components": dict(v.components), "status": str(v.status), "details": str(v.details)[:4000],
+            "weights": dict(v.weights), "sandbox_s": float(v.sandbox_s)}
+
+
+def _verdict(data: object, ref: str) -> Verdict:
+    from verifier_workers.verifiers import Verdict
+
+    try:
+        assert isinstance(data, dict)
+        nums = {k: {str(n): float(x) for n, x in dict(data[k]).items()} for k in ("components", "weights")}
+        assert all(math.isfinite(x) for d in nums.values() for x in d.values())
+        return Verdict(nums["components"], str(data["status"])[:40], str(data["details"])[:4000], nums["weights"],
+                       max(0.0, float(data["sandbox_s"])))
+    except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        raise VerifierInfraError(f"untrusted verifier {ref} returned no valid verdict: {type(exc).__name__}") from None
+
+
+def pooled(ref: str) -> Verifier:
+    """A verifier that runs `ref` ("module:attr") in the answer pool (see the module docstring)."""
+    def run(traj, hidden: dict | None = None) -> Verdict:
+        from verifier_workers import answer_pool
+        from verifier_workers.verifiers import Verdict
+
+        out = answer_pool.call("verifier_workers.registry:call_in_job",
+                               (ref, traj.model_dump(), hidden, hidden is not None))
+        if out.kind == "limit":
+            return Verdict({"correct": 0.0}, status="answer_limit", details=f"untrusted verifier hit the {out.limit} limit")
+        if out.kind == "raised" and out.error.startswith("VerifierInputError"):
+            raise _input_error(f"untrusted verifier {ref}: {out.error}")
+        if out.kind != "ok":
+            raise VerifierInfraError(f"untrusted verifier {ref} failed in the answer pool: {out.error}"[:500])
+        return _verdict(out.value, ref)
+
+    run.pooled_ref = ref  # type: ignore[attr-defined]
+    return run
 
 
 def get(name: str) -> Verifier:

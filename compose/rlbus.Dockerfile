@@ -35,7 +35,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     RLBUS_RUN_DIR=/runs \
     RLBUS_CONFIG=/app/examples/demo.toml
 WORKDIR /app
-RUN chmod 0755 /usr/local/bin/rlbus-entrypoint && mkdir -p /runs && rlbus --help >/dev/null
+# the unprivileged user of the roles that open no sandbox (compose: sampler, rollout, learner)
+RUN chmod 0755 /usr/local/bin/rlbus-entrypoint && mkdir -p /runs && rlbus --help >/dev/null && \
+    useradd --system --uid 10001 --user-group --home-dir /tmp --no-create-home --shell /usr/sbin/nologin rlbus
 VOLUME ["/runs"]
+USER 10001:10001
 ENTRYPOINT ["rlbus-entrypoint"]
 CMD ["--help"]

@@ -42,7 +42,20 @@ RLBUS = str(Path(sys.executable).parent / "rlbus")
 # small and fast: the smoke model, a short SFT, short ack_wait so a killed worker's tasks come back soon
 FAST_SET = "sft.seconds=20 sft.max_steps=60 rollout.ack_wait_s=10 learner.step_window_s=0.5 scheduler.eval.n=20"
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
+# test_compose_stack needs a Docker engine (marked docker, slow); the file checks parse the YAML only
+RUN_DIR = "/runs/${RLBUS_RUN_ID:-demo}"
+ROLE_UID = "10001:10001"
+# what each role may mount from the run folder (issue 27): target -> read-only?
+MOUNTS = {
+    "init": {"/runs": False, f"{RUN_DIR}/checkpoints": False, f"{RUN_DIR}/secrets": False},
+    "learner": {"/runs": True, f"{RUN_DIR}/checkpoints": False},
+    "scheduler": {"/runs": True, f"{RUN_DIR}/secrets": True, "/var/lib/rlbus": False},
+    "sampler": {"/runs": True},
+    "rollout": {"/runs": True},
+    "sandbox": {"/runs": True, f"{RUN_DIR}/secrets": True},
+    "verifier": {"/runs": True, f"{RUN_DIR}/secrets": True},
+}
+ROOT_ROLES = {"init", "scheduler", "sandbox", "verifier", "nats-auth"}  # each says why in the compose file
 
 
 def engine_problem() -> str | None:
@@ -281,6 +294,69 @@ def drain_and_stop(stack: Stack, url: str | None = None, timeout: float = 180) -
     return st
 
 
+def _services(path: Path = COMPOSE) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())["services"]
+
+
+def _mounts(service: dict) -> dict[str, bool]:
+    """target -> read-only, of a service's short-syntax volumes."""
+    out = {}
+    for v in service.get("volumes", []):
+        parts = v.split(":")
+        ro = parts[-1] == "ro"
+        target = parts[-2] if ro else parts[-1]
+        if target.startswith("-demo}"):  # ${RLBUS_RUN_ID:-demo} holds a ':' of its own
+            target = ":".join(parts[1:-1] if ro else parts[1:])
+        out[target] = ro
+    return out
+
+
+def test_every_role_mounts_only_what_it_needs():
+    """Issue 27: the rollout cannot rewrite config.json, model/, checkpoints/, secrets/ or run.db:
+    /runs is read-only to every role but init; checkpoints/ is the learner's; secrets/ only
+    in the roles that sign or check tool records."""
+    services = _services()
+    for role, want in MOUNTS.items():
+        assert _mounts(services[role]) == want, (role, services[role].get("volumes"))
+    assert not any("secrets" in t or "checkpoints" in t for t in _mounts(services["rollout"]))
+    assert "RLBUS_DB_URL" in services["scheduler"]["environment"]  # run.db lives in the scheduler's volume
+
+
+def test_roles_run_unprivileged_unless_they_say_why():
+    services = _services()
+    text = COMPOSE.read_text()
+    for role in ("learner", "sampler", "rollout"):
+        assert services[role]["user"] == ROLE_UID, role
+    for role in ROOT_ROLES:
+        assert services[role]["user"] == "0:0", role
+    for role, svc in services.items():
+        if role.startswith(("nats", "postgres")) and role != "nats-auth":
+            continue
+        assert svc.get("user") in (ROLE_UID, "0:0"), f"{role} has no explicit user"
+    # every root service carries its reason next to `user: "0:0"`
+    assert text.count('user: "0:0"') == len(ROOT_ROLES)
+    assert "USER 10001:10001" in (ROOT / "compose" / "rlbus.Dockerfile").read_text()
+
+
+def test_init_hands_out_the_run_folder():
+    """The entry point gives checkpoints/ to the role uid and keeps secrets/ root-only (0700)."""
+    text = (ROOT / "compose" / "entrypoint.sh").read_text()
+    assert 'chown "${RLBUS_ROLE_UID:-10001}:${RLBUS_ROLE_UID:-10001}" "$run/checkpoints"' in text
+    assert 'chmod 0700 "$run/secrets"' in text and 'chmod -R go-w,a+rX "$run/config.json" "$run/model"' in text
+
+
+def test_cluster_file_keeps_the_mounts():
+    """The cluster overlay changes environments only: no role gains a mount there."""
+    for role, svc in _services(CLUSTER).items():
+        if role in MOUNTS:
+            assert "volumes" not in svc and "user" not in svc, role
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_compose_stack(images):
     """2 rollout + 2 verifier replicas; status, tail, kill -9, elastic 1->3->1, lost = 0, clean teardown."""
     stack = Stack([COMPOSE], run_id="composetest")

@@ -270,8 +270,9 @@ class AnswerPool:
         threading.Thread(target=go, name="answer-pool-respawn", daemon=True).start()
 
     def call(self, ref: str, args: tuple = (), warm: tuple[str, tuple] | None = None,
-             limits: Limits | None = None) -> Outcome:
+             limits: Limits | None = None, trusted_eval: tuple[str, ...] = ()) -> Outcome:
         """Run `ref(*args)` ("module:attr") in a fresh job, after `warm` (ref, args) in the template.
+        `trusted_eval`: controlled-side texts a bare `eval` in the job may really evaluate.
 
         Returns an Outcome of kind ok / raised / limit / infra; raises VerifierInfraError when
         the job died otherwise than at a limit or the pool could not run it."""
@@ -282,7 +283,8 @@ class AnswerPool:
                 self.next_id += 1
                 rid = self.next_id
             req = {"id": rid, "ref": ref, "args": args, "warm": warm,
-                   "cpu_s": lim.cpu_s, "memory_mb": lim.memory_mb, "wall_s": lim.wall_s}
+                   "cpu_s": lim.cpu_s, "memory_mb": lim.memory_mb, "wall_s": lim.wall_s,
+                   "trusted_eval": list(trusted_eval)}
             try:
                 slot = t.send(rid, req)
             except OSError as exc:
@@ -340,9 +342,10 @@ def pool() -> AnswerPool:
         return _pool
 
 
-def call(ref: str, args: tuple = (), warm: tuple[str, tuple] | None = None, limits: Limits | None = None) -> Outcome:
+def call(ref: str, args: tuple = (), warm: tuple[str, tuple] | None = None, limits: Limits | None = None,
+         trusted_eval: tuple[str, ...] = ()) -> Outcome:
     """`AnswerPool.call` on the process-global pool."""
-    return pool().call(ref, args, warm, limits)
+    return pool().call(ref, args, warm, limits, trusted_eval)
 
 
 @atexit.register

@@ -6,7 +6,7 @@ Guarantees (the pool's module docstring says why):
   answer-dependent `ref`.
 - Each request runs in a job forked from the template (a spare forked ahead when possible):
   descriptors closed but its pipes, stdin/stdout/stderr on /dev/null, RLIMIT_CPU / RLIMIT_AS /
-  RLIMIT_FSIZE 0 / RLIMIT_CORE 0, bare `eval(text)` is `ast.literal_eval`, the audit hook of
+  RLIMIT_FSIZE 0 / RLIMIT_CORE 0, bare `eval(text)` is `ast.literal_eval` (but for the request's `trusted_eval` texts), the audit hook of
   `install_guard`, and a MemoryError seen in answer code (frames compiled from a string) or
   escaping the call reported as the memory limit. Its result is one JSON frame of at most
   `MAX_RESULT_BYTES`; a larger one is the `output` limit.
@@ -72,6 +72,7 @@ def _jsonable(value):
 class _State:
     blocked: list[str] = []
     memory = False
+    trusted_eval: frozenset[str] = frozenset()
 
 
 _CODE_ATTACK = re.compile(r"__|\.\s*[A-Za-z_]|\blambda\b|:=")
@@ -120,8 +121,10 @@ _real_eval = builtins.eval
 
 
 def _literal_eval(source, globals=None, locals=None, /):
-    """`eval(text)` as scorers call it: Python literals only; other forms go to the real eval."""
-    if globals is None and locals is None and isinstance(source, str):
+    """`eval(text)` as scorers call it: Python literals only, unless `text` is one of the request's
+    controlled-side texts (`trusted_eval`: a dataset that evals its own problem); other forms go to
+    the real eval."""
+    if globals is None and locals is None and isinstance(source, str) and source not in _State.trusted_eval:
         return ast.literal_eval(source.strip())
     return _real_eval(source, globals, locals)
 
@@ -138,8 +141,9 @@ def _tracer(frame, event, arg):
     return local
 
 
-def install_guard(cpu_s: float, memory_mb: int) -> None:
+def install_guard(cpu_s: float, memory_mb: int, trusted_eval=()) -> None:
     """The job's limits and guards (see the module docstring)."""
+    _State.trusted_eval = frozenset(str(t) for t in trusted_eval)
     used = resource.getrusage(resource.RUSAGE_SELF)
     cpu = int(math.ceil(used.ru_utime + used.ru_stime + cpu_s))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -160,7 +164,7 @@ def _job(req_fd: int, out_fd: int) -> None:
     result: dict
     try:
         req = pickle.loads(_read_frame(req_fd) or b"")
-        install_guard(req["cpu_s"], req["memory_mb"])
+        install_guard(req["cpu_s"], req["memory_mb"], req.get("trusted_eval") or ())
         try:
             value = _resolve(req["ref"])(*req["args"])
             result = {"kind": "ok", "value": _jsonable(value)}

@@ -89,8 +89,20 @@ def score_in_job(hidden: dict[str, Any], answer: str) -> float:
     return float(scorer(hidden).score_answer(answer, _entry(hidden)))
 
 
+def _texts(x: Any) -> list[str]:
+    """Every string in the entry's metadata (a dataset may eval its own problem text)."""
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _texts(v)]
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [t for v in x for t in _texts(v)]
+    return []
+
+
 def _pool_score(hidden: dict[str, Any], answer: str) -> answer_pool.Outcome:
-    out = answer_pool.call(SCORE_REF, (hidden, answer), warm=(WARM_REF, (hidden,)))
+    trusted = tuple(t for t in _texts(rg.unpack(hidden.get("metadata") or {})) if t != answer)
+    out = answer_pool.call(SCORE_REF, (hidden, answer), warm=(WARM_REF, (hidden,)), trusted_eval=trusted)
     if out.kind == "infra":
         raise VerifierInfraError(f"reasoning-gym scorer {hidden['dataset']!r} failed to build: {out.error}")
     return out

@@ -57,3 +57,19 @@ class VerifierSection(Section):
     """First retry delay of an infrastructure failure (doubles per delivery)."""
     retry_max_s: float = Field(default=60.0, gt=0)
     """Longest retry delay of an infrastructure failure."""
+    max_timeout_s: float = Field(default=600.0, gt=0)
+    """The operator's ceiling on a task's `verifier_params.timeout_s` (sandboxed verifiers: code, repo,
+    files); a larger value is clamped to it before the verifier runs."""
+    max_memory_mb: int = Field(default=4096, ge=16)
+    """Ceiling on a task's `verifier_params.memory_mb` (clamped)."""
+    max_cpus: float = Field(default=4.0, gt=0)
+    """Ceiling on a task's `verifier_params.cpus` (clamped)."""
+    max_pids: int = Field(default=512, ge=1)
+    """Ceiling on a task's `verifier_params.pids` (clamped)."""
+    answer_cpu_s: float = Field(default=5.0, gt=0)
+    """Answer pool (`verifier_workers.answer_pool`): CPU seconds one answer's scoring may use (reasoning-gym
+    `score_answer`, sympy / math-verify parsing, untrusted plugins); past it the answer scores 0, `answer_limit`."""
+    answer_memory_mb: int = Field(default=1024, ge=64)
+    """Answer pool: address space one answer's scoring may add to the pool's template process."""
+    answer_wall_s: float = Field(default=10.0, gt=0)
+    """Answer pool: wall seconds one answer's scoring may take before its job is killed."""

@@ -23,6 +23,10 @@ Guarantees:
   `[tool:pytest]` / `[tool.pytest...]` sections cannot be edited apart, so the whole file
   is protected), `sitecustomize.py`, `usercustomize.py`, any `*.pth`, and anything under a
   test directory.
+- `helper_paths(files, hidden_files)` is the test-support modules the hidden tests import
+  (`is_helper_name`), computed at verify time from the hidden tests (no recorded field: tasks
+  built before it need no regeneration); the verifier protects them like tests.
+- `check_path` refuses any path the verifier's sandbox could not write (see its docstring).
 """
 
 from __future__ import annotations
@@ -46,12 +50,93 @@ PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.in
 DEFAULT_TEST_DIRS = ("tests", "test", "testing")
 
 
+EXPORT_REFUSED = "rlbus-export-refused: "
+"""What the rollout side exports as the diff of an episode whose final state cannot be exported
+for the policy's own doing (a state listing over its bound): no diff, so the verifier scores 0."""
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
 def check_path(path: str) -> str:
-    """`path` if it is a safe relative POSIX path inside a repository; else ValueError."""
+    """`path` if it is a relative POSIX path inside a repository that any file system here can hold:
+    no `..`, `.` or empty component, no backslash, NUL or other control character, valid UTF-8,
+    at most MAX_NAME_BYTES per component and MAX_PATH_BYTES in all; else ValueError (a diff with
+    such a path does not apply: the candidate's 0, never an infrastructure failure)."""
     p = PurePosixPath(path)
-    if not path or "\\" in path or p.is_absolute() or any(part in ("..", "") for part in path.split("/")):
-        raise ValueError(f"repo task path {path!r} must be a relative POSIX path inside the repository")
+    if not path or "\\" in path or p.is_absolute() or any(part in ("..", ".", "") for part in path.split("/")):
+        raise ValueError(f"repo task path {path!r} must be a relative POSIX path inside the repository "
+                         "(no '..', '.' or empty component)")
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise ValueError(f"repo task path {path!r} has a control character (NUL, newline, ...): rename the file")
+    try:
+        raw = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"repo task path {path!r} is not valid UTF-8") from None
+    if len(raw) > MAX_PATH_BYTES or any(len(part.encode("utf-8")) > MAX_NAME_BYTES for part in path.split("/")):
+        raise ValueError(f"repo task path {path[:80]!r}... is too long (at most {MAX_NAME_BYTES} bytes a name, "
+                         f"{MAX_PATH_BYTES} in all)")
     return path
+
+
+_HELPER_NAME = re.compile(r"^(test(s|ing|_?utils?|_?helpers?|_?support|_?tools?)?|\w+_(testing|test_?utils?|"
+                          r"test_?helpers?))$")
+
+
+def is_helper_name(dotted: str) -> bool:
+    """Whether a module's dotted name marks it as test support: a component that, without leading
+    underscores, is `test`, `tests`, `testing`, `test_utils`/`testutils`, `test_helpers`, `test_support`,
+    `test_tools`, or ends in `_testing` / `_test_utils` / `_test_helpers` (e.g. `pkg/testing.py`,
+    `pkg/_test_utils.py`); never a plain source module such as `pkg/core.py` or `pkg/tester.py`."""
+    return any(_HELPER_NAME.match(part.lstrip("_")) for part in dotted.split("."))
+
+
+def _imports(text: str) -> set[str]:
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return set()
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names if a.name != "*")
+    return out
+
+
+def helper_paths(files: dict[str, str], hidden_files: dict[str, str]) -> set[str]:
+    """The repository files of the test-support modules the hidden tests import (see
+    `is_helper_name`), and of the helpers those import, transitively among helpers only: edits to
+    them are dropped like edits to tests. Computed from the hidden tests' `import` statements
+    (`ast`, no code runs); a helper package protects every file under its directory. Source
+    modules under test are never helpers, so the fix always has somewhere to go."""
+    by_module: dict[str, list[str]] = {}
+    for path in files:
+        for root in ("", "src/"):
+            if not path.startswith(root) or not path.endswith(".py"):
+                continue
+            mod = path[len(root):-3].replace("/", ".")
+            if mod.endswith(".__init__"):
+                pkg = mod[:-9]
+                by_module.setdefault(pkg, []).extend(f for f in files if f.startswith(path[:-11]))
+            else:
+                by_module.setdefault(mod, []).append(path)
+    out: set[str] = set()
+    todo = [t for t in hidden_files.values()]
+    seen_mods: set[str] = set()
+    while todo:
+        for mod in _imports(todo.pop()):
+            if mod in seen_mods or mod not in by_module or not is_helper_name(mod):
+                continue
+            seen_mods.add(mod)
+            for path in by_module[mod]:
+                if path not in out:
+                    out.add(path)
+                    todo.append(files[path])
+    return out
 
 
 def is_protected(path: str, test_dirs: tuple[str, ...] = DEFAULT_TEST_DIRS) -> bool:

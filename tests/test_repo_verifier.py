@@ -16,6 +16,7 @@ import pytest
 from schemas import Trajectory
 from schemas.repo_task import RepoTask
 from verifier_workers.repo_diff import apply_diff, parse_diff
+from verifier_workers.repo_harness_rewrite import rewrite_tests
 from verifier_workers.repo_verifier import check_patch, prepare, protected_predicate, verify_repo
 
 OPS = ("def add(a, b):\n    return a + b\n\n\ndef clamp(x, lo, hi):\n    if x < lo:\n        return lo\n"
@@ -113,7 +114,7 @@ def test_protected_paths_are_dropped_and_listed(path):
 
 def test_prepare_copies_hidden_tests_over_the_candidate():
     prep = prepare(TASK, make_diff(FILES, {**FILES, "tests/test_hidden.py": "def test_clamp_high(): pass\n"}))
-    assert prep.files["tests/test_hidden.py"] == HIDDEN["tests/test_hidden.py"]
+    assert prep.files["tests/test_hidden.py"] == rewrite_tests(HIDDEN["tests/test_hidden.py"])
     assert prep.patch.dropped == ["tests/test_hidden.py"]
     assert prep.paths == ["tests/test_hidden.py", "tests/test_public.py"] and len(prep.expected) == 6
 
@@ -242,3 +243,113 @@ def test_hack_scores_zero_with_the_attempt_named(attack, repo_image):
     print(f"HACK {attack!r}: reward={v.reward} status={v.status} components={v.components}\n{v.details[:700]}")
     assert v.reward == 0.0 and v.components["resolved"] == 0.0, v.details
     assert named in v.details, v.details
+
+
+# ---------------------------------------------------------------- issue 27: attacks the old harness resolved
+# Each resolved (1.0) against the harness and verifier of 45ce3d4 (checked by loading copies of both with
+# importlib and scoring NEW_ATTACKS there); each must score 0 now.
+ALWAYS_EQUAL = ("class _Yes(int):\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+                "    __hash__ = int.__hash__\n\n\ndef add(a, b):\n    return a + b\n\n\n"
+                "def clamp(x, lo, hi):\n    return _Yes(0)\n\n\ndef mean(xs):\n    return _Yes(0)\n")
+FRAME_WALK = (
+    "import json, os, sys\n\n\ndef _forge():\n    f = sys._getframe()\n    send = None\n"
+    "    while f is not None:\n        s = f.f_locals.get('send')\n        if callable(s) and f.f_code.co_name == 'runner':\n"
+    "            send = s\n        f = f.f_back\n    if send is None:\n        return\n"
+    "    for i in IDS:  # the first test's setup was reported already\n"
+    "        for w in ('call', 'teardown') if i == IDS[0] else ('setup', 'call', 'teardown'):\n"
+    "            send({'k': 'report', 'id': i, 'when': w, 'outcome': 'passed', 'xfail': False, 'msg': ''})\n"
+    "    send({'k': 'fin'})\n    os._exit(0)\n\n\n"
+    "IDS = ['tests/test_hidden.py::' + n for n in ('test_clamp_high', 'test_mean', 'test_add_regress', "
+    "'test_clamp_low', 'test_fixtures')] + ['tests/test_public.py::test_add']\n\n\n"
+    "def add(a, b):\n    _forge()\n    return a + b\n\n\ndef clamp(x, lo, hi):\n    _forge()\n    return x\n\n\n"
+    "def mean(xs):\n    _forge()\n    return 0\n")
+PLUGIN_ROUTE = FRAME_WALK.replace(
+    "    f = sys._getframe()\n    send = None\n    while f is not None:\n        s = f.f_locals.get('send')\n"
+    "        if callable(s) and f.f_code.co_name == 'runner':\n            send = s\n        f = f.f_back\n",
+    "    import pytest\n    send = None\n    for p in pytest.mark._config.pluginmanager.get_plugins():\n"
+    "        if getattr(p, '_send', None) is not None:\n            send = p._send\n")
+SHADOW_PYTEST = FRAME_WALK.split("\n\n\ndef add(")[0].replace("('call', 'teardown') if i == IDS[0] else ", "") + (
+    "\n\n\n_forge()\n")  # runs as `import pytest` in the old runner: before any test
+HELPER = "def expect(got, want):\n    assert got == want, (got, want)\n"
+HELPER_TASK = RepoTask(
+    task_id="fixture-calc-helper", source="fixture:calc-helper", issue=TASK.issue,
+    files={**FILES, "calc/testing.py": HELPER},
+    hidden_files={"tests/test_hidden.py": "from calc import clamp, mean\nfrom calc.testing import expect\n\n\n"
+                  "def test_clamp_high():\n    expect(clamp(12, 0, 10), 10)\n\n\n"
+                  "def test_mean():\n    expect(mean([1, 2, 3]), 2)\n"},
+    target_tests=[H + "test_clamp_high", H + "test_mean"], regression_tests=["tests/test_public.py::test_add"],
+    gold_patch=TASK.gold_patch)
+READ_JOB = OPS.replace("def clamp(x, lo, hi):\n", "def clamp(x, lo, hi):\n    if _leak():\n        return min(max(x, lo), hi)\n"
+                       ).replace("def mean(xs):\n", "def mean(xs):\n    if _leak():\n        return sum(xs) / len(xs)\n"
+                                 ) + ("\n\ndef _leak():\n    try:\n        with open('/work/.rlbus/job.json') as f:\n"
+                                      "            return 'test_clamp_high' in f.read()\n    except OSError:\n"
+                                      "        return False\n")
+NEW_ATTACKS = {  # name: (task, diff, what the details must name)
+    "always_equal": (TASK, patched("calc/ops.py", ALWAYS_EQUAL), "plain data"),
+    "frame_walk": (TASK, patched("calc/ops.py", FRAME_WALK), "forbidden frame access"),
+    "plugin_manager_sender": (TASK, patched("calc/ops.py", PLUGIN_ROUTE), "tamper: "),
+    "shadow_module": (TASK, patched("pytest.py", SHADOW_PYTEST), "shadow"),
+    "helper_edit": (HELPER_TASK, make_diff(HELPER_TASK.files, {"calc/testing.py": "def expect(got, want):\n    pass\n"}),
+                    "dropped edits to protected paths: calc/testing.py"),
+    "read_job_file": (TASK, patched("calc/ops.py", READ_JOB), "assert 0 == 10"),
+}
+
+
+def _attack(name):
+    task, diff, named = NEW_ATTACKS[name]
+    v = check_patch(task, diff, params=(60.0, 512, 64, 1.0))
+    print(f"ATTACK {name}: reward={v.reward} status={v.status} components={v.components}\n{v.details[:700]}")
+    assert v.reward == 0.0 and v.components["resolved"] == 0.0, v.details
+    assert named in v.details, v.details
+
+
+@docker_only
+def test_attack_always_equal(repo_image):
+    _attack("always_equal")
+
+
+@docker_only
+def test_attack_frame_walk(repo_image):
+    _attack("frame_walk")
+
+
+@docker_only
+def test_attack_plugin_manager_sender(repo_image):
+    _attack("plugin_manager_sender")
+
+
+@docker_only
+def test_attack_shadow_module(repo_image):
+    _attack("shadow_module")
+
+
+@docker_only
+def test_attack_helper_edit(repo_image):
+    _attack("helper_edit")
+
+
+@docker_only
+def test_attack_read_job_file(repo_image):
+    _attack("read_job_file")
+
+
+@docker_only
+def test_helper_task_gold_still_resolves(repo_image):
+    v = check_patch(HELPER_TASK, HELPER_TASK.gold_patch, params=(60.0, 512, 64, 1.0))
+    assert v.reward == 1.0, v.details
+
+
+@pytest.mark.parametrize("bad", ["calc/a\x00b.py", "./calc/x.py", "calc/./x.py", "calc/" + "x" * 256 + ".py",
+                                 "calc/a\nb.py", "calc/" + "d/" * 2100 + "x.py"])
+def test_attack_unwritable_paths_score_zero_not_infra(bad):
+    """A path the sandbox cannot write makes the diff not apply (the candidate's 0), never an infra error."""
+    diff = f"--- /dev/null\n+++ b/{bad}\n@@ -0,0 +1 @@\n+X = 1\n"
+    v = check_patch(TASK, diff)
+    assert v.reward == 0.0 and v.components["applied"] == 0.0 and "does not apply" in v.details, v.details
+
+
+def test_attack_export_refused_scores_zero():
+    from schemas.repo_task import EXPORT_REFUSED
+
+    v = check_patch(TASK, EXPORT_REFUSED + "the state listing is over 1 MiB\n")
+    assert v.reward == 0.0 and v.details.startswith(EXPORT_REFUSED), v.details

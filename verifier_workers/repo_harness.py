@@ -1,4 +1,5 @@
-"""The `repo` verifier's in-container program (standalone, stdlib only; the runner imports pytest).
+"""The `repo` verifier's in-container program (standalone, stdlib only; the runner imports pytest
+and the harness's guard, `verifier_workers/repo_harness_guard.py`, installed as `_rlbus_guard`).
 
 Two processes, two uids, in a fresh container whose execs may run as uid 0 with only the
 SETUID, SETGID and KILL capabilities (`sandbox_workers.docker_fresh`):
@@ -6,14 +7,20 @@ SETUID, SETGID and KILL capabilities (`sandbox_workers.docker_fresh`):
 - The SUPERVISOR (`python3 -I -S -c <this file> supervise`, uid 0, trusted) reads the job
   from its stdin: the final repository tree (original + candidate diff minus protected
   paths + hidden tests, assembled by the host), the expected test ids, the deps, the
-  deadline and a random per-call nonce. It writes the tree to /work/repo (root-owned,
-  dirs 0755, files 0644), installs the deps from /opt/wheelhouse as root (no index, no
-  network) into /work/.rlbus/site, then starts the RUNNER and collects its reports.
+  deadline, the new top-level module names of the diff and a random per-call nonce. It writes
+  the tree to /work/repo (root-owned, dirs 0755, files 0644), installs the deps from
+  /opt/wheelhouse as root (no index, no network) into /work/.rlbus/site, refuses a new
+  top-level module that an installed distribution of this interpreter (or a dep) provides,
+  then starts the RUNNER and collects its reports. No job file exists: the runner's part of the
+  job and its report key travel on a pipe (fd 4) that the runner reads to EOF and closes.
 - The RUNNER (`python3 -I -B /work/.rlbus/harness.py runner`, uid/gid 65534, no
-  capability, fresh memory image via execve, its own session, oom_score_adj 1000) runs
-  pytest with the harness's plugin over exactly the expected ids, and sends one JSON line
-  per report to the supervisor through fd 3 (a pipe); its stdout/stderr go to a log file
-  that is shown in the details and never parsed.
+  capability, fresh memory image via execve, its own session, oom_score_adj 1000, not
+  dumpable) imports pytest, every built-in plugin, unittest and the guard FIRST, with only the
+  stdlib, site-packages and /work/.rlbus/lib on sys.path; only then are the deps' site and the
+  repository appended (after them: a repository module never shadows an installed one), the
+  guard's audit hook installed, and pytest run (`--import-mode=append`) over exactly the expected
+  ids. One JSON line per report goes to the supervisor through fd 3; stdout/stderr go to a log
+  file that is shown in the details and never parsed.
 
 Guarantees (the policy controls every non-protected file of the repository):
 - The verdict only comes from /work/.rlbus/result.json, written by the supervisor after
@@ -25,26 +32,24 @@ Guarantees (the policy controls every non-protected file of the repository):
   Exit codes and output count for nothing.
 - pytest runs with `-c` the harness's own ini, `--rootdir /work/repo`, `--confcutdir`,
   `-p no:cacheprovider`, `-o addopts=`, `PYTEST_DISABLE_PLUGIN_AUTOLOAD=1` and `python -I`
-  (no PYTHON* variables, no user site, no cwd on sys.path at start-up); the repository's
+  (no PYTHON* variables, no user site, no script dir or cwd on sys.path); the repository's
   pytest config, sitecustomize and .pth files are never read (and are protected anyway).
 - Each expected id counts as passed only with a passed setup, a passed (not xfail) call
   and a passed teardown; an expected id without those reports (vanished, deselected,
   skipped, a collection error, the runner killed or exiting early) counts as failed.
-- In-process tamper (labelled `tamper`, all scores 0): the runner's audit hook flags
-  `gc` object walks, `sys._current_frames`, ctypes memory access,
-  replacing a function's `__code__`, and any write, delete, rename or chmod under /work
-  (which the runner's uid could not do anyway); after every test's teardown and at the end, an
-  integrity check flags rebound callables/classes in builtins, sys, os, every
-  `_pytest`/`pytest`/`pluggy`/`unittest` module, and any entry of key pytest/pluggy/unittest
-  classes (snapshotted before any repository code ran; see `Plugin`). A malformed or duplicate
-  report line, or a report for an id that was not expected, is tamper too.
-- Report lines carry a sequence number and an HMAC under a per-run runner key (sent on a
-  pipe the runner reads once and closes; it lives only in closures of the runner), so a
-  line written to fd 3 by anything but the harness's sender is tamper.
-- Residual (documented): repository code runs inside the runner's interpreter, so code
-  written to dig the sender out of pytest's plugin manager or the stack frames could
-  still forge report lines; it can never forge the signed result, touch the tests, or
-  outlive the run.
+- Report lines carry a sequence number and an HMAC under a per-run key that exists only in the
+  frame of the guard's sender generator, and the sender writes a passing report only from
+  pytest's genuine call stack (see `repo_harness_guard`): calling the sender from candidate code,
+  or reaching it through frames (refused by the audit hook) forges nothing. A line written to
+  fd 3 by anything else, a malformed or duplicate report, or one for an unexpected id is tamper.
+- In-process tamper (labelled `tamper`, all scores 0): the guard's audit hook and integrity
+  checks (after every report: builtins, sys, os, pytest/pluggy/unittest, key classes, every
+  hook's implementations, the test modules and test functions) -- see `repo_harness_guard`.
+- Hidden-test comparisons see only plain data (the host rewrites the test files,
+  `repo_harness_rewrite`), so a candidate-defined `__eq__`/`__bool__` decides nothing.
+- Residual (documented in docs/architecture.md): candidate code runs inside the runner's
+  interpreter, so it can read the test modules it is imported by; it can never forge the
+  signed result, touch the tests, or outlive the run.
 """
 
 import hashlib
@@ -60,7 +65,7 @@ WORK = "/work"
 REPO = "/work/repo"
 RL = "/work/.rlbus"
 RESULT = RL + "/result.json"
-JOB = RL + "/job.json"
+LIB = RL + "/lib"
 INI = RL + "/pytest.ini"
 LOG = RL + "/runner.log"
 SITE = RL + "/site"
@@ -154,11 +159,10 @@ def _kill_all(child):
     raise RuntimeError("processes of uid %d survived 2000 kill rounds" % RUN_UID)
 
 
-def _start_runner(log_fd, key):
+def _start_runner(log_fd, payload):
+    """Fork the runner; `payload` (the key's hex, a newline, the runner's job) goes on its fd 4."""
     r, w = os.pipe()
     kr, kw = os.pipe()
-    os.write(kw, key)  # 32 bytes: fits the pipe buffer; read once by the runner, then closed
-    os.close(kw)
     pid = os.fork()
     if pid == 0:
         try:
@@ -180,7 +184,30 @@ def _start_runner(log_fd, key):
             os._exit(127)
     os.close(w)
     os.close(kr)
+    try:
+        while payload:
+            payload = payload[os.write(kw, payload):]
+    except OSError:
+        pass  # the runner died before reading its job: it reports nothing, every test counts as failed
+    os.close(kw)
     return pid, r
+
+
+def installed_top_levels(site=None):
+    """Top-level module names importable from this interpreter's site dirs (and `site`)."""
+    import sysconfig
+
+    dirs = {sysconfig.get_paths().get(k) for k in ("purelib", "platlib")} | {site}
+    names = set()
+    for d in sorted(x for x in dirs if x and os.path.isdir(x)):
+        for entry in os.listdir(d):
+            if entry.endswith((".dist-info", ".egg-info", ".pth", ".data")) or entry.startswith("__"):
+                continue
+            if entry.endswith(".py") or ".cpython-" in entry or entry.endswith((".so", ".pyd")):
+                names.add(entry.split(".")[0])
+            elif os.path.isdir(os.path.join(d, entry)) and "." not in entry:
+                names.add(entry)
+    return names
 
 
 def _collect(pid, fd, deadline):
@@ -306,204 +333,96 @@ def _supervised_run(job):
     _write_tree(job["files"])
     with open(RL + "/harness.py", "w") as f:
         f.write(job["harness"])
+    os.mkdir(LIB, 0o755)
+    with open(LIB + "/_rlbus_guard.py", "w") as f:
+        f.write(job["guard"])
     with open(INI, "w") as f:
         f.write("[pytest]\naddopts =\n")
     deadline = t0 + float(job["install_timeout_s"])
     err = _install(job.get("deps") or [], deadline)
     if err:
         return {"infra": "installing %s from the wheelhouse failed: %s" % (job["deps"], err)}
+    shadow = sorted(set(job.get("new_top") or ()) & installed_top_levels(SITE if job.get("deps") else None))
+    if shadow:
+        return {"refused": "the diff adds top-level module(s) %s that shadow installed distributions" % shadow}
     runner_job = {"expected": job["expected"], "paths": job["paths"], "pythonpath": job["pythonpath"],
                   "site": SITE if job.get("deps") else None}
-    with open(JOB, "w") as f:
-        json.dump(runner_job, f)
     before = _hash_files(job["protect_hash"])
     log_fd = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     t1 = time.monotonic()
     key = os.urandom(32)
-    pid, rfd = _start_runner(log_fd, key)
+    pid, rfd = _start_runner(log_fd, key.hex().encode() + b"\n" + json.dumps(runner_job).encode())
     os.close(log_fd)
     lines, timed_out, runner_exit = _collect(pid, rfd, t1 + float(job["timeout_s"]))
     passed, missing, notes, tamper, fin = _score(_verify_lines(lines, key), job["expected"])
     after = _hash_files(job["protect_hash"])
     if after != before:
         tamper = tamper or "a test file changed during the run"
+    if runner_exit == TAMPER_EXIT and not tamper:
+        tamper = "the runner was ended by the harness's guard"
     return {"passed": passed, "missing": missing, "notes": notes, "tamper": tamper, "fin": fin,
             "timed_out": timed_out, "runner_exit": runner_exit, "log": _read_log(), "setup_s": round(t1 - t0, 3),
             "run_s": round(time.monotonic() - t1, 3)}
 
 
 # ---------------------------------------------------------------- runner (untrusted, uid 65534)
-def _make_sender(key):
-    """send(obj): one line `json \t HMAC(key, seq:json)` on fd 3; the key lives only in this closure."""
-    mac, write, dumps, counter = hmac.new, os.write, json.dumps, [0]
+def _prctl_not_dumpable():
+    """PR_SET_DUMPABLE 0: no other process of uid 65534 (a child the candidate spawns) can ptrace
+    this one or open its /proc/<pid>/mem."""
+    try:
+        import ctypes
 
-    def send(obj):
-        body = dumps(obj).encode()
-        data = body + b"\t" + mac(key, b"%d:" % counter[0] + body, hashlib.sha256).hexdigest().encode() + b"\n"
-        counter[0] += 1
-        while data:
-            data = data[write(REPORT_FD, data):]
-
-    return send
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
-def _make_tamper(send):
-    """tamper(why): report the attempt, then end the runner with TAMPER_EXIT."""
+def _runner_tamper(send):
     exit_ = os._exit
 
     def tamper(why):
         try:
-            send({"k": "tamper", "why": why})
+            send(({"k": "tamper", "why": str(why)[:300]}, None))
         finally:
             exit_(TAMPER_EXIT)
 
     return tamper
 
 
-WATCHED_PREFIXES = ("_pytest", "pytest", "pluggy", "unittest")
-SYS_VOLATILE = frozenset(("unraisablehook", "excepthook", "displayhook", "breakpointhook", "last_type",
-                          "last_value", "last_traceback", "last_exc", "ps1", "ps2", "exc_info"))
-KEY_CLASSES = ("_pytest.reports:BaseReport", "_pytest.reports:TestReport", "_pytest.reports:CollectReport",
-               "_pytest.runner:CallInfo", "_pytest.nodes:Node", "_pytest.nodes:Item", "_pytest.python:Function",
-               "_pytest.main:Session", "_pytest.config:Config", "_pytest.outcomes:OutcomeException",
-               "pluggy._hooks:HookCaller", "pluggy._manager:PluginManager", "unittest.case:TestCase")
-
-
-def _watched_modules():
-    return sorted(name for name in list(sys.modules)
-                  if name.split(".")[0] in WATCHED_PREFIXES and sys.modules[name] is not None)
-
-
-def _integrity_check(extra):
-    """A check() that names what changed since now: callables and classes rebound in builtins, sys,
-    os, the watched modules and key classes (their whole dicts), or '' when nothing did."""
-    import builtins
-
-    spaces = [("builtins", vars(builtins)), ("sys", vars(sys)), ("os", vars(os)), ("harness", extra)]
-    spaces += [(m, vars(sys.modules[m])) for m in _watched_modules()]
-    for ref in KEY_CLASSES:
-        mod, _, cls = ref.partition(":")
-        if mod in sys.modules and hasattr(sys.modules[mod], cls):
-            spaces.append((ref, getattr(sys.modules[mod], cls).__dict__))
-    snap = []
-    for name, ns in spaces:
-        keep = {k: v for k, v in ns.items()
-                if (":" in name or callable(v) or isinstance(v, type)) and not (name == "sys" and k in SYS_VOLATILE)}
-        snap.append((name, ns, keep))
-    missing = object()
-
-    def check():
-        for name, ns, keep in snap:
-            for k, v in keep.items():
-                if ns.get(k, missing) is not v:
-                    return "rebound %s.%s" % (name, k)
-        return ""
-
-    return check
-
-
-def _audit_hook(_tamper):
-    """Flags what only tampering needs (see the module guarantees), and any write under /work
-    (the repository, the tests, the harness and its result are read-only to the runner anyway)."""
-    forbidden = frozenset(("sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"))
-    path_events = frozenset(("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-                             "os.truncate", "os.symlink", "os.link", "os.utime", "shutil.rmtree"))
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    realpath, work = os.path.realpath, WORK + "/"
-
-    def under_work(path):
-        if isinstance(path, bytes):
-            path = path.decode("utf-8", "replace")
-        return isinstance(path, str) and (realpath(path) + "/").startswith(work)
-
-    def hook(event, args):
-        if event in forbidden:
-            _tamper("forbidden operation: %s" % event)
-        elif event.startswith("ctypes.") and event not in ("ctypes.dlopen", "ctypes.dlsym"):
-            _tamper("forbidden operation: %s" % event)
-        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__":
-            _tamper("replaced a function's __code__")
-        elif event == "open" and len(args) >= 3:
-            path, mode, flags = args[0], args[1], args[2]
-            writing = (mode and any(c in str(mode) for c in "wax+")) or (not mode and flags and flags & write_flags)
-            if writing and under_work(path):
-                _tamper("tried to write %s" % path)
-        elif event in path_events and args and any(under_work(a) for a in args[:2]):
-            _tamper("tried %s on %s" % (event, args[0]))
-
-    return hook
-
-
-class Plugin:
-    """Reports every phase of every expected test to the supervisor; deselects the rest.
-
-    The integrity snapshot is taken in `pytest_load_initial_conftests` (no tryfirst/trylast): after
-    pytest's own early patches (legacypath's, tryfirst) and before the conftests, the first place
-    where repository code can run, are imported (pytest's own impl, trylast)."""
-
-    def __init__(self, expected, send, tamper):
-        self.expected, self.check, self._send, self._tamper = frozenset(expected), None, send, tamper
-
-    def pytest_load_initial_conftests(self, early_config, parser, args):
-        self.check = _integrity_check(globals())
-
-    def pytest_collection_modifyitems(self, session, config, items):
-        keep = [it for it in items if it.nodeid in self.expected]
-        drop = [it for it in items if it.nodeid not in self.expected]
-        items[:] = keep
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-
-    def pytest_collectreport(self, report):
-        if report.failed:
-            self._send({"k": "collect_error", "id": report.nodeid, "msg": str(report.longrepr)[-600:]})
-
-    def pytest_runtest_logreport(self, report):
-        msg = ""
-        if not report.passed:
-            crash = getattr(report.longrepr, "reprcrash", None)
-            msg = crash.message if crash is not None else str(report.longrepr)[-400:]
-        self._send({"k": "report", "id": report.nodeid, "when": report.when, "outcome": report.outcome,
-               "xfail": hasattr(report, "wasxfail"), "msg": msg})
-        if report.when == "teardown":
-            bad = self.check() if self.check else "no integrity snapshot"
-            if bad:
-                self._tamper(bad)
-
-    def pytest_sessionfinish(self, session, exitstatus):
-        bad = self.check() if self.check else "no integrity snapshot"
-        if bad:
-            self._tamper(bad)
-
-
 def runner():
-    key = os.read(KEY_FD, 64)
-    os.close(KEY_FD)
-    send = _make_sender(key)  # the key and the sender live in closures, never in a module global
-    tamper = _make_tamper(send)
-    del key
-    with open(JOB) as f:
-        job = json.load(f)
-    for p in reversed(job["pythonpath"]):
-        sys.path.insert(0, os.path.join(REPO, p) if p != "." else REPO)
-    if job.get("site"):
-        sys.path.insert(len(job["pythonpath"]), job["site"])
+    sys.path.insert(0, LIB)
     import importlib
 
     import _pytest.config
+    import _pytest.runner
     import pytest
-    for name in _pytest.config.default_plugins:  # every built-in plugin loaded before the snapshot
+    for name in _pytest.config.default_plugins:  # every built-in plugin loaded before any repository path
         try:
             importlib.import_module("_pytest." + name)
         except ImportError:
             pass
     import unittest  # noqa: F401 - snapshotted too
-    plugin = Plugin(job["expected"], send, tamper)
-    sys.addaudithook(_audit_hook(tamper))
+
+    import _rlbus_guard as guard
+
+    trusted = guard.trusted_prefixes([RL])
+    is_trusted = guard.make_is_trusted(trusted)
+    gen = guard.sender(KEY_FD, sys._getframe().f_code, is_trusted)
+    job = next(gen)
+    send = gen.send  # the key lives only in the generator's frame
+    tamper = _runner_tamper(send)
+    if job.get("site"):
+        sys.path.append(job["site"])
+    for p in job["pythonpath"]:  # the repository comes after the stdlib, site-packages and the deps
+        sys.path.append(os.path.join(REPO, p) if p != "." else REPO)
+    _prctl_not_dumpable()
+    plugin = guard.Plugin(job["expected"], send, tamper, globals(), is_trusted, REPO)
+    sys.addaudithook(guard.audit_hook(tamper, trusted))
     args = ["-c", INI, "--rootdir", REPO, "--confcutdir", REPO, "-p", "no:cacheprovider", "-o", "addopts=",
-            "-q", "-rN", "--tb=short"] + list(job["paths"])
+            "--import-mode=append", "-q", "-rN", "--tb=short"] + list(job["paths"])
+    del job
     pytest.main(args, plugins=[plugin])
-    send({"k": "fin"})
+    send(({"k": "fin"}, None))
     sys.stdout.flush()
     os._exit(0)
 

@@ -60,12 +60,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from schemas import Trajectory
-from schemas.repo_task import RepoTask, is_protected
+from schemas.repo_task import EXPORT_REFUSED, RepoTask, helper_paths, is_protected
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.repo_diff import PatchResult, apply_diff
+from verifier_workers.repo_harness_rewrite import new_top_levels, rewrite_tests, shadowing
 from verifier_workers.verifiers import Verdict, VerifierInputError
 
 HARNESS_PATH = Path(__file__).with_name("repo_harness.py")
+GUARD_PATH = Path(__file__).with_name("repo_harness_guard.py")
 DIFF_ARTIFACT = "diff"
 DEFAULT_IMAGE = "rlbus-repo-sandbox:latest"
 RESULT_FILE = "/work/.rlbus/result.json"
@@ -87,11 +89,18 @@ class Prepared:
     patch: PatchResult
     expected: list[str]
     paths: list[str]
+    pythonpath: list[str]
+    new_top: list[str]
 
 
 @functools.lru_cache(maxsize=1)
 def harness_source() -> str:
     return HARNESS_PATH.read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def guard_source() -> str:
+    return GUARD_PATH.read_text()
 
 
 def load_task(hidden: dict | None) -> RepoTask:
@@ -120,8 +129,10 @@ def candidate_diff(traj: Trajectory) -> str:
 
 
 def protected_predicate(task: RepoTask):
-    """path -> whether an edit to it is dropped (the task's rule, `.pytest.ini`, the hidden paths)."""
-    dirs, hidden = tuple(task.test_dirs), frozenset(task.hidden_files)
+    """path -> whether an edit to it is dropped (the task's rule, `.pytest.ini`, the hidden paths and
+    the test-support modules the hidden tests import, `schemas.repo_task.helper_paths`)."""
+    dirs = tuple(task.test_dirs)
+    hidden = frozenset(task.hidden_files) | helper_paths(task.files, task.hidden_files)
 
     def protected(path: str) -> bool:
         return is_protected(path, dirs) or path in hidden or PurePosixPath(path).name in EXTRA_PROTECTED_NAMES
@@ -136,7 +147,8 @@ def _tree_conflict(files: dict[str, str]) -> str:
 
 
 def prepare(task: RepoTask, diff: str) -> Prepared:
-    """Step 1 of the module docstring: the tree to test, with the patch result."""
+    """Step 1 of the module docstring: the tree to test (its test files rewritten to compare plain
+    data, `repo_harness_rewrite`), with the patch result and the diff's new top-level modules."""
     patch = apply_diff(task.files, diff, protected_predicate(task))
     if patch.applied and (clash := _tree_conflict({**patch.files, **task.hidden_files})):
         patch.errors.append(clash)
@@ -144,7 +156,12 @@ def prepare(task: RepoTask, diff: str) -> Prepared:
     files = {**(patch.files if patch.applied else task.files), **task.hidden_files}
     expected = list(dict.fromkeys([*task.target_tests, *task.regression_tests]))
     paths = sorted({tid.split("::", 1)[0] for tid in expected} & set(files))
-    return Prepared(files, patch, expected, paths)
+    helpers = {p for p in helper_paths(task.files, task.hidden_files) if p.endswith(".py")}
+    for path in sorted(set(paths) | helpers | {p for p in task.hidden_files if p.endswith(".py")}):
+        files[path] = rewrite_tests(files[path])
+    pythonpath = ["."] + (["src"] if any(p.startswith("src/") for p in files) else [])
+    new_top = new_top_levels(task.files, patch.files, pythonpath) if patch.applied else []
+    return Prepared(files, patch, expected, paths, pythonpath, new_top)
 
 
 def _params(traj: Trajectory) -> tuple[float, int, int, float]:
@@ -175,8 +192,13 @@ def check_patch(task: RepoTask, diff: str, *, params: tuple[float, int, int, flo
     prep = prepare(task, diff)
     drops = f"dropped edits to protected paths: {', '.join(prep.patch.dropped)}\n" if prep.patch.dropped else ""
     if not prep.patch.applied:
-        return Verdict(dict.fromkeys(COMPONENTS, 0.0), weights=weights,
-                       details=f"{drops}the diff does not apply: {'; '.join(prep.patch.errors)[:800]}")
+        why = diff.strip()[:800] if diff.startswith(EXPORT_REFUSED) else \
+            f"the diff does not apply: {'; '.join(prep.patch.errors)[:800]}"
+        return Verdict(dict.fromkeys(COMPONENTS, 0.0), weights=weights, details=f"{drops}{why}")
+    if shadow := shadowing(prep.new_top):
+        return Verdict(dict.fromkeys(COMPONENTS, 0.0) | {"applied": 1.0}, weights=weights,
+                       details=f"{drops}refused: the diff adds top-level module(s) {', '.join(shadow)} that shadow "
+                               "the standard library, pytest or the harness; rename them")
     t0 = time.perf_counter()
     body = _run(task, prep, params, image)
     took = time.perf_counter() - t0
@@ -192,10 +214,10 @@ def _run(task: RepoTask, prep: Prepared, params: tuple[float, int, int, float], 
 
     timeout, memory, pids, cpus = params
     nonce, call = secrets.token_hex(32), secrets.token_hex(8)
-    pythonpath = ["."] + (["src"] if any(p.startswith("src/") for p in prep.files) else [])
-    job = {"nonce": nonce, "call": call, "files": prep.files, "harness": harness_source(), "expected": prep.expected,
-           "paths": prep.paths, "pythonpath": pythonpath, "deps": list(task.deps), "timeout_s": timeout,
-           "install_timeout_s": INSTALL_TIMEOUT_S, "protect_hash": sorted(task.hidden_files)}
+    job = {"nonce": nonce, "call": call, "files": prep.files, "harness": harness_source(), "guard": guard_source(),
+           "expected": prep.expected, "paths": prep.paths, "pythonpath": prep.pythonpath, "new_top": prep.new_top,
+           "deps": list(task.deps), "timeout_s": timeout, "install_timeout_s": INSTALL_TIMEOUT_S,
+           "protect_hash": sorted(task.hidden_files)}
     limits = Limits(memory_mb=memory, pids=pids, cpu_seconds=int(timeout + INSTALL_TIMEOUT_S) + 10, tmp_mb=256,
                     file_size_mb=64, nofile=1024)
     image = image or os.environ.get("RLBUS_REPO_SANDBOX_IMAGE") or DEFAULT_IMAGE
@@ -231,6 +253,8 @@ def _open_result(data: bytes, nonce: str, call: str) -> dict:
 
 
 def _judge(task: RepoTask, prep: Prepared, body: dict) -> Verdict:
+    if body.get("refused"):
+        return Verdict(dict.fromkeys(COMPONENTS, 0.0) | {"applied": 1.0}, details=f"refused: {body['refused']}")
     if body.get("tamper") and "passed" not in body:
         return Verdict(dict.fromkeys(COMPONENTS, 0.0), status="tamper", details=f"tamper: {body['tamper']}")
     passed = body.get("passed") or {}

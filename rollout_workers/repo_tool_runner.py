@@ -11,7 +11,9 @@ Ops (argv after the source):
 - `patch`: the unified diff staged in `INPUT` is applied atomically: every file's hunks
   must match (exact context lines, any offset, no fuzz) or nothing is written.
 - `state`: one JSON object {path: sha256 hex of its bytes} of every file of the
-  repository (the rollout side diffs it against the original tree).
+  repository (the rollout side diffs it against the original tree); bounded: a file over
+  8 MiB is "toolarge", an unreadable one "unreadable", and a listing over 512 KiB is
+  `{"": reason}` instead (so the listing never outgrows the sandbox's output cap).
 
 Guarantees: paths must stay inside the repository (no absolute path, no `..`, no
 symlink component) or the op fails with exit 2 and a message; a failing op writes
@@ -196,11 +198,28 @@ def op_patch():
     print("applied: %s" % ", ".join(("deleted %s" % p) if t is None else p for p, t in sorted(result.items())))
 
 
+STATE_BUDGET = 512 * 1024
+MAX_STATE_FILE = 8 << 20
+
+
 def op_state():
-    state = {}
+    """{path: sha256} of every file; a file over MAX_STATE_FILE is "toolarge", one that cannot be read
+    "unreadable"; a listing over STATE_BUDGET bytes is replaced by {"": reason} (the policy's doing)."""
+    state, size = {}, 2
     for path in walk("."):
-        with open(path, "rb") as f:
-            state[path] = hashlib.sha256(f.read()).hexdigest()
+        try:
+            if os.path.getsize(path) > MAX_STATE_FILE:
+                state[path] = "toolarge"
+            else:
+                with open(path, "rb") as f:
+                    state[path] = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            state[path] = "unreadable"
+        size += len(json.dumps(path)) + len(state[path]) + 6
+        if size > STATE_BUDGET:
+            print(json.dumps({"": "the repository's state listing is over %d bytes (%d+ files)"
+                              % (STATE_BUDGET, len(state))}))
+            return
     print(json.dumps(state, sort_keys=True))
 
 

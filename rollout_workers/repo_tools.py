@@ -16,8 +16,12 @@ Guarantees:
 - `export_diff` is the unified diff (`schemas.repo_task.unified_diff`) of the sandbox's
   repository now against the original files: changed and new UTF-8 files read back
   exactly, deleted files as deletions, files that are not UTF-8 left out (named in the
-  returned `skipped`). A state listing that fails, is truncated or does not parse raises
-  `ExportFailed` (an infrastructure error for the caller: never an empty diff by accident).
+  returned `skipped`, as are files over 8 MiB or unreadable). A state listing over its bound
+  (the runner's `{"": reason}`, or a truncated one: the policy made the repository that big) is
+  the episode's own failure: the exported "diff" is `schemas.repo_task.EXPORT_REFUSED` + reason,
+  which never applies, so the verifier scores that trajectory 0 and names the reason; the batch
+  goes on. A listing that fails, times out or does not parse raises `ExportFailed` (an
+  infrastructure error for the caller: never an empty diff by accident).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import hashlib
 import json
 from pathlib import Path, PurePosixPath
 
-from schemas.repo_task import unified_diff
+from schemas.repo_task import EXPORT_REFUSED, unified_diff
 from schemas.tool_protocol import Call
 
 RUNNER_PATH = Path(__file__).with_name("repo_tool_runner.py")
@@ -92,6 +96,8 @@ def _sha(text: str) -> str:
 async def export_diff(sandbox, original: dict[str, str]) -> tuple[str, list[str]]:
     """(the diff of the sandbox's repository against `original`, paths left out as not UTF-8)."""
     res = await sandbox.execute(runner_argv("state"), EXPORT_TIMEOUT_S)
+    if res.truncated and res.exit_code == 0 and not res.timed_out:
+        return EXPORT_REFUSED + "the repository's state listing outgrew the sandbox's output cap\n", []
     if res.exit_code != 0 or res.truncated or res.timed_out:
         raise ExportFailed(f"repository state listing failed (exit {res.exit_code}, truncated={res.truncated}, "
                            f"timed_out={res.timed_out}): {res.stderr[-300:]}")
@@ -99,10 +105,17 @@ async def export_diff(sandbox, original: dict[str, str]) -> tuple[str, list[str]
         state = json.loads(res.stdout)
     except json.JSONDecodeError as exc:
         raise ExportFailed(f"repository state listing does not parse: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ExportFailed(f"repository state listing is not an object: {type(state).__name__}")
+    if "" in state:
+        return EXPORT_REFUSED + f"{state['']}\n", []
     new = {p: t for p, t in original.items() if p in state or not _listed(p)}
     skipped: list[str] = []
     for path, digest in sorted(state.items()):
         if path in original and _sha(original[path]) == digest:
+            continue
+        if digest in ("toolarge", "unreadable"):
+            skipped.append(path)
             continue
         data = await sandbox.read_file(path)
         try:

@@ -311,7 +311,7 @@ def _check_by_reference(run_path: Path) -> None:
                 ref = r.trajectory.artifact_refs["diff"]
                 gold = load_task(r.trajectory.verifier_params["repo_task"]).gold_patch.encode()
                 assert "diff" not in r.trajectory.artifacts and await get_payload(js, access.reg, ref) == gold
-            return rewards, set(await NatsStore(js, access.reg.payload_bucket).names())
+            return rewards, set(await NatsStore(js, access.reg.workspace_bucket).names())
 
     with reach_run(run_path) as access:
         rewards, names = asyncio.run(read(access))
@@ -319,3 +319,41 @@ def _check_by_reference(run_path: Path) -> None:
     assert {r.trajectory.purpose for r in rewards} == {"train", "eval"}
     for tid in ("fixture-wordcount", "fixture-stack", "fixture-clamp", "fixture-partial"):
         assert payload_name(payload_ref(reg, pack_files(load_task(tid).files)).sha256) in names, tid
+
+
+class _LocalDir:
+    """The two calls `export_diff` makes, run for real on a local directory (the runner as a subprocess)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    async def execute(self, argv, timeout):
+        p = subprocess.run([sys.executable, *argv[1:]], cwd=self.root, capture_output=True, text=True, timeout=60)
+        out = p.stdout
+        cap = 1 << 20  # the sandbox's output cap
+        return ExecResult(exit_code=p.returncode, stdout=out[:cap], stderr=p.stderr, truncated=len(out) > cap)
+
+    async def read_file(self, path):
+        return (self.root / path).read_bytes()
+
+
+def test_attack_oversized_export_is_the_episodes_zero(tmp_path):
+    """A policy that makes the repository's state listing huge (issue 27) gets a refused export for its
+    own trajectory (scored 0 by the verifier, `schemas.repo_task.EXPORT_REFUSED`), never an
+    ExportFailed that fails the whole rollout batch; a small change still exports as a diff."""
+    import asyncio
+
+    from rollout_workers.repo_tools import export_diff
+    from schemas.repo_task import EXPORT_REFUSED
+
+    original = {"pkg/a.py": "A = 1\n"}
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/a.py").write_text("A = 2\n")
+    diff, skipped = asyncio.run(export_diff(_LocalDir(tmp_path), original))
+    assert "+A = 2" in diff and not skipped
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(6000):
+        (many / f"{i:05d}-{'x' * 80}.txt").write_text("")
+    diff, skipped = asyncio.run(export_diff(_LocalDir(tmp_path), original))
+    assert diff.startswith(EXPORT_REFUSED) and "over" in diff and skipped == []

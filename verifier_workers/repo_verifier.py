@@ -13,8 +13,15 @@ Order of verification (guaranteed):
 1. On the host, in memory (`verifier_workers.repo_diff`): the original files, the diff
    applied strictly and atomically with every file patch that touches a protected path
    dropped (`RepoTask.is_protected` with the task's test dirs, `.pytest.ini`, and every
-   hidden file's path), then the hidden files copied over. The drops are listed in the
-   details. A diff that does not apply scores 0 on every component without a run.
+   hidden file's path, and the test helpers the hidden tests import,
+   `schemas.repo_task.helper_paths`), then the hidden files copied over. The drops are listed
+   in the details. The test files that run, the hidden files and the helpers are rewritten to
+   compare plain data only (`repo_harness_rewrite.rewrite_tests`). A diff that does not apply
+   scores 0 on every component without a run (an export the rollout side refused,
+   `schemas.repo_task.EXPORT_REFUSED`, is such a diff, and its reason is the details); a diff
+   adding a top-level module that shadows the stdlib, pytest, pluggy or the harness is
+   refused (unresolved, `applied` 1.0, the names in the details) without a run; the
+   supervisor refuses one shadowing an installed distribution of the image the same way.
 2. A FRESH container (`sandbox_workers.docker_fresh`: never used before, removed after)
    gets that tree, a random per-call nonce and the expected ids (targets + regression) on
    the stdin of its uid-0 supervisor (`verifier_workers.repo_harness`, whose docstring

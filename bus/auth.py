@@ -44,12 +44,12 @@ ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = "RLBUS_NATS_TLS_CA", "RLBUS_NATS_TLS_CER
 
 # family -> which roles create it when missing (KV_/OBJ_ entries are buckets)
 ROLE_TOPOLOGY: dict[str, tuple[str, ...]] = {
-    "sampler": ("TASKS", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_payloads"),
-    "rollout": ("TASKS", "TRAJ", "WEIGHTS", "DLQ", "KV_run", "OBJ_weights", "OBJ_payloads"),
+    "sampler": ("TASKS", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_workspaces"),
+    "rollout": ("TASKS", "TRAJ", "WEIGHTS", "DLQ", "KV_run", "OBJ_weights", "OBJ_artifacts"),
     "verifier": ("TRAJ", "REWARDS", "DLQ", "KV_hidden"),
     "learner": ("REWARDS", "WEIGHTS", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
     "scheduler": ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_weights",
-                  "OBJ_payloads"),
+                  "OBJ_workspaces"),
     "sandbox": (),
     "tracker": (),  # reads only: the run's streams exist before it starts (launcher, compose init)
 }
@@ -62,10 +62,11 @@ def inbox_prefix(user: str) -> str:
 
 def stream_name(reg: Registry, family: str) -> str:
     """Stream name of a ROLE_TOPOLOGY family (streams, `KV_run`, `KV_hidden`, `KV_toolrec`, `OBJ_weights`,
-    `OBJ_payloads`)."""
+    `OBJ_workspaces`, `OBJ_artifacts`)."""
     return {"KV_run": f"KV_{reg.kv_bucket}", "KV_hidden": f"KV_{reg.hidden_bucket}",
             "KV_toolrec": f"KV_{reg.toolrec_bucket}", "OBJ_weights": f"OBJ_{reg.object_bucket}",
-            "OBJ_payloads": f"OBJ_{reg.payload_bucket}"}.get(family) or reg.stream(family)
+            "OBJ_workspaces": f"OBJ_{reg.workspace_bucket}",
+            "OBJ_artifacts": f"OBJ_{reg.artifact_bucket}"}.get(family) or reg.stream(family)
 
 
 # -- permission building blocks (JetStream API subjects as nats-py uses them) ----------
@@ -144,18 +145,22 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
     for fam in ROLE_TOPOLOGY.get(role, ()):
         pub += js_info(s(fam)) + js_create(s(fam))
     kv_run, kv_hidden, kv_rec, obj = s("KV_run"), s("KV_hidden"), s("KV_toolrec"), s("OBJ_weights")
-    # public payloads by reference (bus.payloads): put = chunk + meta publishes (no purge), get = ordered consumer
-    pay_put, pay_get = [f"$O.{reg.payload_bucket}.>"] + js_read(s("OBJ_payloads")), js_consume(s("OBJ_payloads"))
+    # public payloads by reference (bus.payloads): put = chunk + meta publishes (no purge) after reading the
+    # object back (a put checks the bytes, not the meta), get = ordered consumer. Workspaces are written
+    # by the task publishers only, artifacts by rollout only; the verifier reads both.
+    ws_put = [f"$O.{reg.workspace_bucket}.>"] + js_consume(s("OBJ_workspaces"))
+    art_put = [f"$O.{reg.artifact_bucket}.>"] + js_consume(s("OBJ_artifacts"))
+    ws_get, art_get = js_consume(s("OBJ_workspaces")), js_consume(s("OBJ_artifacts"))
     if role == "sampler":
         pub += [f"tasks.{r}.>", f"ledger.{r}.>", f"$KV.{reg.hidden_bucket}.>", f"$KV.{reg.kv_bucket}.>"]
-        pub += js_read(kv_run) + js_info(kv_hidden) + js_info(s("DLQ")) + js_info(s("TASKS")) + pay_put
+        pub += js_read(kv_run) + js_info(kv_hidden) + js_info(s("DLQ")) + js_info(s("TASKS")) + ws_put
     elif role == "rollout":
         pub += [f"traj.{r}.>"] + js_consume(s("TASKS")) + js_consume(s("WEIGHTS")) + js_read(kv_run)
-        pub += js_consume(obj) + js_info(s("TRAJ")) + pay_put + pay_get
+        pub += js_consume(obj) + js_info(s("TRAJ")) + ws_get + art_put
         sub += [reg.weights, reg.weights_prefetch]
     elif role == "verifier":
         pub += [f"rewards.{r}.>"] + js_consume(s("TRAJ")) + js_read(kv_hidden) + js_read(kv_rec) + js_read(kv_run)
-        pub += js_info(s("REWARDS")) + pay_get
+        pub += js_info(s("REWARDS")) + ws_get + art_get
     elif role == "learner":
         pub += [f"weights.{r}", reg.weights_prefetch, f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"$O.{reg.object_bucket}.>"]
         pub += js_consume(s("REWARDS")) + js_consume(kv_run) + js_consume(obj) + js_read(s("LEDGER"))
@@ -164,9 +169,9 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
         # tasks + hidden puts (no read): pipeline eval rounds publish purpose=eval tasks, and the
         # gold of a domain's own eval set (`eval_problems`) goes to the hidden bucket first
         pub += [f"eval.{r}.>", f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"tasks.{r}.>", f"$KV.{reg.hidden_bucket}.>"]
-        pub += pay_put  # the public repositories of eval tasks too large to travel inline
+        pub += ws_put  # the public repositories of eval tasks too large to travel inline
         for fam in ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "OBJ_weights",
-                    "OBJ_payloads"):
+                    "OBJ_workspaces", "OBJ_artifacts"):
             pub += js_consume(s(fam))
         pub += [f"{API}.STREAM.MSG.DELETE.{s('DLQ')}"]
         sub += [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s(f)}.>" for f in ("TASKS", "TRAJ", "REWARDS")]
@@ -194,22 +199,22 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
     (the container healthcheck connects as the role's user).
 
     - sampler: publish `tasks.R.>`, `ledger.R.>`; write KV `hidden-R` (put only, no read)
-      and KV `run-R`; read KV `run-R`; write object store `payloads-R` (put, no purge: the
+      and KV `run-R`; read KV `run-R`; write object store `workspaces-R` (put, no purge: the
       public repositories of tasks too large to carry inline).
     - rollout: consume TASKS (durable `rollout`), publish `traj.R.>`, read WEIGHTS
       (ordered consumer) and its core-NATS prefetch hints `weights.R.prefetch`, KV `run-R`
-      and object store `weights-R`; read and write (put, no purge) object store `payloads-R`
-      (workspaces in, large artifacts out); request the sandbox service. No hidden bucket,
-      no `rewards.>`/`weights.>` publish, no write to `weights-R`.
+      and object store `weights-R`; read object store `workspaces-R` (never write it), write
+      (put, no purge) object store `artifacts-R` (large artifacts out); request the sandbox
+      service. No hidden bucket, no `rewards.>`/`weights.>` publish, no write to `weights-R`.
     - verifier: consume TRAJ, publish `rewards.R.>`, read KV `hidden-R`, `toolrec-R`, `run-R`
-      and object store `payloads-R` (artifacts by reference); request the sandbox service.
+      and object stores `workspaces-R` and `artifacts-R`; request the sandbox service.
       No right on object store `weights-R`.
     - learner: consume REWARDS, publish `weights.R`, `weights.R.prefetch` and `ledger.R.>`, write KV `run-R` and
       object store `weights-R`, read LEDGER. No hidden bucket.
     - scheduler: consume/read every stream of the run but the hidden and toolrec buckets,
       delete DLQ messages, publish `eval.R.>`, `ledger.R.>`, `tasks.R.>` (pipeline eval
       rounds), write KV `run-R` and KV `hidden-R` (put only, no read: the gold of eval sets a
-      domain source draws) and object store `payloads-R` (put, no purge), subscribe to
+      domain source draws) and object store `workspaces-R` (put, no purge), subscribe to
       MAX_DELIVERIES advisories and every heartbeat `metrics.R.>` (costs).
     - sandbox: serve `sandbox.>` (queue group), reply to requests (allow_responses),
       write KV `toolrec-R`.

@@ -202,11 +202,16 @@ async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None 
         await js.key_value(reg.hidden_bucket)
     except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
         await js.create_key_value(bucket=reg.hidden_bucket, history=1, replicas=stream_replicas())
-    for bucket in (reg.object_bucket, reg.payload_bucket):
-        try:
-            await js.object_store(bucket)
-        except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
-            await js.create_object_store(bucket=bucket, replicas=stream_replicas())
+    for bucket, max_bytes in [(reg.object_bucket, None), *reg.payload_buckets().values()]:
+        await _ensure_object_store(js, bucket, max_bytes)
+
+
+async def _ensure_object_store(js: JetStreamContext, bucket: str, max_bytes: int | None) -> None:
+    """Create object store `bucket` when missing (a byte cap when `max_bytes`); other errors propagate."""
+    try:
+        await js.object_store(bucket)
+    except NotFoundError:  # BucketNotFoundError: create it
+        await js.create_object_store(bucket=bucket, replicas=stream_replicas(), max_bytes=max_bytes or -1)
 
 
 async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) -> None:
@@ -229,12 +234,12 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
                 await js.key_value(bucket)
             except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
                 await js.create_key_value(bucket=bucket, history=history, replicas=stream_replicas())
-    for family, bucket in (("OBJ_weights", reg.object_bucket), ("OBJ_payloads", reg.payload_bucket)):
+    payloads = reg.payload_buckets()
+    for family, (bucket, max_bytes) in (("OBJ_weights", (reg.object_bucket, None)),
+                                        ("OBJ_workspaces", payloads["workspace"]),
+                                        ("OBJ_artifacts", payloads["artifact"])):
         if family in families:
-            try:
-                await js.object_store(bucket)
-            except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
-                await js.create_object_store(bucket=bucket, replicas=stream_replicas())
+            await _ensure_object_store(js, bucket, max_bytes)
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
@@ -263,7 +268,7 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
     names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
-                                       f"OBJ_{reg.object_bucket}", f"OBJ_{reg.payload_bucket}"]
+                                       f"OBJ_{reg.object_bucket}", f"OBJ_{reg.workspace_bucket}", f"OBJ_{reg.artifact_bucket}"]
     for name in names:
         try:
             await js.delete_stream(name)

@@ -51,6 +51,10 @@ class Limits:
     rewards_max_age_s: float = 30 * DAY
     dlq_max_age_s: float = 90 * DAY
     weights_keep: int = 64
+    # payload object stores (bus.payloads): byte caps, so a flood of objects stops at the cap
+    # (a refused put) instead of filling the store's disk, which would stop the whole run
+    workspaces_max_bytes: int = 256 * 1024**2
+    artifacts_max_bytes: int = 128 * 1024**2
 
 
 REPLICAS_ENV = "RLBUS_STREAM_REPLICAS"
@@ -169,11 +173,23 @@ class Registry:
         return f"weights-{self.run_id}"
 
     @property
-    def payload_bucket(self) -> str:
-        """Object store bucket of public payloads too large for a message (a repository tree, a
-        trajectory's diff: `bus.payloads`), named by content. Never hidden data, never weights:
-        weight retention works on `object_bucket` only."""
-        return f"payloads-{self.run_id}"
+    def workspace_bucket(self) -> str:
+        """Object store bucket of the public repositories of tasks too large for a message
+        (`bus.payloads`), named by content: written only by the task publishers (sampler,
+        scheduler), read by rollout and verifier. Never hidden data, never weights."""
+        return f"workspaces-{self.run_id}"
+
+    @property
+    def artifact_bucket(self) -> str:
+        """Object store bucket of trajectory artifacts too large for a message (a diff:
+        `bus.payloads`), named by content: written by rollout, read by the verifier. Weight
+        retention works on `object_bucket` only."""
+        return f"artifacts-{self.run_id}"
+
+    def payload_buckets(self) -> dict[str, tuple[str, int]]:
+        """Payload kind -> (bucket, max_bytes): `workspace` and `artifact`."""
+        return {"workspace": (self.workspace_bucket, self.limits.workspaces_max_bytes),
+                "artifact": (self.artifact_bucket, self.limits.artifacts_max_bytes)}
 
     @property
     def kv_stream(self) -> str:

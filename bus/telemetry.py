@@ -77,7 +77,7 @@ PROCESSED = {"sampler": ("published",), "rollout": ("tasks", "trajectories"), "v
              "sandbox": ("execs", "sessions_opened")}
 OUTCOMES = ("ack", "retry", "reject", "dead_lettered")
 ERRORS = ("infra_errors", "weights_rejected", "undecodable", "foreign", "duplicates", "errors",
-          "max_deliveries_dead_lettered", "gate_waits")
+          "max_deliveries_dead_lettered", "gate_waits", "check_forged")
 INFLIGHT = ("inflight", "sessions_open")
 _NAME = re.compile(r"[^a-zA-Z0-9_:]")
 

@@ -14,7 +14,8 @@ Guarantees:
   (gold, tests) is stored in the run's hidden bucket under `task.hidden_ref` before the
   task is published, so a verifier can always resolve it; likewise the public payloads a
   task names by reference (`Drawn.payloads`: a large repository) are in the run's payload
-  bucket (`bus.payloads`) before the task is published.
+  bucket (`bus.payloads`) before the task is published, and so is its check (verifier, params,
+  reward weights, hidden ref: `bus.checks`), which is what the verifier scores it by.
 - The published count survives restarts (KV `sampler.progress`).
 - Each task's domain is drawn by the curriculum weights (KV `curriculum`, written by the
   scheduler: {"weights": {...}, "levels": {...}, "version": n}) and its `difficulty` is
@@ -40,6 +41,7 @@ import random
 
 import structlog
 
+from bus.checks import put_checks
 from bus.hidden import put_hidden
 from bus.kv import CURRICULUM, DURATIONS, LEARNER_PROGRESS, SAMPLER_PROGRESS, get_json, put_json
 from bus.payloads import put_payloads
@@ -158,6 +160,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         s.counters["domains_disabled"] = len(disabled)
         hidden_stored: set[str] = set()
         payloads_stored: set[str] = set()
+        checks_stored: dict[str, bytes] = {}
         saved = await get_json(s.js, s.reg, SAMPLER_PROGRESS) or {}
         published = int(saved.get("published", 0))
         by_pool = {p: 0 for p in sc.inflight_caps} | dict(saved.get("by_pool") or {"short": published})
@@ -192,6 +195,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
                     hidden_stored.add(d.task.hidden_ref)
                 await put_payloads(s.js, s.reg, d.payloads, payloads_stored)
             tasks = [d.task for d in drawn]
+            await put_checks(s.js, s.reg, tasks, checks_stored)  # the verifier scores by these, never the trajectory's
             await publish_many(s.js, [(s.reg.tasks(t.domain, t.pool), t) for t in tasks])
             await publish(s.js, s.reg.ledger("sampler"), TaskFates(
                 run_id=s.reg.run_id, stage="sampler", fates=[TaskFate(task_msg_id=t.msg_id, fate="published") for t in tasks]))

@@ -9,7 +9,7 @@ Guarantees:
   (`rlbus.run_reader`), in stream order, the first `--limit` of domain D.
 - They are scored on the controlled side by the verifier worker's own code
   (`verifier_workers.worker.Scorer`: the tool-result integrity check against the run's
-  `toolrec-<run>` records, the hidden payload from KV `hidden-<run>`, then `score`,
+  `toolrec-<run>` records, the task's check and hidden payload from KV `hidden-<run>`, then `score`,
   i.e. the registered verifier and the reward composition with the domain's weights).
   `--verifier NAME` scores with another registered verifier (built-in, plugin, or
   `register()`ed); `--set verifier.PARAM=VALUE` overrides one of the trajectory's
@@ -146,14 +146,16 @@ async def rescore_rows(access, domain: str, verifier: str | None, params: dict, 
     async with jetstream(access, "rlbus-rescore") as js:
         await check_domain(js, access.reg, domain)
         # max_deliver=1: an infrastructure failure is final at once (Reject), never retried here
+        # the check comes from the run's hidden bucket (bus.checks), as in the verifier worker; the
+        # operator's --verifier/--set apply after it, never the stored trajectory's own copies
         scorer = Scorer(HiddenCache(js, access.reg), RetryPolicy(max_deliver=1), 0, js, access.reg,
-                        tool_secret(access.run_path))
+                        tool_secret(access.run_path), retarget=lambda t: retarget(t, verifier, params))
         async for seq, old in iter_rewards(js, access.reg, domain):
             if limit is not None and len(rows) >= limit:
                 break
             new, error = None, None
             try:
-                new = await scorer.one(_Stored(retarget(old.trajectory, verifier, params)))
+                new = await scorer.one(_Stored(old.trajectory))
             except (Reject, Retry) as exc:
                 error = exc.reason
             except Exception as exc:  # noqa: BLE001 - one sample's failure is reported, the others still score

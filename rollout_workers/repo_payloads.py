@@ -36,7 +36,7 @@ async def resolve_workspaces(tasks: list[Task], cache: PayloadCache) -> list[Tas
             out.append(task)
             continue
         try:
-            files = await cache.get(task.workspace_ref, unpack_files)
+            files = await cache.get(task.workspace_ref, unpack_files, "workspace")
         except (PayloadUnavailable, ValueError) as exc:
             raise PayloadMissing(f"workspace of task {task.task_id}: {exc}") from exc
         if not files:
@@ -46,7 +46,7 @@ async def resolve_workspaces(tasks: list[Task], cache: PayloadCache) -> list[Tas
 
 
 async def offload_artifacts(js, reg, episodes: list[Episode], inline_max: int) -> int:
-    """Move the episodes' artifacts over `inline_max` bytes to the payload bucket; how many moved."""
+    """Move the episodes' artifacts over `inline_max` bytes to the artifact bucket; how many moved."""
     stored: dict[bytes, BlobRef] = {}
     moved = 0
     for ep in episodes:
@@ -56,7 +56,7 @@ async def offload_artifacts(js, reg, episodes: list[Episode], inline_max: int) -
                 key = bytes(data)
                 ref = stored.get(key)
                 if ref is None:
-                    ref = stored[key] = await put_payload(js, reg, key)
+                    ref = stored[key] = await put_payload(js, reg, key, "artifact")
             except Exception as exc:
                 raise PayloadMissing(f"artifact {name!r} of task {ep.task.task_id} could not be stored: "
                                      f"{type(exc).__name__}: {exc}") from exc

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from bus.checks import put_checks
 from bus.hidden import put_hidden
 from bus.payloads import put_payloads, rebind
 from bus.publish import publish_many
@@ -115,6 +116,7 @@ class PipelineEval:
         self.last: dict = {}  # the last round: tasks published, rewards received
         self.hidden_stored: set[str] = set()
         self.payloads_stored: set[str] = set()
+        self.checks_stored: dict[str, bytes] = {}
 
     async def start(self) -> None:
         from nats.js.api import DeliverPolicy
@@ -168,6 +170,7 @@ class PipelineEval:
         rnd = self.rounds[round_id] = Round(round_id, dict(Counter(t.domain for t in tasks)))
         t0 = time.monotonic()
         await self._store_hidden(names)
+        await put_checks(self.js, self.reg, tasks, self.checks_stored)  # what the verifier scores by
         await publish_many(self.js, [(self.reg.tasks(t.domain, t.pool), t) for t in tasks])
         waits = [asyncio.ensure_future(rnd.done.wait())] + ([asyncio.ensure_future(stop.wait())] if stop else [])
         try:

@@ -23,3 +23,12 @@ def make_trajectory(run_id: str, task: Task, index: int = 0, text: str = "5") ->
                       domain="arith", group_id=task.msg_id, group_size=task.group_size, sample_index=index,
                       turns=turns, verifier="arith", verifier_params=task.verifier_params, final_text=text,
                       policy_version=3, tokens=2)
+
+
+async def store_checks(js, reg, tasks) -> None:
+    """Store the tasks' checks as their publisher does (`bus.checks.put_checks`): the verifier
+    scores a trajectory only by its task's check, so tests that publish tasks or trajectories
+    themselves must store it first."""
+    from bus.checks import put_checks
+
+    await put_checks(js, reg, list(tasks), {})

@@ -23,6 +23,7 @@ from sandbox_workers.async_sandbox import LocalAsyncSandbox
 from sandbox_workers.integrity import LocalRecorder, ToolTurn, verify_observations
 from sandbox_workers.process import bwrap_path
 from schemas import ChatMessage, Task, decode, encode, unpack_i32
+from tests.messages import store_checks
 from verifier_workers.tool_calc_verifier import verify_tool_calc
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bwrap not installed (apt-get install -y bubblewrap)")
@@ -162,6 +163,7 @@ async def test_verifier_flags_forged_observations(js, run_id, drop_run):
     edited_turns[2] = edited_turns[2].model_copy(update={"text": edited_turns[2].text.replace("159294", "159295")})
     edited = good.model_copy(update={"turns": edited_turns})
     scorer = Scorer(HiddenCache(js, reg), RetryPolicy(max_deliver=3), 1, js, reg, SECRET)
+    await store_checks(js, reg, [good])
 
     class D:
         delivered = 1

@@ -213,8 +213,9 @@ async def test_verifier_scores_with_hidden_data_and_monitor_tails_rewards(as_use
 
 
 async def test_payloads_by_reference_each_role_exactly_its_rights(as_user):
-    """Sampler puts a workspace, rollout reads it and puts a diff, verifier reads the diff; the
-    verifier writes no payload, and neither rollout nor verifier writes (or the verifier reads) weights."""
+    """Sampler puts a workspace, rollout reads it and puts a diff, verifier reads both; the rollout
+    writes no workspace (not even a meta: issue 27's poisoning), the verifier writes no payload, and
+    neither rollout nor verifier writes (or the verifier reads) weights."""
     from bus.objects import put_blob
     from bus.payloads import get_payload, put_payload
     from bus.weight_stores import NatsStore
@@ -223,20 +224,27 @@ async def test_payloads_by_reference_each_role_exactly_its_rights(as_user):
     admin, sampler, rollout, verifier = [await as_user(u) for u in ("admin", "sampler", "rollout", "verifier")]
     ajs, sjs, rjs, vjs = (nc.jetstream(timeout=5) for nc in (admin, sampler, rollout, verifier))
     for js, role in ((sjs, "sampler"), (rjs, "rollout"), (vjs, "verifier")):
-        await ensure_topology(js, reg, role=role)  # sampler and rollout create the payload bucket when missing
+        await ensure_topology(js, reg, role=role)  # sampler: workspaces, rollout: artifacts, when missing
     workspace = await put_payload(sjs, reg, b"w" * 3000)
     assert await put_payload(sjs, reg, b"w" * 3000) == workspace  # already there: nothing written, no purge needed
-    assert await get_payload(rjs, reg, workspace) == b"w" * 3000
-    diff = await put_payload(rjs, reg, b"d" * 3000)
-    assert await get_payload(vjs, reg, diff) == b"d" * 3000
-    assert await denied(put_payload(vjs, reg, b"v" * 3000))
+    assert await get_payload(rjs, reg, workspace, "workspace") == b"w" * 3000
+    assert await get_payload(vjs, reg, workspace) == b"w" * 3000
+    diff = await put_payload(rjs, reg, b"d" * 3000, "artifact")
+    assert await get_payload(vjs, reg, diff, "artifact") == b"d" * 3000
+    assert await denied(put_payload(vjs, reg, b"v" * 3000, "artifact"))
+    assert await denied(put_payload(rjs, reg, b"r" * 3000, "workspace"))  # no workspace from the policy side
+    # a planted meta (or a replaced object) under the workspace's own name: refused to rollout
+    assert await denied(rjs.publish(f"$O.{reg.workspace_bucket}.M.planted", b"{}"))
+    assert await denied(put_blob(rjs, reg.workspace_bucket, f"sha256-{workspace.sha256}", b"x", purge_replaced=False))
     wv = await publish_version(ajs, reg, None, 0, 0, {})
     assert await denied(get_blob(vjs, wv.uri, wv.sha256))
     for js in (rjs, vjs):
         assert await denied(put_blob(js, reg.object_bucket, "v000009.safetensors", b"forged"))
-    assert await denied(sjs.purge_stream(f"OBJ_{reg.payload_bucket}"))
-    names = await NatsStore(ajs, reg.payload_bucket).names()
-    assert len(names) == 2 and "v000009.safetensors" not in await NatsStore(ajs, reg.object_bucket).names()
+    assert await denied(sjs.purge_stream(f"OBJ_{reg.workspace_bucket}"))
+    assert await get_payload(vjs, reg, workspace) == b"w" * 3000  # unchanged by every refused write
+    assert len(await NatsStore(ajs, reg.workspace_bucket).names()) == 1
+    assert len(await NatsStore(ajs, reg.artifact_bucket).names()) == 1
+    assert "v000009.safetensors" not in await NatsStore(ajs, reg.object_bucket).names()
 
 
 async def test_generated_env_and_rendered_conf_work_together(tmp_path):

@@ -40,6 +40,7 @@ from rollout_workers.repo_payloads import PayloadMissing, offload_artifacts, res
 from schemas import BlobRef, DeadLetter, Reward, Task, Trajectory, Turn, decode, encode
 from schemas.config import RunConfig
 from tests.conftest import settled_consumer
+from tests.messages import store_checks
 from tests.test_repo_episode import docker_only, repo_image, tokenizer_dir  # noqa: F401 - fixtures
 from verifier_workers import registry
 from verifier_workers.repo_verifier import RepoSandboxInfraError, verify_repo
@@ -66,8 +67,8 @@ async def test_payloads_are_content_addressed_checked_and_out_of_weight_retentio
     data = b"x" * 5000
     ref = await put_payload(js, reg, data)
     assert ref == await put_payload(js, reg, data) == payload_ref(reg, data)  # same bytes, same object
-    assert ref.uri == f"nats-object://payloads-{run_id}/sha256-{hashlib.sha256(data).hexdigest()}"
-    assert await object_names(js, reg.payload_bucket) == [payload_name(ref.sha256)]
+    assert ref.uri == f"nats-object://workspaces-{run_id}/sha256-{hashlib.sha256(data).hexdigest()}"
+    assert await object_names(js, reg.workspace_bucket) == [payload_name(ref.sha256)]
     assert await get_payload(js, reg, ref) == data
 
     # weight retention prunes the weight store only, and only vNNNNNN.safetensors names
@@ -78,19 +79,45 @@ async def test_payloads_are_content_addressed_checked_and_out_of_weight_retentio
     deleted = await Retention(weights, keep=1, js=js, reg=reg).after_publish(3)
     assert deleted == 2 and sorted(await weights.names()) == sorted([version_name(0), version_name(3),
                                                                     payload_name(ref.sha256)])
-    assert await Retention(NatsStore(js, reg.payload_bucket), keep=1).after_publish(9) == 0
+    assert await Retention(NatsStore(js, reg.workspace_bucket), keep=1).after_publish(9) == 0
     assert await get_payload(js, reg, ref) == data
 
     missing = payload_ref(reg, b"never stored")
     with pytest.raises(PayloadUnavailable, match="not in the object store"):
         await get_payload(js, reg, missing)
-    await put_blob(js, reg.payload_bucket, payload_name(ref.sha256), b"y" * 5000)  # same name, other bytes
+    await put_blob(js, reg.workspace_bucket, payload_name(ref.sha256), b"y" * 5000)  # same name, other bytes
     with pytest.raises(PayloadUnavailable, match="sha256"):
         await get_payload(js, reg, ref)
     with pytest.raises(PayloadUnavailable, match="this run's payload bucket"):
         await get_payload(js, reg, payload_ref(Registry("otherrun"), data))
     with pytest.raises(ValueError, match="sha256-<sha256"):  # a ref must name its own content
-        BlobRef(uri=f"nats-object://payloads-{run_id}/sha256-{'0' * 64}", sha256=ref.sha256, size=ref.size)
+        BlobRef(uri=f"nats-object://workspaces-{run_id}/sha256-{'0' * 64}", sha256=ref.sha256, size=ref.size)
+
+
+async def test_a_planted_meta_is_repaired_by_the_writer_not_trusted(js, run_id, drop_run):
+    """Issue 27: a meta under a workspace's name that claims its size and digest but points at other
+    chunks. The old `_holds` believed the meta and skipped the write, so every task of that
+    repository failed for the run; now the writer reads the bytes back and rewrites them."""
+    import base64
+    import json
+
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    data = b"the real repository " * 300
+    ref = payload_ref(reg, data)
+    await put_blob(js, reg.workspace_bucket, "junk", b"j" * len(data), purge_replaced=False)
+    store = await js.object_store(reg.workspace_bucket)
+    junk = await store.get_info("junk")
+    meta = {**junk.as_dict(), "name": payload_name(ref.sha256), "size": ref.size,
+            "digest": "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(ref.sha256)).decode()}
+    subject = f"$O.{reg.workspace_bucket}.M." + base64.urlsafe_b64encode(payload_name(ref.sha256).encode()).decode()
+    await js.publish(subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+    planted = await store.get_info(payload_name(ref.sha256))
+    assert planted.size == ref.size and planted.nuid == junk.nuid  # the meta lies about its chunks
+    with pytest.raises(PayloadUnavailable, match="sha256"):
+        await get_payload(js, reg, ref)  # a reader is never fooled: an infra error naming the object
+    assert await put_payload(js, reg, data) == ref  # the writer checks the bytes and repairs the object
+    assert await get_payload(js, reg, ref) == data
 
 
 # ---------------------------------------------------------------- the producer side
@@ -110,7 +137,7 @@ def test_a_large_repository_travels_by_reference_and_a_huge_one_is_skipped():
     assert drawn[0].task.workspace_ref == drawn[2].task.workspace_ref  # the same repository: one object
     assert make_source("r1", "repo", domain_config()).make_task(None, 1, 0).task.workspace_ref is None
     moved = rebind(drawn[0].task.workspace_ref, Registry("r2"))  # drawn as one run, published in another
-    assert moved.uri.startswith("nats-object://payloads-r2/") and moved.sha256 == drawn[0].task.workspace_ref.sha256
+    assert moved.uri.startswith("nats-object://workspaces-r2/") and moved.sha256 == drawn[0].task.workspace_ref.sha256
 
     capped = make_source("r1", "repo", domain_config(max_workspace_bytes=64, max_workspace_ref_bytes=128))
     with pytest.raises(TaskSkipped, match="workspace_too_large"):
@@ -129,7 +156,7 @@ async def test_rollout_resolves_a_workspace_once_and_refuses_a_corrupt_one(js, r
     cache = PayloadCache(js, reg)
     (task,) = await resolve_workspaces([d.task], cache)
     assert task.workspace == load_task(d.hidden["task"]["task_id"]).files and task.msg_id == d.task.msg_id
-    await put_blob(js, reg.payload_bucket, payload_name(d.task.workspace_ref.sha256), b"corrupt")
+    await put_blob(js, reg.workspace_bucket, payload_name(d.task.workspace_ref.sha256), b"corrupt")
     assert (await resolve_workspaces([d.task], cache))[0].workspace == task.workspace  # cached: fetched once
     with pytest.raises(PayloadMissing, match="sha256") as err:
         await resolve_workspaces([d.task], PayloadCache(js, reg))
@@ -152,8 +179,8 @@ async def test_large_artifacts_leave_by_reference_once_and_small_ones_stay(js, r
     assert await offload_artifacts(js, reg, eps, inline_max=64) == 2
     trajs = [decode(encode(ep.trajectory()), Trajectory) for ep in eps]
     assert [sorted(t.artifacts) for t in trajs] == [["small.txt"], ["small.txt"], ["diff", "small.txt"]]
-    assert trajs[0].artifact_refs["diff"] == trajs[1].artifact_refs["diff"] == payload_ref(reg, big)
-    assert await object_names(js, reg.payload_bucket) == [payload_name(hashlib.sha256(big).hexdigest())]
+    assert trajs[0].artifact_refs["diff"] == trajs[1].artifact_refs["diff"] == payload_ref(reg, big, "artifact")
+    assert await object_names(js, reg.artifact_bucket) == [payload_name(hashlib.sha256(big).hexdigest())]
     resolved = await resolve_artifacts(js, reg, trajs[0])
     assert resolved.artifacts["diff"] == big and resolved.artifact_refs == {} and trajs[0].artifact_refs
     with pytest.raises(ValueError, match="both inline and by reference"):
@@ -191,10 +218,11 @@ async def test_verifier_resolves_diffs_by_reference_and_dead_letters_missing_or_
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     good_diff, corrupt_diff = b"+good\n" * 100, b"+corrupt\n" * 100
-    good = _traj(run_id, 0, await put_payload(js, reg, good_diff))
-    missing = _traj(run_id, 1, payload_ref(reg, b"+never stored\n"))
-    corrupt = _traj(run_id, 2, await put_payload(js, reg, corrupt_diff))
-    await put_blob(js, reg.payload_bucket, payload_name(corrupt.artifact_refs["diff"].sha256), b"+other\n" * 100)
+    good = _traj(run_id, 0, await put_payload(js, reg, good_diff, "artifact"))
+    missing = _traj(run_id, 1, payload_ref(reg, b"+never stored\n", "artifact"))
+    corrupt = _traj(run_id, 2, await put_payload(js, reg, corrupt_diff, "artifact"))
+    await store_checks(js, reg, (good, missing, corrupt))
+    await put_blob(js, reg.artifact_bucket, payload_name(corrupt.artifact_refs["diff"].sha256), b"+other\n" * 100)
     diff_checker.update({good.msg_id: good_diff, missing.msg_id: b"", corrupt.msg_id: corrupt_diff})
     await publish_many(js, [(reg.traj("repo"), t) for t in (good, missing, corrupt)])
 
@@ -260,7 +288,7 @@ async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve
     published = await run_sampler(cfg, ctx(n=2))
     assert published["published"] == 2
     workspaces = {payload_name(payload_ref(reg, pack_files(load_task(t).files)).sha256) for t in TASKS}
-    assert workspaces <= set(await object_names(js, reg.payload_bucket))  # stored before publishing
+    assert workspaces <= set(await object_names(js, reg.workspace_bucket))  # stored before publishing
 
     rolled = await run_rollout(cfg, ctx(n=2, idle=30.0))
     assert rolled["trajectories"] == 4 and rolled["artifacts_by_ref"] == 4
@@ -275,8 +303,8 @@ async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve
         assert "diff" not in t.artifacts and t.artifact_refs["diff"].size > 64
         gold = load_task(t.verifier_params["repo_task"]).gold_patch.encode()
         assert await get_payload(js, reg, t.artifact_refs["diff"]) == gold
-    names = await object_names(js, reg.payload_bucket)
-    assert len(names) == 4  # two workspaces + two distinct gold diffs (G samples share one object)
+    assert len(await object_names(js, reg.workspace_bucket)) == 2  # two workspaces
+    assert len(await object_names(js, reg.artifact_bucket)) == 2  # two distinct gold diffs (G samples share one)
     letters = [d async for _, d in iter_stream(js, reg.stream("DLQ"), reg.all("dlq"))]
     assert letters == []
     for stream, durable in ((reg.stream("TASKS"), "rollout"), (reg.stream("TRAJ"), "verifier")):
@@ -297,7 +325,7 @@ async def test_a_corrupt_workspace_is_retried_until_its_deliveries_run_out_and_n
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     d = make_source(run_id, "repo", domain_config(max_workspace_bytes=64)).make_task(None, 1, 0)
-    await put_blob(js, reg.payload_bucket, payload_name(d.task.workspace_ref.sha256), b"not the repository")
+    await put_blob(js, reg.workspace_bucket, payload_name(d.task.workspace_ref.sha256), b"not the repository")
     await publish_version(js, reg, None, 0, 0, {})
     advisories: list = []
 

@@ -21,6 +21,7 @@ import pytest
 
 from bus.server import EmbeddedNats
 from tests.conftest import ROOT
+from tests.messages import store_checks
 
 FULL_KEYS = {"msg_id", "domain", "task_id", "group_id", "sample_index", "turns", "tool_calls", "reward", "components",
              "status"}
@@ -116,6 +117,7 @@ async def _publish_rewards(url: str, run_id: str, run_path: Path) -> dict[str, d
     await ensure_consumer(js, reg.learner_consumer())
     trajs = await _trajectories(js, reg, run_path)
     scorer = Scorer(HiddenCache(js, reg), RetryPolicy(1), 0, js, reg, load_or_create_secret(run_path))
+    await store_checks(js, reg, trajs)
     samples = {}
     for traj in trajs:
         rw = await scorer.one(_Stored(traj))

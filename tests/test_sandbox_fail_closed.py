@@ -150,6 +150,9 @@ async def _verify_in_worker(js, reg, spawn_worker, tmp_path, i: int, allow: bool
     t = Trajectory(run_id=reg.run_id, msg_id=f"tr-code-{i}", task_id=f"t{i}", task_msg_id=f"task-{i}", domain="code",
                    group_id=f"g{i}", group_size=1, sample_index=0, turns=[], verifier="code", hidden_ref=ref,
                    verifier_params={"entry_point": "add"}, policy_version=0, final_text="def add(a, b):\n    return a + b\n")
+    from tests.messages import store_checks
+
+    await store_checks(js, reg, [t])
     await publish_many(js, [(reg.traj("code"), t)])
     cfg = tmp_path / f"verifier{i}.toml"
     cfg.write_text("[verifier]\nack_wait_s = 1.0\nretry_base_s = 0.05\nretry_max_s = 0.2\nconcurrency = 1\n"
@@ -258,7 +261,8 @@ def test_up_allowed_degraded_says_so(tmp_path, no_bwrap_path):
     s = json.loads((run_path / "summary.json").read_text())
     assert s["final"] is True and s["sandbox_isolation"] == "degraded", s
     assert s["domains"]["tool_calc"]["rewards"] > 0, s["domains"]  # the tool pipeline ran
-    assert out.count("sandbox isolation: DEGRADED") == 2, out[-3000:]  # at start and after the summary
+    assert out.count("sandbox isolation: DEGRADED") >= 2, out[-3000:]  # at start and after the summary
+    assert "DEGRADED (allowed by sandbox.allow_degraded" in out, out[-3000:]  # and by each degraded sandbox itself
 
 
 @needs_bwrap

@@ -37,7 +37,7 @@ from schemas import (
     encode,
 )
 from tests.conftest import eventually, logs, settled_consumer
-from tests.messages import make_task
+from tests.messages import make_task, store_checks
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
@@ -158,7 +158,9 @@ async def test_verifier_dead_letters_bad_trajectories_and_scores_good_ones(js, r
     await wait_consumer(js, reg.stream("TRAJ"), "verifier", tmp_path)
 
     subject = reg.traj("arith")
-    right, wrong = trajectories(make_task(run_id, group_size=GROUP_SIZE))[:2]
+    task = make_task(run_id, group_size=GROUP_SIZE)
+    await store_checks(js, reg, [task])
+    right, wrong = trajectories(task)[:2]
     right = right.model_copy(update={"final_text": "5"})
     wrong = wrong.model_copy(update={"final_text": "7"})
     bad = await publish_bad(js, subject, right)

@@ -43,6 +43,7 @@ from schemas.tool_protocol import (
     tool_specs,
     tool_turn_text,
 )
+from tests.messages import store_checks
 
 SECRET = b"j" * 32
 needs_bwrap = pytest.mark.skipif(bwrap_path() is None, reason="bwrap not installed (apt-get install -y bubblewrap)")
@@ -272,6 +273,7 @@ async def test_bad_calls_come_back_as_error_observations_and_are_counted(js, run
                         "tool_errors.calc_json.bad_arguments": 1}
     traj = decode(encode(ep.trajectory()))
     assert traj.tool_format == "json" and [c.error for c in traj.tool_calls] == [c.error for c in ep.tool_calls]
+    await store_checks(js, reg, [traj])
     reward = await scorer(js, reg).one(D(traj))  # error observations are no forgery; the answer is right
     assert reward.status == "ok" and reward.reward == 1.0 and reward.components["tool_success_rate"] == 0.25
     dr = DomainRewards()
@@ -298,6 +300,7 @@ async def test_forged_observations_are_caught_in_json_format(js, run_id, drop_ru
     refused = good.model_copy(update={"tool_calls": [good.tool_calls[0].model_copy(
         update={"exec_id": "", "error": "bad_arguments", "exit_code": -1})]})
     s = scorer(js, reg)
+    await store_checks(js, reg, [good])
     r_good, r_bad, r_edit, r_refused = [await s.one(D(x)) for x in (good, bad, edited, refused)]
     assert r_good.status == "ok" and r_good.reward == 1.0 and good.tool_format == "json"
     assert r_bad.status == "tamper" and r_bad.reward == 0.0 and r_bad.components["forged_observations"] == 1.0
@@ -340,6 +343,7 @@ async def test_sft_tiny_bpe_model_makes_json_calls_end_to_end(js, run_id, drop_r
     assert tool.role == "tool" and "<|im_start|>tool\n<tool_response>\n<obs exit=0>\n" in tool.text
     assert tool.token_ids == np.asarray(tool_turn(engine.tokenizer, tool_turn_text(
         tool.text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]))[1], dtype="<i4").tobytes()
+    await store_checks(js, reg, tasks)
     reward = await scorer(js, reg).one(D(decode(encode(ep.trajectory()))))
     assert isinstance(reward, Reward) and reward.status == "ok"  # the observation is the recorded one
 

@@ -19,6 +19,7 @@ from bus.subjects import Registry
 from schemas import DeadLetter, Reward, Trajectory, Turn, decode
 from schemas.config import RunConfig, VerifierSection
 from tests.conftest import settled_consumer
+from tests.messages import store_checks
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.verifiers import verify_arith
@@ -83,6 +84,7 @@ async def test_infra_failures_retry_then_dead_letter_never_zero(js, run_id, tmp_
     good = [make_traj(run_id, i, "t_good") for i in range(3)]
     bad = {"t_crash": make_traj(run_id, 10, "t_crash"), "t_infra": make_traj(run_id, 11, "t_infra"),
            "hidden": make_traj(run_id, 12, "t_good", hidden_ref="arith.missing.000000000000")}
+    await store_checks(js, reg, [*good, *bad.values()])
     await publish_many(js, [(reg.traj("arith"), t) for t in [*good, *bad.values()]])
 
     # test-sized retry delays
@@ -147,6 +149,7 @@ async def test_cheap_verifier_goes_inline_slow_one_stays_in_threads(js, run_id, 
     try:
         trajs = [make_traj(run_id, i, "t_fast") for i in range(120)] + [make_traj(run_id, 200 + i, "t_slow")
                                                                          for i in range(60)]
+        await store_checks(js, reg, trajs)
         await publish_many(js, [(reg.traj("arith"), t) for t in trajs])
         cfg = RunConfig(verifier=VerifierSection(batch=8, concurrency=2))
         counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
@@ -169,6 +172,7 @@ async def test_unusable_input_is_dead_lettered_at_once_never_retried(js, run_id,
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     good, unknown = make_traj(run_id, 0, "t_good"), make_traj(run_id, 1, "no_such_verifier")
+    await store_checks(js, reg, (good, unknown))
     await publish_many(js, [(reg.traj("arith"), t) for t in (good, unknown)])
     cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=4, concurrency=1))
     counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),

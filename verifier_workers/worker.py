@@ -17,6 +17,13 @@ Guarantees:
 - The scalar reward is the weighted sum of the verifier's components plus the process
   components (`turns_used`, `tool_success_rate`), with the domain's `reward_weights`,
   else the verifier's own weights.
+- The check is the task's, never the trajectory's: the verifier name, its params, the reward
+  weights and the hidden ref come from the task's check in the hidden bucket, which only the
+  task's publisher wrote (`bus.checks`); the rollout side's copies are replaced before anything
+  is scored (the Reward embeds the bound trajectory; a copy that differed is counted in the
+  worker's `check_forged` counter and logged with the fields it changed). No check for the task: `HiddenDataMissing`, an
+  infrastructure failure (next point), never a reward from the trajectory's own fields.
+  Resource params are clamped to the operator's maxima (`verifier.max_*`) by each verifier.
 - A trajectory with a tool observation no recorded execution vouches for scores 0 with
   status `tamper`, without running its verifier.
 - A Reward's msg_id derives from its trajectory's: a redelivery cannot create a second one.
@@ -38,6 +45,7 @@ from typing import NoReturn
 
 import structlog
 
+from bus.checks import CheckCache, bind
 from bus.conn import pull_subscription
 from bus.hidden import HiddenCache, HiddenDataMissing
 from bus.payloads import PayloadUnavailable, resolve_artifacts
@@ -235,12 +243,35 @@ class InlinePolicy:
         self.calls[verifier] = n + 1
 
 
+RESOURCE_PARAMS = {"timeout_s": "max_timeout_s", "memory_mb": "max_memory_mb", "cpus": "max_cpus", "pids": "max_pids"}
+"""verifier_params that size a verification's sandbox -> the VerifierSection field that caps each."""
+
+
+def clamp_resources(traj: Trajectory, vc: VerifierSection) -> Trajectory:
+    """`traj` with its resource params (RESOURCE_PARAMS) clamped to the operator's maxima; other
+    values, and params that are not numbers (the verifier refuses those), are left as they are."""
+    vp, changed = dict(traj.verifier_params), False
+    for key, cap_field in RESOURCE_PARAMS.items():
+        value, cap = vp.get(key), getattr(vc, cap_field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value <= cap:
+            vp[key] = cap
+            changed = True
+    if not changed:
+        return traj
+    return Trajectory.model_validate({**traj.model_dump(), "verifier_params": vp})
+
+
 class Scorer:
     """Scores deliveries concurrently (bounded); failures are raised as pull-loop outcomes (Retry, Reject)."""
 
     def __init__(self, hidden: HiddenCache, policy: RetryPolicy, concurrency: int,
-                 js=None, reg=None, secret: bytes | None = None) -> None:
+                 js=None, reg=None, secret: bytes | None = None, retarget=None,
+                 limits: VerifierSection | None = None) -> None:
         self.hidden, self.policy, self.concurrency = hidden, policy, concurrency
+        self.limits = limits or VerifierSection()
+        self.checks = CheckCache(js, reg) if js is not None else None
+        self.retarget = retarget  # the operator's own override after binding (`rlbus rescore --verifier/--set`)
+        self.forged_checks = 0
         self.slots = asyncio.Semaphore(max(1, concurrency))
         # its own threads: the loop's default executor has only min(32, cpus + 4) of them
         self.executor = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="verify")
@@ -281,10 +312,23 @@ class Scorer:
         self.inline_policy.observe(traj.verifier, reward.verify_seconds)
         return reward
 
+    async def bound(self, traj: Trajectory) -> Trajectory:
+        """`traj` with its task's check (module guarantees); HiddenDataMissing without one."""
+        if self.checks is None:
+            raise VerifierInfraError("this scorer has no bus connection to read the task's check from")
+        check = await self.checks.get(traj.domain, traj.task_id)
+        out, forged = bind(traj, check)
+        if forged:
+            self.forged_checks += 1
+            log.warning("verifier.check_forged", fields=forged, task_id=traj.task_id, msg_id=traj.msg_id)
+        out = self.retarget(out) if self.retarget is not None else out
+        return clamp_resources(out, self.limits)
+
     async def one(self, d: Delivery) -> Reward:
         """The delivery's Reward; raises Reject (unusable input, or infra failures exhausted) or Retry."""
         traj: Trajectory = d.msg
         try:
+            traj = await self.bound(traj)
             forged = await self.forged(traj) if self.js is not None else []
             if forged:
                 return tamper_reward(traj, forged)
@@ -304,12 +348,16 @@ class Scorer:
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the verifier worker until stopped (or the context's test limits)."""
     vc = cfg.verifier
+    from verifier_workers import answer_pool
+
+    answer_pool.configure(section=vc)  # the operator's limits on answer-dependent scoring (verifier.answer_*)
     async with worker_session("verifier", cfg, ctx) as s:
         spec = s.reg.verifier_consumer(vc.ack_wait_s)
         from sandbox_workers.integrity import load_or_create_secret, load_secret
 
         secret = load_secret() or load_or_create_secret(ctx.run_path)
-        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec), vc.concurrency, s.js, s.reg, secret)
+        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec), vc.concurrency, s.js, s.reg, secret,
+                        limits=vc)
 
         async def handle(d: Delivery) -> None:
             c = s.counters
@@ -322,6 +370,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             await publish_many(s.js, [(s.reg.rewards(d.msg.domain), result)])
             c["rewards"] = c.get("rewards", 0) + 1
             c["verified_inline"] = scorer.inline_calls
+            c["check_forged"] = scorer.forged_checks
             c["reward_sum"] = c.get("reward_sum", 0) + result.reward
 
         sub = await pull_subscription(s.js, spec)

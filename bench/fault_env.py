@@ -55,6 +55,30 @@ params = { seconds = 0.0, verify_seconds = 30.0 }
 """
 """Arithmetic plus a domain whose verifier takes 30 s a call (longer than the verifier's ack_wait)."""
 
+FLOOD_ANSWER = "<answer>9**9**9**9</answer>"
+"""An answer that holds the scorer's interpreter (sympy's eval of a tower of powers): on 45ce3d4 it
+froze the verifier worker until the watchdog killed it, and its redelivery froze the next one."""
+ANSWER_FLOOD_CONFIG = BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3").replace(
+    'tokenizer = "char"', 'tokenizer = "bpe"').replace(
+    "[rollout]\n", f"[rollout]\nengine = \"null\"\nnull_answer = \"{FLOOD_ANSWER}\"\n") + """
+[verifier]
+answer_cpu_s = 1.0
+answer_wall_s = 3.0
+[sampler.domains.arith]
+weight = 0.5
+[sampler.domains.rg-countdown]
+kind = "reasoning_gym"
+weight = 0.5
+sft_weight = 0.0
+max_tokens = 16
+params = { dataset = "countdown" }
+"""
+"""Every sample of every task is `FLOOD_ANSWER` (the null engine's fixed answer): half the tasks
+are reasoning-gym countdown, whose scorer parses the answer with sympy, so each of their answers
+runs into the answer pool's limits (`answer_limit`, reward 0); the other half are arithmetic. A BPE
+tiny model: the null engine's byte-valued prompt ids need a vocabulary of at least 256 (the char one
+has ~100)."""
+
 
 def _port_open(port: int) -> bool:
     try:
@@ -81,7 +105,7 @@ def skip_reason(needs: tuple[str, ...]) -> str | None:
 class TmpfsStore:
     """A small tmpfs mounted at the run's store folder, to be filled by another writer."""
 
-    def __init__(self, path: Path, size_mb: int = 400):
+    def __init__(self, path: Path, size_mb: int = 1024):
         self.path, self.size_mb, self.mounted = path, size_mb, False
         self.filler = path / "filler.bin"
 

@@ -37,6 +37,7 @@ from bench.fault_env import (
     DOCKER_CONFIG,
     PG_URL,
     SANDBOX_CONFIG,
+    ANSWER_FLOOD_CONFIG,
     SLOW_VERIFIER_CONFIG,
     LocalCluster,
     TmpfsStore,
@@ -164,10 +165,25 @@ CASES: list[Case] = [
          check=lambda run, ctx: docker_leftovers(run)),
     Case("slow-verifier", lambda run, ctx: "every `slow` task's verifier call takes 30 s (a third of the tasks)",
          config=SLOW_VERIFIER_CONFIG),
+    Case("answer-limit-flood", lambda run, ctx: "every answer is 9**9**9**9; half the tasks parse it with sympy "
+         "(rg-countdown), so each of theirs hits the answer pool's limits", config=ANSWER_FLOOD_CONFIG,
+         check=lambda run, ctx: answer_limits(run)),
     Case("cluster-node", _kill_node, prepare=_prepare_cluster, env={"RLBUS_STREAM_REPLICAS": "3"},
          cleanup=lambda run, ctx: ctx["cluster"].stop()),
     Case("kill-launcher", kill("launcher"), heal=_launcher_gone),
 ]
+
+
+def answer_limits(run: FaultRun) -> dict:
+    """Rewards by status in the run store (the flood's must be `answer_limit`), and verifier restarts."""
+    import sqlite3
+
+    db = run.run_path / "run.db"
+    if not db.exists():
+        return {"rewards_by_status": {}}
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT domain, status, COUNT(*) FROM rewards GROUP BY domain, status").fetchall()
+    return {"rewards_by_status": {f"{d}/{st}": n for d, st, n in rows}}
 
 
 def follow(run: FaultRun, step0: int, t_fault: float, timeout: float, role: str | None = None,

@@ -153,7 +153,9 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     sc = cfg.sampler
     max_tasks = ctx.max_messages  # for the sampler the generic limit counts tasks published (None: no limit)
     async with worker_session("sampler", cfg, ctx) as s:
-        sources, disabled = make_sources(s.reg.run_id, cfg)
+        # building sources and drawing tasks can take seconds (reasoning-gym generators): off the loop, so
+        # the heartbeats go on
+        sources, disabled = await asyncio.to_thread(make_sources, s.reg.run_id, cfg)
         domains = {d: dc for d, dc in sc.domains.items() if d in sources}
         if disabled and not any(not dc.heldout for dc in domains.values()):
             raise ValueError(f"no domain left to train: every other one is disabled ({disabled})")
@@ -182,7 +184,8 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             durations = await get_json(s.js, s.reg, DURATIONS)
             pools_of = {d: pool_for(d, levels[d], domains[d], durations, sc.inflight_caps) for d in domains}
             limit = sc.publish_batch if max_tasks is None else min(sc.publish_batch, max_tasks - published)
-            drawn = make_tasks(sources, rng, published, room, limit, weights, levels, pools_of)
+            drawn = await asyncio.to_thread(make_tasks, sources, rng, published, room, limit, weights, levels,
+                                            pools_of)
             s.counters.update(skip_counts(sources))
             if not drawn:
                 s.counters["gate_waits"] = s.counters.get("gate_waits", 0) + 1

@@ -183,8 +183,12 @@ class HFEngine:
 
 
 class NullEngine:
-    """No model: answers `"0"` with log-prob 0 (for bus benchmarks and tests). Its
-    "tokenizer" maps each byte to its value (ids < 256)."""
+    """No model: answers the text `answer` (default `"0"`) with log-prob 0 (for bus benchmarks, tests and
+    the fault matrix's answer flood); its generated ids are always those of `"0"` and an end token.
+    Its "tokenizer" maps each byte to its value (ids < 256)."""
+
+    def __init__(self, answer: str = "0") -> None:
+        self.answer = answer
 
     def load_weights(self, blob: bytes) -> None:
         """Accept any blob (nothing to load)."""
@@ -198,9 +202,12 @@ class NullEngine:
     def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
                  temperature: float) -> list[list[Sample]]:
         """n identical fixed samples per prompt."""
+        # the ids stay the default answer's pair ("0", end) whatever the text: any model's vocabulary has
+        # them, and the learner trains on ids (the text is what the verifier scores)
         ids = np.array([ord("0"), 1], dtype=np.int32)
         lp = np.zeros(2, dtype=np.float32)
-        return [[Sample(self.encode(p) if isinstance(p, str) else np.asarray(p, dtype=np.int32), ids, lp, "0", "stop")
+        return [[Sample(self.encode(p) if isinstance(p, str) else np.asarray(p, dtype=np.int32), ids, lp, self.answer,
+                        "stop")
                  for _ in range(n)] for p in prompts]
 
 
@@ -246,19 +253,20 @@ def require_engine(kind: str) -> None:
         raise VLLMMissing(vllm_missing_message())
 
 
-def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="standard", scripted=None):
+def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="standard", scripted=None,
+                null_answer: str = "0"):
     """Engine by config name. `vllm`: the `rollout.vllm` section (a `VLLMEngineSection`: tier and
     engine options), or just a tier name. `kind = "vllm"` without vLLM importable raises
     `VLLMMissing` naming `make vllm-env`, before anything starts. `scripted`: the
     `rollout.scripted` section (its `dir`), or the directory itself."""
     if kind == "null":
-        return NullEngine()
+        return NullEngine(null_answer)
     if kind == "scripted":
         from rollout_workers.scripted_engine import ScriptedEngine
 
         return ScriptedEngine(model_path, scripted if isinstance(scripted, str) else getattr(scripted, "dir", ""))
     if kind == "sleep":
-        return SleepEngine()
+        return SleepEngine(null_answer)
     if kind == "hf":
         return HFEngine(model_path, device, threads)
     if kind == "vllm":

@@ -160,7 +160,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     tasks_per_pool = ctx.max_messages
     async with worker_session("rollout", cfg, ctx) as s, contextlib.AsyncExitStack() as stack:
         engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.hf.device, rc.hf.threads,
-                                         rc.vllm, scripted=rc.scripted)
+                                         rc.vllm, scripted=rc.scripted, null_answer=rc.null_answer)
         stack.callback(close_engine, engine)  # an engine's spawned processes end with the worker
         watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True, nc=s.nc)
         await watcher.start()

@@ -114,7 +114,9 @@ class SchedulerWorker:
         if ec.curriculum.enabled:
             self.side_tasks["curriculum"] = asyncio.create_task(
                 run_curriculum(s.js, s.reg, cfg, self.curriculum_stop, self.store))
-        self.suite = EvalSuite.from_config(cfg)
+        # off the loop: drawing eval sets can take seconds (reasoning-gym countdown: ~7 s for 142 entries),
+        # and the heartbeats must go on meanwhile (the launcher kills a worker silent for heartbeat_timeout_s)
+        self.suite = await asyncio.to_thread(EvalSuite.from_config, cfg)
         add_general_set(self.suite, cfg)  # the forgetting guard's general set (scheduler.eval.general), if on
         self.gates = Gates(s.js, s.reg, self.store, cfg)
         await self.gates.load()

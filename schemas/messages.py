@@ -28,7 +28,8 @@ from schemas.payload_ref import BlobRef
 SCHEMA_VERSION = 1
 
 Purpose = Literal["train", "eval"]
-VerifierStatus = Literal["ok", "infra_error", "tamper", "invalid"]
+VerifierStatus = Literal["ok", "infra_error", "tamper", "invalid", "answer_limit"]
+"""`answer_limit`: the answer ran into the answer pool's limits (`verifier_workers.answer_pool`), reward 0."""
 
 
 def new_msg_id() -> str:

@@ -87,6 +87,9 @@ class RolloutSection(Section):
     """The `vllm` engine's settings."""
     scripted: ScriptedEngineSection = Field(default_factory=ScriptedEngineSection)
     """The `scripted` engine's settings."""
+    null_answer: str = Field(default="0", min_length=1, max_length=4096)
+    """The fixed text every sample of the `null` (and `sleep`) engine answers: bus benchmarks, and the
+    fault matrix's flood of answers that hit the verifier's answer limits (`answer-limit-flood`)."""
     max_context_tokens: int = Field(default=4096, ge=16)
     """Context budget of a multi-turn episode in tokens (prompt, model and tool turns); an episode
     whose next turn would not fit ends with finish_reason `length` (and is verified as it stands).

@@ -346,7 +346,8 @@ def _supervised_run(job):
     if shadow:
         return {"refused": "the diff adds top-level module(s) %s that shadow installed distributions" % shadow}
     runner_job = {"expected": job["expected"], "paths": job["paths"], "pythonpath": job["pythonpath"],
-                  "site": SITE if job.get("deps") else None}
+                  "site": SITE if job.get("deps") else None,
+                  "trusted_files": [os.path.join(REPO, p) for p in job.get("trusted_files") or ()]}
     before = _hash_files(job["protect_hash"])
     log_fd = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     t1 = time.monotonic()
@@ -406,9 +407,9 @@ def runner():
     import _rlbus_guard as guard
 
     trusted = guard.trusted_prefixes([RL])
-    is_trusted = guard.make_is_trusted(trusted)
-    gen = guard.sender(KEY_FD, sys._getframe().f_code, is_trusted)
+    gen = guard.sender(KEY_FD, sys._getframe().f_code, trusted)
     job = next(gen)
+    is_trusted = guard.make_is_trusted(trusted, frozenset(job.get("trusted_files") or ()))
     send = gen.send  # the key lives only in the generator's frame
     tamper = _runner_tamper(send)
     if job.get("site"):
@@ -417,7 +418,7 @@ def runner():
         sys.path.append(os.path.join(REPO, p) if p != "." else REPO)
     _prctl_not_dumpable()
     plugin = guard.Plugin(job["expected"], send, tamper, globals(), is_trusted, REPO)
-    sys.addaudithook(guard.audit_hook(tamper, trusted))
+    sys.addaudithook(guard.audit_hook(tamper, is_trusted))
     args = ["-c", INI, "--rootdir", REPO, "--confcutdir", REPO, "-p", "no:cacheprovider", "-o", "addopts=",
             "--import-mode=append", "-q", "-rN", "--tb=short"] + list(job["paths"])
     del job

@@ -3,10 +3,14 @@
 repository path is on `sys.path`, so nothing here can be shadowed by candidate code.
 
 It closes what candidate code running inside pytest's interpreter could use to forge a verdict:
-- `plain(x)` / `truth(x)`: what the rewritten hidden tests compare (`repo_harness_rewrite`):
-  `x` itself when it is plain data (exact builtin scalars, `Decimal`, `Fraction`, `datetime`
-  types, and list/tuple/dict/set/frozenset of plain data), else AssertionError naming the type,
-  so no candidate-defined `__eq__`, `__bool__`, `__lt__`, `__contains__`... ever decides an assert.
+- `plain(x, changed)` / `truth(x, changed)`: what the rewritten hidden tests compare
+  (`repo_harness_rewrite`): `x` itself when it is comparable data (exact builtin scalars,
+  `Decimal`, `Fraction`, `datetime` types and builtin containers; any other object only when
+  every comparison/truth method of its class (`__eq__`, `__ne__`, `__lt__`..., `__bool__`,
+  `__len__`, `__contains__`, `__iter__`, `__hash__`) is a builtin slot, stdlib code (never
+  unittest.mock's), or repository code whose function the candidate's diff did not change,
+  and its contents and `__dict__` values are comparable too), else AssertionError naming the
+  method: no `__eq__` the candidate wrote ever decides an assert.
 - `sender(fd)`: a generator holding the per-run report key in its own frame (read from the key
   pipe inside it; never a global, a closure cell or an argument). A line is only written when
   the call stack is pytest's genuine one: a test report's stack must run from the runner's own
@@ -44,36 +48,81 @@ _PLAIN_SEQS = frozenset((list, tuple, set, frozenset))
 _MRO = type.__dict__["__mro__"].__get__
 
 
-def plain(x, _seen=None):
-    """`x` if it is plain data (see the module docstring), else AssertionError naming the type."""
+REPO_PREFIX = "/work/repo/"
+_HEAPTYPE = 1 << 9
+_CMP_DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__", "__contains__",
+                "__iter__", "__hash__")
+_SLOT_TYPES = (types.WrapperDescriptorType, types.MethodDescriptorType)
+_STD_PREFIXES = tuple(sorted({sysconfig.get_paths()[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")}
+                             | {os.path.realpath(sysconfig.get_paths()[k]) + "/" for k in ("stdlib", "platstdlib")}))
+
+
+def _dunder_ok(t, changed):
+    """'' when every comparison/truth method of type `t` is a builtin slot, stdlib code (not
+    unittest.mock), or repository code that the candidate's diff did not change; else why not."""
+    for name in _CMP_DUNDERS:
+        for k in _MRO(t):
+            if name not in k.__dict__:
+                continue
+            v = k.__dict__[name]
+            if not (k.__flags__ & _HEAPTYPE) or isinstance(v, _SLOT_TYPES) or v is None:
+                break
+            code = getattr(v, "__code__", None) if isinstance(v, types.FunctionType) else None
+            fn = code.co_filename if code is not None else ""
+            if (fn.startswith(_STD_PREFIXES) or fn.startswith("<frozen ")) and not (k.__module__ or "").startswith("unittest.mock"):
+                break
+            rel = fn[len(REPO_PREFIX):] if fn.startswith(REPO_PREFIX) else None
+            if rel is not None and "%s::%s" % (rel, code.co_qualname) not in changed and \
+                    "%s::*" % rel not in changed and not ("<lambda>" in code.co_qualname and
+                                                          "%s::<lambda>" % rel in changed):
+                break
+            return "%s.%s (from %s)" % (k.__qualname__, name, fn or type(v).__name__)
+    return ""
+
+
+def plain(x, changed=(), _seen=None):
+    """`x` if it is comparable data, else AssertionError naming what is not (see the module
+    docstring): exact builtin scalars and containers, and objects whose comparison and truth
+    methods are builtin, stdlib or unchanged repository code (`changed`: the rewriter's
+    'path::qualname' entries of the functions the diff changed), with comparable contents."""
     t = type(x)
     if t in _PLAIN_SCALARS:
         return x
-    if t in _PLAIN_SEQS or t is dict:
-        seen = _seen if _seen is not None else set()
-        if id(x) in seen:
-            return x
-        seen.add(id(x))
-        items = list(dict.items(x)) if t is dict else list(x) if t is not list else list.copy(x)
-        for it in items:
-            if t is dict:
-                plain(it[0], seen)
-                plain(it[1], seen)
-            else:
-                plain(it, seen)
+    seen = _seen if _seen is not None else set()
+    if id(x) in seen:
         return x
-    raise AssertionError("rlbus: the hidden tests compare only plain data (builtin scalars and containers), "
-                         "got a %s.%s object" % (getattr(t, "__module__", "?"), getattr(t, "__qualname__", t)))
+    seen.add(id(x))
+    if t not in _PLAIN_SEQS and t is not dict:
+        why = _dunder_ok(t, changed)
+        if why:
+            raise AssertionError("rlbus: the hidden tests compare only data whose comparison is not the "
+                                 "candidate's own code; %s.%s uses %s" % (t.__module__, t.__qualname__, why))
+    if isinstance(x, dict):
+        for k, v in list(dict.items(x)):
+            plain(k, changed, seen)
+            plain(v, changed, seen)
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        base = next(b for b in (list, tuple, set, frozenset) if isinstance(x, b))
+        for it in list(base.__iter__(x)):
+            plain(it, changed, seen)
+    try:
+        inner = object.__getattribute__(x, "__dict__")
+    except (AttributeError, TypeError):
+        inner = None
+    if type(inner) is dict:
+        for v in list(dict.values(inner)):
+            plain(v, changed, seen)
+    return x
 
 
-def truth(x):
-    """`x` for a bare `assert x`: plain data, or an object whose truth no class defines (always true)."""
+def truth(x, changed=()):
+    """`x` for a bare `assert x`: comparable data (`plain`), or an object whose truth no class defines."""
     t = type(x)
     if t in _PLAIN_SCALARS or t in _PLAIN_SEQS or t is dict:
-        return plain(x)
+        return plain(x, changed)
     for k in _MRO(t):
         if "__bool__" in k.__dict__ or "__len__" in k.__dict__:
-            return plain(x)
+            return plain(x, changed)
     return x
 
 
@@ -122,17 +171,21 @@ def internal_frame_users():
 
 
 FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame"))
-ALWAYS_FORBIDDEN = frozenset(("sys._current_frames", "sys.settrace", "sys.setprofile", "gc.get_objects",
+TRACE_EVENTS = frozenset(("sys.settrace", "sys.setprofile"))
+ALWAYS_FORBIDDEN = frozenset(("sys._current_frames", "gc.get_objects",
                               "gc.get_referrers", "gc.get_referents"))
 PATH_EVENTS = frozenset(("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate",
                          "os.symlink", "os.link", "os.utime", "shutil.rmtree"))
 
 
-def make_is_trusted(trusted):
-    """is_trusted(filename): code from the stdlib, site-packages, the harness, or importlib's frozen modules."""
+def make_is_trusted(trusted, files=frozenset()):
+    """is_trusted(filename): code from the stdlib, site-packages, the harness, importlib's frozen
+    modules, or one of `files` (the protected files of the repository: tests, conftests, helpers,
+    whose text the verifier wrote)."""
 
     def is_trusted(filename):
-        return isinstance(filename, str) and (filename.startswith(trusted) or filename.startswith("<frozen "))
+        return isinstance(filename, str) and (filename.startswith(trusted) or filename.startswith("<frozen ")
+                                              or filename in files)
 
     return is_trusted
 
@@ -164,9 +217,8 @@ def _source_matches(source, filename):
     return isinstance(source, (bytes, bytearray)) and bytes(source) == data
 
 
-def audit_hook(tamper, trusted, work="/work"):
-    """The runner's audit hook (see the module docstring); `trusted`: file-name prefixes of trusted code."""
-    is_trusted = make_is_trusted(trusted)
+def audit_hook(tamper, is_trusted, work="/work"):
+    """The runner's audit hook (see the module docstring); `is_trusted`: `make_is_trusted`'s."""
     getframe, ident = sys._getframe, __import__("_thread").get_ident
     internal, busy, guard_file = internal_frame_users(), set(), os.path.realpath(__file__)
     coroutine_code = _code(types.coroutine)
@@ -181,27 +233,33 @@ def audit_hook(tamper, trusted, work="/work"):
         return False
 
     def frame_ok():
-        """Whether the Python frame that raised the event may have a frame object."""
+        """'' when the Python frame that raised the event may have a frame object, else who asked."""
         me = ident()
         if me in busy:
-            return True
+            return ""
         busy.add(me)
         try:
             req = getframe(2)  # 0: frame_ok, 1: hook, 2: the requester
             code = req.f_code
+            where = " (by %s in %s)" % (code.co_name, code.co_filename[-120:])
             if code.co_filename == guard_file:
-                return True
+                return ""
             if code in internal:
                 parents = internal[code]
-                return parents is None or (req.f_back is not None and req.f_back.f_code in parents)
-            return is_trusted(code.co_filename) and not candidate_on_stack(req)
+                return "" if parents is None or (req.f_back is not None and req.f_back.f_code in parents) else where
+            return "" if is_trusted(code.co_filename) and not candidate_on_stack(req) else where
         finally:
             busy.discard(me)
 
     def hook(event, args):
         if event == "sys._getframe" or (event == "object.__getattr__" and len(args) > 1 and args[1] in FRAME_ATTRS):
-            if not frame_ok():
-                tamper("forbidden frame access: %s" % (event if event == "sys._getframe" else args[1]))
+            who = frame_ok()
+            if who:
+                tamper("forbidden frame access: %s%s" % (event if event == "sys._getframe" else args[1], who))
+        elif event in TRACE_EVENTS:  # doctest restores the trace function it found; repository code may not set one
+            who = frame_ok()
+            if who:
+                tamper("forbidden operation: %s%s" % (event, who))
         elif event in ALWAYS_FORBIDDEN:
             tamper("forbidden operation: %s" % event)
         elif event.startswith("ctypes.") and event not in ("ctypes.dlopen", "ctypes.dlsym"):
@@ -229,7 +287,7 @@ def audit_hook(tamper, trusted, work="/work"):
     return hook
 
 
-def sender(key_fd, runner_code, is_trusted):
+def sender(key_fd, runner_code, trusted):
     """The report generator (see the module docstring): prime with next() -> the job; then
     `.send((msg, extra))` writes `msg` as one MAC'd line on REPORT_FD, or a tamper line."""
     import _pytest.main
@@ -252,6 +310,7 @@ def sender(key_fd, runner_code, is_trusted):
     volatile = frozenset(("funcargs", "_request", "_report_sections", "user_properties"))
     job = json.loads(job_text)
     expected = frozenset(job["expected"])
+    is_trusted = make_is_trusted(trusted, frozenset(job.get("trusted_files") or ()))
     got = yield job
     while True:
         msg, extra = got if type(got) is tuple and len(got) == 2 else ({"k": "tamper", "why": "bad send"}, None)

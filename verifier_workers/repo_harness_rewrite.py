@@ -6,8 +6,9 @@ Guarantees:
   `in`, `not in`; chains of `is` / `is not` alone are left as they are) made over
   `__rlbus_plain__(operand)`, every bare `assert X` over `__rlbus_truth__(X)` (a `BoolOp`, `not` and
   comparisons recursively), and the value arguments of unittest's `assertEqual`-style methods over
-  `__rlbus_plain__`. Both names are bound as keyword-only defaults of every function of the file
-  (so rebinding the test module's globals at run time changes nothing inside a running test) and
+  `__rlbus_plain__`. Both names are bound as keyword-only defaults of every `test*` function and
+  method (so rebinding the test module's globals at run time changes nothing inside a running
+  test; other functions, whose signatures tests may inspect, see them by scope) and
   imported at the top from the harness's guard (`_rlbus_guard.plain` / `truth`, which raise
   AssertionError for anything that is not plain data: see `repo_harness_guard`). A
   `pytest.approx(...)` / `approx(...)` operand written in the test keeps its call; its arguments
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import threading
 
 PLAIN, TRUTH = "__rlbus_plain__", "__rlbus_truth__"
 GUARD_MODULE = "_rlbus_guard"
@@ -40,8 +42,12 @@ UNITTEST_VALUES = {"assertEqual": 2, "assertNotEqual": 2, "assertAlmostEqual": 2
                    "assertLessEqual": 2, "assertTrue": 1, "assertFalse": 1, "assertIsNone": 0, "assertIsNotNone": 0}
 
 
+_CHANGED: tuple[str, ...] = ()
+_AST_LOCK = threading.RLock()  # CPython 3.11's ast is not safe across threads (recursion-depth SystemError)
+
+
 def _call(name: str, node: ast.expr) -> ast.expr:
-    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=[node], keywords=[])
+    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=[node, ast.Constant(value=_CHANGED)], keywords=[])
 
 
 def _is_approx(node: ast.expr) -> bool:
@@ -60,8 +66,17 @@ def _plain(node: ast.expr) -> ast.expr:
 
 
 class _Rewrite(ast.NodeTransformer):
+    def __init__(self):
+        self.depth = 0  # functions entered
+
     def _func(self, node):
-        self.generic_visit(node)
+        self.depth += 1
+        try:
+            self.generic_visit(node)
+        finally:
+            self.depth -= 1
+        if self.depth or not node.name.startswith("test"):
+            return node  # only the functions pytest calls get the bound names; others see them by scope
         names = {a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)}
         for name in (PLAIN, TRUTH):
             if name not in names:
@@ -104,13 +119,67 @@ class _Rewrite(ast.NodeTransformer):
         return node
 
 
-def rewrite_tests(text: str) -> str:
-    """The test file with plain-data comparisons (see the module docstring)."""
+def _qualnames(text: str) -> dict[str, str] | None:
+    """{qualname: ast dump} of every function of `text` (None when it does not parse)."""
+    with _AST_LOCK:
+        return _qualnames_locked(text)
+
+
+def _qualnames_locked(text: str) -> dict[str, str] | None:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    out: dict[str, str] = {}
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                q = prefix + child.name
+                out[q] = ast.dump(child)
+                walk(child, q + ".<locals>.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(tree, "")
+    return out
+
+
+def changed_functions(old: dict[str, str], new: dict[str, str], paths) -> tuple[str, ...]:
+    """'path::qualname' of every function that `paths` of `new` add or change against `old`, plus
+    'path::<lambda>' for each changed file (its lambdas) and 'path::*' for one that does not parse."""
+    out: list[str] = []
+    for path in sorted(p for p in paths if p.endswith(".py") and p in new):
+        after = _qualnames(new[path])
+        if after is None:
+            out.append(f"{path}::*")
+            continue
+        before = _qualnames(old[path]) if path in old else {}
+        out += [f"{path}::{q}" for q, dump in sorted(after.items()) if (before or {}).get(q) != dump]
+        out.append(f"{path}::<lambda>")
+    return tuple(out)
+
+
+def rewrite_tests(text: str, changed: tuple[str, ...] = ()) -> str:
+    """The test file with plain-data comparisons (see the module docstring); `changed`:
+    `changed_functions` of the candidate's diff, embedded as a constant of every check."""
+    with _AST_LOCK:
+        return _rewrite_locked(text, changed)
+
+
+def _rewrite_locked(text: str, changed: tuple[str, ...]) -> str:
+    global _CHANGED
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return text
-    tree = _Rewrite().visit(tree)
+    _CHANGED = tuple(changed)
+    try:
+        tree = _Rewrite().visit(tree)
+    finally:
+        _CHANGED = ()
     at = 0
     body = tree.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \

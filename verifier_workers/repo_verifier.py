@@ -70,7 +70,7 @@ from schemas import Trajectory
 from schemas.repo_task import EXPORT_REFUSED, RepoTask, helper_paths, is_protected
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.repo_diff import PatchResult, apply_diff
-from verifier_workers.repo_harness_rewrite import new_top_levels, rewrite_tests, shadowing
+from verifier_workers.repo_harness_rewrite import changed_functions, new_top_levels, rewrite_tests, shadowing
 from verifier_workers.verifiers import Verdict, VerifierInputError
 
 HARNESS_PATH = Path(__file__).with_name("repo_harness.py")
@@ -164,8 +164,9 @@ def prepare(task: RepoTask, diff: str) -> Prepared:
     expected = list(dict.fromkeys([*task.target_tests, *task.regression_tests]))
     paths = sorted({tid.split("::", 1)[0] for tid in expected} & set(files))
     helpers = {p for p in helper_paths(task.files, task.hidden_files) if p.endswith(".py")}
+    changed = changed_functions(task.files, patch.files, patch.changed) if patch.applied else ()
     for path in sorted(set(paths) | helpers | {p for p in task.hidden_files if p.endswith(".py")}):
-        files[path] = rewrite_tests(files[path])
+        files[path] = rewrite_tests(files[path], changed)
     pythonpath = ["."] + (["src"] if any(p.startswith("src/") for p in files) else [])
     new_top = new_top_levels(task.files, patch.files, pythonpath) if patch.applied else []
     return Prepared(files, patch, expected, paths, pythonpath, new_top)
@@ -220,11 +221,12 @@ def _run(task: RepoTask, prep: Prepared, params: tuple[float, int, int, float], 
     from sandbox_workers.base import Limits
 
     timeout, memory, pids, cpus = params
+    protected = protected_predicate(task)
     nonce, call = secrets.token_hex(32), secrets.token_hex(8)
     job = {"nonce": nonce, "call": call, "files": prep.files, "harness": harness_source(), "guard": guard_source(),
            "expected": prep.expected, "paths": prep.paths, "pythonpath": prep.pythonpath, "new_top": prep.new_top,
            "deps": list(task.deps), "timeout_s": timeout, "install_timeout_s": INSTALL_TIMEOUT_S,
-           "protect_hash": sorted(task.hidden_files)}
+           "protect_hash": sorted(task.hidden_files), "trusted_files": sorted(p for p in prep.files if protected(p))}
     limits = Limits(memory_mb=memory, pids=pids, cpu_seconds=int(timeout + INSTALL_TIMEOUT_S) + 10, tmp_mb=256,
                     file_size_mb=64, nofile=1024)
     image = image or os.environ.get("RLBUS_REPO_SANDBOX_IMAGE") or DEFAULT_IMAGE

@@ -10,13 +10,15 @@ Guarantees:
   method (so rebinding the test module's globals at run time changes nothing inside a running
   test; other functions, whose signatures tests may inspect, see them by scope) and
   imported at the top from the harness's guard (`_rlbus_guard.plain` / `truth`, which raise
-  AssertionError for anything that is not plain data: see `repo_harness_guard`). A
+  AssertionError for anything that is not comparable data: see `repo_harness_guard`); each
+  check carries `changed_functions` of the diff as a constant (the repository functions the
+  candidate wrote, whose comparison methods are never trusted). A
   `pytest.approx(...)` / `approx(...)` operand written in the test keeps its call; its arguments
   are made plain instead. A file that does not parse is returned unchanged (it cannot collect).
 - Limits: only comparisons written in the test files are rewritten; a comparison that the tests
   delegate to library code (`sorted(objs)`, `set(objs)`, `mock.assert_called_with`) still runs
-  the objects' own methods, and tests that compare instances of the repository's own classes
-  fail (they must compare plain attributes).
+  the objects' own methods, and instances of a class whose comparison the diff changed (a
+  dataclass of a changed file included) fail the check.
 - `shadowing(names)` is the sorted subset of `names` (new top-level modules of a diff) that would
   shadow a stdlib module, pytest, pluggy, _pytest, a pytest dependency or the harness's own
   (`_rlbus*`); the in-container supervisor adds the interpreter's installed distributions.

@@ -214,14 +214,16 @@ def run_ours(tasks: list, jobs: list[dict], workers: int, concurrency: int, time
 
 # ---------------------------------------------------------------- peer: plain pytest, one container
 def peer_jobs(tasks: list, jobs: list[dict]) -> list[dict]:
-    """The driver's input: each job's tree exactly as the verifier builds it, and its test files."""
+    """The driver's input: each job's tree as the verifier builds it before its test files are rewritten
+    for the harness's guard (plain pytest has no `_rlbus_guard`), and its test files."""
     from verifier_workers.repo_verifier import prepare
 
     out = []
     for job in jobs:
-        prep = prepare(tasks[job["task"]], job["diff"])
-        pythonpath = ["."] + (["src"] if any(p.startswith("src/") for p in prep.files) else [])
-        out.append({"id": job["id"], "files": prep.files, "paths": prep.paths, "pythonpath": pythonpath})
+        task = tasks[job["task"]]
+        prep = prepare(task, job["diff"])
+        files = {**(prep.patch.files if prep.patch.applied else task.files), **task.hidden_files}
+        out.append({"id": job["id"], "files": files, "paths": prep.paths, "pythonpath": prep.pythonpath})
     return out
 
 

@@ -34,10 +34,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fault_env import (
+    ANSWER_FLOOD_CONFIG,
     DOCKER_CONFIG,
     PG_URL,
     SANDBOX_CONFIG,
-    ANSWER_FLOOD_CONFIG,
     SLOW_VERIFIER_CONFIG,
     LocalCluster,
     TmpfsStore,

@@ -13,7 +13,7 @@ How (parent = the verifier process, template = one child, job = a grandchild):
   import path), PYTHONHASHSEED, VIRTUAL_ENV, thread caps; HOME and TMPDIR are /tmp; no name
   holding NATS, SECRET, TOKEN, KEY, PASSWORD, CREDS, AUTH ever passes). Where bubblewrap
   runs it, the template lives in new user/pid/net/ipc namespaces: read-only root, private
-  /tmp, no network, the verifier's processes invisible and unsignalable, and the run dir
+  /tmp (the code it imports bound back read-only when it lives there), no network, the verifier's processes invisible and unsignalable, and the run dir
   (`RLBUS_RUN_DIR`) and every file a secret-named variable points at masked
   (`isolation == "bwrap"`); elsewhere `isolation == "degraded"` (logged once).
 - The template imports the heavy libraries once (`PRELOAD`), then serves requests: it runs
@@ -149,12 +149,29 @@ def masked_paths(parent: dict[str, str] | None = None) -> tuple[list[str], list[
     return dirs, files
 
 
+def code_paths_under_tmp() -> list[str]:
+    """The interpreter's, the venv's, this project's and the import path's directories that live under /tmp (a
+    checkout in /tmp, as CI's fresh clone is): the template's private /tmp would hide them, so
+    they are bound back read-only (everything outside /tmp is visible read-only anyway)."""
+    found: list[str] = []
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # an editable install's source tree
+    for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable), project, *sys.path]:
+        if not p or not os.path.isabs(p) or not os.path.isdir(p):
+            continue
+        for q in (os.path.abspath(p), os.path.realpath(p)):
+            if (q == "/tmp" or q.startswith("/tmp/")) and q != "/tmp" and q not in found:
+                found.append(q)
+    return sorted(found, key=len)  # parents first: a child bind lands inside its parent's
+
+
 def _argv(bwrap: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "verifier_workers.answer_pool", ",".join(PRELOAD)]
     if bwrap is None:
         return cmd
     dirs, files = masked_paths()
     masks: list[str] = []
+    for d in code_paths_under_tmp():  # after `--tmpfs /tmp`, before the masks (a run dir inside stays hidden)
+        masks += ["--ro-bind", d, d]
     for d in dirs:
         masks += ["--tmpfs", d]
     for f in files:

@@ -64,9 +64,11 @@ vllm-env: $(VLLM_VENV)/.built
 test-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python -m pytest -q -m vllm; rc=$$?; [ $$rc = 0 ] || [ $$rc = 5 ]
 
-# ruff (configured in pyproject.toml): pyflakes, isort, bugbear, a 60-statement cap per function.
+# ruff (configured in pyproject.toml): pyflakes, isort, bugbear, a 60-statement cap per function;
+# then mypy on the layers everything stands on (schemas/, bus/: [tool.mypy] files).
 lint: $(VENV)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: $(VENV)
 	@for f in bench/*.py; do case $$f in */__init__.py) ;; *) echo "== $$f"; $(BIN)/python $$f || exit 1;; esac; done

@@ -99,8 +99,8 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
                             f"or pass --nats-creds FILE")
     nc = attempt.result()
     events.connected = True
-    nc._rlbus_denied = events.denied  # read by check_permitted
-    nc._rlbus_user = who
+    nc._rlbus_denied = events.denied  # type: ignore[attr-defined]  # read by check_permitted
+    nc._rlbus_user = who  # type: ignore[attr-defined]
     return nc
 
 
@@ -190,7 +190,7 @@ async def ensure_topology(js: JetStreamContext, reg: Registry, role: str | None 
         return
     for cfg in reg.streams():
         try:
-            await js.stream_info(cfg.name)
+            await js.stream_info(str(cfg.name))
             await js.update_stream(cfg)
         except NotFoundError:
             await js.add_stream(cfg)
@@ -224,7 +224,7 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
             continue
         cfg = by_name[reg.stream(family)]
         try:
-            await js.stream_info(cfg.name)
+            await js.stream_info(str(cfg.name))
         except NotFoundError:
             await js.add_stream(cfg)
     buckets = {"KV_run": (reg.kv_bucket, 16), "KV_hidden": (reg.hidden_bucket, 1)}
@@ -267,7 +267,7 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
-    names = [c.name for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
+    names = [str(c.name) for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
                                        f"OBJ_{reg.object_bucket}", f"OBJ_{reg.workspace_bucket}", f"OBJ_{reg.artifact_bucket}"]
     for name in names:
         try:

@@ -110,7 +110,7 @@ async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: l
     sent = total = 0
     try:
         for chunk in _chunks(segments, size):
-            acks.append(await js.publish_async(chunk_subj, chunk, wait_stall=GET_TIMEOUT_S))
+            acks.append(await js.publish_async(chunk_subj, chunk, wait_stall=GET_TIMEOUT_S))  # type: ignore[arg-type]  # a memoryview is sent without a copy
             sent += 1
             total += len(chunk)
             if len(acks) >= MAX_IN_FLIGHT:

@@ -256,8 +256,9 @@ async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, 
         while finished:
             task = finished.pop()
             active.pop(task, None)
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            error = None if task.cancelled() else task.exception()
+            if error is not None:
+                raise error
 
     keeper = keep_alive(active.values(), ack_wait_s)  # the messages running at each beat
     try:

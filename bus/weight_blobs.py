@@ -135,8 +135,9 @@ def apply_adapter_blob(base_model, blob: bytes, meta: dict | None = None, *, mer
     meta = meta or json.loads(_header_metadata(blob)[META_KEY])
     model = get_peft_model(copy.deepcopy(base_model), LoraConfig(task_type="CAUSAL_LM", **meta))
     result = set_peft_model_state_dict(model, load(blob))
-    if getattr(result, "unexpected_keys", None):
-        raise ValueError(f"adapter blob does not fit the base model: unexpected={result.unexpected_keys[:5]}")
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(f"adapter blob does not fit the base model: unexpected={unexpected[:5]}")
     return model.merge_and_unload() if merge else model
 
 

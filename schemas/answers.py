@@ -39,7 +39,7 @@ def arith_value(expression: str) -> int:
     if "".join(tokens) != expression.replace(" ", "") or not tokens:
         raise ValueError(f"not an arith expression: {expression!r}")
     terms: list[int] = []
-    sign, product, expect_number = 1, None, True
+    sign, product, expect_number = 1, 0, True
     pending_op = "+"
     for tok in tokens:
         if expect_number:

@@ -208,6 +208,10 @@ class ToolCall(BaseModel):
     call has no exec_id and exit_code -1; the model got a structured error observation."""
 
 
+FinishReason = Literal["stop", "length", "max_turns", "error"]
+"""Why an episode ended: the model stopped, hit max_tokens, hit max_turns, or failed."""
+
+
 class Trajectory(Message):
     """One sampled episode for one task (immutable once built)."""
 
@@ -250,7 +254,7 @@ class Trajectory(Message):
     """Copied from the task (its duration pool)."""
     tool_format: Literal["tags", "json"] = "tags"
     """Copied from the task (how its tool calls and observations are written)."""
-    finish_reason: Literal["stop", "length", "max_turns", "error"] = "stop"
+    finish_reason: FinishReason = "stop"
     """Why the episode ended."""
     final_text: str = ""
     """The answer the verifier scores (last assistant text, or an artifact)."""
@@ -277,7 +281,7 @@ class Trajectory(Message):
         return self
 
     @classmethod
-    def from_task(cls, task: Task, sample_index: int, turns: list[Turn], *, finish_reason: str = "stop",
+    def from_task(cls, task: Task, sample_index: int, turns: list[Turn], *, finish_reason: FinishReason = "stop",
                   generate_seconds: float = 0.0, tool_calls: list[ToolCall] | None = None,
                   artifacts: dict[str, bytes] | None = None,
                   artifact_refs: dict[str, BlobRef] | None = None) -> Trajectory:

@@ -313,7 +313,7 @@ def _checked(name: str, args: dict, raw: str, end: int) -> Call:
         first = problems[0]
         where = "arguments" + "".join(f"[{p!r}]" for p in first.absolute_path)
         return Call(name, "", raw, end, "bad_arguments", f"{where}: {first.message}")
-    code = args.get("code") if "code" in args else json.dumps(args, sort_keys=True, ensure_ascii=False)
+    code: str = args["code"] if "code" in args else json.dumps(args, sort_keys=True, ensure_ascii=False)
     return Call(name, code, raw, end, args=dict(args))
 
 

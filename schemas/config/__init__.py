@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from schemas.config.base import Section
 from schemas.config.learner import LearnerSection, LoraSection, OffPolicySection, ReplaySection
@@ -140,7 +141,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _message(err: dict) -> str:
+def _message(err: ErrorDetails) -> str:
     where = ".".join(map(str, err["loc"]))
     msg = err["msg"].removeprefix("Value error, ")
     return f"  {msg}" if not where or msg.startswith(f"{where}.") else f"  {where}: {msg}"

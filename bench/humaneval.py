@@ -229,9 +229,9 @@ class Meter:
     def container_ids(self) -> list[str]:
         if self.client is None:
             return []
-        from sandbox_workers.docker_backend import LABEL, OWNER_LABEL, _start_time
+        from sandbox_workers.docker_engine import LABEL, OWNER_LABEL, process_start_time
 
-        owners = {f"{socket.gethostname()}:{p.pid}:{_start_time(p.pid)}" for p in self.workers.procs}
+        owners = {f"{socket.gethostname()}:{p.pid}:{process_start_time(p.pid)}" for p in self.workers.procs}
         return [c["Id"] for c in self.client.api.containers(filters={"label": f"{LABEL}=1"})
                 if (c.get("Labels") or {}).get(OWNER_LABEL) in owners]
 

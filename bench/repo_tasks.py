@@ -230,8 +230,8 @@ def peer_jobs(tasks: list, jobs: list[dict]) -> list[dict]:
 def run_peer(driver_jobs: list[dict], image: str, timeout: float = 1800.0) -> dict:
     """The driver in ONE started container of `image` (no limits, no isolation beyond docker's own)."""
     from sandbox_workers.base import HeadTailBuffer
-    from sandbox_workers.docker_engine import _remove, get_client
-    from sandbox_workers.docker_pool import _Exec
+    from sandbox_workers.docker_engine import get_client, remove_container
+    from sandbox_workers.docker_pool import Exec
 
     client = get_client()
     t0 = time.perf_counter()
@@ -241,7 +241,7 @@ def run_peer(driver_jobs: list[dict], image: str, timeout: float = 1800.0) -> di
     try:
         client.api.start(cid)
         started = time.perf_counter() - t0
-        ex = _Exec(client.api, cid, ["python3", "-c", PEER_DRIVER], user="65534:65534", stdin=True)
+        ex = Exec(client.api, cid, ["python3", "-c", PEER_DRIVER], user="65534:65534", stdin=True)
         out, err = HeadTailBuffer(64 << 20), HeadTailBuffer(1 << 16)
         try:
             ex.send_stdin(json.dumps(driver_jobs).encode())
@@ -251,7 +251,7 @@ def run_peer(driver_jobs: list[dict], image: str, timeout: float = 1800.0) -> di
             ex.close()
         report = json.loads(out.getvalue())
     finally:
-        _remove(client, cid)
+        remove_container(client, cid)
     loop = report["loop_s"]
     return {"seconds": round(loop, 3), "rate": round(len(driver_jobs) / loop, 3),
             "container_start_s": round(started, 3), "wall_s": round(time.perf_counter() - t0, 3),
@@ -272,7 +272,7 @@ def measure_sandbox(image: str, samples: int) -> dict:
     from sandbox_workers.base import Limits
     from sandbox_workers.docker_engine import get_client
     from sandbox_workers.docker_fresh import FreshPool
-    from sandbox_workers.docker_pool import WarmPool, _Exec, clean_container
+    from sandbox_workers.docker_pool import Exec, WarmPool, clean_container
 
     client, limits = get_client(), Limits(memory_mb=1024, pids=128, tmp_mb=256)
     fresh, plain = FreshPool(client, image, limits, 1.0, 0), WarmPool(client, image, limits, 1.0, 0)
@@ -287,7 +287,7 @@ def measure_sandbox(image: str, samples: int) -> dict:
     box = plain.create()
     try:
         for _ in range(samples):
-            ex = _Exec(client.api, box.id, ["python3", "-c", "open('/work/x', 'w').write('x')"], user="65534:65534")
+            ex = Exec(client.api, box.id, ["python3", "-c", "open('/work/x', 'w').write('x')"], user="65534:65534")
             ex.pump({}, time.monotonic() + 30)
             ex.close()
             t0 = time.perf_counter()

@@ -54,7 +54,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from sandbox_workers import docker_backend, images
+from sandbox_workers import images
+from sandbox_workers.docker_backend import DockerSandbox
+from sandbox_workers.docker_engine import get_client
+from sandbox_workers.docker_pool import DEFAULT_IMAGE, RUN_USER, Exec, shutdown_pools
 from sandbox_workers.process import ProcessSandbox
 
 CMD = ["python3", "-c", "pass"]
@@ -113,7 +116,7 @@ class DockerWarm(Series):
 
     def _one(self) -> float:
         t0 = time.perf_counter()
-        sbx = docker_backend.DockerSandbox(warm_pool=2)
+        sbx = DockerSandbox(warm_pool=2)
         sbx.start(image=self.image)
         r = sbx.execute(CMD)
         ms = ms_since(t0)
@@ -122,7 +125,7 @@ class DockerWarm(Series):
         return ms
 
     def setup(self) -> None:
-        probe = docker_backend.DockerSandbox(warm_pool=2)
+        probe = DockerSandbox(warm_pool=2)
         probe.start(image=self.image)
         self.pool = probe._pool
         probe.close()
@@ -145,12 +148,12 @@ class DockerFloor(Series):
         self.image = image
 
     def setup(self) -> None:
-        self.sbx = docker_backend.DockerSandbox(warm_pool=0)
+        self.sbx = DockerSandbox(warm_pool=0)
         self.sbx.start(image=self.image)
 
     def sample(self) -> float:
         t0 = time.perf_counter()
-        ex = docker_backend._Exec(self.sbx._pool.api, self.sbx.container_id, CMD, user=docker_backend.RUN_USER)
+        ex = Exec(get_client().api, self.sbx.container_id, CMD, user=RUN_USER)
         ex.pump({}, time.monotonic() + 30)
         rc = ex.exit_code()
         ex.close()
@@ -240,7 +243,7 @@ def run_rounds(series: list[Series], n: int, progress) -> dict[str, list[float]]
     finally:
         for s in series:
             s.teardown()
-        docker_backend.shutdown_pools()
+        shutdown_pools()
     return times
 
 
@@ -253,7 +256,7 @@ def machine_note() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=50, help="samples per series (default 50)")
-    ap.add_argument("--image", default=docker_backend.DEFAULT_IMAGE)
+    ap.add_argument("--image", default=DEFAULT_IMAGE)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     from bench import skip_unless

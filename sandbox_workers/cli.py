@@ -122,7 +122,7 @@ def _exec(args) -> int:
 
 
 def _reap(args) -> int:
-    from sandbox_workers.docker_backend import reap
+    from sandbox_workers.docker_engine import reap
 
     try:
         removed = reap(all_owners=args.all)

@@ -28,13 +28,13 @@ Guarantees (on top of those in `sandbox_workers.base`):
   stderr shows an allocation failure (MemoryError, ...). `timed_out` when the command
   was killed by the timeout. `exit_code` is 128+N for signal N.
 - Fresh on hand-out: a sandbox gets either a container that was never used, or a
-  returned one that passed `_CLEAN_SCRIPT` (every 65534 process killed, `/work`,
+  returned one that passed `docker_pool.clean_container` (every 65534 process killed, `/work`,
   `/tmp`, POSIX and SysV IPC wiped) and was then *proven* clean: the only pids are
   docker-init and `sleep`, and the wiped dirs are empty. A container that fails the
   proof, or was used `MAX_USES` times, is removed instead. `reset()` swaps in such a
   fresh container (the old one is cleaned or removed in the background).
 - Warm pool: one pool per (image, limits, cpus) per process (module level, shared by
-  every `DockerSandbox` of the process; `shutdown_pools()` and an `atexit` hook remove
+  every `DockerSandbox` of the process; `docker_pool.shutdown_pools()` and an `atexit` hook remove
   its containers). It keeps `warm_pool` containers ready (argument, else env
   `RLBUS_SANDBOX_WARM_POOL`, else 2 = `SandboxSection.warm_pool`), refilled and cleaned
   by a background thread pool of `REFILL_WORKERS` threads (bounded concurrency).
@@ -44,15 +44,15 @@ Guarantees (on top of those in `sandbox_workers.base`):
   `RLBUS_SANDBOX_CONCURRENCY`, else 8) plus the refill threads, so concurrent
   sandboxes never queue on, or throw away, connections.
 - Every container is labelled `rlbus.sandbox=1` with its owner
-  (`rlbus.sandbox.owner=<host>:<pid>:<start time>`). `reap()` removes, in any state
+  (`rlbus.sandbox.owner=<host>:<pid>:<start time>`). `docker_engine.reap()` removes, in any state
   (`Created` included), labelled containers whose owner process is gone, and this
   process's containers that no pool tracks; `reap(all_owners=True)` removes them all.
   The first pool of a process reaps at start, then every `REAP_INTERVAL_S`.
 - Files: `read_file`/`write_file` go through an exec (tar archives cannot reach a
   tmpfs nor a read-only root). Paths are relative to `/work` (or absolute under it);
   no component may be a symlink, like the process backend.
-- A missing image raises `SandboxImageMissing`, which names the command that builds
-  it: `rlbus sandbox build-image`.
+- A missing image raises `docker_pool.SandboxImageMissing`, which names the command that
+  builds it: `rlbus sandbox build-image`.
 
 One-shot isolated runs (`run_isolated`, the code verifier's checks) use agent containers;
 their guarantees are in `sandbox_workers.docker_oneshot`.
@@ -62,8 +62,8 @@ Module layout (each module's docstring states its own guarantees):
 `sandbox_workers.docker_pool` (container settings, exec over the socket, the warm pool
 and clean-up), `sandbox_workers.docker_oneshot` (agent containers, `run_isolated`), the
 agent program that runs inside them (`sandbox_workers.docker_agent`, with
-`docker_agent_protocol` and `docker_agent_clean`), and this module (`DockerSandbox`; it re-exports the names other code imports from here, so
-`from sandbox_workers.docker_backend import ...` keeps working).
+`docker_agent_protocol` and `docker_agent_clean`), and this module (`DockerSandbox` only:
+import every other name from the module that defines it).
 
 Blocking API (like the process backend): call it from a thread in async code. The
 methods of one sandbox are serialized by a lock; use one sandbox per concurrent task.
@@ -86,59 +86,16 @@ from sandbox_workers.base import (
     Sandbox,
     decode_output,
 )
-from sandbox_workers.docker_engine import (  # noqa: F401 - re-exported
-    DEFAULT_CONCURRENCY,
-    LABEL,
-    OWNER,
-    OWNER_LABEL,
-    REAP_INTERVAL_S,
-    REAP_MIN_AGE_S,
-    REFILL_WORKERS,
-    _env_int,
-    _import_docker,
-    _start_time,
-    get_client,
-    log,
-    reap,
-)
-from sandbox_workers.docker_oneshot import (  # noqa: F401 - re-exported
-    AGENT_CAPS,
-    AGENT_GRACE_S,
-    AGENT_LABEL,
-    AGENT_MAX_USES,
-    AGENT_MEMORY_MB,
-    AGENT_PARTS,
-    AGENT_PID_HEADROOM,
-    AGENT_START_S,
-    AGENT_USER,
-    AgentGone,
-    AgentPool,
-    IsolatedRun,
-    agent_container_kwargs,
-    agent_source,
-    get_agent_pool,
-    run_isolated,
-)
-from sandbox_workers.docker_pool import (  # noqa: F401 - re-exported
-    BUILD_HINT,
+from sandbox_workers.docker_engine import env_int, import_docker, log
+from sandbox_workers.docker_pool import (
     DEFAULT_IMAGE,
-    HOLDER_USER,
-    INSPECT_WAIT_S,
-    MAX_USES,
     OOM_HINTS,
-    PID_HEADROOM,
     RUN_USER,
-    SANDBOX_PATH,
-    ContainerUnusable,
-    SandboxImageMissing,
+    Box,
+    Exec,
     WarmPool,
-    _Box,
-    _Exec,
-    _sandbox_path,
-    clean_container,
-    container_kwargs,
     get_pool,
-    shutdown_pools,
+    sandbox_path,
 )
 
 KILL_GRACE_S = 1.5
@@ -250,7 +207,7 @@ class DockerSandbox(Sandbox):
         """warm_pool: containers kept ready (None: env RLBUS_SANDBOX_WARM_POOL, else 2);
         concurrency: sandboxes used at once by this process (sizes the HTTP pool);
         cpus: CPU quota per container."""
-        self.warm_pool = warm_pool if warm_pool is not None else _env_int("RLBUS_SANDBOX_WARM_POOL", 2)
+        self.warm_pool = warm_pool if warm_pool is not None else env_int("RLBUS_SANDBOX_WARM_POOL", 2)
         self.concurrency = concurrency
         self.cpus = cpus
         self.id = uuid.uuid4().hex[:12]
@@ -259,7 +216,7 @@ class DockerSandbox(Sandbox):
         self.default_timeout = 30.0
         self.image = DEFAULT_IMAGE
         self._pool: WarmPool | None = None
-        self._box: _Box | None = None
+        self._box: Box | None = None
         self._lock = threading.RLock()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -295,7 +252,7 @@ class DockerSandbox(Sandbox):
             box, self._box = self._box, None
             self._pool.release(box)
 
-    def _require(self) -> _Box:
+    def _require(self) -> Box:
         if self._box is None:
             raise RuntimeError("sandbox not started (or closed)")
         return self._box
@@ -340,16 +297,16 @@ class DockerSandbox(Sandbox):
             timed_out=timed_out, oom=oom, truncated=out.truncated or err.truncated,
             duration_ms=round(elapsed * 1000, 3), isolation="docker")
 
-    def _start_exec(self, argv: list[str]) -> _Exec:
+    def _start_exec(self, argv: list[str]) -> Exec:
         """Start the wrapper exec; a container that cannot run one is replaced, once."""
-        docker = _import_docker()
+        docker = import_docker()
         try:
-            return _Exec(self._pool.api, self._require().id, argv, user=RUN_USER)
+            return Exec(self._pool.api, self._require().id, argv, user=RUN_USER)
         except docker.errors.APIError as exc:
             self._replace(f"exec failed: {exc}")
-        return _Exec(self._pool.api, self._require().id, argv, user=RUN_USER)
+        return Exec(self._pool.api, self._require().id, argv, user=RUN_USER)
 
-    def _stop_stuck(self, ex: _Exec, out: HeadTailBuffer, hold: _StderrHold) -> bool:
+    def _stop_stuck(self, ex: Exec, out: HeadTailBuffer, hold: _StderrHold) -> bool:
         """Past the deadline: kill every sandbox process from outside; True if the exec ended."""
         log.info("sandbox.timeout_kill", sandbox=self.id, container=self._box.id[:12])
         if self._sweep() and ex.pump({1: out, 2: hold}, time.monotonic() + KILL_GRACE_S):
@@ -368,7 +325,7 @@ class DockerSandbox(Sandbox):
     def _sweep(self) -> bool:
         """`kill -9 -1` as the sandbox user in a new exec; False if that cannot run."""
         try:
-            ex = _Exec(self._pool.api, self._box.id, ["/bin/sh", "-c", _SWEEP], user=RUN_USER)
+            ex = Exec(self._pool.api, self._box.id, ["/bin/sh", "-c", _SWEEP], user=RUN_USER)
         except Exception as exc:  # noqa: BLE001 - e.g. the pids limit is exhausted
             log.info("sandbox.sweep_failed", sandbox=self.id, error=str(exc))
             return False
@@ -390,7 +347,7 @@ class DockerSandbox(Sandbox):
         """Run a helper exec as the sandbox user: (exit code, stdout, stderr)."""
         with self._lock:
             box = self._require()
-            ex = _Exec(self._pool.api, box.id, argv, user=RUN_USER, stdin=stdin is not None)
+            ex = Exec(self._pool.api, box.id, argv, user=RUN_USER, stdin=stdin is not None)
             out, err = _Bytes(limit), _Bytes(64 * 1024)
             try:
                 if stdin is not None:
@@ -404,7 +361,7 @@ class DockerSandbox(Sandbox):
 
     def read_file(self, path: str) -> bytes:
         """Bytes of a regular file under /work (no symlink anywhere on the path)."""
-        parent, name = _sandbox_path(path)
+        parent, name = sandbox_path(path)
         full = posixpath.join(parent, name)
         rc, data, err = self._run_simple(["/bin/sh", "-c", _READ_SCRIPT, "rlbus-read", full, str(MAX_READ_FILE)],
                                          None, 60.0, limit=MAX_READ_FILE)
@@ -421,7 +378,7 @@ class DockerSandbox(Sandbox):
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for path, data in files:
-                parent, name = _sandbox_path(path)
+                parent, name = sandbox_path(path)
                 info = tarfile.TarInfo(posixpath.relpath(posixpath.join(parent, name), WORK_DIR))
                 info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
                 tar.addfile(info, io.BytesIO(bytes(data)))
@@ -431,7 +388,7 @@ class DockerSandbox(Sandbox):
 
     def write_file(self, path: str, data: bytes) -> None:
         """Create or replace a file under /work (parents created; no symlinks followed)."""
-        parent, name = _sandbox_path(path)
+        parent, name = sandbox_path(path)
         rc, _, err = self._run_simple(["/bin/sh", "-c", _WRITE_SCRIPT, "rlbus-write", parent, name],
                                       bytes(data), 60.0)
         _raise_file_error(rc, path, err)

@@ -11,11 +11,11 @@ Guarantees:
 - Every sandbox container is labelled `LABEL=1` with its owner
   (`OWNER_LABEL=<host>:<pid>:<start time>`, this process: `OWNER`). `reap()` removes, in
   any state, labelled containers whose owner process is gone, and this process's
-  containers that no pool registered in `_pools` tracks (older than `REAP_MIN_AGE_S`);
-  `reap(all_owners=True)` removes them all. `_start_reaper` reaps once, then every
+  containers that no registered pool tracks (older than `REAP_MIN_AGE_S`);
+  `reap(all_owners=True)` removes them all. `start_reaper` reaps once, then every
   `REAP_INTERVAL_S` in one daemon thread per process.
-- `_pools` (under `_pools_lock`) is the registry of this process's pools; it lives here
-  so the reaper can spare their containers without importing the pool code.
+- The registry of this process's pools (`register_pool`, `unregister_pools`, one lock)
+  lives here so the reaper can spare their containers without importing the pool code.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -49,7 +50,8 @@ _client: docker.DockerClient | None = None
 _client_pool_size = 0
 
 
-def _import_docker():
+def import_docker():
+    """The `docker` SDK module (imported on first use); RuntimeError naming the package if absent."""
     try:
         import docker
     except ImportError as exc:  # pragma: no cover - dependency of the project
@@ -63,7 +65,7 @@ def get_client(concurrency: int | None = None) -> docker.DockerClient:
     want = _concurrency(concurrency) + REFILL_WORKERS + 2  # +2: reaper, one-off calls
     with _client_lock:
         if _client is None or _client_pool_size < want:
-            docker = _import_docker()
+            docker = import_docker()
             try:
                 client = docker.from_env(max_pool_size=want, timeout=60)
                 client.ping()
@@ -75,7 +77,8 @@ def get_client(concurrency: int | None = None) -> docker.DockerClient:
         return _client
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """Env `name` as an integer >= 0 (`default` when unset or blank); ValueError if not an integer."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -86,12 +89,14 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _concurrency(value: int | None) -> int:
-    return max(1, value if value is not None else _env_int("RLBUS_SANDBOX_CONCURRENCY", DEFAULT_CONCURRENCY))
+    return max(1, value if value is not None else env_int("RLBUS_SANDBOX_CONCURRENCY", DEFAULT_CONCURRENCY))
 
 
 # -- owners and the reaper ------------------------------------------------------------
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
+    """The start time (clock ticks since boot, field 22 of /proc/<pid>/stat) of `pid`; None if gone.
+    With the pid it identifies a process across pid reuse (the owner label)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[19].decode()
@@ -99,7 +104,7 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-OWNER = f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+OWNER = f"{socket.gethostname()}:{os.getpid()}:{process_start_time(os.getpid())}"
 
 
 def _owner_alive(owner: str | None) -> bool | None:
@@ -109,7 +114,7 @@ def _owner_alive(owner: str | None) -> bool | None:
     host, pid, start = owner.split(":")
     if host != socket.gethostname():
         return None
-    return pid.isdigit() and _start_time(int(pid)) == start
+    return pid.isdigit() and process_start_time(int(pid)) == start
 
 
 def reap(all_owners: bool = False, client: docker.DockerClient | None = None) -> list[str]:
@@ -130,15 +135,17 @@ def reap(all_owners: bool = False, client: docker.DockerClient | None = None) ->
                     continue
             elif _owner_alive(owner) is not False:
                 continue
-        if _remove(client, c["Id"]):
+        if remove_container(client, c["Id"]):
             removed.append(c["Id"])
     if removed:
         log.info("sandbox.reaped", count=len(removed), all_owners=all_owners)
     return removed
 
 
-def _remove(client, cid: str) -> bool:
-    docker = _import_docker()
+def remove_container(client, cid: str) -> bool:
+    """Force-remove container `cid` with its volumes; True if this call removed it. Never raises
+    for a container that is gone or already being removed (other engine errors are logged)."""
+    docker = import_docker()
     try:
         client.api.remove_container(cid, force=True, v=True)
         return True
@@ -154,7 +161,7 @@ def _remove(client, cid: str) -> bool:
 _reaper_started = False
 
 
-def _start_reaper(client) -> None:
+def start_reaper(client) -> None:
     """Reap once now, then every REAP_INTERVAL_S in a daemon thread (once per process)."""
     global _reaper_started
     with _client_lock:
@@ -181,6 +188,27 @@ def _start_reaper(client) -> None:
 
 _pools: dict[tuple, WarmPool] = {}
 _pools_lock = threading.Lock()
+
+
+def register_pool(key: tuple, make: Callable[[], WarmPool], size: int) -> WarmPool:
+    """The open pool registered under `key`, its size raised to at least `size`; when none is
+    open, `make()` (called under the registry's lock) is registered and returned."""
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None or pool.closed:
+            pool = _pools[key] = make()
+        else:
+            with pool.cond:
+                pool.size = max(pool.size, size)
+    return pool
+
+
+def unregister_pools() -> list[WarmPool]:
+    """Every registered pool, each removed from the registry (the caller shuts them down)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    return pools
 
 
 def _tracked_ids() -> set[str]:

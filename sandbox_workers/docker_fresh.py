@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from sandbox_workers.base import WORK_DIR, HeadTailBuffer, Limits
 from sandbox_workers.docker_pool import (
     ContainerUnusable,
-    SandboxImageMissing,  # noqa: F401 - re-exported for callers
+    Exec,
     WarmPool,
-    _Exec,
-    _shared_pool,
     container_kwargs,
+    shared_pool,
 )
 
 FRESH_LABEL = "rlbus.sandbox.fresh"
@@ -78,12 +77,12 @@ class FreshPool(WarmPool):
 def get_fresh_pool(image: str, limits: Limits, cpus: float = 1.0, warm: int = 1,
                    concurrency: int | None = None) -> FreshPool:
     """The process's fresh pool for (image, limits, cpus)."""
-    return _shared_pool(FreshPool, ("fresh", image, limits, cpus), image, limits, cpus, warm, concurrency)
+    return shared_pool(FreshPool, ("fresh", image, limits, cpus), image, limits, cpus, warm, concurrency)
 
 
 def _exec(pool: FreshPool, cid: str, argv: list[str], stdin: bytes | None, deadline: float,
           cap: int) -> tuple[int | None, bytes, bytes, bool]:
-    ex = _Exec(pool.api, cid, argv, user=ROOT_USER, stdin=stdin is not None)
+    ex = Exec(pool.api, cid, argv, user=ROOT_USER, stdin=stdin is not None)
     out, err = HeadTailBuffer(cap), HeadTailBuffer(64 * 1024)
     try:
         if stdin is not None:

@@ -39,17 +39,17 @@ from sandbox_workers import (
     docker_agent_protocol as _AGENT,  # stdlib only: the protocol's constants
 )
 from sandbox_workers.base import MIB, ExecResult, HeadTailBuffer, Limits, decode_output
-from sandbox_workers.docker_engine import _env_int, log
+from sandbox_workers.docker_engine import env_int, log
 from sandbox_workers.docker_pool import (
     DEFAULT_IMAGE,
     OOM_HINTS,
+    Box,
     ContainerUnusable,
+    FrameReader,
     WarmPool,
-    _Box,
-    _Frames,
-    _sandbox_path,
-    _shared_pool,
     container_kwargs,
+    sandbox_path,
+    shared_pool,
 )
 
 AGENT_LABEL = "rlbus.sandbox.agent"
@@ -142,7 +142,7 @@ class AgentGone(ContainerUnusable):
     """The agent closed its stream, stopped answering, or sent garbage."""
 
 
-class _AgentStream(_Frames):
+class _AgentStream(FrameReader):
     """The attached stdin/stdout of an agent container: framed requests out, framed replies in."""
 
     def __init__(self, api, cid: str) -> None:
@@ -202,7 +202,7 @@ class _Reply:
         return bool(self.flags & _AGENT.CLEAN)
 
 
-class _AgentBox(_Box):
+class _AgentBox(Box):
     __slots__ = ("stream",)
 
     def __init__(self, cid: str) -> None:
@@ -247,13 +247,13 @@ class AgentPool(WarmPool):
             raise AgentGone(f"the sandbox agent refused to start: {hello.message} "
                             f"{box.stream.diagnostics()}")
 
-    def remove(self, box: _Box) -> None:
+    def remove(self, box: Box) -> None:
         stream = getattr(box, "stream", None)
         if stream is not None:
             stream.close()
         super().remove(box)
 
-    def release(self, box: _Box, clean: bool = False) -> None:
+    def release(self, box: Box, clean: bool = False) -> None:
         """Take back a container after a run: kept when its agent proved it clean, else removed."""
         with self.cond:
             self.in_use -= 1
@@ -266,7 +266,7 @@ class AgentPool(WarmPool):
         if not keep:
             self._submit(self.remove, box)
 
-    def kill(self, box: _Box) -> None:
+    def kill(self, box: Box) -> None:
         with self.cond:
             self.in_use -= 1
             self._refill_locked()
@@ -275,7 +275,7 @@ class AgentPool(WarmPool):
 
 def get_agent_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> AgentPool:
     """The process's agent pool for (image, limits, cpus); its size grows to the largest asked."""
-    return _shared_pool(AgentPool, (image, limits, cpus, "agent"), image, limits, cpus, size, concurrency)
+    return shared_pool(AgentPool, (image, limits, cpus, "agent"), image, limits, cpus, size, concurrency)
 
 
 class IsolatedRun:
@@ -305,8 +305,8 @@ def run_isolated(files: list[tuple[str, bytes]], *, argv: list[str] | None = Non
         raise ValueError("give exactly one of argv and python")
     limits = limits or Limits()
     for path, _ in files:
-        _sandbox_path(path)
-    size = warm_pool if warm_pool is not None else _env_int("RLBUS_SANDBOX_WARM_POOL", 2)
+        sandbox_path(path)
+    size = warm_pool if warm_pool is not None else env_int("RLBUS_SANDBOX_WARM_POOL", 2)
     pool = get_agent_pool(image or DEFAULT_IMAGE, limits, cpus, size, concurrency)
     req = {"op": "run", "files": [(str(p), bytes(d)) for p, d in files], "timeout": max(float(timeout), 0.001),
            "cap": limits.output_cap_bytes, "report": list(report),

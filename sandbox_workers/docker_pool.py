@@ -10,8 +10,8 @@ Guarantees (the full list is in `sandbox_workers.docker_backend`'s docstring):
   `clean_container` (`_CLEAN_SCRIPT`, then proven clean: only docker-init and `sleep`
   left, wiped dirs empty); one that fails the proof or was used `MAX_USES` times is
   removed. Pools refill in the background with `REFILL_WORKERS` threads.
-- One pool per key per process (`get_pool`, `_shared_pool`), registered in
-  `docker_engine._pools` so the reaper spares its containers; `shutdown_pools()` (also
+- One pool per key per process (`get_pool`, `shared_pool`), registered with
+  `docker_engine.register_pool` so the reaper spares its containers; `shutdown_pools()` (also
   run at exit) removes every container of every pool.
 """
 
@@ -39,13 +39,13 @@ from sandbox_workers.docker_engine import (
     OWNER,
     OWNER_LABEL,
     REFILL_WORKERS,
-    _import_docker,
-    _pools,
-    _pools_lock,
-    _remove,
-    _start_reaper,
     get_client,
+    import_docker,
     log,
+    register_pool,
+    remove_container,
+    start_reaper,
+    unregister_pools,
 )
 
 DEFAULT_IMAGE = "rlbus-sandbox:latest"
@@ -95,7 +95,7 @@ class ContainerUnusable(RuntimeError):
 
 # -- exec over the multiplexed socket ---------------------------------------------------
 
-class _Frames:
+class FrameReader:
     """Docker's multiplexed stream on a hijacked socket: 8-byte headers (stream id, length), then
     that many payload bytes.
 
@@ -142,7 +142,7 @@ class _Frames:
                 pass
 
 
-class _Exec(_Frames):
+class Exec(FrameReader):
     """One running exec: its id and hijacked socket, read frame by frame."""
 
     def __init__(self, api, cid: str, argv: list[str], *, user: str, stdin: bool = False) -> None:
@@ -188,7 +188,7 @@ class _Exec(_Frames):
 
 # -- containers and the warm pool --------------------------------------------------------
 
-class _Box:
+class Box:
     """A container the pool owns."""
 
     __slots__ = ("id", "uses")
@@ -241,8 +241,8 @@ class WarmPool:
         self.limits = limits
         self.cpus = cpus
         self.size = size
-        self.idle: collections.deque[_Box] = collections.deque()
-        self.boxes: dict[str, _Box] = {}
+        self.idle: collections.deque[Box] = collections.deque()
+        self.boxes: dict[str, Box] = {}
         self.pending = 0  # creations and cleanings in flight that may end in `idle`
         self.waiting = 0  # acquire() calls waiting for one of those
         self.broken: str | None = None  # why background creation stopped (e.g. no image)
@@ -251,18 +251,18 @@ class WarmPool:
         self.workers = concurrent.futures.ThreadPoolExecutor(REFILL_WORKERS, thread_name_prefix="rlbus-sbx-pool")
 
     # -- creating and removing --------------------------------------------------------
-    def create(self) -> _Box:
+    def create(self) -> Box:
         """A new started container (blocking); SandboxImageMissing if the image is absent.
 
         The container is tracked in `boxes` from its creation on; if starting it fails, it is
         removed before the error propagates."""
-        docker = _import_docker()
+        docker = import_docker()
         kwargs = self._container_kwargs()
         kwargs["host_config"] = self.api.create_host_config(**kwargs["host_config"])
         try:
             cid = self.api.create_container(**kwargs)["Id"]
         except docker.errors.ImageNotFound:
-            raise SandboxImageMissing(_missing_image_message(self.image)) from None
+            raise SandboxImageMissing(missing_image_message(self.image)) from None
         box = self._new_box(cid)
         with self.cond:
             self.boxes[cid] = box
@@ -276,19 +276,19 @@ class WarmPool:
     def _container_kwargs(self) -> dict:
         return container_kwargs(self.image, self.limits, self.cpus)
 
-    def _new_box(self, cid: str) -> _Box:
-        return _Box(cid)
+    def _new_box(self, cid: str) -> Box:
+        return Box(cid)
 
-    def _start(self, box: _Box) -> None:
+    def _start(self, box: Box) -> None:
         self.api.start(box.id)
 
-    def remove(self, box: _Box) -> None:
+    def remove(self, box: Box) -> None:
         with self.cond:
             self.boxes.pop(box.id, None)
-        _remove(self.client, box.id)
+        remove_container(self.client, box.id)
 
     # -- hand-out and return ----------------------------------------------------------
-    def acquire(self) -> _Box:
+    def acquire(self) -> Box:
         """A fresh container: an idle one, one finishing its clean-up, or a new one."""
         with self.cond:
             self._count_in_use_locked(1)
@@ -321,7 +321,7 @@ class WarmPool:
         """How many more containers the pool wants idle (under `cond`); `pending` not subtracted."""
         return self.size - len(self.idle)
 
-    def release(self, box: _Box) -> None:
+    def release(self, box: Box) -> None:
         """Take back a used container: cleaned and proven clean for reuse, or removed.
 
         Recycling (one exec) is much cheaper than creating, so a returned container is
@@ -339,7 +339,7 @@ class WarmPool:
         else:
             self._submit(self.remove, box)
 
-    def kill(self, box: _Box) -> None:
+    def kill(self, box: Box) -> None:
         """Kill a container now (its processes could not be stopped); remove it in the background."""
         try:
             self.api.kill(box.id)
@@ -347,7 +347,7 @@ class WarmPool:
             pass
         self._submit(self.remove, box)
 
-    def _submit(self, fn, box: _Box) -> None:
+    def _submit(self, fn, box: Box) -> None:
         try:
             self.workers.submit(fn, box)
         except RuntimeError:  # shut down: do it here
@@ -373,7 +373,7 @@ class WarmPool:
             log.warning("sandbox.pool_refill_failed", image=self.image, error=str(exc))
         self._settle(box)
 
-    def _recycle(self, box: _Box) -> None:
+    def _recycle(self, box: Box) -> None:
         try:
             clean_container(self.api, box.id)
         except Exception as exc:  # noqa: BLE001 - an unclean container is never reused
@@ -382,7 +382,7 @@ class WarmPool:
             box = None
         self._settle(box)
 
-    def _settle(self, box: _Box | None) -> None:
+    def _settle(self, box: Box | None) -> None:
         with self.cond:
             self.pending -= 1
             if box is not None and not self.closed and self._room_locked() > 0:
@@ -408,7 +408,7 @@ class WarmPool:
 
 def clean_container(api, cid: str) -> None:
     """Wipe a used container and prove it clean; ContainerUnusable if it is not."""
-    ex = _Exec(api, cid, ["/bin/sh", "-c", _CLEAN_SCRIPT, "rlbus-clean"], user=RUN_USER)
+    ex = Exec(api, cid, ["/bin/sh", "-c", _CLEAN_SCRIPT, "rlbus-clean"], user=RUN_USER)
     out = HeadTailBuffer(64 * 1024)
     try:
         if not ex.pump({1: out, 2: HeadTailBuffer(4096)}, time.monotonic() + 10):
@@ -423,7 +423,8 @@ def clean_container(api, cid: str) -> None:
         raise ContainerUnusable(f"not clean: rc={rc} procs={procs} left={left[:5]}")
 
 
-def _missing_image_message(image: str) -> str:
+def missing_image_message(image: str) -> str:
+    """The error for an engine that lacks `image`, naming the command that builds it."""
     tag = "" if image == DEFAULT_IMAGE else f" --tag {image}"
     return (f"sandbox image {image!r} is not on this Docker engine; build it with: "
             f"{BUILD_HINT}{tag}")
@@ -431,37 +432,29 @@ def _missing_image_message(image: str) -> str:
 
 def get_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> WarmPool:
     """The process's pool for (image, limits, cpus); its size grows to the largest asked."""
-    return _shared_pool(WarmPool, (image, limits, cpus), image, limits, cpus, size, concurrency)
+    return shared_pool(WarmPool, (image, limits, cpus), image, limits, cpus, size, concurrency)
 
 
-def _shared_pool(cls, key: tuple, image: str, limits: Limits, cpus: float, size: int, concurrency: int | None):
-    """The open `cls` pool under `key` in `_pools` (a new one if none is open), its size raised
-    to at least `size`; the reaper runs once any pool exists."""
+def shared_pool(cls, key: tuple, image: str, limits: Limits, cpus: float, size: int, concurrency: int | None):
+    """The process's open `cls` pool under `key` (a new one if none is open), registered with
+    `docker_engine.register_pool` and its size raised to at least `size`; the reaper runs once
+    any pool exists."""
     client = get_client(concurrency)
-    with _pools_lock:
-        pool = _pools.get(key)
-        if pool is None or pool.closed:
-            pool = _pools[key] = cls(client, image, limits, cpus, size)
-        else:
-            with pool.cond:
-                pool.size = max(pool.size, size)
-    _start_reaper(client)
+    pool = register_pool(key, lambda: cls(client, image, limits, cpus, size), size)
+    start_reaper(client)
     return pool
 
 
 def shutdown_pools() -> None:
     """Remove every container of every pool of this process (also run at exit)."""
-    with _pools_lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
+    for pool in unregister_pools():
         pool.shutdown()
 
 
 atexit.register(shutdown_pools)
 
 
-def _sandbox_path(path: str) -> tuple[str, str]:
+def sandbox_path(path: str) -> tuple[str, str]:
     """(parent dir, name) of a path under /work, lexically normalized; ValueError outside."""
     parts = sandbox_path_parts(path)
     return posixpath.join(WORK_DIR, *parts[:-1]), parts[-1]

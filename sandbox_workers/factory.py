@@ -83,7 +83,7 @@ def _require_image(image: str) -> None:
     import docker
 
     from sandbox_workers.base import SandboxRefused
-    from sandbox_workers.docker_pool import _missing_image_message
+    from sandbox_workers.docker_pool import missing_image_message
 
     try:
         client = docker.from_env()
@@ -93,6 +93,6 @@ def _require_image(image: str) -> None:
     try:
         client.images.get(image)
     except docker.errors.ImageNotFound:
-        raise SandboxRefused(_missing_image_message(image)) from None
+        raise SandboxRefused(missing_image_message(image)) from None
     finally:
         client.close()

@@ -54,10 +54,11 @@ def _context(dockerfile: Path) -> io.BytesIO:
     return buf
 
 
-def _client(client=None):
+def client_or_default(client=None):
+    """`client`, or (None) the process's shared DockerClient (`docker_engine.get_client`)."""
     if client is not None:
         return client
-    from sandbox_workers.docker_backend import get_client
+    from sandbox_workers.docker_engine import get_client
 
     return get_client()
 
@@ -67,7 +68,7 @@ def image_labels(tag: str = DEFAULT_TAG, client=None) -> dict[str, str] | None:
     import docker
 
     try:
-        attrs = _client(client).api.inspect_image(tag)
+        attrs = client_or_default(client).api.inspect_image(tag)
     except docker.errors.ImageNotFound:
         return None
     return (attrs.get("Config") or {}).get("Labels") or {}
@@ -76,7 +77,7 @@ def image_labels(tag: str = DEFAULT_TAG, client=None) -> dict[str, str] | None:
 def build_image(tag: str = DEFAULT_TAG, *, dockerfile: Path = DOCKERFILE, client=None,
                 on_line: Callable[[str], None] | None = None) -> str:
     """Build the sandbox image offline; returns its id. `on_line` gets each log line."""
-    client = _client(client)
+    client = client_or_default(client)
     if not dockerfile.is_file():
         raise ImageBuildError(f"no Dockerfile at {dockerfile} (run from a checkout of the project)")
     return run_build(client, _context(dockerfile), tag, {SHA_LABEL: dockerfile_sha(dockerfile)}, on_line)

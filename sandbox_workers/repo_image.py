@@ -27,7 +27,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-from sandbox_workers.images import ROOT, SHA_LABEL, ImageBuildError, _client, image_labels, run_build
+from sandbox_workers.images import ROOT, SHA_LABEL, ImageBuildError, client_or_default, image_labels, run_build
 
 DOCKERFILE = ROOT / "compose" / "repo-sandbox.Dockerfile"
 REPO_TAG = "rlbus-repo-sandbox:latest"
@@ -84,7 +84,7 @@ def build_repo_image(tag: str = REPO_TAG, *, extra: list[str] | None = None, cli
     """Fetch the wheels, then build the image offline; returns its id."""
 
     wheels = fetch_wheels(wheelhouse_dir(), [*REQUIREMENTS, *(extra or [])])
-    return run_build(_client(client), _context(DOCKERFILE, wheels), tag, {SHA_LABEL: image_sha(wheels)}, on_line)
+    return run_build(client_or_default(client), _context(DOCKERFILE, wheels), tag, {SHA_LABEL: image_sha(wheels)}, on_line)
 
 
 def ensure_repo_image(tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None,

@@ -18,6 +18,8 @@ import pytest
 
 from producers import humaneval_source as he
 from sandbox_workers.base import Limits
+from sandbox_workers.docker_engine import get_client
+from sandbox_workers.docker_pool import DEFAULT_IMAGE, ContainerUnusable
 from sandbox_workers.factory import docker_available
 
 pytestmark = [
@@ -32,11 +34,13 @@ LIM = Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=24)
 
 @pytest.fixture(scope="module")
 def db():
-    from sandbox_workers import docker_backend, images
+    """`sandbox_workers.docker_oneshot`, with the sandbox image built; pools removed at the end."""
+    from sandbox_workers import docker_oneshot, images
+    from sandbox_workers.docker_pool import shutdown_pools
 
     images.ensure_image()
-    yield docker_backend
-    docker_backend.shutdown_pools()
+    yield docker_oneshot
+    shutdown_pools()
 
 
 def run(db, cmd, files=(), limits=LIM, timeout=10.0, **kw):
@@ -185,7 +189,7 @@ def test_unclean_container_is_discarded(db):
     """A file the sandbox user cannot remove (root's, made behind the agent's back) fails the proof."""
     lim = Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=20)
     first = run(db, "true", limits=lim)
-    api = db.get_client().api
+    api = get_client().api
     ex = api.exec_create(first.container, ["sh", "-c", "touch /tmp/root-file"], user="0:0")
     api.exec_start(ex["Id"])
     r = run(db, "ls /tmp", limits=lim)
@@ -200,8 +204,8 @@ def test_unclean_container_is_discarded(db):
 def test_dead_agent_is_an_infra_error_and_replaced(db):
     lim = Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=22)
     first = run(db, "true", limits=lim)
-    db.get_client().api.kill(first.container)
-    with pytest.raises(db.ContainerUnusable):
+    get_client().api.kill(first.container)
+    with pytest.raises(ContainerUnusable):
         run(db, "true", limits=lim)
     r = run(db, "echo alive", limits=lim)
     assert r.result.stdout == "alive\n" and r.container != first.container
@@ -211,7 +215,7 @@ def test_dead_agent_is_an_infra_error_and_replaced(db):
 
 def test_concurrent_runs_and_zero_api_calls_in_steady_state(db):
     lim = Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=26)
-    pool = db.get_agent_pool(db.DEFAULT_IMAGE, lim, 1.0, 3, None)
+    pool = db.get_agent_pool(DEFAULT_IMAGE, lim, 1.0, 3, None)
 
     def one(i: int) -> str:
         r = db.run_isolated([("mine", str(i).encode())], argv=["/bin/sh", "-c", "ls -A; cat mine"], timeout=10,
@@ -315,7 +319,7 @@ def test_harness_supervisor_is_non_dumpable_in_the_agent(db):
 
 def test_agent_container_privileges(db):
     """uid 0 with only SETUID/SETGID/KILL; the rest of the isolation as for exec containers."""
-    kw = db.agent_container_kwargs(db.DEFAULT_IMAGE, LIM, 1.0)
+    kw = db.agent_container_kwargs(DEFAULT_IMAGE, LIM, 1.0)
     hc = kw["host_config"]
     assert kw["user"] == "0:0" and kw["stdin_open"] and not kw["tty"] and kw["network_disabled"]
     assert hc["cap_drop"] == ["ALL"] and sorted(hc["cap_add"]) == ["KILL", "SETGID", "SETUID"]

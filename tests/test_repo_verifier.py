@@ -134,7 +134,7 @@ def docker_only(fn):
 
 @pytest.fixture(scope="module")
 def repo_image():
-    from sandbox_workers.docker_backend import shutdown_pools
+    from sandbox_workers.docker_pool import shutdown_pools
     from sandbox_workers.repo_image import REPO_TAG, ensure_repo_image
 
     ensure_repo_image()

@@ -73,16 +73,17 @@ def test_exec_needs_a_command_and_help_has_examples():
 @pytest.mark.docker
 @needs_docker
 def test_exec_docker_backend_leaves_nothing():
-    from sandbox_workers import docker_backend, images
+    from sandbox_workers import images
+    from sandbox_workers.docker_engine import LABEL, get_client
 
     images.ensure_image()
-    api = docker_backend.get_client().api
-    before = {c["Id"] for c in api.containers(all=True, filters={"label": f"{docker_backend.LABEL}=1"})}
+    api = get_client().api
+    before = {c["Id"] for c in api.containers(all=True, filters={"label": f"{LABEL}=1"})}
     row = one_json_line(rlbus("exec", "--backend", "docker", "--timeout", "5", "--",
                               "sh", "-c", "id -u; (setsid sleep 300 &); echo done"))
     assert row["isolation"] == "docker" and row["exit_code"] == 0
     assert row["stdout"].split() == ["65534", "done"]
-    after = {c["Id"] for c in api.containers(all=True, filters={"label": f"{docker_backend.LABEL}=1"})}
+    after = {c["Id"] for c in api.containers(all=True, filters={"label": f"{LABEL}=1"})}
     assert after <= before, "the one-shot exec left a container"
     row = one_json_line(rlbus("exec", "--backend", "docker", "--timeout", "1", "--",
                               "python3", "-c", "while True: pass"))
@@ -97,3 +98,4 @@ def test_build_image_and_missing_image():
     p = rlbus("exec", "--backend", "docker", "--image", "rlbus-nope:1", "--", "true")
     assert p.returncode == 1 and p.stdout == ""
     assert "rlbus sandbox build-image --tag rlbus-nope:1" in p.stderr
+

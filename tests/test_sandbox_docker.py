@@ -16,6 +16,17 @@ import socket
 import pytest
 
 from sandbox_workers.base import Limits
+from sandbox_workers.docker_backend import DockerSandbox
+from sandbox_workers.docker_engine import LABEL, OWNER, OWNER_LABEL, get_client, reap
+from sandbox_workers.docker_pool import (
+    DEFAULT_IMAGE,
+    RUN_USER,
+    ContainerUnusable,
+    SandboxImageMissing,
+    clean_container,
+    get_pool,
+    shutdown_pools,
+)
 from sandbox_workers.factory import docker_available
 from tests import sandbox_contract as contract
 from tests.sandbox_contract import py
@@ -30,19 +41,19 @@ CLEAN = ["docker-init", "sleep"]
 
 
 @pytest.fixture(scope="module")
-def backend():
-    """The backend module, with the sandbox image built; pools removed at the end."""
-    from sandbox_workers import docker_backend, images
+def sandbox_image():
+    """The sandbox image built; pools removed at the end."""
+    from sandbox_workers import images
 
     images.ensure_image()
-    yield docker_backend
-    docker_backend.shutdown_pools()
+    yield
+    shutdown_pools()
 
 
-def own_containers(db) -> list[dict]:
+def own_containers() -> list[dict]:
     """Labelled containers of this test process, any state."""
-    return db.get_client().api.containers(
-        all=True, filters={"label": [f"{db.LABEL}=1", f"{db.OWNER_LABEL}={db.OWNER}"]})
+    return get_client().api.containers(
+        all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={OWNER}"]})
 
 
 def host_pids_in(container_id: str) -> list[int]:
@@ -64,15 +75,15 @@ def names(sbx) -> list[str]:
 
 
 @pytest.fixture
-def sbx(backend):
+def sbx(sandbox_image):
     """A sandbox with no warm pool (close removes its container); checked after the test."""
-    box = backend.DockerSandbox(warm_pool=0)
+    box = DockerSandbox(warm_pool=0)
     box.start(limits=Limits(), timeout=10)
     yield box
     cid = box.container_id
     assert names(box) == CLEAN, "processes left in the container"
     box.close()
-    assert [c["Id"] for c in own_containers(backend) if c["Id"] == cid] == []
+    assert [c["Id"] for c in own_containers() if c["Id"] == cid] == []
     assert host_pids_in(cid) == []
 
 
@@ -154,8 +165,8 @@ def test_signal_exit_code_and_killed_wrapper(sbx):
     assert names(sbx) == CLEAN
 
 
-def test_container_removed_behind_our_back_is_replaced(sbx, backend):
-    backend.get_client().api.remove_container(sbx.container_id, force=True)
+def test_container_removed_behind_our_back_is_replaced(sbx, sandbox_image):
+    get_client().api.remove_container(sbx.container_id, force=True)
     r = sbx.execute("echo alive")
     assert r.stdout == "alive\n"
 
@@ -187,10 +198,10 @@ def test_files_and_reset(sbx):
 
 # -- warm pool, proof of cleanliness, reaper ------------------------------------------
 
-def test_warm_pool_hands_out_only_fresh_containers(backend):
+def test_warm_pool_hands_out_only_fresh_containers(sandbox_image):
     """Containers come back through the pool; nothing of one user is seen by the next."""
-    api = backend.get_client().api
-    box = backend.DockerSandbox(warm_pool=2)
+    api = get_client().api
+    box = DockerSandbox(warm_pool=2)
     box.start(limits=Limits(tmp_mb=48), timeout=10)  # its own pool
     seen = []
     try:
@@ -202,7 +213,7 @@ def test_warm_pool_hands_out_only_fresh_containers(backend):
             box.write_file("secret.txt", f"secret {i}".encode())
             box.execute(f"echo {i} > /tmp/t; mkdir -p d/e && chmod 000 d")
             # a process that escaped execute (started by a raw exec, not our wrapper)
-            ex = api.exec_create(box.container_id, ["sleep", "300"], user=backend.RUN_USER)
+            ex = api.exec_create(box.container_id, ["sleep", "300"], user=RUN_USER)
             api.exec_start(ex["Id"], detach=True)
             box.reset()
     finally:
@@ -210,14 +221,14 @@ def test_warm_pool_hands_out_only_fresh_containers(backend):
     assert len(set(seen)) < len(seen), f"no container was recycled: {seen}"
 
 
-def test_concurrent_sandboxes_share_the_pool(backend):
+def test_concurrent_sandboxes_share_the_pool(sandbox_image):
     """Threads acquire, run and return at once; none sees another's files or container."""
     from concurrent.futures import ThreadPoolExecutor
 
     def worker(i: int) -> list[str]:
         seen = []
         for j in range(3):
-            with backend.DockerSandbox(warm_pool=2, concurrency=4) as box:
+            with DockerSandbox(warm_pool=2, concurrency=4) as box:
                 box.start(limits=Limits(tmp_mb=56), timeout=10)
                 r = box.execute(f"ls -A; echo {i}-{j} > mine; cat mine")
                 assert r.exit_code == 0 and r.stdout == f"{i}-{j}\n", r
@@ -229,48 +240,48 @@ def test_concurrent_sandboxes_share_the_pool(backend):
     assert sum(map(len, runs)) == 12  # every sandbox started empty (`ls -A` printed nothing)
 
 
-def test_unclean_container_is_never_reused(backend):
+def test_unclean_container_is_never_reused(sandbox_image):
     """A process the sandbox user cannot kill (here: root's) fails the proof."""
-    pool = backend.get_pool(backend.DEFAULT_IMAGE, Limits(tmp_mb=40), 1.0, 0, None)
+    pool = get_pool(DEFAULT_IMAGE, Limits(tmp_mb=40), 1.0, 0, None)
     box = pool.acquire()
     api = pool.api
     try:
         ex = api.exec_create(box.id, ["sleep", "300"], user="0:0")
         api.exec_start(ex["Id"], detach=True)
-        with pytest.raises(backend.ContainerUnusable, match="sleep"):
-            backend.clean_container(api, box.id)
+        with pytest.raises(ContainerUnusable, match="sleep"):
+            clean_container(api, box.id)
     finally:
         pool.remove(box)
 
 
-def test_reaper_removes_created_and_orphaned(backend):
-    api = backend.get_client().api
+def test_reaper_removes_created_and_orphaned(sandbox_image):
+    api = get_client().api
     dead = f"{socket.gethostname()}:999999999:0"
-    ids = [api.create_container(backend.DEFAULT_IMAGE, ["true"], labels=labels)["Id"]
-           for labels in ({backend.LABEL: "1"}, {backend.LABEL: "1", backend.OWNER_LABEL: dead})]
+    ids = [api.create_container(DEFAULT_IMAGE, ["true"], labels=labels)["Id"]
+           for labels in ({LABEL: "1"}, {LABEL: "1", OWNER_LABEL: dead})]
     assert {api.inspect_container(i)["State"]["Status"] for i in ids} == {"created"}
-    live = backend.DockerSandbox(warm_pool=0)
+    live = DockerSandbox(warm_pool=0)
     live.start(timeout=10)
     try:
-        removed = backend.reap()
+        removed = reap()
         assert set(ids) <= set(removed) and live.container_id not in removed
         assert live.execute("true").exit_code == 0
     finally:
         live.close()
-    left = api.containers(all=True, filters={"label": f"{backend.LABEL}=1"})
+    left = api.containers(all=True, filters={"label": f"{LABEL}=1"})
     assert not {c["Id"] for c in left} & set(ids)
 
 
-def test_missing_image_names_the_build_command(backend):
-    box = backend.DockerSandbox(warm_pool=0)
-    with pytest.raises(backend.SandboxImageMissing, match="rlbus sandbox build-image --tag rlbus-nope:1"):
+def test_missing_image_names_the_build_command(sandbox_image):
+    box = DockerSandbox(warm_pool=0)
+    with pytest.raises(SandboxImageMissing, match="rlbus sandbox build-image --tag rlbus-nope:1"):
         box.start(image="rlbus-nope:1")
 
 
-def test_no_own_container_left_after_shutdown(backend):
-    box = backend.DockerSandbox(warm_pool=2)
+def test_no_own_container_left_after_shutdown(sandbox_image):
+    box = DockerSandbox(warm_pool=2)
     box.start(timeout=10)
     box.execute("true")
     box.close()
-    backend.shutdown_pools()
-    assert own_containers(backend) == []
+    shutdown_pools()
+    assert own_containers() == []

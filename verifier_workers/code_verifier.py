@@ -46,7 +46,7 @@ Scoring:
 - Missing hidden tests or entry point: `VerifierInputError` (dead-lettered).
 
 Backend: `backend=` argument, else env `RLBUS_CODE_SANDBOX` (`process`, `docker`,
-`auto`; default `auto` = docker when `sandbox_workers.docker_backend` exists and an engine
+`auto`; default `auto` = docker when `sandbox_workers.docker_oneshot` exists and an engine
 answers, else process). `RLBUS_SANDBOX_IMAGE` names the docker image. Thread-safe.
 With docker, a check is one request to the resident agent of a warm container
 (`sandbox_workers.docker_agent`: the container is proven clean after every run, no
@@ -166,7 +166,7 @@ def counted_tests(tests: str) -> str:
 # ---------------------------------------------------------------- sandbox
 @functools.lru_cache(maxsize=1)
 def _docker_ready() -> bool:
-    if importlib.util.find_spec("sandbox_workers.docker_backend") is None:
+    if importlib.util.find_spec("sandbox_workers.docker_oneshot") is None:
         return False
     from sandbox_workers.factory import docker_available
 
@@ -225,7 +225,7 @@ def _run_in_agent(files: list[tuple[str, bytes]], timeout_s: float, limits, imag
     """docker: one request to the resident agent of a clean warm container (no docker API call):
     `python3 -I -S harness.py` in its pre-imported interpreter, then whether tests.py exists
     once every process of the run is dead (see `sandbox_workers.docker_agent`)."""
-    from sandbox_workers.docker_backend import run_isolated
+    from sandbox_workers.docker_oneshot import run_isolated
 
     try:
         run = run_isolated(files, python="harness.py", timeout=timeout_s + 5, limits=limits, image=image,

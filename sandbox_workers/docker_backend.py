@@ -52,7 +52,8 @@ Guarantees (on top of those in `sandbox_workers.base`):
   tmpfs nor a read-only root). Paths are relative to `/work` (or absolute under it);
   no component may be a symlink, like the process backend.
 - A missing image raises `docker_pool.SandboxImageMissing`, which names the command that
-  builds it: `rlbus sandbox build-image`.
+  builds it (`docker_pool.missing_image_message`): `rlbus sandbox build-image`, with
+  `--repo` for the repository-task image.
 
 One-shot isolated runs (`run_isolated`, the code verifier's checks) use agent containers;
 their guarantees are in `sandbox_workers.docker_oneshot`.

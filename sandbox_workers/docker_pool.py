@@ -47,6 +47,7 @@ from sandbox_workers.docker_engine import (
     start_reaper,
     unregister_pools,
 )
+from sandbox_workers.repo_image import REPO_TAG
 
 DEFAULT_IMAGE = "rlbus-sandbox:latest"
 BUILD_HINT = "rlbus sandbox build-image"
@@ -424,10 +425,16 @@ def clean_container(api, cid: str) -> None:
 
 
 def missing_image_message(image: str) -> str:
-    """The error for an engine that lacks `image`, naming the command that builds it."""
-    tag = "" if image == DEFAULT_IMAGE else f" --tag {image}"
-    return (f"sandbox image {image!r} is not on this Docker engine; build it with: "
-            f"{BUILD_HINT}{tag}")
+    """The error for an engine that lacks `image`, naming the command that builds it: the plain
+    image (`DEFAULT_IMAGE`) `rlbus sandbox build-image`, the repository-task image
+    (`repo_image.REPO_TAG`) `rlbus sandbox build-image --repo`, any other tag `--tag <image>`."""
+    if image == DEFAULT_IMAGE:
+        command = BUILD_HINT
+    elif image == REPO_TAG:
+        command = f"{BUILD_HINT} --repo"
+    else:
+        command = f"{BUILD_HINT} --tag {image} (add --repo for a repository-task image)"
+    return f"sandbox image {image!r} is not on this Docker engine; build it with: {command}"
 
 
 def get_pool(image: str, limits: Limits, cpus: float, size: int, concurrency: int | None) -> WarmPool:

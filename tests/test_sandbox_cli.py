@@ -6,6 +6,7 @@ create namespaces); the docker ones are marked `docker` and skipped without an e
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -99,3 +100,32 @@ def test_build_image_and_missing_image():
     assert p.returncode == 1 and p.stdout == ""
     assert "rlbus sandbox build-image --tag rlbus-nope:1" in p.stderr
 
+
+def _build_args(message: str) -> argparse.Namespace:
+    """The `rlbus sandbox build-image ...` command a missing-image message names, parsed by the real parser."""
+    from sandbox_workers.cli import register
+
+    command = message.split("build it with: ", 1)[1].split()
+    assert command[:3] == ["rlbus", "sandbox", "build-image"], message
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(command[1:])
+
+
+def test_missing_plain_image_names_the_plain_build_command():
+    from sandbox_workers.docker_pool import DEFAULT_IMAGE, missing_image_message
+
+    message = missing_image_message(DEFAULT_IMAGE)
+    assert message.endswith("build it with: rlbus sandbox build-image"), message
+    args = _build_args(message)
+    assert not args.repo and args.tag is None  # builds rlbus-sandbox:latest from sandbox.Dockerfile
+
+
+def test_missing_repo_image_names_build_image_repo():
+    from sandbox_workers.docker_pool import missing_image_message
+    from sandbox_workers.repo_image import REPO_TAG
+
+    message = missing_image_message(REPO_TAG)
+    assert message.endswith("build it with: rlbus sandbox build-image --repo"), message
+    args = _build_args(message)
+    assert args.repo and args.tag is None  # builds rlbus-repo-sandbox:latest from repo-sandbox.Dockerfile

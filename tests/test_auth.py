@@ -212,6 +212,7 @@ async def test_verifier_scores_with_hidden_data_and_monitor_tails_rewards(as_use
     assert leaked == []
 
 
+@pytest.mark.e2e
 async def test_payloads_by_reference_each_role_exactly_its_rights(as_user):
     """Sampler puts a workspace, rollout reads it and puts a diff, verifier reads both; the rollout
     writes no workspace (not even a meta: issue 27's poisoning), the verifier writes no payload, and

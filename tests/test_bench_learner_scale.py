@@ -18,6 +18,7 @@ ROW_KEYS = {"params", "world_size", "ours_tok_s", "trl_tok_s", "ratio", "ours_pe
             "load_avg_start"}
 
 
+@pytest.mark.e2e
 def test_quick_tiny_writes_rows(tmp_path):
     out = tmp_path / "scale.json"
     r = subprocess.run([sys.executable, "bench/learner_scale.py", "--quick", "--sizes", "tiny", "--out", str(out)],

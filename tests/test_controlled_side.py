@@ -50,6 +50,7 @@ def test_resource_params_are_clamped_to_the_operators_maxima():
     assert (vp["memory_mb"], vp["cpus"], vp["timeout_s"], vp["pids"], vp["other"]) == (2048, 2.0, 600.0, 5, 10**9)
 
 
+@pytest.mark.e2e
 async def test_a_rollout_that_forges_each_check_field_gets_the_tasks_real_check(js, run_id, tmp_path, monkeypatch):
     """On 45ce3d4 each forged trajectory scored 1.0 (`constant`, a rewritten expression, weights on
     `format`, a foreign hidden ref); now every one is scored by its task's check, and a trajectory

@@ -14,7 +14,7 @@ import pytest
 
 from bench.faults import CASES, run_case
 from bus.server import EmbeddedNats
-from rlbus.watchdog import FatalStop, HeartbeatWatch, ServerKeeper, store_full
+from rlbus.run.watchdog import FatalStop, HeartbeatWatch, ServerKeeper, store_full
 
 CHEAP = [c.fault for c in CASES if c.cheap]
 SLOW = ["store-full", "postgres-restart", "docker-restart", "cluster-node"]
@@ -32,6 +32,7 @@ def _check_row(row: dict) -> None:
     assert not row["traceback"], row
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", CHEAP)
 def test_a_cheap_fault_heals_by_itself_and_loses_nothing(tmp_path, name):
@@ -122,6 +123,7 @@ def test_a_store_whose_server_logged_running_out_of_space_is_a_fatal_stop(tmp_pa
     assert str(store) in stop.message and f"rlbus up --resume {tmp_path}" in stop.next_step
 
 
+@pytest.mark.e2e
 def test_an_unexpected_error_in_up_is_one_plain_line_with_the_resume_command(tmp_path):
     root = Path(__file__).resolve().parents[1]
     model = tmp_path / "model"  # a real tiny checkpoint whose weights file is then broken: SFT fails to load it

@@ -86,7 +86,7 @@ def test_store_takes_a_redacted_db_url_from_the_environment(tmp_path, monkeypatc
 
 
 def test_launcher_config_and_worker_env_keep_the_db_password_out(tmp_path):
-    from rlbus.launcher import secret_env, write_redacted_config
+    from rlbus.run.prepare import secret_env, write_redacted_config
     from schemas.config import load_config
 
     cfg = load_config(None, ["scheduler.db_url='postgresql://rlbus:planted@127.0.0.1/test'",
@@ -113,6 +113,7 @@ def _scan_argv(needle: str) -> list[str]:
     return hits
 
 
+@pytest.mark.e2e
 def test_up_with_a_password_in_the_url_stores_and_logs_none(tmp_path):
     conf = 'authorization { users = [ { user: "u", password: "%s" } ] }\n' % PLANTED
     with EmbeddedNats(tmp_path / "srv", config=conf) as server:

@@ -209,6 +209,7 @@ def _traj(run_id: str, i: int, ref: BlobRef) -> Trajectory:
                       verifier="t_diff", policy_version=0, final_text="done", artifact_refs={"diff": ref})
 
 
+@pytest.mark.e2e
 async def test_verifier_resolves_diffs_by_reference_and_dead_letters_missing_or_corrupt_ones(
         js, run_id, tmp_path, drop_run, diff_checker, monkeypatch):
     from schemas.config import VerifierSection
@@ -266,7 +267,7 @@ async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve
     sample resolves; nothing is lost or dead-lettered."""
     from learner.weights import publish_version
     from producers.sampler import run as run_sampler
-    from rollout_workers.scripted_engine import gold_steps, write_script
+    from rollout_workers.engines.scripted_engine import gold_steps, write_script
     from rollout_workers.worker import run as run_rollout
     from verifier_workers.worker import run as run_verifier
 
@@ -313,6 +314,7 @@ async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve
 
 
 # ---------------------------------------------------------------- a corrupt workspace: retried, never published
+@pytest.mark.e2e
 async def test_a_corrupt_workspace_is_retried_until_its_deliveries_run_out_and_never_rolled_out(
         js, nats_url, run_id, tmp_path, drop_run, tokenizer_dir, monkeypatch):
     """No sandbox opens and no trajectory is published; the task is naked until its deliveries run

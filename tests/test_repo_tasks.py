@@ -159,6 +159,7 @@ def _gold_check(tasks: list[RepoTask]) -> None:
                 assert set(after.passing()) == set(task.target_tests), (task.task_id, after.log_tail)
 
 
+@pytest.mark.e2e
 @needs_bwrap
 def test_every_cached_task_gold_patch_resolves():
     """Unpatched, every target test fails; with the gold patch, every one passes (~20 s)."""

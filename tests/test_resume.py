@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.resume import ResumeError, resumed_config
+from rlbus.run.resume import ResumeError, resumed_config
 from tests.test_up import CONFIG, _worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +46,7 @@ def test_resume_refuses_a_different_config(tmp_path):
         resumed_config(run_path, None, ["learner.lr=1"])
 
 
+@pytest.mark.e2e
 def test_kill_launcher_then_resume_loses_nothing(tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(CONFIG)

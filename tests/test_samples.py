@@ -3,7 +3,7 @@
 Two kinds of runs, both real: a crafted run folder (its own nats-server on `<run>/nats`,
 rewards scored by the verifier worker's Scorer from hidden data and real tool records,
 published as the verifier publishes them), read live and after its server stopped; and
-a short real `rlbus up` run, read after it finished.
+the session's smoke `rlbus up` run (tests/smoke_run.py), read after it finished.
 """
 
 from __future__ import annotations
@@ -280,41 +280,11 @@ def test_missing_run_folder_unknown_domain_and_gone_server_are_clear_errors(craf
     assert res.returncode == 2 and "has no stored JetStream" in res.stderr and "--nats-url" in res.stderr, res.stderr
 
 
-REAL_CONFIG = """
-[run]
-max_steps = 3
-max_minutes = 3
-drain_seconds = 3
-[model]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-[sft]
-enabled = false
-[sampler]
-group_size = 4
-max_tokens = 4
-max_inflight_tasks = 8
-[rollout]
-batch_tasks = 4
-[learner]
-groups_per_step = 2
-step_window_s = 0.5
-[scheduler.eval]
-n = 4
-every_versions = 100
-"""
-
-
-def test_samples_of_a_real_finished_run(tmp_path):
-    """`rlbus up` (tiny HF model, real tokens and logprobs), then `samples --json --full` on its stored log."""
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(REAL_CONFIG)
-    run_id = f"real{uuid.uuid4().hex[:6]}"
-    up = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                         "--run-id", run_id], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-    run_path = tmp_path / "runs" / run_id
+def test_samples_of_a_real_finished_run(smoke_run):
+    """The shared smoke `rlbus up` (tiny HF model, real tokens and logprobs), then `samples --json --full`
+    on its stored log; the store is read, never changed."""
+    assert not smoke_run.problem(), smoke_run.problem()
+    run_id, run_path = smoke_run.run_id, smoke_run.run_path
     before = store_topology(run_path)
     stored = before[f"REWARDS_{run_id}"][0]
     objs = json_lines(rlbus("samples", str(run_path), "--json", "--full").stdout)

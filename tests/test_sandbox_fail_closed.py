@@ -255,6 +255,7 @@ def test_up_stops_before_sft_without_bwrap(tmp_path, no_bwrap_path):
     assert not run_path.exists() and "SFT" not in out and "nats-server" not in out, out[-3000:]
 
 
+@pytest.mark.e2e
 def test_up_allowed_degraded_says_so(tmp_path, no_bwrap_path):
     rc, out, run_path = _up(tmp_path, no_bwrap_path, "--allow-degraded-sandbox")
     assert rc == 0, out[-3000:]
@@ -265,6 +266,7 @@ def test_up_allowed_degraded_says_so(tmp_path, no_bwrap_path):
     assert "DEGRADED (allowed by sandbox.allow_degraded" in out, out[-3000:]  # and by each degraded sandbox itself
 
 
+@pytest.mark.e2e
 @needs_bwrap
 def test_up_with_bwrap_nothing_changes(tmp_path):
     rc, out, run_path = _up(tmp_path, os.environ["PATH"])

@@ -44,6 +44,7 @@ def _steps(run_path: Path) -> int:
         return 0
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_up_two_ranks_survives_a_killed_rank_and_loses_nothing(tmp_path):
     if (os.cpu_count() or 1) < 2:

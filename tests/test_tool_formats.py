@@ -24,10 +24,10 @@ import pytest
 from bus.conn import ensure_topology
 from bus.subjects import Registry
 from producers import tool_calc
-from rlbus.bpe_tokenizer import build_bpe_tokenizer
-from rlbus.monitor import DomainRewards
+from rlbus.model.bpe_tokenizer import build_bpe_tokenizer
+from rlbus.run.monitor import DomainRewards
 from rollout_workers.agent import run_episodes
-from rollout_workers.engines import Sample
+from rollout_workers.engines.sample import Sample
 from rollout_workers.worker import count_tool_errors
 from sandbox_workers.async_sandbox import LocalAsyncSandbox
 from sandbox_workers.integrity import LocalRecorder
@@ -308,13 +308,14 @@ async def test_forged_observations_are_caught_in_json_format(js, run_id, drop_ru
     assert r_refused.status == "tamper" and r_refused.reward == 0.0
 
 
+@pytest.mark.e2e
 @needs_bwrap
 async def test_sft_tiny_bpe_model_makes_json_calls_end_to_end(js, run_id, drop_run, tmp_path):
     """A tiny BPE model, SFT-ed briefly on json tool_calc demos, calls the python tool in
     json on a real HFEngine; the call runs in a real sandbox and its result is a tool message."""
     from learner.sft import run_sft
-    from rlbus.tiny_model import build_tiny_model
-    from rollout_workers.engines import HFEngine
+    from rlbus.model.tiny_model import build_tiny_model
+    from rollout_workers.engines.hf_engine import HFEngine
 
     base = build_tiny_model(tmp_path / "m", tokenizer="bpe", seed=3, hidden_size=64, num_layers=2, num_heads=4,
                             max_position_embeddings=512)
@@ -349,8 +350,8 @@ async def test_sft_tiny_bpe_model_makes_json_calls_end_to_end(js, run_id, drop_r
 
 
 def test_eval_tasks_and_start_check_follow_the_domain_tool_format():
-    from rlbus.tiny_model import build_char_tokenizer
-    from rlbus.tokenizer_check import template_problems
+    from rlbus.model.tiny_model import build_char_tokenizer
+    from rlbus.model.tokenizer_check import template_problems
     from scheduler.evaluation import EvalSuite
     from scheduler.pipeline_eval import eval_tasks
     from schemas.config import load_config

@@ -1,6 +1,9 @@
 """`rlbus up` end to end: every role its own process, a worker killed mid-run (a rollout
 worker, or the learner itself) is restarted, the run still exits 0, and every published
-task is accounted for: lost = 0 and no reward trained twice in the model's lineage."""
+task is accounted for: lost = 0 and no reward trained twice in the model's lineage.
+
+The rollout variant is `make test`'s one smoke run (tests/smoke_run.py, shared with the
+samples, report and export checks of a finished run); the learner variant is e2e."""
 
 from __future__ import annotations
 
@@ -12,63 +15,28 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-CONFIG = """
-[run]
-max_steps = 25
-max_minutes = 6
-drain_seconds = 8
-[model]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-[sft]
-max_steps = 30
-seconds = 30
-threads = 1
-[sampler]
-group_size = 4
-max_tokens = 4
-max_inflight_tasks = 16
-[rollout]
-batch_tasks = 4
-[learner]
-lr = 1e-4
-groups_per_step = 4
-step_window_s = 1.0
-checkpoint_every = 5
-[scheduler.eval]
-n = 20
-every_versions = 10
-"""
-
-
-def _worker_pids(run_id: str, role: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"rlbus.cli worker {role} .*--run-id {run_id}"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 import pytest
 
+from tests.smoke_run import CONFIG, worker_pids
 
-@pytest.mark.parametrize("victim", ["rollout", "learner"])
-def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, victim):
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_up_restarts_a_killed_rollout_worker_and_loses_nothing(smoke_run):
+    assert not smoke_run.problem(), smoke_run.problem()
+    check_run(smoke_run.tmp, smoke_run.run_path, smoke_run.run_id, "rollout")
+
+
+@pytest.mark.e2e
+def test_up_restarts_a_killed_learner_from_its_checkpoint_and_loses_nothing(tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(CONFIG)
     run_id = f"up{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                             "--run-id", run_id, "--max-steps", "25" if victim == "rollout" else "60",
-                             # the rollout variant evaluates through the pipeline (purpose=eval tasks)
-                             "--set", f"scheduler.eval.mode={'pipeline' if victim == 'rollout' else 'local'}",
-                             # the rollout variant publishes weights as files: prefetch hints, mapped loads
-                             # and keeps only the newest 4 (plus 0 and the released one) while workers load them
-                             *(["--set", f"learner.weight_store=file://{tmp_path}/weights",
-                                "--set", "learner.keep_versions=4"] if victim == "rollout" else [])],
+                             "--run-id", run_id, "--max-steps", "60", "--set", "scheduler.eval.mode=local"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     run_path = tmp_path / "runs" / run_id
     try:
-        # wait for the learner to have stepped, then kill a rollout worker hard
         deadline = time.monotonic() + 240
         killed = False
         while time.monotonic() < deadline and proc.poll() is None:
@@ -79,9 +47,9 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
                 except (json.JSONDecodeError, KeyError):
                     steps = 0
                 # the learner dies after its step-5 checkpoint, with later steps to roll back
-                if steps >= (3 if victim == "rollout" else 8) and not killed:
-                    pids = _worker_pids(run_id, victim)
-                    assert pids, f"no {victim} worker process found"
+                if steps >= 8 and not killed:
+                    pids = worker_pids(run_id, "learner")
+                    assert pids, "no learner worker process found"
                     os.kill(pids[0], signal.SIGKILL)
                     killed = True
             time.sleep(0.5)
@@ -92,6 +60,11 @@ def test_up_runs_the_loop_restarts_a_killed_worker_and_loses_nothing(tmp_path, v
     text = out.decode(errors="replace")
     assert killed, text[-3000:]
     assert proc.returncode == 0, text[-3000:]
+    check_run(tmp_path, run_path, run_id, "learner")
+
+
+def check_run(tmp_path: Path, run_path: Path, run_id: str, victim: str) -> None:
+    """What a finished run with one killed `victim` must show (summary, run store, logs)."""
     s = json.loads((run_path / "summary.json").read_text())
     assert s["final"] is True
     assert s["steps"] >= (25 if victim == "rollout" else 60)

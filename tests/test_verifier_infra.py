@@ -78,6 +78,7 @@ def test_verifiers():
         registry.unregister(name)
 
 
+@pytest.mark.e2e
 async def test_infra_failures_retry_then_dead_letter_never_zero(js, run_id, tmp_path, test_verifiers):
     reg = Registry(run_id)
     await ensure_topology(js, reg)

@@ -124,6 +124,7 @@ def test_math_off_the_main_thread():
     assert out == [1.0]
 
 
+@pytest.mark.e2e
 def test_math_example_data_golds_parse_and_match_themselves():
     rows = [json.loads(line) for line in (ROOT / "examples/data/math.jsonl").read_text().splitlines() if line]
     assert len(rows) >= 25 and len({r["id"] for r in rows}) == len(rows)

@@ -1,5 +1,6 @@
-"""`rlbus up --resume`: kill -9 the launcher mid-run, watch its orphaned workers stop by
-themselves, resume, and finish with nothing lost and nothing trained twice."""
+"""`rlbus up --resume`: kill -9 the learner mid-run (restarted from its checkpoint, it rolls
+back and replays), then kill -9 the launcher, watch its orphaned workers stop by themselves,
+resume, and finish with nothing lost and nothing trained twice. One run for both faults."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.run.resume import ResumeError, resumed_config
-from tests.test_up import CONFIG, _worker_pids
+from tests.smoke_run import CONFIG
+from tests.smoke_run import worker_pids as _worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,7 @@ def test_resume_refuses_a_different_config(tmp_path):
 
 
 @pytest.mark.e2e
-def test_kill_launcher_then_resume_loses_nothing(tmp_path):
+def test_kill_learner_then_launcher_then_resume_loses_nothing(tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(CONFIG)
     run_id = f"rs{os.getpid()}"
@@ -60,8 +62,18 @@ def test_kill_launcher_then_resume_loses_nothing(tmp_path):
         deadline = time.monotonic() + 240
         while _steps(run_path) < 8 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.5)
+        learner = _worker_pids(run_id, "learner")
+        assert _steps(run_path) < 60 and learner, f"run did not reach step 8 in time, or finished ({_steps(run_path)})"
+        os.kill(learner[0], signal.SIGKILL)  # after its step-5 checkpoint, with later steps to roll back
+        restarted = None
+        while time.monotonic() < deadline and first.poll() is None and restarted is None:
+            live = json.loads((run_path / "summary.json").read_text())
+            if live.get("worker_restarts", {}).get("learner", 0) >= 1 and _steps(run_path) >= 12:
+                restarted = live
+            time.sleep(0.5)
+        assert restarted, "the killed learner was not restarted (or the run stepped no further)"
         before = _steps(run_path)
-        assert 8 <= before < 60, f"run did not reach step 8 in time, or finished (steps={before})"
+        assert before < 60, f"the run finished before the launcher could be killed (steps={before})"
         os.kill(first.pid, signal.SIGKILL)  # the launcher only: its workers and server are orphaned
         first.wait(10)
         t_kill = time.monotonic()
@@ -89,6 +101,7 @@ def test_kill_launcher_then_resume_loses_nothing(tmp_path):
     s = json.loads((run_path / "summary.json").read_text())
     assert s["final"] is True and s["steps"] >= 60, s
     assert s["lost"] == 0 and s["trained_twice"] == 0, s
+    assert s["learner_rollbacks"] >= 1, s  # the restarted learner restored its checkpoint and replayed REWARDS
     assert sum(s["task_fates"].values()) == s["tasks_published"]
     assert "reusing the run's nats-server" in text, text[-2000:]
     print(f"steps before kill {before}; orphans stopped in {orphan_stop_s:.1f}s; "

@@ -160,7 +160,7 @@ SETTLE_STEPS = 5
 
 CASES: list[Case] = [
     Case("nats-server", kill("server"), cheap=True, role="server", settle_steps=SETTLE_STEPS),
-    # kill-rollout is not in the cheap set: tests/test_up.py's rollout variant is that scenario
+    # kill-rollout is not in the cheap set: tests/test_up.py's smoke run is that scenario
     *[Case(f"kill-{role}", kill(role), role=role, settle_steps=SETTLE_STEPS) for role in
       ("sampler", "rollout", "verifier", "learner", "scheduler")],
     Case("kill-sandbox", kill("sandbox"), config=SANDBOX_CONFIG, role="sandbox", settle_steps=SETTLE_STEPS),

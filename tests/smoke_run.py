@@ -51,7 +51,7 @@ checkpoint_every = 5
 n = 20
 every_versions = 10
 """
-"""A tiny run (test_up.py's learner variant uses it too): 25 steps, SFT of 30 steps."""
+"""A tiny run (test_resume.py and test_sharded_up.py use it too): 25 steps, SFT of 30 steps."""
 
 KILL_AT_STEP = 3
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_up import CONFIG
+from tests.smoke_run import CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40

@@ -9,7 +9,9 @@ never carries hidden content.
 Guarantees:
 - A config domain's kind is `DomainConfig.kind`, else its name when registered, else
   `math` when it has a `data` file; anything else is a `ValueError` listing the kinds.
-- Built-ins are imported on first use; an entry point may not shadow a built-in.
+- Kinds resolve through one `schemas.registry.Registry` (the verifiers' mechanism too):
+  built-ins are imported on first use; an entry point may not shadow a built-in; entry
+  points are discovered once per process (`reset_entry_points()` forgets them).
 - `finish_task` applies the per-domain config every kind shares: verifier override,
   reward weights (`Task.reward_weights`), token and turn budgets, group size and temperature.
 - A factory that raises `DomainUnavailable` cannot start its domain but lets the run go
@@ -22,16 +24,15 @@ Guarantees:
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 import structlog
 
 from schemas import Task
+from schemas.registry import Registry
 
 log = structlog.get_logger()
 
@@ -113,26 +114,25 @@ def eval_problems(source, n: int, seed: int) -> list[Drawn] | None:
 Factory = Callable[[DomainContext], DomainSource]
 
 
-def _entry_points() -> dict[str, Any]:
-    found = {}
-    for ep in entry_points(group=GROUP):
-        if ep.name in BUILTINS:
-            log.warning("domain plugin ignored: shadows a built-in", name=ep.name, value=ep.value)
-        else:
-            found.setdefault(ep.name, ep)
-    return found
+KINDS = Registry(GROUP, BUILTINS, what="domain kind")
+"""The built-in kinds and the `rlbus.domains` entry points."""
+
+
+def reset_entry_points() -> None:
+    """Forget the discovered domain plugins (tests; after installing a plugin)."""
+    KINDS.reset()
 
 
 def kinds() -> list[str]:
     """Every known domain kind."""
-    return sorted(set(BUILTINS) | set(_entry_points()))
+    return KINDS.names()
 
 
 def kind_of(name: str, dc) -> str:
     """The kind a config domain resolves to (see the module docstring)."""
     if dc.kind:
         return dc.kind
-    if name in BUILTINS or name in _entry_points():
+    if name in KINDS:
         return name
     if dc.data:
         return "math"
@@ -142,17 +142,7 @@ def kind_of(name: str, dc) -> str:
 
 def get_factory(kind: str) -> Factory:
     """The factory of `kind` (ValueError naming the known kinds when unknown or broken)."""
-    ref = BUILTINS.get(kind)
-    try:
-        if ref is not None:
-            module, _, attr = ref.partition(":")
-            return getattr(importlib.import_module(module), attr)
-        eps = _entry_points()
-        if kind in eps:
-            return eps[kind].load()
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"domain kind {kind!r} failed to load: {exc}") from exc
-    raise ValueError(f"unknown domain kind {kind!r}; known: {kinds()}")
+    return KINDS.load(kind)
 
 
 def make_source(run_id: str, name: str, cfg) -> DomainSource:

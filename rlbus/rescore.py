@@ -195,7 +195,7 @@ def check_verifier(name: str | None) -> None:
     if name is None:
         return
     from verifier_workers.registry import get
-    from verifier_workers.verifiers import VerifierInputError
+    from verifier_workers.verdict import VerifierInputError
 
     try:
         get(name)

@@ -145,7 +145,7 @@ def verify_task(args, answer: str) -> int:
     from rlbus.tasks_cmd import draw
     from schemas import Trajectory, Turn
     from verifier_workers.errors import VerifierInfraError
-    from verifier_workers.verifiers import VerifierInputError
+    from verifier_workers.verdict import VerifierInputError
     from verifier_workers.worker import score
 
     try:
@@ -190,7 +190,7 @@ def verify_repo_patch(args, patch: str) -> int:
     import dataclasses
 
     from verifier_workers.repo_verifier import RepoSandboxInfraError, verify_repo
-    from verifier_workers.verifiers import VerifierInputError
+    from verifier_workers.verdict import VerifierInputError
 
     try:
         task = _repo_task(args)
@@ -218,7 +218,7 @@ def _read_input(path: str, flag: str) -> str:
 def main(args) -> int:
     """Run `rlbus verify`."""
     from verifier_workers import registry
-    from verifier_workers.verifiers import VerifierInputError
+    from verifier_workers.verdict import VerifierInputError
 
     try:
         if args.patch_file and args.domain != "repo":

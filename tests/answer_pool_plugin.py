@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from verifier_workers.verifiers import Verdict
+from verifier_workers.verdict import Verdict
 
 
 def env_peek(traj, hidden=None) -> Verdict:

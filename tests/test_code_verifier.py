@@ -160,7 +160,7 @@ def test_extract_code_rules():
 
 # ---------------------------------------------------------------- infra, inputs, registry, domain
 def test_missing_hidden_is_an_input_error_and_bad_backend_is_rejected():
-    from verifier_workers.verifiers import VerifierInputError
+    from verifier_workers.verdict import VerifierInputError
 
     with pytest.raises(VerifierInputError):
         verify_code(traj(GOOD_ADD), None, backend="process")

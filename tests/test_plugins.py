@@ -18,7 +18,7 @@ from producers import domains
 from schemas import Trajectory
 from schemas.config import load_config
 from verifier_workers import registry
-from verifier_workers.verifiers import VerifierInputError
+from verifier_workers.verdict import VerifierInputError
 from verifier_workers.worker import score
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +34,7 @@ def pip(*args: str) -> subprocess.CompletedProcess:
 
 def forget() -> None:
     registry.reset_entry_points()
+    domains.reset_entry_points()
     sys.modules.pop("rlbus_example_plugin", None)
     importlib.invalidate_caches()
 

@@ -25,7 +25,7 @@ from schemas.config import ConfigError, dump_config, load_config
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.reasoning_gym_verifier import verify_reasoning_gym
-from verifier_workers.verifiers import VerifierInputError
+from verifier_workers.verdict import VerifierInputError
 
 RLBUS = Path(sys.executable).with_name("rlbus")
 ROOT = Path(__file__).resolve().parents[1]

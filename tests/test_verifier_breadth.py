@@ -18,7 +18,7 @@ from schemas import ToolCall, Trajectory, Turn, encode
 from schemas.config import RunConfig
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import VerifierInputError
+from verifier_workers.verdict import VerifierInputError
 from verifier_workers.worker import compose_reward, process_components, score, tool_success_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,7 +266,7 @@ def test_unknown_or_misplaced_weights_are_input_errors():
 
 def test_non_finite_component_is_a_verifier_crash():
     from verifier_workers.errors import VerifierCrash
-    from verifier_workers.verifiers import Verdict
+    from verifier_workers.verdict import Verdict
 
     with pytest.raises(VerifierCrash):
         compose_reward(traj("arith"), Verdict({"correct": math.nan}))

@@ -72,7 +72,7 @@ from typing import Any
 
 from schemas import Trajectory
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 HARNESS_PATH = Path(__file__).with_name("harness.py")
 DEFAULT_TIMEOUT_S = 10.0

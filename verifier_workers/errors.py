@@ -5,7 +5,7 @@ Guarantees:
   means "this attempt could not verify the trajectory": the verifier worker retries it
   with backoff and dead-letters it after the consumer's last delivery. It never becomes
   a reward, least of all a reward of 0.
-- `VerifierInputError` (in `verifiers`) is the other kind: the task itself is unusable,
+- `VerifierInputError` (in `verdict`) is the other kind: the task itself is unusable,
   so it is dead-lettered at once.
 """
 

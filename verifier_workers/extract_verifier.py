@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from schemas import Trajectory
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 _FENCE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
 _MAX_TEXT = 200_000

@@ -40,7 +40,7 @@ from typing import Any
 
 from schemas import Trajectory
 from verifier_workers.extract_verifier import values_match
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 FORMATS = ("json", "csv", "svg")
 MAX_BYTES = 1_000_000

@@ -27,7 +27,7 @@ import threading
 
 from schemas import Trajectory
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 TIMEOUT_S = 5
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")

@@ -38,7 +38,7 @@ from typing import Any
 
 from schemas import Trajectory
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 ENV = "RLBUS_REWARD_MODEL"
 KINDS = ("classifier", "causal")

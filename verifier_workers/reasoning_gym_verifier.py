@@ -35,7 +35,7 @@ from schemas import rg_family as rg
 from schemas.answers import tagged_answer
 from verifier_workers import answer_pool
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 CACHED = 256
 """Scorer dataset objects kept per process."""

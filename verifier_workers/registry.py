@@ -1,14 +1,15 @@
 """Verifiers by name: built-ins first, then plugins from Python entry points.
 
 A verifier is a callable `fn(traj: Trajectory, hidden: dict | None = None) -> Verdict`
-(see `verifiers.Verdict`); `hidden` is the task's verifier-only payload when it has a
+(see `verifier_workers.verdict`); `hidden` is the task's verifier-only payload when it has a
 `hidden_ref` (resolved by the worker through `bus.hidden`), else None.
 
 Guarantees:
 - Lookup order: names added with `register()`, then the built-ins (`arith`, `constant`,
-  `math`, `extract`, `files`, `model`, ...: see BUILTINS), then the entry points of group `rlbus.verifiers`. A plugin can
-  never shadow a built-in (it is ignored, with a warning), and `register()` refuses to
-  replace an existing name unless asked to.
+  `math`, `extract`, `files`, `model`, ...: see BUILTINS), then the entry points of group
+  `rlbus.verifiers`, through one `schemas.registry.Registry` (the domains' mechanism too). A
+  plugin can never shadow a built-in (it is ignored, with a warning), and `register()`
+  refuses to replace an existing name unless asked to.
 - Built-ins are imported on first use, so `get("arith")` never pulls in sympy.
 - Entry points are discovered once per process (`reset_entry_points()` forgets them,
   for tests) and each is loaded on its first `get()`; a plugin that fails to import or
@@ -24,27 +25,20 @@ Guarantees:
   reference, the trajectory and hidden payload travel as plain data), and rebuilds the Verdict
   from plain data (components must be finite numbers). A call at a limit is a 0 with status
   `answer_limit`; a verdict that is not plain data is a `VerifierInfraError`.
-- `compose()` turns named components into the scalar reward: a weighted sum, by default
-  just the `correct` component.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import threading
-from collections.abc import Callable, Mapping
-from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
-import structlog
-
+from schemas.registry import Registry, import_ref
 from verifier_workers.errors import VerifierInfraError  # (re-exported)
+from verifier_workers.verdict import Verdict, VerifierInputError
 
-if TYPE_CHECKING:
-    from verifier_workers.verifiers import Verdict
-
-Verifier = Callable[..., "Verdict"]
+Verifier = Callable[..., Verdict]
 
 GROUP = "rlbus.verifiers"
 
@@ -62,44 +56,26 @@ BUILTINS: dict[str, str] = {
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 
-log = structlog.get_logger()
 _lock = threading.RLock()
 _registered: dict[str, Verifier] = {}
-_loaded: dict[str, Verifier] = {}
-_entry_points: dict[str, EntryPoint] | None = None
 
 
-def _input_error(msg: str) -> Exception:
-    from verifier_workers.verifiers import VerifierInputError
+def _prepare(name: str, ref: str, fn: Any) -> Verifier:
+    """A loaded verifier made ready to call: callable, and pooled when it says `untrusted`."""
+    if not callable(fn):
+        raise VerifierInputError(f"verifier {name!r} is not callable: {fn!r}")
+    if getattr(fn, "untrusted", False) is True:
+        return pooled(ref)
+    return fn
 
-    return VerifierInputError(msg)
 
-
-def _discover() -> dict[str, EntryPoint]:
-    """The `rlbus.verifiers` entry points, discovered once (built-in names excluded)."""
-    global _entry_points
-    with _lock:
-        if _entry_points is None:
-            found: dict[str, EntryPoint] = {}
-            for ep in entry_points(group=GROUP):
-                if ep.name in BUILTINS:
-                    log.warning("verifier plugin ignored: shadows a built-in", name=ep.name, value=ep.value)
-                elif ep.name in found and found[ep.name].value != ep.value:
-                    log.warning("verifier plugin ignored: name taken", name=ep.name, value=ep.value,
-                                kept=found[ep.name].value)
-                else:
-                    found.setdefault(ep.name, ep)
-            _entry_points = found
-        return _entry_points
+PLUGINS = Registry(GROUP, BUILTINS, what="verifier", error=VerifierInputError, prepare=_prepare)
+"""The built-ins and the `rlbus.verifiers` entry points (names added by `register()` come first)."""
 
 
 def reset_entry_points() -> None:
     """Forget discovered and loaded plugins (tests; after installing a plugin)."""
-    global _entry_points
-    with _lock:
-        _entry_points = None
-        for name in [n for n in _loaded if n not in BUILTINS]:
-            del _loaded[name]
+    PLUGINS.reset()
 
 
 def register(name: str, fn: Verifier, *, replace: bool = False, untrusted: bool = False) -> None:
@@ -110,7 +86,7 @@ def register(name: str, fn: Verifier, *, replace: bool = False, untrusted: bool 
     if untrusted or getattr(fn, "untrusted", False) is True:
         fn = pooled(f"{fn.__module__}:{fn.__qualname__}")
     with _lock:
-        if not replace and (name in _registered or name in BUILTINS or name in _discover()):
+        if not replace and (name in _registered or name in PLUGINS):
             raise ValueError(f"verifier {name!r} is already registered")
         _registered[name] = fn
 
@@ -123,34 +99,14 @@ def unregister(name: str) -> None:
 
 def names() -> list[str]:
     """Every known verifier name, sorted."""
-    return sorted(set(_registered) | set(BUILTINS) | set(_discover()))
-
-
-def _load(name: str, ref: str | EntryPoint) -> Verifier:
-    try:
-        if isinstance(ref, EntryPoint):
-            fn = ref.load()
-        else:
-            module, _, attr = ref.partition(":")
-            fn = getattr(importlib.import_module(module), attr)
-    except Exception as exc:  # a broken plugin is a bad task, not a crash of the worker
-        where = ref.value if isinstance(ref, EntryPoint) else ref
-        raise _input_error(f"verifier {name!r} ({where}) failed to load: {type(exc).__name__}: {exc}") from exc
-    if not callable(fn):
-        raise _input_error(f"verifier {name!r} is not callable: {fn!r}")
-    if getattr(fn, "untrusted", False) is True:
-        return pooled(ref.value if isinstance(ref, EntryPoint) else ref)
-    return fn
+    return sorted(set(_registered) | set(PLUGINS.names()))
 
 
 def call_in_job(ref: str, traj: dict, hidden: dict | None, with_hidden: bool) -> dict:
     """In an answer-pool job: the verifier `ref` on the rebuilt trajectory, its Verdict as plain data."""
     from schemas import Trajectory
 
-    module, _, attr = ref.partition(":")
-    fn = importlib.import_module(module)
-    for part in attr.split("."):
-        fn = getattr(fn, part)
+    fn = import_ref(ref)
     t = Trajectory.model_validate(traj)
     v = fn(t, hidden) if with_hidden else fn(t)
     return {"components": dict(v.components), "status": str(v.status), "details": str(v.details)[:4000],
@@ -158,8 +114,6 @@ def call_in_job(ref: str, traj: dict, hidden: dict | None, with_hidden: bool) ->
 
 
 def _verdict(data: object, ref: str) -> Verdict:
-    from verifier_workers.verifiers import Verdict
-
     try:
         assert isinstance(data, dict)
         nums = {k: {str(n): float(x) for n, x in dict(data[k]).items()} for k in ("components", "weights")}
@@ -174,14 +128,13 @@ def pooled(ref: str) -> Verifier:
     """A verifier that runs `ref` ("module:attr") in the answer pool (see the module docstring)."""
     def run(traj, hidden: dict | None = None) -> Verdict:
         from verifier_workers import answer_pool
-        from verifier_workers.verifiers import Verdict
 
         out = answer_pool.call("verifier_workers.registry:call_in_job",
                                (ref, traj.model_dump(), hidden, hidden is not None))
         if out.kind == "limit":
             return Verdict({"correct": 0.0}, status="answer_limit", details=f"untrusted verifier hit the {out.limit} limit")
         if out.kind == "raised" and out.error.startswith("VerifierInputError"):
-            raise _input_error(f"untrusted verifier {ref}: {out.error}")
+            raise VerifierInputError(f"untrusted verifier {ref}: {out.error}")
         if out.kind != "ok":
             raise VerifierInfraError(f"untrusted verifier {ref} failed in the answer pool: {out.error}"[:500])
         return _verdict(out.value, ref)
@@ -195,28 +148,6 @@ def get(name: str) -> Verifier:
     with _lock:
         if name in _registered:
             return _registered[name]
-        if name in _loaded:
-            return _loaded[name]
-        ref: str | EntryPoint | None = BUILTINS.get(name) or _discover().get(name)
-        if ref is None:
-            raise _input_error(f"unknown verifier {name!r}; known: {names()}")
-        fn = _loaded[name] = _load(name, ref)
-        return fn
-
-
-def compose(components: Mapping[str, float], weights: Mapping[str, float] | None = None,
-            default: str = "correct") -> float:
-    """The scalar reward: sum of weight x component (a missing component counts 0).
-
-    With `weights` None the scalar is the `default` component alone (0.0 if absent).
-    A non-finite component or weight raises ValueError.
-    """
-    if weights is None:
-        weights = {default: 1.0}
-    total = 0.0
-    for key, w in weights.items():
-        value = float(components.get(key, 0.0))
-        if not (math.isfinite(value) and math.isfinite(float(w))):
-            raise ValueError(f"non-finite reward component/weight {key!r}: {value!r} x {w!r}")
-        total += float(w) * value
-    return total
+        if name not in PLUGINS:
+            raise VerifierInputError(f"unknown verifier {name!r}; known: {names()}")
+        return PLUGINS.load(name)

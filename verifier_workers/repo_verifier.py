@@ -71,7 +71,7 @@ from schemas.repo_task import EXPORT_REFUSED, RepoTask, helper_paths, is_protect
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.repo_diff import PatchResult, apply_diff
 from verifier_workers.repo_harness_rewrite import changed_functions, new_top_levels, rewrite_tests, shadowing
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 HARNESS_PATH = Path(__file__).with_name("repo_harness.py")
 GUARD_PATH = Path(__file__).with_name("repo_harness_guard.py")

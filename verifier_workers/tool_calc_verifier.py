@@ -15,7 +15,7 @@ import re
 
 from schemas import Trajectory
 from schemas.answers import calc_answer
-from verifier_workers.verifiers import Verdict, VerifierInputError
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 _EXPR = re.compile(r"^(\d{1,12})\*(\d{1,12})$")
 

@@ -1,10 +1,4 @@
-"""The verifier contract (`Verdict`, `VerifierInputError`) and the `arith`/`constant` built-ins.
-
-A verifier `fn(traj, hidden=None)` maps a trajectory (and, for tasks with a
-`hidden_ref`, the resolved verifier-only payload) to named reward components and a status; the scalar
-reward is composed from the components by weights (default: the `correct` component,
-see `registry.compose`). Verifiers are looked up by name in `verifier_workers.registry`
-(built-ins, then `rlbus.verifiers` entry points); `get_verifier` delegates to it.
+"""The `arith` and `constant` built-in verifiers (the contract: `verifier_workers.verdict`).
 
 Guarantees:
 - `arith` recomputes the gold answer with exact integer arithmetic from the task's
@@ -19,34 +13,10 @@ Guarantees:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from schemas import Trajectory
 from schemas.answers import arith_answer, arith_value
-
-
-class VerifierInputError(ValueError):
-    """The trajectory/task cannot be verified as given (dead-letter it)."""
-
-
-@dataclass
-class Verdict:
-    """What a verifier found."""
-
-    components: dict[str, float]
-    status: str = "ok"
-    details: str = ""
-    weights: dict[str, float] = field(default_factory=lambda: {"correct": 1.0})
-    sandbox_s: float = 0.0
-    """Wall time the verification spent in sandboxes (0 for a verifier that runs none): the run's sandbox cost."""
-
-    @property
-    def reward(self) -> float:
-        """Scalar reward: the weighted sum of the components."""
-        from verifier_workers.registry import compose
-
-        return compose(self.components, self.weights)
+from verifier_workers.verdict import Verdict, VerifierInputError
 
 
 def verify_arith(traj: Trajectory, hidden: dict | None = None) -> Verdict:
@@ -70,17 +40,3 @@ def verify_constant(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     if seconds:
         time.sleep(seconds)
     return Verdict({"correct": 1.0})
-
-
-VERIFIERS: dict[str, Callable[[Trajectory], Verdict]] = {
-    "arith": verify_arith,
-    "constant": verify_constant,
-}
-"""The built-ins defined in this module (the registry lists every verifier)."""
-
-
-def get_verifier(name: str) -> Callable[[Trajectory], Verdict]:
-    """The verifier registered as `name`, or VerifierInputError naming the known ones."""
-    from verifier_workers.registry import get
-
-    return get(name)

@@ -54,9 +54,9 @@ from bus.pull import Delivery, Reject, Retry, run_pull_stream
 from bus.session import WorkerContext, worker_session
 from schemas import Reward, Trajectory
 from schemas.config import RunConfig, VerifierSection
+from verifier_workers import registry
 from verifier_workers.errors import VerifierCrash, VerifierInfraError
-from verifier_workers.registry import compose
-from verifier_workers.verifiers import Verdict, VerifierInputError, get_verifier
+from verifier_workers.verdict import Verdict, VerifierInputError, compose
 
 log = structlog.get_logger()
 
@@ -127,7 +127,7 @@ def compose_reward(traj: Trajectory, verdict: Verdict) -> tuple[float, dict[str,
 
 def run_verifier(traj: Trajectory, hidden: dict | None) -> Verdict:
     """Call the trajectory's verifier; anything unexpected it raises becomes a VerifierCrash."""
-    fn = get_verifier(traj.verifier)
+    fn = registry.get(traj.verifier)
     try:
         return fn(traj, hidden) if traj.hidden_ref else fn(traj)
     except (VerifierInputError, VerifierInfraError):

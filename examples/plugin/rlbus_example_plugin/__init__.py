@@ -21,7 +21,7 @@ from typing import Any
 
 
 def verify_palindrome(traj: Any, hidden: dict | None = None):
-    from verifier_workers.verifiers import Verdict, VerifierInputError
+    from verifier_workers.verdict import Verdict, VerifierInputError
 
     min_len, first = traj.verifier_params.get("min_len"), traj.verifier_params.get("first")
     if not isinstance(min_len, int) or not isinstance(first, str) or len(first) != 1:

@@ -2,7 +2,7 @@
 
 Measured in one run, side by side for K = 10 and K = 100 domains (`python bench/domain_stats_cost.py`):
 
-- `pcgrad`: combining K per-domain gradients of the demo-sized tiny model (`rlbus.tiny_model`
+- `pcgrad`: combining K per-domain gradients of the demo-sized tiny model (`rlbus.model.tiny_model`
   defaults) with `learner.pcgrad.pcgrad` (Gram-matrix form), next to the textbook loop it
   replaced (K(K-1) sequential dot products and updates over the parameters; its result is
   checked equal), ms per call.
@@ -166,7 +166,7 @@ def bench_domain_stats() -> dict:
 
 
 def main() -> dict:
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     t_start = time.monotonic()

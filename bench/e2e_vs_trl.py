@@ -4,7 +4,7 @@ What it measures (`python bench/e2e_vs_trl.py [--minutes 4] [--seeds 3]`, about
 seeds * 2 * (minutes + 0.5) + 1 min):
 
 - START: the demo's tiny qwen2 (hidden 128, 4 layers, char tokenizer) built with
-  `rlbus.tiny_model`, then `learner.sft.run_sft` on difficulty-3 arith (held-out problems
+  `rlbus.model.tiny_model`, then `learner.sft.run_sft` on difficulty-3 arith (held-out problems
   excluded) for a fixed budget (`--sft-seconds`, `--sft-steps`). Both sides start from
   this same checkpoint directory, for every seed.
 - EVAL: greedy accuracy on the scheduler's fixed held-out set
@@ -86,7 +86,7 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
     from learner.sft import run_sft
     from producers import arith
     from producers.demos import batches_of
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=4,
                             seed=seed)

@@ -3,7 +3,7 @@
 What it measures (`.venv-vllm/bin/python bench/engines.py [--minutes 7] [--config examples/vllm_cpu.toml]`,
 about 2 * minutes + SFT; it needs vLLM, so in `.venv` it prints one SKIP line and exits 0):
 
-- START: the config's tiny model, built and SFT-warm-started once (`rlbus.launcher.prepare_model`,
+- START: the config's tiny model, built and SFT-warm-started once (`rlbus.run.prepare.prepare_model`,
   the same code `rlbus up` runs), so both engines start from the same checkpoint directory.
 - RUNS: `rlbus up CONFIG` twice, one after the other, with `model.path` = that start, SFT off,
   and `rollout.engine` = `hf` then `vllm`; everything else as the config says (by default
@@ -44,7 +44,7 @@ def start_checkpoint(config: Path, work: Path) -> Path:
     """The config's model, built and SFT-warm-started once, as `rlbus up` would (its `model/start`)."""
     from rich.console import Console
 
-    from rlbus.launcher import prepare_model
+    from rlbus.run.prepare import prepare_model
     from schemas.config import load_config
 
     cfg = load_config(config)

@@ -64,7 +64,7 @@ LENGTHS, PROMPT = (64, 512), (16, 48)
 
 def build_model(size: str, out: Path) -> tuple[Path, dict]:
     """The size's Qwen2-shaped model (BPE tokenizer, random init) and its rlbus_model.json."""
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     hidden, layers, heads = SIZES[size]
     model_dir = build_tiny_model(out, arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=heads,

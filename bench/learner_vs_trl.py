@@ -2,7 +2,7 @@
 
 What it measures (`python bench/learner_vs_trl.py`, about 2 minutes):
 
-- Both sides train an IDENTICAL tiny model (`rlbus.tiny_model`, same seed, loaded from
+- Both sides train an IDENTICAL tiny model (`rlbus.model.tiny_model`, same seed, loaded from
   the same directory into two separate copies) on the SAME precomputed completions:
   arith prompts (difficulty 3), G samples each, drawn once with `HFEngine` at
   temperature 1 and scored by the real `arith` verifier. Generation is excluded on both
@@ -56,7 +56,7 @@ SHAPES = {"demo": (16, 8, 8), "long": (8, 8, 48)}
 
 def build_model(out: Path) -> Path:
     """The demo's tiny qwen2 (hidden 128, 4 layers), with room for the long shape."""
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     return build_tiny_model(out, arch="qwen2", hidden_size=128, num_layers=4, num_heads=4,
                             max_position_embeddings=64, seed=0)

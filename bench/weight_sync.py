@@ -3,7 +3,7 @@
 What it measures (`python bench/weight_sync.py`, about 1-2 minutes):
 
 - One embedded nats-server; the run's real topology (`ensure_topology`: streams, KV,
-  object store). A Qwen2 model of about 100 MB in float32 (`rlbus.tiny_model`, hidden
+  object store). A Qwen2 model of about 100 MB in float32 (`rlbus.model.tiny_model`, hidden
   512, 6 layers, ~25M parameters) is built once.
 - OURS, once per weight path (`--stores`, default `file,file-spec,file-vf,nats`; the
   first is the headline `ours`, the others are recorded under `stores`): two
@@ -116,7 +116,7 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
 
 # ---------------------------------------------------------------------------- learner side
 def build_model(out: Path, hidden: int, layers: int) -> Path:
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     return build_tiny_model(out, arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=8,
                             max_position_embeddings=64, seed=0)

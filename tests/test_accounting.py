@@ -8,7 +8,7 @@ import pytest
 from bus.conn import ensure_consumer, ensure_topology
 from bus.publish import publish
 from bus.subjects import Registry
-from rlbus.accounting import account
+from rlbus.run.accounting import account
 from schemas import (
     ChatMessage,
     DeadLetter,

@@ -16,7 +16,7 @@ import pytest
 from bus.conn import ensure_topology
 from bus.subjects import Registry
 from producers import tool_calc
-from rlbus.tiny_model import build_char_tokenizer
+from rlbus.model.tiny_model import build_char_tokenizer
 from rollout_workers.agent import run_episodes
 from rollout_workers.engines import Sample
 from sandbox_workers.async_sandbox import LocalAsyncSandbox

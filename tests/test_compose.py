@@ -263,10 +263,10 @@ def monitor_credentials() -> dict[str, str]:
 
 
 def run_accounting(url: str, run_id: str) -> dict:
-    """rlbus.accounting over the run's streams: fates of every published task."""
+    """rlbus.run.accounting over the run's streams: fates of every published task."""
     from bus.conn import connect
     from bus.subjects import Registry
-    from rlbus.accounting import account
+    from rlbus.run.accounting import account
 
     async def go():
         nc = await connect(url, name="test-compose-accounting", **monitor_credentials())

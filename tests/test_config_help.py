@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlbus.config_help import fields, main
+from rlbus.commands.config_help import fields, main
 from schemas.config import RunConfig
 
 

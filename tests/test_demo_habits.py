@@ -92,7 +92,7 @@ def test_direct_answers_train_the_habit_not_the_digits():
     """In an answer from memory only the opening `=` (and the closing eos) carry loss; the
     product's digits are in the sequence as context, unsupervised."""
     from learner.sft import make_batch
-    from rlbus.tiny_model import build_char_tokenizer
+    from rlbus.model.tiny_model import build_char_tokenizer
 
     tok = build_char_tokenizer()
     demo = tool_calc.demonstration(random.Random(0), 1, direct_share=1.0)
@@ -129,7 +129,7 @@ def test_a_bad_share_is_a_start_up_error(tmp_path, arith_params, tool_params, me
 def test_rlbus_up_refuses_a_bad_share_before_anything_starts(tmp_path, capsys):
     """The launcher's start-up checks build every domain's source: a bad share stops `rlbus up`
     with the domain's message and the table to fix, before NATS, the model or a run folder."""
-    from rlbus.launcher import up
+    from rlbus.run.launcher import up
 
     cfg = _cfg(tmp_path, "params = { worked_share = 1.5 }")
     cfg.run.run_dir = str(tmp_path / "runs")

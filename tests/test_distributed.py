@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32)
 WORLD = 2

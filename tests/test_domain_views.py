@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rlbus.live import Snapshot
-from rlbus.monitor import DomainRewards, Monitor, summary_dict
-from rlbus.report import build_report, curriculum_series, heldout_and_train_mean, reward_grid
-from rlbus.top import domain_rows, render
+from rlbus.commands.top import domain_rows, render
+from rlbus.report.build import build_report, curriculum_series, heldout_and_train_mean, reward_grid
+from rlbus.run.live import Snapshot
+from rlbus.run.monitor import DomainRewards, Monitor, summary_dict
 from scheduler.store import EvalResultRow, RewardRow, open_store
 from schemas import EvalResult, RewardGlance
 

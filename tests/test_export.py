@@ -20,8 +20,8 @@ from bus.kv import RELEASE_LATEST, put_json
 from bus.subjects import Registry
 from learner import checkpoint
 from learner.weights import publish_version
-from rlbus.export import ExportError, export
-from rlbus.tiny_model import build_tiny_model
+from rlbus.commands.export import ExportError, export
+from rlbus.model.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2)

@@ -1,4 +1,4 @@
-"""`rlbus generate` (`rlbus.generate`): the rollout engines from the command line.
+"""`rlbus generate` (`rlbus.commands.generate`): the rollout engines from the command line.
 
 The hf tests run the real CLI in a subprocess on a tiny random model (BPE with a chat
 template, and char without one). `test_vllm_and_hf_agree_greedy` is marked `vllm`
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from tests.proc_scan import live_pids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_text_rendering_and_refusals(bpe_dir, tmp_path, capsys):
     from rich.console import Console
 
     from rlbus.cli import _parser
-    from rlbus.generate import GenerateError, check_args, render
+    from rlbus.commands.generate import GenerateError, check_args, render
 
     recs = [{"prompt": "1+1=", "prompt_ids": [1, 2], "samples": [
         {"token_ids": [5, 6], "logprobs": [-0.5, -0.25], "text": "[bold]2[/bold]", "finish_reason": "stop"}]}]

@@ -16,7 +16,7 @@ from bus.session import WorkerContext
 from bus.subjects import Registry
 from producers import domains as domain_registry
 from producers.domains import DomainContext, Drawn, finish_task
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from scheduler.evaluation import EvalSuite
 from scheduler.pipeline_eval import eval_tasks
 from scheduler.store import EvalResultRow, GateCheckRow, open_store

@@ -22,7 +22,7 @@ from learner.step import (
     plan_micro_batches,
     train_step,
 )
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from schemas.config import LearnerSection
 from tests.test_learner_units import reward
 

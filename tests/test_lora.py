@@ -14,7 +14,7 @@ from bus.weight_blobs import apply_adapter_blob, blob_kind, load_state_bytes, me
 from learner.lora import is_lora
 from learner.step import load_models, train_step
 from learner.weights import model_segments
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from schemas.config import LearnerSection
 from tests.test_learner_efficiency import samples
 

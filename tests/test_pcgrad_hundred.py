@@ -40,7 +40,7 @@ def test_learner_step_with_a_hundred_domains(tmp_path):
 
     from learner.groups import PooledSample
     from learner.step import train_step
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
     from schemas.config import LearnerSection
     from tests.test_learner_units import reward
 

@@ -18,7 +18,7 @@ from learner.groups import PooledSample
 from learner.replay import ReplayStream, load_pairs, replay_nll
 from learner.sft import make_batch
 from learner.step import train_step
-from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
+from rlbus.model.tiny_model import build_char_tokenizer, build_tiny_model
 from schemas.config import LearnerSection
 from tests.test_learner_units import reward
 

@@ -146,7 +146,7 @@ def repo_image():
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> str:
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tok") / "m", tokenizer="bpe", hidden_size=32,
                                 num_layers=1, num_heads=2))
@@ -302,7 +302,7 @@ def _check_by_reference(run_path: Path) -> None:
 
     from bus.payloads import get_payload, pack_files, payload_name, payload_ref
     from bus.weight_stores import NatsStore
-    from rlbus.run_reader import iter_rewards, jetstream, reach_run
+    from rlbus.run.reader import iter_rewards, jetstream, reach_run
 
     async def read(access) -> tuple[list, set[str]]:
         async with jetstream(access, "pytest-by-reference") as js:

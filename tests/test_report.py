@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.report import build_report, capability_cost, reward_by_domain, staleness, throughput, version_steps
+from rlbus.report.build import build_report, capability_cost, reward_by_domain, staleness, throughput, version_steps
 from scheduler.store import (
     EvalResultRow,
     GateCheckRow,
@@ -105,7 +105,7 @@ def test_report_cli_and_empty_store(tmp_path):
 def test_capability_cost_curve_per_domain(tmp_path):
     """Eval rows recorded with the store's own writes after costs and rewards accrue: the curve's
     points are (cost so far, score) per measure and domain, and report.md has one line per domain."""
-    from rlbus.report import cost_curves, cost_lines
+    from rlbus.report.build import cost_curves, cost_lines
     from schemas import Reward, ToolCall, Trajectory
 
     path = tmp_path / "runs" / "cc"

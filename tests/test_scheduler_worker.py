@@ -15,7 +15,7 @@ from bus.kv import EVAL_BASELINE, get_json
 from bus.session import WorkerContext
 from bus.subjects import Registry
 from learner.weights import publish_version
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from scheduler.store import EvalResultRow, RunRow, open_store
 from scheduler.worker import run
 from schemas.config import load_config

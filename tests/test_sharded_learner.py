@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from learner.distributed import world_problem
 from learner.groups import PooledSample
 from learner.step import train_step
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from schemas.config import LearnerSection
 from tests.test_learner_efficiency import needs_bf16, samples
 

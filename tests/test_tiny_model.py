@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from learner.sft import make_batch, micro_batches, run_sft, sft_step_loss
 from producers import arith
 from producers.demos import batches_of
-from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
+from rlbus.model.tiny_model import build_char_tokenizer, build_tiny_model
 
 ALL_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 

@@ -23,7 +23,7 @@ import torch
 
 from learner.batch import pack_samples, token_logprobs
 from learner.step import load_models
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from rollout_workers.agent import run_episodes
 from rollout_workers.engines import HFEngine, Sample
 from rollout_workers.worker import single_turn_trajectories

@@ -1,4 +1,4 @@
-"""The BPE tokenizer and its chat template (`rlbus.bpe_tokenizer`), prompt rendering for a
+"""The BPE tokenizer and its chat template (`rlbus.model.bpe_tokenizer`), prompt rendering for a
 tokenizer (`schemas.chat`), SFT demos tokenized as rollout tokenizes episodes, the
 `[model] tokenizer` / `init-model --tokenizer` switches, and the start-time alphabet check."""
 
@@ -17,8 +17,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from learner.sft import make_batch
 from producers import tool_calc
-from rlbus.bpe_tokenizer import IM_END, IM_START, SAMPLE_TOOL, SPECIALS, TOOL_TOKENS, build_bpe_tokenizer
-from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
+from rlbus.model.bpe_tokenizer import IM_END, IM_START, SAMPLE_TOOL, SPECIALS, TOOL_TOKENS, build_bpe_tokenizer
+from rlbus.model.tiny_model import build_char_tokenizer, build_tiny_model
 from schemas import ChatMessage
 from schemas.chat import encode_text, prompt_ids, prompt_input, prompt_text, tool_turn, unencodable, user_prompt
 from schemas.config import RunConfig, load_config
@@ -146,8 +146,8 @@ def test_init_model_cli_defaults_to_bpe(tmp_path):
 
 
 def test_a_tokenizer_missing_domain_characters_is_refused_at_start(tmp_path):
-    from rlbus.launcher import check_tokenizer
-    from rlbus.tokenizer_check import tokenizer_problems
+    from rlbus.model.tokenizer_check import tokenizer_problems
+    from rlbus.run.checks import check_tokenizer
 
     data = tmp_path / "greek.jsonl"
     data.write_text(json.dumps({"id": "g0", "problem": "What is π·2? Answer in ∑ form.", "answer": "2π"}) + "\n")
@@ -225,7 +225,7 @@ def test_a_real_100m_bpe_checkpoint_runs_unchanged(real_100m, tmp_path, engine):
 
 def test_byte_level_tokenizers_skip_the_domain_sampling(tok):
     """The byte-level BPE encodes any text, so the start check does not sample a hundred generators for it."""
-    from rlbus.tokenizer_check import PROBE, byte_level, tokenizer_problems
+    from rlbus.model.tokenizer_check import PROBE, byte_level, tokenizer_problems
 
     assert byte_level(tok) and not unencodable(tok, [PROBE])
     assert not byte_level(build_char_tokenizer()) and unencodable(build_char_tokenizer(), [PROBE])

@@ -26,9 +26,9 @@ from bus.kv import CURRICULUM, put_json
 from bus.publish import publish
 from bus.session import WorkerContext
 from bus.subjects import Registry
-from rlbus import tracker
-from rlbus.launcher import roles_to_start
-from rlbus.tracking_points import Steps, Timeline, Windows
+from rlbus.run.launcher import roles_to_start
+from rlbus.tracking import tracker
+from rlbus.tracking.points import Steps, Timeline, Windows
 from schemas import EvalResult, Reward, WeightVersion
 from schemas.config import load_config
 from tests.conftest import ROOT, logs
@@ -287,7 +287,7 @@ def test_a_late_reward_counts_in_the_next_window_written():
 
 
 def test_each_tag_stays_strictly_increasing_and_the_timeline_maps_time_to_steps():
-    from rlbus.tracking_points import Point
+    from rlbus.tracking.points import Point
 
     steps = Steps({"learner/loss": 3})
     kept = steps.admit([Point("learner/loss", 3, 0.1, 0), Point("learner/loss", 4, 0.2, 0), Point("eval/a", 1, 1, 0)])
@@ -303,7 +303,7 @@ async def test_the_tracker_user_reads_and_publishes_nothing(tmp_path):
     from bus.auth import random_passwords, server_auth_config
     from bus.conn import PermissionDenied, publish_checked
     from bus.server import EmbeddedNats
-    from rlbus.tracking_backends import open_backends
+    from rlbus.tracking.backends import open_backends
 
     run_id = "trk" + os.urandom(4).hex()
     passwords = random_passwords()

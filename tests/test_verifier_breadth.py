@@ -142,7 +142,7 @@ def tiny_models(tmp_path_factory):
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from rlbus.tiny_model import build_char_tokenizer, build_tiny_model
+    from rlbus.model.tiny_model import build_char_tokenizer, build_tiny_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = tmp_path_factory.mktemp("models")

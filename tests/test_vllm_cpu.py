@@ -61,7 +61,7 @@ def test_up_without_vllm_stops_before_anything_starts(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", hidden_size=128, num_layers=4,
                             num_heads=4, max_position_embeddings=256, seed=0)

@@ -33,7 +33,7 @@ PROMPTS = ["12+34=", "7+5=", "40-13="]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from rlbus.tiny_model import build_tiny_model
+    from rlbus.model.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_layers=2,
                             max_position_embeddings=64, seed=0)

@@ -16,7 +16,7 @@ from bus.subjects import Registry
 from bus.weight_blobs import load_state_bytes
 from bus.weight_stores import FileStore, NatsStore, fetch_weights, make_store
 from learner.weights import publish_version
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 
 HAS_BOTO3 = importlib.util.find_spec("boto3") is not None
 

@@ -15,7 +15,7 @@ from bus.publish import publish
 from bus.subjects import Registry
 from bus.weight_blobs import load_state_bytes, state_to_bytes
 from learner.weights import publish_version
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 from rollout_workers.engines import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlbus.tiny_model import build_tiny_model
+from rlbus.model.tiny_model import build_tiny_model
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
 

@@ -1,7 +1,7 @@
 """Config section of experiment tracking (the `tracker` role: TensorBoard and wandb).
 
 Empty `backends` (the default) means no tracker process: `rlbus up` starts one only when a
-backend is listed. Every field is read only by the tracker (`rlbus/tracker.py`).
+backend is listed. Every field is read only by the tracker (`rlbus/tracking/tracker.py`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@
   package and any package of a LOWER layer; never a higher one, and never a sibling role
   (no role imports another role's internals). Every import counts, including lazy ones
   inside functions and under TYPE_CHECKING.
+- Inside `rlbus/`, the rooms run one way too (RLBUS_ROOMS, rlbus/__init__.py): the neutral
+  leaves `rlbus.log` and `rlbus.natsauth` -> `rlbus.model` / `rlbus.tracking` /
+  `rlbus.report` -> `rlbus.run` -> `rlbus.commands` -> `rlbus.cli` -> `rlbus.entrypoint`.
+  A module may import its own room and lower rooms, never a higher or sibling one: so
+  `rlbus.run`, `rlbus.model`, `rlbus.tracking` and `rlbus.report` never import
+  `rlbus.commands` or `rlbus.cli`, and every rlbus module belongs to a room.
 - Every KV key of the control plane is a constant in `bus/kv.py`; no module outside
   `bus/` spells one as a string literal (docstrings and log event names aside).
 """
@@ -61,6 +67,79 @@ def test_the_layer_check_fires(tmp_path):
     (tmp_path / "bus" / "ok.py").write_text("from schemas import Task\nimport json\n")
     assert layer_violations(tmp_path) == ["learner/x.py:2 learner -> rlbus",
                                           "verifier_workers/y.py:1 verifier_workers -> producers"]
+
+
+RLBUS_ROOMS = {"rlbus.log": 0, "rlbus.natsauth": 0, "rlbus.model": 1, "rlbus.tracking": 1, "rlbus.report": 1,
+               "rlbus.run": 2, "rlbus.commands": 3, "rlbus.cli": 4, "rlbus.entrypoint": 5}
+"""Room of the rlbus application -> its level; `rlbus/__init__.py` (a docstring) is no room."""
+
+
+def _room(module: str) -> str | None:
+    """The room of a dotted rlbus module name (`rlbus.run.folder` -> `rlbus.run`), else None."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "rlbus" and len(parts) > 1 else None
+
+
+def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in a module, relative ones resolved, including
+    `from rlbus import x` as `rlbus.x`."""
+    out = []
+    package = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{name}.{a.name}" if name == "rlbus" or not node.module else name)
+                    for a in node.names]
+    return out
+
+
+def room_violations(root: Path) -> list[str]:
+    """`file:line room -> other` for every upward or sideways import between rlbus rooms, and
+    `file: no room` for a module that belongs to none."""
+    bad = []
+    for path in sorted((root / "rlbus").rglob("*.py")):
+        rel = path.relative_to(root)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        room = _room(module)
+        if module == "rlbus":
+            continue
+        if room not in RLBUS_ROOMS:
+            bad.append(f"{rel}: no room (add it to RLBUS_ROOMS and rlbus/__init__.py)")
+            continue
+        for line, name in imported_modules(path, module):
+            other = _room(name)
+            if other is None or other == room:
+                continue
+            if other not in RLBUS_ROOMS or RLBUS_ROOMS[other] >= RLBUS_ROOMS[room]:
+                bad.append(f"{rel}:{line} {room} -> {other}")
+    return bad
+
+
+def test_rlbus_rooms_run_one_way():
+    bad = room_violations(ROOT)
+    assert not bad, "imports between rlbus rooms that run the wrong way (see rlbus/__init__.py):\n" + "\n".join(bad)
+
+
+def test_the_room_check_fires(tmp_path):
+    """The room check can fail: a run module importing a command or the CLI, a sibling room,
+    `from rlbus import cli`, a relative import upwards, and a module outside every room."""
+    for room in ("run", "model", "commands", "report"):
+        (tmp_path / "rlbus" / room).mkdir(parents=True)
+    (tmp_path / "rlbus" / "run" / "a.py").write_text("def f():\n    from rlbus.commands.status import main\n")
+    (tmp_path / "rlbus" / "run" / "b.py").write_text("from rlbus import cli\nfrom rlbus.run.folder import RunFolder\n")
+    (tmp_path / "rlbus" / "model" / "c.py").write_text("from rlbus.report import plots\n")
+    (tmp_path / "rlbus" / "report" / "d.py").write_text("from ..commands import report\nfrom . import plots\n")
+    (tmp_path / "rlbus" / "commands" / "ok.py").write_text("from rlbus.run.folder import RunFolder\n"
+                                                          "from rlbus.model import tiny_model\nimport rlbus.log\n")
+    (tmp_path / "rlbus" / "stray.py").write_text("import os\n")
+    assert room_violations(tmp_path) == ["rlbus/model/c.py:1 rlbus.model -> rlbus.report",
+                                         "rlbus/report/d.py:1 rlbus.report -> rlbus.commands",
+                                         "rlbus/run/a.py:2 rlbus.run -> rlbus.commands",
+                                         "rlbus/run/b.py:1 rlbus.run -> rlbus.cli",
+                                         "rlbus/stray.py: no room (add it to RLBUS_ROOMS and rlbus/__init__.py)"]
 
 
 def kv_keys() -> dict[str, str]:

@@ -38,6 +38,36 @@ def tok(bpe_dir):
     return AutoTokenizer.from_pretrained(bpe_dir)
 
 
+FROZEN_CORPUS_SHA256 = "03042f53ee035c6ff7b65f8ce7dae6d19c555059d5dc8580ae2cafabe2bf0ec3"
+"""sha256 of json.dumps(corpus_texts()): the 695 example strings every tiny BPE tokenizer was trained on."""
+
+
+def test_bpe_corpus_ships_with_the_package_and_examples_are_never_read(monkeypatch):
+    """The tokenizer's example texts are package data (rlbus/model/bpe_corpus.json, frozen): editing or
+    deleting examples/ changes no new tokenizer."""
+    import hashlib
+    import tomllib
+
+    from rlbus.model import bpe_tokenizer
+
+    assert bpe_tokenizer.CORPUS.parent == Path(bpe_tokenizer.__file__).resolve().parent
+    texts = bpe_tokenizer.corpus_texts()
+    assert hashlib.sha256(json.dumps(texts).encode()).hexdigest() == FROZEN_CORPUS_SHA256
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert bpe_tokenizer.CORPUS.name in package_data["rlbus.model"]
+    before = bpe_tokenizer.training_corpus(3, n=40)
+    examples, read_text, glob = (ROOT / "examples").resolve(), Path.read_text, Path.glob
+
+    def guard(path: Path) -> Path:
+        assert not path.resolve().is_relative_to(examples), f"the tokenizer read {path}"
+        return path
+
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read_text(guard(self), *a, **k))
+    monkeypatch.setattr(Path, "glob", lambda self, *a, **k: glob(guard(self), *a, **k))
+    after = bpe_tokenizer.training_corpus(3, n=40)
+    assert after == before and set(texts) <= set(after)
+
+
 def test_bpe_vocab_specials_and_determinism():
     a, b = build_bpe_tokenizer(seed=0), build_bpe_tokenizer(seed=0)
     assert 1000 <= len(a) <= 4096

@@ -1,2 +1,2 @@
-"""Local models: the tiny causal LM, its byte-level BPE tokenizer, and the start-time
-tokenizer check."""
+"""Local models: the tiny causal LM, its byte-level BPE tokenizer (trained on a corpus that
+ships with this package, `bpe_corpus.json`), and the start-time tokenizer check."""

@@ -4,9 +4,10 @@ Guarantees:
 - `build_bpe_tokenizer(seed, vocab_size)` trains a byte-level BPE (HF `tokenizers`, GPT-2
   byte alphabet: every string encodes, nothing is unknown) on text the built-in domains
   generate (`training_corpus`): arith problems and answers, tool_calc episodes (prompt,
-  `<py>` call, observation, answer), the JSONL examples under `examples/data`, and the
-  chat template's own scaffolding. The same seed and vocab size give the same vocabulary
-  and merges (the corpus is a pure function of the seed and those files).
+  `<py>` call, observation, answer), the frozen example texts shipped with this package
+  (`bpe_corpus.json`: the strings of examples/data/*.jsonl when it was frozen; examples/
+  itself is never read), and the chat template's own scaffolding. The same seed and vocab
+  size give the same vocabulary and merges (the corpus is a pure function of the seed).
 - Special tokens, ids 0..2: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos:
   an assistant turn ends with it). Tool tokens, ids 3..6, are added tokens that decoding
   keeps (not special, as in Qwen2.5): `<tool_call>`, `</tool_call>`, `<tool_response>`,
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,7 +33,8 @@ from transformers import PreTrainedTokenizerFast
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIALS = [PAD, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
+CORPUS = Path(__file__).resolve().with_name("bpe_corpus.json")
+"""The frozen example texts (package data): a JSON object whose `texts` are trained on in order."""
 
 CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -69,26 +70,13 @@ SAMPLE_TOOL = {"type": "function", "function": {
                    "required": ["code"]}}}
 
 
-def _strings(value) -> Iterator[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
-
-
-def _data_texts() -> Iterator[str]:
-    for path in sorted(DATA.glob("*.jsonl")) if DATA.is_dir() else []:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                yield from _strings(json.loads(line))
+def corpus_texts() -> list[str]:
+    """The frozen example texts of `CORPUS` (they never change: see the module guarantees)."""
+    return list(json.loads(CORPUS.read_text(encoding="utf-8"))["texts"])
 
 
 def training_corpus(seed: int = 0, n: int = 4000) -> list[str]:
-    """The texts the tokenizer is trained on (deterministic given `seed` and examples/data)."""
+    """The texts the tokenizer is trained on (deterministic given `seed`)."""
     from producers import arith, tool_calc
 
     rng = random.Random(f"bpe-corpus-{seed}")
@@ -98,7 +86,7 @@ def training_corpus(seed: int = 0, n: int = 4000) -> list[str]:
         texts.append(p.prompt + p.completion)
     for i in range(n // 4):
         texts.append("".join(t for t, _ in tool_calc.demonstration(rng, 1 + i % 3)))
-    texts += list(_data_texts())
+    texts += corpus_texts()
     chat = "".join(f"{IM_START}{role}\n{IM_END}\n" for role in ("system", "user", "assistant", "tool"))
     texts += [json.dumps(SAMPLE_TOOL), "<tools>\n</tools>\n<tool_call>\n{\"name\": \"python\", \"arguments\": {}}"] * 20
     texts += [chat] * 200

@@ -111,7 +111,7 @@ checkpoint_every = 1000000
 def trajectory_payload_bytes() -> int:
     """Size of a real encoded Trajectory as the null rollout worker builds it."""
     from producers.domains import make_source
-    from rollout_workers.engines import NullEngine
+    from rollout_workers.engines.null_engine import NullEngine
     from rollout_workers.worker import single_turn_trajectories
     from schemas.config import load_config
     from schemas.messages import render_prompt

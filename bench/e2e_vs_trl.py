@@ -108,7 +108,7 @@ def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, bl
     """Greedy held-out accuracy of a model dir (optionally with another state dict, or a
     published weight blob, loaded)."""
     from bus.weight_blobs import load_state_bytes
-    from rollout_workers.engines import HFEngine
+    from rollout_workers.engines.hf_engine import HFEngine
     from scheduler.evaluation import greedy_accuracy
 
     engine = HFEngine(str(model_dir), "cpu", threads)

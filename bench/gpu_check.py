@@ -17,7 +17,7 @@ cpu --tiny` runs the same code on a tiny shape in seconds):
   (the tied embedding too, since it is also the LM head), attention's sequence-length term
   ignored. null on CPU.
 - GENERATE: HF `model.generate` on a bf16 copy (fp32 on CPU), as
-  `rollout_workers.engines.HFEngine.generate` calls it: all prompts x samples in ONE batched
+  `rollout_workers.engines.hf_engine.HFEngine.generate` calls it: all prompts x samples in ONE batched
   call with the KV cache, sampling at temperature 1 (top-k/top-p off), logits kept and the
   sampled tokens' log-probs computed after; exactly `--new-tokens` per sequence (no EOS).
   `generate_tok_s` = generated tokens per second, the log-prob pass included, after one warm-up call.
@@ -197,7 +197,7 @@ def generate_bench(torch, model, device, w: dict) -> dict:
             "generate_batch": {"prompts": w["prompts"], "samples": w["samples"], "prompt_len": w["prompt_len"],
                                "new_tokens": w["new_tokens"]},
             "generate": "HF model.generate, one batched call, KV cache, temperature 1, per-token log-probs "
-                        "(as rollout_workers.engines.HFEngine.generate)"}
+                        "(as rollout_workers.engines.hf_engine.HFEngine.generate)"}
 
 
 def publish_bench(model, directory: str) -> dict:

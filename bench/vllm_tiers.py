@@ -41,7 +41,7 @@ RESULT = ROOT / "bench" / "results" / "vllm_tiers.json"
 def measure_tier(model_dir: Path, tier: str, problems, max_tokens: int, group: int, repeats: int) -> dict:
     import torch
 
-    from rollout_workers.vllm_engine import VLLMEngine
+    from rollout_workers.engines.vllm_engine import VLLMEngine
     from scheduler.evaluation import greedy_accuracy
 
     t0 = time.perf_counter()

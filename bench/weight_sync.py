@@ -86,7 +86,7 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
     import nats
 
     from bus.subjects import Registry
-    from rollout_workers.engines import HFEngine
+    from rollout_workers.engines.hf_engine import HFEngine
     from rollout_workers.weights_watch import WeightWatcher
 
     engine = HFEngine(model_dir, "cpu", 1)

@@ -52,7 +52,8 @@ from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
 from bus.session import Session, WorkerContext, worker_session
 from rollout_workers.agent import SandboxUnavailable, run_episodes
-from rollout_workers.engines import Sample, close_engine, make_engine
+from rollout_workers.engines import close_engine, make_engine
+from rollout_workers.engines.sample import Sample
 from rollout_workers.repo_payloads import offload_artifacts, resolve_workspaces
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
@@ -159,8 +160,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     # before it ends; with a limit set, the first pool loop to end stops the whole worker
     tasks_per_pool = ctx.max_messages
     async with worker_session("rollout", cfg, ctx) as s, contextlib.AsyncExitStack() as stack:
-        engine = await asyncio.to_thread(make_engine, rc.engine, str(ctx.model_path), rc.hf.device, rc.hf.threads,
-                                         rc.vllm, scripted=rc.scripted, null_answer=rc.null_answer)
+        engine = await asyncio.to_thread(make_engine, rc, str(ctx.model_path))
         stack.callback(close_engine, engine)  # an engine's spawned processes end with the worker
         watcher = WeightWatcher(s.js, s.reg, s.counters, speculative=True, nc=s.nc)
         await watcher.start()

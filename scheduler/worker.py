@@ -49,7 +49,8 @@ import structlog
 from bus.kv import EVAL_BASELINE, get_json, put_json
 from bus.publish import publish
 from bus.session import Session, WorkerContext, worker_session
-from rollout_workers.engines import HFEngine
+from rollout_workers.engines import make_engine
+from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from scheduler.costs import track_costs
 from scheduler.curriculum_service import run_curriculum
@@ -61,7 +62,7 @@ from scheduler.pipeline_eval import PipelineEval
 from scheduler.recorder import record
 from scheduler.store import Store, open_store
 from schemas import EvalResult
-from schemas.config import RunConfig
+from schemas.config import HFEngineSection, RolloutSection, RunConfig
 
 log = structlog.get_logger()
 EVAL_INFRA_TRIES = 4
@@ -122,7 +123,8 @@ class SchedulerWorker:
         await self.gates.load()
         if self.suite.skipped:
             log.info("scheduler.eval_skipped", domains=self.suite.skipped, why="no evaluator for their kind yet")
-        self.engine = await asyncio.to_thread(HFEngine, str(s.ctx.model_path), "cpu", ec.threads)
+        local = RolloutSection(engine="hf", hf=HFEngineSection(device="cpu", threads=ec.threads))
+        self.engine = await asyncio.to_thread(make_engine, local, str(s.ctx.model_path))
         self.watcher = WeightWatcher(s.js, s.reg, s.counters)
         await self.watcher.start()
         if ec.eval.mode == "pipeline" or self.suite.pipeline_only():

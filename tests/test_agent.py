@@ -18,7 +18,7 @@ from bus.subjects import Registry
 from producers import tool_calc
 from rlbus.model.tiny_model import build_char_tokenizer
 from rollout_workers.agent import run_episodes
-from rollout_workers.engines import Sample
+from rollout_workers.engines.sample import Sample
 from sandbox_workers.async_sandbox import LocalAsyncSandbox
 from sandbox_workers.integrity import LocalRecorder, ToolTurn, verify_observations
 from sandbox_workers.process import bwrap_path

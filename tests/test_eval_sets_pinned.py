@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from rollout_workers.engines import NullEngine, Sample
+from rollout_workers.engines.null_engine import NullEngine
+from rollout_workers.engines.sample import Sample
 from scheduler.evaluation import EvalSuite
 from scheduler.gates import add_general_set
 from scheduler.pipeline_eval import eval_tasks

@@ -125,7 +125,7 @@ async def test_scheduler_scores_the_heldout_domain_through_the_pipeline(js, nats
 
 
 async def test_identical_local_sets_are_scored_once(tmp_path):
-    from rollout_workers.engines import NullEngine
+    from rollout_workers.engines.null_engine import NullEngine
 
     lines = ["[scheduler.eval]", "n = 6", "difficulty = 1"]
     for i in range(100):

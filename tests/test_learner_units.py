@@ -176,7 +176,7 @@ def test_pack_samples_group_ids_follow_first_appearance():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from rlbus.model.tiny_model import build_tiny_model
-    from rollout_workers.engines import HFEngine
+    from rollout_workers.engines.hf_engine import HFEngine
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1, num_heads=2)
     return HFEngine(str(path), threads=1)
@@ -262,7 +262,7 @@ def test_skipped_loss_scale_by_objective():
 def test_hf_engine_greedy_with_several_samples_gives_identical_samples(tmp_path):
     """HF `generate` refuses num_return_sequences > 1 without sampling; the engine runs each prompt n times."""
     from rlbus.model.tiny_model import build_tiny_model
-    from rollout_workers.engines import HFEngine
+    from rollout_workers.engines.hf_engine import HFEngine
 
     engine = HFEngine(str(build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)))
     groups = engine.generate(["12+3=", "7+5="], 3, 5, 0.0)

@@ -21,8 +21,8 @@ from bus.subjects import Registry
 from producers.domains import make_source
 from producers.repo_cache import load_task
 from rollout_workers.agent import run_episodes
+from rollout_workers.engines.scripted_engine import EMPTY_STEPS, ScriptedEngine, gold_steps, write_script
 from rollout_workers.repo_tools import RUNNER_PATH
-from rollout_workers.scripted_engine import EMPTY_STEPS, ScriptedEngine, gold_steps, write_script
 from sandbox_workers.base import ExecResult
 from sandbox_workers.integrity import obs_caps, render_observation
 from schemas.config import RunConfig

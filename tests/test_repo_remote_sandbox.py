@@ -63,7 +63,7 @@ async def test_a_remote_repo_episode_runs_in_the_repo_image_and_resolves(nats_ur
     from producers.domains import make_source
     from producers.repo_cache import load_task
     from rollout_workers.agent import run_episodes
-    from rollout_workers.scripted_engine import ScriptedEngine, gold_steps, write_script
+    from rollout_workers.engines.scripted_engine import ScriptedEngine, gold_steps, write_script
     from rollout_workers.worker import sandbox_opener
     from verifier_workers.repo_verifier import verify_repo
 

@@ -4,7 +4,7 @@ the rollout worker has always published (docs/architecture.md "Messages")."""
 
 from __future__ import annotations
 
-from rollout_workers.engines import NullEngine
+from rollout_workers.engines.null_engine import NullEngine
 from rollout_workers.worker import single_turn_trajectories
 from schemas import ChatMessage, Task, Trajectory, Turn, decode, encode, pack_f32, pack_i32
 from schemas.messages import render_prompt

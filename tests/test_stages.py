@@ -24,7 +24,7 @@ from bus.publish import publish, publish_many
 from bus.streams import iter_stream
 from bus.subjects import Registry
 from learner.weights import publish_version
-from rollout_workers.engines import NullEngine
+from rollout_workers.engines.null_engine import NullEngine
 from rollout_workers.worker import single_turn_trajectories
 from schemas import (
     DeadLetter,

@@ -25,7 +25,8 @@ from learner.batch import pack_samples, token_logprobs
 from learner.step import load_models
 from rlbus.model.tiny_model import build_tiny_model
 from rollout_workers.agent import run_episodes
-from rollout_workers.engines import HFEngine, Sample
+from rollout_workers.engines.hf_engine import HFEngine
+from rollout_workers.engines.sample import Sample
 from rollout_workers.worker import single_turn_trajectories
 from sandbox_workers.async_sandbox import LocalAsyncSandbox
 from sandbox_workers.process import bwrap_path

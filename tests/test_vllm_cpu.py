@@ -38,10 +38,10 @@ def test_vllm_missing_names_make_vllm_env(tmp_path):
     if HAS_VLLM:
         pytest.skip("vLLM is installed in this Python (the missing-vLLM path runs in make test)")
     from rollout_workers.engines import VLLMMissing, make_engine
-    from schemas.config import VLLMEngineSection
+    from schemas.config import RolloutSection
 
     with pytest.raises(VLLMMissing, match="make vllm-env"):
-        make_engine("vllm", str(tmp_path), "cpu", 1, VLLMEngineSection())
+        make_engine(RolloutSection(engine="vllm"), str(tmp_path))
 
 
 def test_up_without_vllm_stops_before_anything_starts(tmp_path):
@@ -70,7 +70,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def started(model_dir):
     """(engine, greedy samples of PROMPTS taken right after start, before any reload)."""
-    from rollout_workers.vllm_engine import VLLMEngine
+    from rollout_workers.engines.vllm_engine import VLLMEngine
     from schemas.config import VLLMEngineSection
 
     section = VLLMEngineSection(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_mb=64,
@@ -89,7 +89,7 @@ def engine(started):
 
 
 def hf_engine(model_dir, blob: bytes | None = None):
-    from rollout_workers.engines import HFEngine
+    from rollout_workers.engines.hf_engine import HFEngine
 
     hf = HFEngine(str(model_dir))
     if blob is not None:

@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from rollout_workers.vllm_engine import VLLMEngine
+    from rollout_workers.engines.vllm_engine import VLLMEngine
 
     with VLLMEngine(str(model_dir), "standard", gpu_memory_utilization=0.2, max_model_len=64, dtype="float32") as engine:
         yield engine
@@ -98,7 +98,7 @@ def test_weight_update_in_place_changes_and_restores_outputs(engine, model_dir):
 
 
 def test_fast_tier_loads_generates_and_takes_weights(model_dir):
-    from rollout_workers.vllm_engine import VLLMEngine
+    from rollout_workers.engines.vllm_engine import VLLMEngine
 
     with VLLMEngine(str(model_dir), "fast", gpu_memory_utilization=0.2, max_model_len=64) as fast:
         out = fast.generate(PROMPTS, n=2, max_new_tokens=8, temperature=1.0)

@@ -22,7 +22,7 @@ from bus.weight_blobs import state_segments, state_tensors, state_to_bytes
 from bus.weight_stores import FileStore
 from learner.weights import model_segments, publish_version
 from rlbus.model.tiny_model import build_tiny_model
-from rollout_workers.engines import HFEngine
+from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weight_loading import load_state_file
 from rollout_workers.weights_watch import WeightWatcher
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture

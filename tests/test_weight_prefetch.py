@@ -28,7 +28,7 @@ from bus.conn import connect, ensure_topology
 from bus.subjects import Registry
 from bus.weight_stores import FileStore
 from learner.weights import publish_version
-from rollout_workers.engines import HFEngine
+from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightPrefetch, WeightVersion, encode
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture

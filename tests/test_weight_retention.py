@@ -19,7 +19,7 @@ from bus.subjects import Registry
 from bus.weight_stores import FileStore, NatsStore, fetch_weights
 from learner.retention import Retention, version_name
 from learner.weights import publish_version
-from rollout_workers.engines import HFEngine
+from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from tests.tiny_weights import load_model, model_dir, perturb, same_weights, until  # noqa: F401 - fixture
 

@@ -30,7 +30,7 @@ from bus.streams import iter_stream
 from bus.subjects import Registry
 from bus.weight_stores import FileStore
 from learner.weights import model_segments, publish_version
-from rollout_workers.engines import HFEngine
+from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weight_loading import load_state_file_speculative
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, decode

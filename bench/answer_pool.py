@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from schemas import rg_family as rg
     from schemas.config import load_config
     from verifier_workers import answer_pool
-    from verifier_workers.reasoning_gym_verifier import verify_reasoning_gym
+    from verifier_workers.verifiers.reasoning_gym import verify_reasoning_gym
 
     cfg = load_config(None, ["sampler.domain_sets.reasoning_gym.include=" + json.dumps(DATASETS)])
     sources, _ = make_sources("bench", cfg)

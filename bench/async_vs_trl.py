@@ -49,7 +49,7 @@ def latency_for(key: str) -> float:
 
 def slow_arith(traj, hidden=None):
     """The `arith` verifier behind a variable delay (registered as plugin `slow_arith`)."""
-    from verifier_workers.verifiers import verify_arith
+    from verifier_workers.verifiers.arith import verify_arith
 
     time.sleep(latency_for(f"{traj.group_id}-{traj.sample_index}"))
     return verify_arith(traj, hidden)

@@ -84,8 +84,8 @@ def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, se
                   layers: int = 4) -> tuple[Path, dict]:
     """Tiny model + SFT warm start (held-out problems excluded); returns (dir, sft summary)."""
     from learner.sft import run_sft
-    from producers import arith
     from producers.demos import batches_of
+    from producers.domains import arith
     from rlbus.model.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp / "base", arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=4,
@@ -132,7 +132,7 @@ def trl_dataset(n: int, seed: int, eval_n: int):
     """Training prompts for TRL: difficulty-3 arith, held-out problems excluded."""
     from datasets import Dataset
 
-    from producers import arith
+    from producers.domains import arith
 
     rng, held = random.Random(f"trl-{seed}"), {p.expression for p in heldout(eval_n)}
     rows = {"prompt": [], "answer": []}

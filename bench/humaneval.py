@@ -62,7 +62,7 @@ from bus.hidden import hidden_ref_for, put_hidden
 from bus.publish import publish_many
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
-from producers import humaneval_source as he
+from producers.domains import code as he
 from schemas import Reward, Trajectory, decode
 
 RESULT = ROOT / "bench" / "results" / "humaneval.json"
@@ -354,7 +354,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N problems (smoke runs)")
     ap.add_argument("--out", default=str(RESULT), help="result JSON path")
     args = ap.parse_args()
-    from verifier_workers.code_verifier import resolve_backend
+    from verifier_workers.verifiers.code import resolve_backend
 
     args.backend = resolve_backend(args.backend)
     problems = list(he.problems().values())

@@ -64,7 +64,7 @@ def build_model(out: Path) -> Path:
 
 def make_rewards(model_dir: Path, n_prompts: int, group: int, max_new: int, seed: int):
     """Real Reward messages: HFEngine samples scored by the arith verifier."""
-    from producers import arith
+    from producers.domains import arith
     from rollout_workers.engines.hf_engine import HFEngine
     from rollout_workers.worker import single_turn_trajectories
     from schemas import ChatMessage, Task

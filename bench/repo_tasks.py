@@ -21,7 +21,7 @@ What it measures:
   would, and counted in `infra_retries`.
 - PEER: the same jobs through PLAIN pytest in the same image, sequentially, with no
   isolation: ONE container of the image (no limits), one driver in it that writes each
-  job's tree (the same tree the verifier builds: `repo_verifier.prepare`, i.e. the patch
+  job's tree (the same tree the verifier builds: `verifier_workers.verifiers.repo.prepare`, i.e. the patch
   applied and the hidden tests copied in) under /tmp and runs
   `python -m pytest -q -p no:cacheprovider <the test files>` in it, in a loop; a job is
   resolved iff pytest exits 0. Rate = jobs / the driver's loop time (the one container's
@@ -216,7 +216,7 @@ def run_ours(tasks: list, jobs: list[dict], workers: int, concurrency: int, time
 def peer_jobs(tasks: list, jobs: list[dict]) -> list[dict]:
     """The driver's input: each job's tree as the verifier builds it before its test files are rewritten
     for the harness's guard (plain pytest has no `_rlbus_guard`), and its test files."""
-    from verifier_workers.repo_verifier import prepare
+    from verifier_workers.verifiers.repo import prepare
 
     out = []
     for job in jobs:

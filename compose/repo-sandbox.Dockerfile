@@ -1,5 +1,5 @@
 # The sandbox image of repository tasks (default tag rlbus-repo-sandbox:latest), used by the
-# `repo` verifier (verifier_workers/repo_verifier.py). Build it with:
+# `repo` verifier (verifier_workers/verifiers/repo.py). Build it with:
 #   rlbus sandbox build-image --repo
 #
 # Builds offline: FROM a base image already on the engine (no pull), RUN steps without

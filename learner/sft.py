@@ -7,7 +7,7 @@ Guarantees:
   `(text, trainable)` segments (the loss covers the trainable ones: the model's own
   turns, never prompts or tool observations). A segment whose flag is `None` is the
   model's own text left unsupervised: it is encoded as model text and seen as context,
-  but not trained on (a teacher's digits the student cannot learn, `producers.tool_calc`).
+  but not trained on (a teacher's digits the student cannot learn, `producers.domains.tool_calc`).
   Every sequence ends with a supervised `<eos>`; prompt, context and padding are masked with -100. Batches are right-padded.
 - Demos are tokenized as rollout tokenizes episodes (`schemas.chat`): with a chat
   template, the first (context) segment is the prompt rendered as a user message with

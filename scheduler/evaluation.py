@@ -26,7 +26,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from producers import arith, tool_calc
+from producers.domains import arith, tool_calc
 from schemas import ChatMessage, Task
 from schemas.answers import arith_answer, calc_answer
 from schemas.chat import prompt_input, tokenizer_of, user_prompt

@@ -219,7 +219,7 @@ def add_general_set(suite, cfg) -> str | None:
     import hashlib
     import json
 
-    from producers import tool_calc
+    from producers.domains import tool_calc
     from scheduler.evaluation import eval_set
 
     ec, sc = cfg.scheduler.eval, cfg.sampler

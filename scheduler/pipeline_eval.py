@@ -48,7 +48,7 @@ from bus.hidden import put_hidden
 from bus.payloads import put_payloads, rebind
 from bus.publish import publish_many
 from bus.subjects import Registry
-from producers import tool_calc
+from producers.domains import tool_calc
 from schemas import ChatMessage, DecodeError, Reward, Task, decode
 
 log = structlog.get_logger()

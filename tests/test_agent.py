@@ -15,7 +15,7 @@ import pytest
 
 from bus.conn import ensure_topology
 from bus.subjects import Registry
-from producers import tool_calc
+from producers.domains import tool_calc
 from rlbus.model.tiny_model import build_char_tokenizer
 from rollout_workers.agent import run_episodes
 from rollout_workers.engines.sample import Sample
@@ -24,7 +24,7 @@ from sandbox_workers.integrity import LocalRecorder, ToolTurn, verify_observatio
 from sandbox_workers.process import bwrap_path
 from schemas import ChatMessage, Task, decode, encode, unpack_i32
 from tests.messages import store_checks
-from verifier_workers.tool_calc_verifier import verify_tool_calc
+from verifier_workers.verifiers.tool_calc import verify_tool_calc
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bwrap not installed (apt-get install -y bubblewrap)")
 SECRET = b"k" * 32

@@ -24,8 +24,8 @@ from producers.domains import make_sources
 from schemas import Trajectory, Turn
 from schemas.config import load_config
 from verifier_workers import answer_pool, registry
-from verifier_workers.math_verifier import verify_math
-from verifier_workers.reasoning_gym_verifier import verify_reasoning_gym
+from verifier_workers.verifiers.math import verify_math
+from verifier_workers.verifiers.reasoning_gym import verify_reasoning_gym
 
 NINE = ["string_insertion", "spiral_matrix", "binary_matrix", "n_queens", "countdown", "puzzle24",
         "polynomial_multiplication", "simple_integration", "intermediate_integration"]

@@ -24,7 +24,7 @@ from test_code_verifier import ADD, GOOD_ADD, score
 
 from sandbox_workers.base import Limits
 from sandbox_workers.factory import open_sandbox
-from verifier_workers.code_verifier import RESULT, SandboxInfraError, _judge, counted_tests, harness_source
+from verifier_workers.verifiers.code import RESULT, SandboxInfraError, _judge, counted_tests, harness_source
 
 REWRITTEN = b"def check(candidate):\n    pass\n"
 # the candidate returns only once the test file's bytes changed on disk (or after 5 s)

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from producers import humaneval_source as he
 from producers.domains import DomainContext
+from producers.domains import code as he
 from schemas import Trajectory, encode
 from schemas.config import DomainConfig, load_config
 from verifier_workers import registry
-from verifier_workers.code_verifier import SandboxInfraError, candidate_program, extract_code, verify_code
+from verifier_workers.verifiers.code import SandboxInfraError, candidate_program, extract_code, verify_code
 
 ADD = """
 def check(candidate):

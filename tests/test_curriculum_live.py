@@ -173,7 +173,7 @@ async def test_sampler_follows_kv_curriculum(js, run_id, tmp_path, spawn_worker)
                for t in math_tasks)
     # gold lives only in the hidden bucket, under each task's hidden_ref
     from bus.hidden import get_hidden
-    from producers.math_source import load, resolve_path
+    from producers.domains.math import load, resolve_path
 
     answers = {q.id: q.answer for q in load(str(resolve_path("")))}
     for t in math_tasks[:5]:

@@ -237,7 +237,7 @@ def test_empty_data_and_missing_columns_are_config_errors_naming_the_columns(tmp
 def test_loading_needs_no_hub(tmp_path):
     datasets.Dataset.from_list(math_rows(3)).to_parquet(str(tmp_path / "p.parquet"))
     code = ("import datasets.config as c; from pathlib import Path; from producers.datafile import load_split;"
-            "from producers.math_source import MATH;"
+            "from producers.domains.math import MATH;"
             f"s = load_split('x', Path({str(tmp_path / 'p.parquet')!r}), MATH);"
             "print(len(s.train), c.HF_HUB_OFFLINE)")  # datasets imported first: the env var alone would not do
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}

@@ -11,12 +11,11 @@ import re
 
 import pytest
 
-from producers import tool_calc
-from producers.domains import make_source
+from producers.domains import make_source, tool_calc
 from schemas.answers import arith_answer, arith_value, worked_completion
 from schemas.config import load_config
 from schemas.messages import Trajectory
-from verifier_workers.verifiers import verify_arith
+from verifier_workers.verifiers.arith import verify_arith
 
 
 def test_worked_answers_are_exact_and_parse_back():

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from producers import humaneval_source as he
+from producers.domains import code as he
 from sandbox_workers.base import Limits
 from sandbox_workers.docker_engine import get_client
 from sandbox_workers.docker_pool import DEFAULT_IMAGE, ContainerUnusable
@@ -255,7 +255,7 @@ def test_concurrent_runs_and_zero_api_calls_in_steady_state(db):
 def docker_score(text: str, hidden: dict | None = None, **params):
     from test_code_verifier import HIDDEN_ADD, traj
 
-    from verifier_workers.code_verifier import verify_code
+    from verifier_workers.verifiers.code import verify_code
 
     hidden = hidden or HIDDEN_ADD
     return verify_code(traj(text, hidden["entry_point"], **params), hidden, backend="docker")
@@ -305,7 +305,7 @@ def test_harness_supervisor_is_non_dumpable_in_the_agent(db):
 
     from test_code_verifier import ADD, GOOD_ADD
 
-    from verifier_workers.code_verifier import counted_tests, harness_source
+    from verifier_workers.verifiers.code import counted_tests, harness_source
 
     job = marshal.dumps({"nonce": "ab" * 32, "entry_point": "add", "prompt": "", "timeout_s": 5.0}, 4)
     tests = counted_tests(ADD).encode()

@@ -9,7 +9,7 @@ import pytest
 from bus.conn import ensure_topology
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.subjects import Registry
-from producers import arith
+from producers.domains import arith
 from scheduler.evaluation import EvalSuite
 from scheduler.pipeline_eval import PipelineEval, eval_tasks
 from schemas.config import load_config

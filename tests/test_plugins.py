@@ -100,5 +100,5 @@ def test_plugin_is_found_by_a_fresh_process(installed):
 
 
 def test_plugin_cannot_shadow_builtins(installed):
-    assert registry.get("arith").__module__ == "verifier_workers.verifiers"
-    assert domains.get_factory("arith").__module__ == "producers.arith_domain"
+    assert registry.get("arith").__module__ == "verifier_workers.verifiers.arith"
+    assert domains.get_factory("arith").__module__ == "producers.domains.arith"

@@ -16,7 +16,7 @@ import pytest
 
 from producers.demos import domain_demos
 from producers.domains import DomainUnavailable, TaskSkipped, make_source, make_sources
-from producers.reasoning_gym_domain import ATTEMPTS, INSTRUCTION
+from producers.domains.reasoning_gym import ATTEMPTS, INSTRUCTION
 from producers.sampler import make_tasks, skip_counts
 from schemas import Trajectory, Turn
 from schemas import rg_family as rg
@@ -24,8 +24,8 @@ from schemas.answers import tagged_answer
 from schemas.config import ConfigError, dump_config, load_config
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.reasoning_gym_verifier import verify_reasoning_gym
 from verifier_workers.verdict import VerifierInputError
+from verifier_workers.verifiers.reasoning_gym import verify_reasoning_gym
 
 RLBUS = Path(sys.executable).with_name("rlbus")
 ROOT = Path(__file__).resolve().parents[1]

@@ -187,7 +187,7 @@ async def episode(js, run_id, tokenizer_dir, image, steps, *, fmt="tags", budget
 
 
 def score(ep, drawn):
-    from verifier_workers.repo_verifier import verify_repo
+    from verifier_workers.verifiers.repo import verify_repo
 
     return verify_repo(ep.trajectory(), drawn.hidden)
 

@@ -43,8 +43,8 @@ from tests.conftest import settled_consumer
 from tests.messages import store_checks
 from tests.test_repo_episode import docker_only, repo_image, tokenizer_dir  # noqa: F401 - fixtures
 from verifier_workers import registry
-from verifier_workers.repo_verifier import RepoSandboxInfraError, verify_repo
 from verifier_workers.verdict import Verdict
+from verifier_workers.verifiers.repo import RepoSandboxInfraError, verify_repo
 
 TASKS = ["fixture-clamp", "fixture-wordcount"]
 

@@ -65,7 +65,7 @@ async def test_a_remote_repo_episode_runs_in_the_repo_image_and_resolves(nats_ur
     from rollout_workers.agent import run_episodes
     from rollout_workers.engines.scripted_engine import ScriptedEngine, gold_steps, write_script
     from rollout_workers.worker import sandbox_opener
-    from verifier_workers.repo_verifier import verify_repo
+    from verifier_workers.verifiers.repo import verify_repo
 
     # the service's default image is not the repo image (and need not even exist here): only the
     # image the episode asks for can give it pytest and the wheelhouse

@@ -17,7 +17,7 @@ from schemas import Trajectory
 from schemas.repo_task import RepoTask
 from verifier_workers.repo_diff import apply_diff, parse_diff
 from verifier_workers.repo_harness_rewrite import rewrite_tests
-from verifier_workers.repo_verifier import check_patch, prepare, protected_predicate, verify_repo
+from verifier_workers.verifiers.repo import check_patch, prepare, protected_predicate, verify_repo
 
 OPS = ("def add(a, b):\n    return a + b\n\n\ndef clamp(x, lo, hi):\n    if x < lo:\n        return lo\n"
        "    if x > hi:\n        return lo\n    return x\n\n\ndef mean(xs):\n    return sum(xs) / (len(xs) + 1)\n")

@@ -63,7 +63,7 @@ def test_same_verifier_changes_nothing_and_the_run_is_untouched(crafted_run):
 
 def _strict_arith(traj, hidden=None):
     """A stricter arith: with `exact` (default true), an answer with surrounding spaces is wrong."""
-    from verifier_workers.verifiers import verify_arith
+    from verifier_workers.verifiers.arith import verify_arith
 
     verdict = verify_arith(traj, hidden)
     if traj.verifier_params.get("exact", True) and traj.final_text != traj.final_text.strip():

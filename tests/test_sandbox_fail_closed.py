@@ -120,7 +120,7 @@ def test_refusal_is_an_infra_error_for_the_agent(bwrap_hidden, run_id):
 
 
 def test_refusal_is_an_infra_error_for_the_code_verifier(bwrap_hidden, monkeypatch):
-    from verifier_workers.code_verifier import SandboxInfraError, check_program
+    from verifier_workers.verifiers.code import SandboxInfraError, check_program
 
     program, tests = "def f(x):\n    return 2 * x\n", "def check(candidate):\n    assert candidate(3) == 6\n"
     with pytest.raises(SandboxInfraError, match="SandboxRefused.*bubblewrap"):

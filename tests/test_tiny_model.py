@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.sft import make_batch, micro_batches, run_sft, sft_step_loss
-from producers import arith
 from producers.demos import batches_of
+from producers.domains import arith
 from rlbus.model.tiny_model import build_char_tokenizer, build_tiny_model
 
 ALL_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -86,7 +86,7 @@ def test_make_batch_masks_prompt_and_padding():
 def test_micro_batched_sft_step_is_the_full_batch_step(tmp_path):
     """SFT's length-sorted micro-batches give the gradient and loss of `model(**batch).loss`
     on the whole padded batch, for a batch that mixes bare answers with tool episodes."""
-    from producers import tool_calc
+    from producers.domains import tool_calc
 
     torch.manual_seed(0)
     tok = build_char_tokenizer()

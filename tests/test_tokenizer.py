@@ -16,7 +16,7 @@ from rich.console import Console
 from transformers import AutoConfig, AutoTokenizer
 
 from learner.sft import make_batch
-from producers import tool_calc
+from producers.domains import tool_calc
 from rlbus.model.bpe_tokenizer import IM_END, IM_START, SAMPLE_TOOL, SPECIALS, TOOL_TOKENS, build_bpe_tokenizer
 from rlbus.model.tiny_model import build_char_tokenizer, build_tiny_model
 from schemas import ChatMessage

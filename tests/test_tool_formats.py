@@ -23,7 +23,7 @@ import pytest
 
 from bus.conn import ensure_topology
 from bus.subjects import Registry
-from producers import tool_calc
+from producers.domains import tool_calc
 from rlbus.model.bpe_tokenizer import build_bpe_tokenizer
 from rlbus.run.monitor import DomainRewards
 from rollout_workers.agent import run_episodes

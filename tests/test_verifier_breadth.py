@@ -175,7 +175,7 @@ def test_model_classifier_scores_in_unit_interval_deterministically(tiny_models)
 
 
 def test_model_classifier_is_cached_and_reads_env(tiny_models, monkeypatch):
-    from verifier_workers import model_verifier
+    from verifier_workers.verifiers import model as model_verifier
 
     rm, _ = tiny_models
     monkeypatch.setenv(model_verifier.ENV, str(rm))
@@ -185,7 +185,7 @@ def test_model_classifier_is_cached_and_reads_env(tiny_models, monkeypatch):
 
 
 def test_model_causal_judge_uses_yes_no_tokens(tiny_models):
-    from verifier_workers import model_verifier
+    from verifier_workers.verifiers import model as model_verifier
 
     _, judge = tiny_models
     fn = registry.get("model")
@@ -200,7 +200,7 @@ def test_model_causal_judge_uses_yes_no_tokens(tiny_models):
 
 
 def test_model_unconfigured_is_input_error_and_absent_is_infra(tiny_models, monkeypatch, tmp_path):
-    from verifier_workers import model_verifier
+    from verifier_workers.verifiers import model as model_verifier
 
     monkeypatch.delenv(model_verifier.ENV, raising=False)
     fn = registry.get("model")

@@ -22,7 +22,7 @@ from tests.conftest import settled_consumer
 from tests.messages import store_checks
 from verifier_workers import registry
 from verifier_workers.errors import VerifierInfraError
-from verifier_workers.verifiers import verify_arith
+from verifier_workers.verifiers.arith import verify_arith
 from verifier_workers.worker import RetryPolicy, run
 
 pytestmark = pytest.mark.usefixtures("drop_run")

@@ -12,9 +12,9 @@ import pytest
 
 from schemas import Trajectory
 from verifier_workers import registry, verdict
-from verifier_workers.extract_verifier import find_json_object, values_match
-from verifier_workers.math_verifier import extract_answer, last_boxed
 from verifier_workers.verdict import Verdict, VerifierInputError
+from verifier_workers.verifiers.extract import find_json_object, values_match
+from verifier_workers.verifiers.math import extract_answer, last_boxed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,7 @@ def test_entry_point_plugin_is_loaded_lazily(tmp_path, monkeypatch):
         v = fn(traj("myplugin", "yes", want="yes"))
         assert v.reward == 1.0 and v.components["length"] == 3.0
         # a plugin cannot shadow a built-in
-        assert registry.get("arith").__module__ == "verifier_workers.verifiers"
+        assert registry.get("arith").__module__ == "verifier_workers.verifiers.arith"
         with pytest.raises(VerifierInputError, match="broken"):
             registry.get("broken")
     finally:

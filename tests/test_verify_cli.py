@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from producers import humaneval_source as he
+from producers.domains import code as he
 
 RLBUS = Path(sys.executable).with_name("rlbus")
 

@@ -231,7 +231,7 @@ async def test_tool_episode_end_to_end_with_vllm(engine, model_dir):
     from schemas import ChatMessage, Task, unpack_i32
     from schemas.messages import render_prompt
     from schemas.tool_protocol import tool_command, tool_turn_text
-    from verifier_workers.tool_calc_verifier import verify_tool_calc
+    from verifier_workers.verifiers.tool_calc import verify_tool_calc
 
     if bwrap_path() is None:
         pytest.skip("bwrap not installed (apt-get install -y bubblewrap)")

@@ -60,8 +60,8 @@ from typing import Any
 
 from verifier_workers.errors import VerifierInfraError
 
-PRELOAD = ("reasoning_gym", "sympy", "math_verify", "verifier_workers.reasoning_gym_verifier",
-           "verifier_workers.math_verifier", "verifier_workers.registry")
+PRELOAD = ("reasoning_gym", "sympy", "math_verify", "verifier_workers.verifiers.reasoning_gym",
+           "verifier_workers.verifiers.math", "verifier_workers.registry")
 """Modules every template imports before it reports ready (a missing one is skipped)."""
 
 START_TIMEOUT_S = 180.0

@@ -43,16 +43,16 @@ Verifier = Callable[..., Verdict]
 GROUP = "rlbus.verifiers"
 
 BUILTINS: dict[str, str] = {
-    "arith": "verifier_workers.verifiers:verify_arith",
-    "constant": "verifier_workers.verifiers:verify_constant",
-    "math": "verifier_workers.math_verifier:verify_math",
-    "extract": "verifier_workers.extract_verifier:verify_extract",
-    "code": "verifier_workers.code_verifier:verify_code",
-    "tool_calc": "verifier_workers.tool_calc_verifier:verify_tool_calc",
-    "files": "verifier_workers.files_verifier:verify_files",
-    "model": "verifier_workers.model_verifier:verify_model",
-    "reasoning_gym": "verifier_workers.reasoning_gym_verifier:verify_reasoning_gym",
-    "repo": "verifier_workers.repo_verifier:verify_repo",
+    "arith": "verifier_workers.verifiers.arith:verify_arith",
+    "constant": "verifier_workers.verifiers.constant:verify_constant",
+    "math": "verifier_workers.verifiers.math:verify_math",
+    "extract": "verifier_workers.verifiers.extract:verify_extract",
+    "code": "verifier_workers.verifiers.code:verify_code",
+    "tool_calc": "verifier_workers.verifiers.tool_calc:verify_tool_calc",
+    "files": "verifier_workers.verifiers.files:verify_files",
+    "model": "verifier_workers.verifiers.model:verify_model",
+    "reasoning_gym": "verifier_workers.verifiers.reasoning_gym:verify_reasoning_gym",
+    "repo": "verifier_workers.verifiers.repo:verify_repo",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

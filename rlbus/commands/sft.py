@@ -28,8 +28,8 @@ def register(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     """Entry point of `rlbus sft`."""
     from learner.sft import run_sft
-    from producers import arith
     from producers.demos import batches_of
+    from producers.domains import arith
 
     def demo(rng):
         p = arith.generate(rng, args.difficulty)

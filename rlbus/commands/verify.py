@@ -104,7 +104,7 @@ def _inputs(args) -> tuple[dict, dict | None]:
     if d == "code":
         if not args.task_id:
             raise InputProblem("--domain code needs --task-id, e.g. --task-id HumanEval/0")
-        from producers import humaneval_source as he
+        from producers.domains import code as he
 
         try:
             p = he.get(args.task_id)
@@ -189,8 +189,8 @@ def verify_repo_patch(args, patch: str) -> int:
     """`--domain repo`: score the diff against the task (see the module guarantees)."""
     import dataclasses
 
-    from verifier_workers.repo_verifier import RepoSandboxInfraError, verify_repo
     from verifier_workers.verdict import VerifierInputError
+    from verifier_workers.verifiers.repo import RepoSandboxInfraError, verify_repo
 
     try:
         task = _repo_task(args)
@@ -241,7 +241,7 @@ def main(args) -> int:
         traj = _trajectory(args.domain, answer, params, "cli" if hidden is not None else None)
         backend = "none"
         if args.domain == "code":
-            from verifier_workers.code_verifier import resolve_backend, verify_code
+            from verifier_workers.verifiers.code import resolve_backend, verify_code
 
             backend = resolve_backend(args.backend)
             verdict = verify_code(traj, hidden, backend=backend)
@@ -251,7 +251,7 @@ def main(args) -> int:
         print(f"rlbus verify: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from verifier_workers.code_verifier import SandboxInfraError
+        from verifier_workers.verifiers.code import SandboxInfraError
 
         if isinstance(exc, SandboxInfraError):
             print(f"rlbus verify: sandbox failure: {exc}", file=sys.stderr)

@@ -77,7 +77,7 @@ def corpus_texts() -> list[str]:
 
 def training_corpus(seed: int = 0, n: int = 4000) -> list[str]:
     """The texts the tokenizer is trained on (deterministic given `seed`)."""
-    from producers import arith, tool_calc
+    from producers.domains import arith, tool_calc
 
     rng = random.Random(f"bpe-corpus-{seed}")
     texts = []

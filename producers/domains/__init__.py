@@ -39,17 +39,17 @@ log = structlog.get_logger()
 GROUP = "rlbus.domains"
 
 BUILTINS: dict[str, str] = {
-    "arith": "producers.arith_domain:ArithDomain",
-    "math": "producers.math_source:MathDomain",
-    "tool_calc": "producers.tool_calc:ToolCalcDomain",
-    "code": "producers.humaneval_source:CodeDomain",
-    "extract": "producers.jsonl_source:ExtractDomain",
-    "files": "producers.files_domain:FilesDomain",
-    "jsonl": "producers.jsonl_source:JsonlDomain",
-    "judge": "producers.jsonl_source:JudgeDomain",
-    "sleep": "producers.sleep_domain:SleepDomain",
-    "reasoning_gym": "producers.reasoning_gym_domain:ReasoningGymDomain",
-    "repo": "producers.repo_domain:RepoDomain",
+    "arith": "producers.domains.arith:ArithDomain",
+    "math": "producers.domains.math:MathDomain",
+    "tool_calc": "producers.domains.tool_calc:ToolCalcDomain",
+    "code": "producers.domains.code:CodeDomain",
+    "extract": "producers.domains.extract:ExtractDomain",
+    "files": "producers.domains.files:FilesDomain",
+    "jsonl": "producers.domains.jsonl:JsonlDomain",
+    "judge": "producers.domains.judge:JudgeDomain",
+    "sleep": "producers.domains.sleep:SleepDomain",
+    "reasoning_gym": "producers.domains.reasoning_gym:ReasoningGymDomain",
+    "repo": "producers.domains.repo:RepoDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

@@ -1,4 +1,4 @@
-"""File-backed domain kinds: `jsonl` (any task data + any verifier), `extract` and `judge`.
+"""The file-backed source of the JSONL task format: the `jsonl`, `extract`, `judge` and `files` kinds.
 
 Default row format (one JSON object per line in JSONL; the same columns in Parquet or a
 `datasets` dir, see `producers.datafile`; `DomainConfig.field_map` renames them):
@@ -20,11 +20,8 @@ Guarantees:
   are; the source's `data` (`DataSplit`) holds both and their hashes.
 - Rows with a `level` are drawn at that curriculum level when it has any, otherwise
   from all training rows (`StaticSource`), with the sampler's seeded RNG.
-- `jsonl` requires `DomainConfig.verifier` and `DomainConfig.data`; a missing one, missing
-  data, an empty dataset (or no usable row) or a missing column is a `ValueError`.
-- `extract` defaults to examples/data/extract.jsonl and the `extract` verifier; `judge`
-  to examples/data/judge.jsonl and the `model` verifier, with `params.model_path` (or
-  env RLBUS_REWARD_MODEL on the verifier side) naming the reward model.
+- Missing data, an empty dataset (or no usable row) or a missing column is a `ValueError`.
+- The kinds themselves are `producers.domains.{jsonl,extract,judge,files}`.
 """
 
 from __future__ import annotations
@@ -100,25 +97,3 @@ def file_source(ctx: DomainContext, default_data: Path | None, verifier: str,
     """A source over the training rows of the domain's data."""
     split = domain_split(ctx, JSONL, default_data)
     return FileSource(ctx, items(ctx, split.train, verifier, extra), data=split)
-
-
-def JsonlDomain(ctx: DomainContext) -> FileSource:
-    """`jsonl`: any task file (`data`, required) scored by any registered verifier (`verifier`, required)."""
-    if not ctx.dc.verifier:
-        raise ValueError(f"domain {ctx.name!r} (kind jsonl) needs sampler.domains.{ctx.name}.verifier: "
-                         "the registered verifier that scores its tasks")
-    if not ctx.dc.data:
-        raise ValueError(f"domain {ctx.name!r} (kind jsonl) needs sampler.domains.{ctx.name}.data: a JSONL or Parquet "
-                         "file, or a datasets save_to_disk directory")
-    return file_source(ctx, None, ctx.dc.verifier)
-
-
-def ExtractDomain(ctx: DomainContext) -> FileSource:
-    """`extract`: text -> JSON fields, gold hidden (default examples/data/extract.jsonl)."""
-    return file_source(ctx, DATA / "extract.jsonl", "extract")
-
-
-def JudgeDomain(ctx: DomainContext) -> FileSource:
-    """`judge`: open answers scored by the `model` verifier (default examples/data/judge.jsonl)."""
-    extra = {"model_path": ctx.dc.params["model_path"]} if ctx.dc.params.get("model_path") else {}
-    return file_source(ctx, DATA / "judge.jsonl", "model", extra)

@@ -137,7 +137,7 @@ def verify_math(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     raw_gold = (hidden or {}).get("gold", traj.verifier_params.get("gold"))
     gold_text = _gold_text(raw_gold)
     answer, format_ok = extract_answer(traj.final_text or "")
-    out = answer_pool.call("verifier_workers.math_verifier:equivalent_in_job", (gold_text, answer))
+    out = answer_pool.call("verifier_workers.verifiers.math:equivalent_in_job", (gold_text, answer))
     if out.kind == "limit":
         return Verdict({"correct": 0.0, "format": float(format_ok)}, status="answer_limit",
                        details=f"answer={answer!r} hit the answer pool's {out.limit} limit"[:400])

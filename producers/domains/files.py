@@ -1,6 +1,6 @@
 """The `files` domain kind: the policy writes a file (JSON, CSV, SVG) that must meet requirements.
 
-Task file: the JSONL format of `producers.jsonl_source`, where each line's `params` name
+Task file: the JSONL format of `producers.file_source`, where each line's `params` name
 the file (`path`, `format`: json|csv|svg) and `hidden` holds the requirements the
 `files` verifier checks (schema, gold values, required SVG elements). The prompt says
 what to write; the gold values stay hidden.
@@ -11,13 +11,13 @@ Guarantees:
 - Tasks carry `DomainConfig.params["tools"]` (default none) so multi-turn configs can
   let the policy write the file in its sandbox (the rollout worker exports it as an
   artifact); single-turn episodes answer with the file in a fenced block instead.
-- Hidden requirements travel behind `hidden_ref` only (see `jsonl_source`).
+- Hidden requirements travel behind `hidden_ref` only (see `producers.file_source`).
 """
 
 from __future__ import annotations
 
 from producers.domains import DomainContext
-from producers.jsonl_source import DATA, FileSource, file_source
+from producers.file_source import DATA, FileSource, file_source
 
 FORMATS = ("json", "csv", "svg")
 

@@ -74,7 +74,7 @@ from schemas import Trajectory
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.verdict import Verdict, VerifierInputError
 
-HARNESS_PATH = Path(__file__).with_name("harness.py")
+HARNESS_PATH = Path(__file__).parents[1] / "harness.py"  # verifier_workers/harness.py
 DEFAULT_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 60.0
 DEFAULT_MEMORY_MB = 256

@@ -73,8 +73,8 @@ from verifier_workers.repo_diff import PatchResult, apply_diff
 from verifier_workers.repo_harness_rewrite import changed_functions, new_top_levels, rewrite_tests, shadowing
 from verifier_workers.verdict import Verdict, VerifierInputError
 
-HARNESS_PATH = Path(__file__).with_name("repo_harness.py")
-GUARD_PATH = Path(__file__).with_name("repo_harness_guard.py")
+HARNESS_PATH = Path(__file__).parents[1] / "repo_harness.py"  # verifier_workers/, beside this package
+GUARD_PATH = Path(__file__).parents[1] / "repo_harness_guard.py"
 DIFF_ARTIFACT = "diff"
 DEFAULT_IMAGE = "rlbus-repo-sandbox:latest"
 RESULT_FILE = "/work/.rlbus/result.json"

@@ -39,8 +39,8 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 from schemas import Trajectory
-from verifier_workers.extract_verifier import values_match
 from verifier_workers.verdict import Verdict, VerifierInputError
+from verifier_workers.verifiers.extract import values_match
 
 FORMATS = ("json", "csv", "svg")
 MAX_BYTES = 1_000_000

@@ -75,8 +75,8 @@ class AnswerLimit(Exception):
     """The answer hit a limit of the answer pool (cpu, memory, wall, output): the policy's 0."""
 
 
-SCORE_REF = "verifier_workers.reasoning_gym_verifier:score_in_job"
-WARM_REF = "verifier_workers.reasoning_gym_verifier:scorer"
+SCORE_REF = "verifier_workers.verifiers.reasoning_gym:score_in_job"
+WARM_REF = "verifier_workers.verifiers.reasoning_gym:scorer"
 
 
 def _entry(hidden: dict[str, Any]) -> dict:

@@ -8,7 +8,7 @@ seeds * 2 * (minutes + 0.5) + 1 min):
   excluded) for a fixed budget (`--sft-seconds`, `--sft-steps`). Both sides start from
   this same checkpoint directory, for every seed.
 - EVAL: greedy accuracy on the scheduler's fixed held-out set
-  (`scheduler.evaluation.eval_set(1234, --eval-n, 3)`, default 1000 problems, never
+  (`producers.domains.arith.heldout_set(1234, --eval-n, 3)`, default 1000 problems, never
   trained on by either side), scored by the same `greedy_accuracy` (HFEngine,
   temperature 0, 6 new tokens) for the start and for every final model.
 - OURS: `rlbus up` (a subprocess, embedded NATS, every role its own process) on a
@@ -74,10 +74,10 @@ EVAL_N, LR = 1000, 3e-5  # defaults of --eval-n and --lr (3e-4 degraded both sid
 
 # ---------------------------------------------------------------------------- shared
 def heldout(n: int | None = None) -> list:
-    """The held-out problems (`scheduler.evaluation.eval_set`); both sides never train on them."""
-    from scheduler.evaluation import eval_set
+    """The held-out problems (`producers.domains.arith.heldout_set`); both sides never train on them."""
+    from producers.domains import arith
 
-    return eval_set(EVAL_SEED, n or EVAL_N, DIFFICULTY)[0]
+    return arith.heldout_set(EVAL_SEED, n or EVAL_N, DIFFICULTY)
 
 
 def prepare_start(tmp: Path, sft_seconds: float, sft_steps: int, eval_n: int, seed: int = 0, hidden: int = 128,
@@ -108,6 +108,7 @@ def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, bl
     """Greedy held-out accuracy of a model dir (optionally with another state dict, or a
     published weight blob, loaded)."""
     from bus.weight_blobs import load_state_bytes
+    from producers.domains import arith
     from rollout_workers.engines.hf_engine import HFEngine
     from scheduler.evaluation import greedy_accuracy
 
@@ -118,7 +119,7 @@ def accuracy(model_dir: Path, eval_n: int, state_dict=None, threads: int = 2, bl
         load_state_bytes(engine.model, blob)
     if state_dict is not None or blob is not None:
         engine.model.eval()
-    return greedy_accuracy(engine, heldout(eval_n), max_tokens)
+    return greedy_accuracy(engine, arith.fixed_eval_set(EVAL_SEED, eval_n or EVAL_N, DIFFICULTY, max_tokens=max_tokens))
 
 
 def arith_reward(completions, answer, **_) -> list[float]:
@@ -584,7 +585,7 @@ def main() -> dict:
                        "accuracy]: the policy as it stood at that time (TRL: after the last step that ended before it)")
         if marks else None,
         "start_accuracy": acc0,
-        "eval": {"set": f"scheduler.evaluation.eval_set({EVAL_SEED}, {a.eval_n}, {DIFFICULTY})", "n": a.eval_n,
+        "eval": {"set": f"producers.domains.arith.heldout_set({EVAL_SEED}, {a.eval_n}, {DIFFICULTY})", "n": a.eval_n,
                  "greedy": True, "max_tokens": a.max_tokens,
                  "binomial_se_points": round(100 * (max(acc0, 0.01) * (1 - acc0) / a.eval_n) ** 0.5, 2)},
         "sft": sft,

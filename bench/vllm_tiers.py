@@ -7,7 +7,7 @@ CUDA GPU and vLLM; a few minutes):
   `--sft-seconds`; pass `--model` for a real checkpoint) is loaded into a
   `VLLMEngine` per tier, one tier at a time (the previous engine is deleted and the
   GPU cache emptied first).
-- EVAL SET: arith held-out problems (`scheduler.evaluation.eval_set(1234, n, 3)`),
+- EVAL SET: arith held-out problems (`producers.domains.arith.heldout_set(1234, n, 3)`),
   greedy (temperature 0), `--max-tokens` new tokens.
 - SPEED: generated tokens/s of a sampling workload (every held-out prompt, G=8 samples,
   temperature 1) after one warm-up call, median of `--repeats` calls; plus the greedy
@@ -39,6 +39,7 @@ RESULT = ROOT / "bench" / "results" / "vllm_tiers.json"
 
 
 def measure_tier(model_dir: Path, tier: str, problems, max_tokens: int, group: int, repeats: int) -> dict:
+    """Throughput and greedy accuracy of one tier on `problems` (an arith `EvalSet`)."""
     import torch
 
     from rollout_workers.engines.vllm_engine import VLLMEngine
@@ -47,7 +48,7 @@ def measure_tier(model_dir: Path, tier: str, problems, max_tokens: int, group: i
     t0 = time.perf_counter()
     engine = VLLMEngine(str(model_dir), tier, gpu_memory_utilization=0.3, max_model_len=64)
     startup = time.perf_counter() - t0
-    prompts = [p.prompt for p in problems]
+    prompts = [it.task.prompt[0].content for it in problems.items]
     engine.generate(prompts[:8], group, max_tokens, 1.0)  # warm-up
     rates = []
     for _ in range(repeats):
@@ -56,7 +57,7 @@ def measure_tier(model_dir: Path, tier: str, problems, max_tokens: int, group: i
         dt = time.perf_counter() - t
         rates.append(sum(len(s.token_ids) for g in out for s in g) / dt)
     t = time.perf_counter()
-    acc = greedy_accuracy(engine, problems, max_tokens, batch=len(problems))
+    acc = greedy_accuracy(engine, problems, batch=len(problems))
     eval_s = time.perf_counter() - t
     del engine
     gc.collect()
@@ -83,9 +84,9 @@ def main() -> dict:
 
     import torch
 
-    from scheduler.evaluation import eval_set
+    from producers.domains import arith
 
-    problems = eval_set(1234, a.n, 3)[0]
+    problems = arith.fixed_eval_set(1234, a.n, 3, max_tokens=a.max_tokens)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-tiers-") as d:
         model_dir = Path(a.model) if a.model else None
         sft = None

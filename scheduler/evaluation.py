@@ -1,158 +1,121 @@
 """Greedy regression evaluation on fixed, seeded, content-hashed held-out sets, per domain.
 
+The sets are data (`producers.eval_set.EvalSet`): each domain's source gives its own through
+the hook `eval_set(n, seed, level)`, and this module only reads what a set says (its tasks,
+how it is scored locally, its content hash). No domain kind is named here.
+
 Guarantees:
-- Each eval set is a pure function of (domain kind, seed, n, level); its sha256 travels
+- Each eval set is a pure function of (domain config, seed, n, level); its sha256 travels
   with every `EvalResult`, so scores from different runs are comparable only when the
   hashes match. Training samplers exclude these problems.
-- Scoring uses the same verifier logic as training, on greedy (temperature 0) output, from
-  the same prompts: rendered by `schemas.chat` for the engine's tokenizer (its chat
-  template when it has one), as rollout renders them.
-- `arith` is single-turn; `tool_calc` runs the same multi-turn agent loop as rollout
-  workers (`rollout_workers.agent`), its python calls in fresh sandboxes. These two are
-  scored here (`local`) or through the pipeline.
-- Any other domain whose source has `eval_problems(n, seed)` (`producers.domains`) gets
-  that set as kind `drawn`, scored only through the pipeline (`scheduler.pipeline_eval`:
-  its tasks' own verifiers and hidden gold); `EvalSuite.evaluate` never scores it.
+- Local scoring (`EvalSuite.evaluate`) uses greedy (temperature 0) output from the sets'
+  own task prompts, rendered by `schemas.chat` for the engine's tokenizer (its chat template
+  when it has one), as rollout renders them: one completion per prompt for a `generate`
+  set; for an `episodes` set the same multi-turn agent loop as rollout workers
+  (`rollout_workers.agent`), tool calls in fresh sandboxes. An item is correct iff the set's
+  `answer` of the final text equals its gold.
+- Sets without local scoring (`local` None: e.g. a repository or reasoning-gym domain's
+  drawn tasks) are scored only through the pipeline (`scheduler.pipeline_eval`: their
+  tasks' own verifiers and hidden gold); `EvalSuite.evaluate` never scores them.
 - Every set carries `purpose`: `heldout` for a `heldout` (zero-shot) domain, else `train`.
-- Domains without an evaluator are skipped (listed by `EvalSuite.skipped`).
-- Identical local sets (same kind, content hash and budgets: e.g. many `arith` copies under
-  distinct names) are generated and scored once per `evaluate` call; each domain reports
-  that score (greedy decoding: the same computation).
+- Domains whose source has no eval set are skipped (listed by `EvalSuite.skipped`).
+- Identical local sets (same content hash, scoring and budgets: e.g. many `arith` copies
+  under distinct names) are generated and scored once per `evaluate` call; each domain
+  reports that score (greedy decoding: the same computation).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import asyncio
 from dataclasses import dataclass, field
+from itertools import groupby
 
-from producers.domains import arith, tool_calc
-from schemas import ChatMessage, Task
-from schemas.answers import arith_answer, calc_answer
-from schemas.chat import prompt_input, tokenizer_of, user_prompt
-
-
-def eval_set(seed: int, n: int, difficulty: int) -> tuple[list[arith.ArithProblem], str]:
-    """The arith held-out problems and their content hash."""
-    problems = arith.heldout_set(seed, n, difficulty)
-    digest = hashlib.sha256(json.dumps([(p.expression, p.answer) for p in problems]).encode()).hexdigest()
-    return problems, digest
+from producers.eval_set import EvalItem, EvalSet
+from schemas.chat import prompt_input, tokenizer_of
 
 
-def greedy_accuracy(engine, problems: list[arith.ArithProblem], max_tokens: int, batch: int = 256) -> float:
-    """Fraction of arith problems whose greedy completion is exactly the answer."""
-    correct = 0
-    for i in range(0, len(problems), batch):
-        chunk = problems[i : i + batch]
-        tok = tokenizer_of(engine)
-        groups = engine.generate([prompt_input(tok, user_prompt(p.prompt)) for p in chunk], 1, max_tokens, 0.0)
-        correct += sum(arith_answer(g[0].text) == p.answer for p, g in zip(chunk, groups, strict=True))
-    return correct / max(1, len(problems))
+def _chunks(items: tuple[EvalItem, ...], batch: int):
+    """Consecutive runs of items sharing a token budget, at most `batch` each."""
+    for _, same in groupby(items, key=lambda it: it.task.max_tokens):
+        run = list(same)
+        for i in range(0, len(run), batch):
+            yield run[i : i + batch]
 
 
-async def tool_calc_accuracy(engine, problems: list[tool_calc.Problem], max_tokens: int, max_turns: int,
-                             open_sandbox, batch: int = 64, tool_format: str = "tags") -> float:
-    """Fraction of tool_calc problems answered exactly by greedy agent episodes."""
+def greedy_accuracy(engine, es: EvalSet, batch: int = 256) -> float:
+    """Fraction of the set's items whose one greedy completion answers them."""
+    correct, tok = 0, tokenizer_of(engine)
+    for chunk in _chunks(es.items, batch):
+        prompts = [prompt_input(tok, it.task.prompt) for it in chunk]
+        groups = engine.generate(prompts, 1, chunk[0].task.max_tokens, 0.0)
+        correct += sum(es.correct(it, g[0].text) for it, g in zip(chunk, groups, strict=True))
+    return correct / max(1, len(es))
+
+
+async def episode_accuracy(engine, es: EvalSet, open_sandbox, batch: int = 64) -> float:
+    """Fraction of the set's items answered by greedy agent episodes (tools in `open_sandbox`'s sandboxes)."""
     from rollout_workers.agent import run_episodes
 
     correct = 0
-    for i in range(0, len(problems), batch):
-        chunk = problems[i : i + batch]
-        tasks = [Task(run_id="eval", task_id=p.expression, domain="tool_calc", group_size=1, max_turns=max_turns,
-                      max_tokens=max_tokens, temperature=0.0, prompt=[ChatMessage(role="user", content=p.prompt)],
-                      tools=[tool_calc.TOOL], tool_format=tool_format, verifier="tool_calc",
-                      verifier_params={"expression": p.expression})
-                 for p in chunk]
-        episodes = await run_episodes(engine, tasks, version=lambda: 0, open_sandbox=open_sandbox)
-        correct += sum(calc_answer(ep.final_text) == p.answer for ep, p in zip(episodes, chunk, strict=True))
-    return correct / max(1, len(problems))
+    for chunk in _chunks(es.items, batch):
+        episodes = await run_episodes(engine, [it.task for it in chunk], version=lambda: 0, open_sandbox=open_sandbox)
+        correct += sum(es.correct(it, ep.final_text) for it, ep in zip(chunk, episodes, strict=True))
+    return correct / max(1, len(es))
+
+
+async def score_locally(engine, es: EvalSet, open_sandbox) -> float:
+    """The engine's score on a locally scored set, by the set's `local` mode."""
+    if es.local == "generate":
+        return await asyncio.to_thread(greedy_accuracy, engine, es)
+    if es.local == "episodes":
+        return await episode_accuracy(engine, es, open_sandbox)
+    raise ValueError(f"eval set {es.domain!r} is scored only through the pipeline")
 
 
 @dataclass
 class EvalSuite:
-    """The run's pinned eval sets: domain -> (problems, sha256, settings)."""
+    """The run's pinned eval sets: domain -> EvalSet."""
 
-    sets: dict[str, dict] = field(default_factory=dict)
+    sets: dict[str, EvalSet] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, cfg) -> EvalSuite:
-        from producers.domains import kind_of
+        """Every config domain's eval set (`producers.domains.eval_set_for`), at `scheduler.eval`'s
+        n and seed and the domain's own level."""
+        from producers.domains import eval_set_for
 
-        ec, sc = cfg.scheduler.eval, cfg.sampler
+        ec = cfg.scheduler.eval
         suite = cls()
-        for name, dc in sc.domains.items():
-            kind = kind_of(name, dc)
-            max_tokens = dc.max_tokens or sc.max_tokens
-            purpose = "heldout" if dc.heldout else "train"
-            if kind == "arith":
-                problems, digest = eval_set(ec.seed, ec.n, ec.difficulty)
-                suite.sets[name] = {"kind": kind, "problems": problems, "sha256": digest, "max_tokens": max_tokens}
-            elif kind == "tool_calc":
-                problems = tool_calc.heldout_set(ec.seed, ec.n, dc.initial_level)
-                digest = hashlib.sha256(json.dumps([p.expression for p in problems]).encode()).hexdigest()
-                suite.sets[name] = {"kind": kind, "problems": problems, "sha256": digest, "max_tokens": max_tokens,
-                                    "max_turns": max(2, dc.max_turns), "tool_format": dc.tool_format}
-            elif (drawn := drawn_set(cfg, name, kind)) is not None:
-                suite.sets[name] = drawn
-            else:
+        for name, dc in cfg.sampler.domains.items():
+            es = eval_set_for(cfg, name, ec.n, ec.seed)
+            if es is None:
                 suite.skipped.append(name)
-                continue
-            suite.sets[name]["purpose"] = purpose
+            else:
+                suite.sets[name] = es.with_purpose("heldout" if dc.heldout else "train")
         return suite
 
     def local(self) -> list[str]:
-        """Sets this process can score (`evaluate`): every kind but `drawn`."""
-        return [d for d, s in self.sets.items() if s["kind"] != "drawn"]
+        """Sets this process can score (`evaluate`)."""
+        return [d for d, s in self.sets.items() if s.local is not None]
 
     def pipeline_only(self) -> list[str]:
-        """Sets only the pipeline can score (kind `drawn`)."""
-        return [d for d, s in self.sets.items() if s["kind"] == "drawn"]
+        """Sets only the pipeline can score."""
+        return [d for d, s in self.sets.items() if s.local is None]
 
     def purpose(self, domain: str) -> str:
         """`heldout` or `train` (the general set and unknown names: `train`)."""
-        return self.sets.get(domain, {}).get("purpose", "train")
+        s = self.sets.get(domain)
+        return "train" if s is None else s.purpose
 
     async def evaluate(self, engine, open_sandbox) -> dict[str, tuple[float, int, str]]:
         """domain -> (score, n, sha256) for the engine's current weights (the `local` sets)."""
-        import asyncio
-
         out, memo = {}, {}
         for name, s in self.sets.items():
-            if s["kind"] == "drawn":
+            if s.local is None:
                 continue  # pipeline only
-            key = (s["kind"], s["sha256"], s["max_tokens"], s.get("max_turns"), s.get("tool_format"))
-            if key in memo:  # the same set under another domain name (e.g. a hundred arith copies)
-                out[name] = (memo[key], len(s["problems"]), s["sha256"])
-                continue
-            if s["kind"] == "arith":
-                score = await asyncio.to_thread(greedy_accuracy, engine, s["problems"], s["max_tokens"])
-            else:
-                score = await tool_calc_accuracy(engine, s["problems"], s["max_tokens"], s["max_turns"], open_sandbox,
-                                                 tool_format=s["tool_format"])
-            memo[key] = score
-            out[name] = (score, len(s["problems"]), s["sha256"])
+            key = s.score_key
+            if key not in memo:  # else: the same set under another domain name (e.g. a hundred arith copies)
+                memo[key] = await score_locally(engine, s, open_sandbox)
+            out[name] = (memo[key], len(s), s.sha256)
         return out
-
-
-def drawn_set(cfg, name: str, kind: str) -> dict | None:
-    """The eval set a domain's source gives through `eval_problems(n, seed)` (kind `drawn`:
-    Drawn tasks, content-hashed over prompts, verifiers, public params and hidden gold), or
-    None when its kind has none (checked on the factory, so no source is built for nothing)."""
-    from producers.domains import DomainUnavailable, eval_problems, get_factory, make_source
-
-    factory = get_factory(kind)
-    if isinstance(factory, type) and not hasattr(factory, "eval_problems"):
-        return None
-    ec, sc = cfg.scheduler.eval, cfg.sampler
-    try:
-        source = make_source("eval", name, cfg)
-    except DomainUnavailable:
-        return None  # the sampler disables it too (and logs why)
-    drawn = eval_problems(source, ec.n, ec.seed)
-    if not drawn:
-        return None
-    rows = [[[m.model_dump() for m in d.task.prompt], d.task.verifier, d.task.verifier_params, d.hidden] for d in drawn]
-    digest = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
-    return {"kind": "drawn", "problems": drawn, "sha256": digest,
-            "max_tokens": sc.domains[name].max_tokens or sc.max_tokens}

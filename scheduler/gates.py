@@ -214,30 +214,24 @@ def general_domain(cfg) -> str | None:
 
 
 def add_general_set(suite, cfg) -> str | None:
-    """Add the general regression set to an `EvalSuite` (same seed as the eval sets,
-    level `scheduler.eval.general_level`); returns its domain name, None when off."""
-    import hashlib
-    import json
+    """Add the general regression set to an `EvalSuite`: the eval set of kind
+    `scheduler.eval.general` (same seed as the eval sets, `general_n` items at level
+    `general_level`), built with the config domain of that name when there is one (its
+    budgets), else the kind's defaults. Returns its domain name, None when off; a kind whose
+    set cannot be scored locally (the guard needs it with every version) is a ValueError."""
+    from producers.domains import eval_set_for
+    from schemas.config import DomainConfig
 
-    from producers.domains import tool_calc
-    from scheduler.evaluation import eval_set
-
-    ec, sc = cfg.scheduler.eval, cfg.sampler
+    ec = cfg.scheduler.eval
     name = general_domain(cfg)
     if name is None:
         return None
-    dc = sc.domains.get(ec.general)
-    max_tokens = (dc.max_tokens if dc else None) or sc.max_tokens
-    if ec.general == "arith":
-        problems, digest = eval_set(ec.seed, ec.general_n, ec.general_level)
-        suite.sets[name] = {"kind": "arith", "problems": problems, "sha256": digest, "max_tokens": max_tokens}
-    elif ec.general == "tool_calc":
-        problems = tool_calc.heldout_set(ec.seed, ec.general_n, ec.general_level)
-        digest = hashlib.sha256(json.dumps([p.expression for p in problems]).encode()).hexdigest()
-        suite.sets[name] = {"kind": "tool_calc", "problems": problems, "sha256": digest, "max_tokens": max_tokens,
-                            "max_turns": max(2, dc.max_turns if dc else 2)}
-    else:
-        raise ValueError(f"scheduler.eval.general={ec.general!r}: expected 'arith', 'tool_calc' or ''")
+    dc = cfg.sampler.domains.get(ec.general) or DomainConfig(kind=ec.general)
+    es = eval_set_for(cfg, name, ec.general_n, ec.seed, ec.general_level, kind=ec.general, dc=dc)
+    if es is None or es.local is None:
+        raise ValueError(f"scheduler.eval.general={ec.general!r}: that kind has no locally scored eval set "
+                         "(e.g. 'arith', 'tool_calc'; '' turns the guard off)")
+    suite.sets[name] = es
     return name
 
 

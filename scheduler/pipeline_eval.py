@@ -11,14 +11,14 @@ and this module collects them.
 Guarantees:
 - A round's tasks have msg_ids `ev<round>.<domain>.<i>-r<run>`: redelivered or
   republished, JetStream and the reward ids de-duplicate them; a reward counts once.
-- A round covers every set of the suite, or the named ones (`evaluate(only=...)`). Sets of
-  kind `drawn` (a domain source's `eval_problems`, held-out domains' included) are published
-  as their own tasks made greedy: `purpose=eval`, one sample, temperature 0, their verifier,
-  params, tools and pool as drawn; their hidden gold is put in the run's hidden bucket (under
-  the task's `hidden_ref`), and the public payloads they name by reference (a large
-  repository: `Drawn.payloads`) in the run's payload bucket with the task's ref rebound to
-  this run (`bus.payloads.rebind`: the sets are drawn as run `eval`), before the first round
-  that publishes them.
+- A round covers every set of the suite, or the named ones (`evaluate(only=...)`). Every
+  item of a set (`producers.eval_set.EvalItem`, whatever its domain) is published as its own
+  task made greedy: `purpose=eval`, one sample, temperature 0, its verifier, params, budgets,
+  tools and pool as the set has them; hidden gold is put in the run's hidden bucket (under
+  the task's `hidden_ref`), and the public payloads a task names by reference (a large
+  repository: `EvalItem.payloads`) in the run's payload bucket with the task's ref rebound
+  to this run (`bus.payloads.rebind`: the sets are drawn as run `eval`), before the first
+  round that publishes them.
 - The score of a domain is the fraction of its problems whose reward has its success
   component == 1 (`SUCCESS_COMPONENTS`: `correct`, else `resolved`, the repo verifier's
   task completion, so a repo domain's score is its completion rate whatever its reward
@@ -48,33 +48,24 @@ from bus.hidden import put_hidden
 from bus.payloads import put_payloads, rebind
 from bus.publish import publish_many
 from bus.subjects import Registry
-from producers.domains import tool_calc
-from schemas import ChatMessage, DecodeError, Reward, Task, decode
+from schemas import DecodeError, Reward, Task, decode
 
 log = structlog.get_logger()
 
 
 def eval_tasks(suite, run_id: str, round_id: int, only: list[str] | None = None) -> list[Task]:
-    """One greedy `purpose=eval` task per problem of every eval set of the suite (or of the
-    sets named in `only`)."""
+    """One greedy `purpose=eval` task per item of every eval set of the suite (or of the
+    sets named in `only`): the item's own task with this round's ids."""
     out = []
     for name, s in suite.sets.items():
         if only is not None and name not in only:
             continue
-        for i, p in enumerate(s["problems"]):
+        for i, item in enumerate(s.items):
             ids = dict(run_id=run_id, msg_id=f"ev{round_id}.{name}.{i}-r{run_id}", task_id=f"eval-{name}-{i}",
                        domain=name, purpose="eval", group_size=1, temperature=0.0)
-            if s["kind"] == "drawn":
-                if p.task.workspace_ref is not None:  # drawn as run `eval`: its repository is stored in this run
-                    ids["workspace_ref"] = rebind(p.task.workspace_ref, Registry(run_id))
-                out.append(p.task.model_copy(update=ids))
-                continue
-            common = dict(**ids, max_tokens=s["max_tokens"], prompt=[ChatMessage(role="user", content=p.prompt)])
-            if s["kind"] == "tool_calc":
-                out.append(Task(**common, tools=[tool_calc.TOOL], max_turns=s["max_turns"], verifier="tool_calc",
-                                tool_format=s.get("tool_format", "tags"), verifier_params={"expression": p.expression}))
-            else:
-                out.append(Task(**common, verifier="arith", verifier_params={"expression": p.expression}))
+            if item.task.workspace_ref is not None:  # drawn as run `eval`: its repository is stored in this run
+                ids["workspace_ref"] = rebind(item.task.workspace_ref, Registry(run_id))
+            out.append(item.task.model_copy(update=ids))
     return out
 
 
@@ -146,18 +137,15 @@ class PipelineEval:
             self.rounds[round_id].add(r)
 
     async def _store_hidden(self, names) -> None:
-        """Put the hidden gold of the `drawn` sets among `names`, and the public payloads their
-        tasks name by reference (a large repository: `Drawn.payloads`), once per process."""
+        """Put the hidden gold of the sets' items among `names`, and the public payloads their
+        tasks name by reference (a large repository: `EvalItem.payloads`), once per process."""
         for name in names:
-            s = self.suite.sets[name]
-            if s["kind"] != "drawn":
-                continue
-            for d in s["problems"]:
-                ref = d.task.hidden_ref
-                if d.hidden is not None and ref and ref not in self.hidden_stored:
-                    await put_hidden(self.js, self.reg, ref, d.hidden)
+            for item in self.suite.sets[name].items:
+                ref = item.task.hidden_ref
+                if item.hidden is not None and ref and ref not in self.hidden_stored:
+                    await put_hidden(self.js, self.reg, ref, item.hidden)
                     self.hidden_stored.add(ref)
-                await put_payloads(self.js, self.reg, d.payloads, self.payloads_stored)
+                await put_payloads(self.js, self.reg, item.payloads, self.payloads_stored)
 
     async def evaluate(self, stop: asyncio.Event | None = None, only: list[str] | None = None,
                        ) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:
@@ -192,8 +180,8 @@ class PipelineEval:
         scores = {}
         for name in names:
             s = self.suite.sets[name]
-            n = len(s["problems"])
-            scores[name] = (right[name] / max(1, n), n, s["sha256"])
+            n = len(s)
+            scores[name] = (right[name] / max(1, n), n, s.sha256)
             if got[name] < n:
                 log.warning("scheduler.eval_missing", domain=name, missing=n - got[name], round=round_id,
                             why=f"no reward within {self.timeout_s:.0f}s; counted as wrong")

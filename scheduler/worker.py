@@ -1,5 +1,5 @@
-"""The scheduler process: regression evaluation of weight versions (every domain with an
-evaluator: arith, tool_calc; with `scheduler.eval.mode = "pipeline"` the rounds between the
+"""The scheduler process: regression evaluation of weight versions (every domain whose source
+gives an eval set, `producers.eval_set`; with `scheduler.eval.mode = "pipeline"` the rounds between the
 local baseline and the local final score go through rollout and verifier workers as
 `purpose=eval` tasks, see `scheduler.pipeline_eval`), the recorder that writes the run's streams into the SQL
 run store, dead-letter capture and the curriculum.
@@ -12,8 +12,8 @@ Guarantees:
   score of the last version.
 - Each evaluation is published as an `EvalResult` on `eval.<run>.<domain>`, with
   `purpose` = `heldout` for a zero-shot domain (`sampler.domains.<d>.heldout`), else `train`.
-- Sets only the pipeline can score (kind `drawn`: a domain source's `eval_problems`, e.g.
-  a held-out reasoning domain) go through `purpose=eval` rounds in either eval mode: one
+- Sets only the pipeline can score (`EvalSet.local` None: e.g. a held-out reasoning domain's
+  drawn tasks) go through `purpose=eval` rounds in either eval mode: one
   right after the first weight version appears (its baseline, at the version rollout
   served then), and one with every evaluation of a new version in `local` mode (in
   `pipeline` mode the round covers every set). The final evaluation at stop is local, so
@@ -122,7 +122,7 @@ class SchedulerWorker:
         self.gates = Gates(s.js, s.reg, self.store, cfg)
         await self.gates.load()
         if self.suite.skipped:
-            log.info("scheduler.eval_skipped", domains=self.suite.skipped, why="no evaluator for their kind yet")
+            log.info("scheduler.eval_skipped", domains=self.suite.skipped, why="their sources give no eval set")
         local = RolloutSection(engine="hf", hf=HFEngineSection(device="cpu", threads=ec.threads))
         self.engine = await asyncio.to_thread(make_engine, local, str(s.ctx.model_path))
         self.watcher = WeightWatcher(s.js, s.reg, s.counters)

@@ -1,5 +1,5 @@
-"""Zero-shot (held-out) domains: a domain source's own eval set (`eval_problems`) becomes a
-`drawn` eval set scored only through the pipeline, its hidden gold put by the scheduler;
+"""Zero-shot (held-out) domains: a domain source's own eval set (`eval_set`) of drawn tasks is
+scored only through the pipeline, its hidden gold put by the scheduler;
 the scheduler evaluates it right after the first weight version and records the scores as
 `eval.<domain>` with purpose `heldout`, never gating them."""
 
@@ -16,6 +16,7 @@ from bus.session import WorkerContext
 from bus.subjects import Registry
 from producers import domains as domain_registry
 from producers.domains import DomainContext, Drawn, finish_task
+from producers.eval_set import EvalSet, drawn_set
 from rlbus.model.tiny_model import build_tiny_model
 from scheduler.evaluation import EvalSuite
 from scheduler.pipeline_eval import eval_tasks
@@ -35,16 +36,16 @@ class EvalOnlyDomain:
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
         raise AssertionError("a held-out domain is never sampled for training")
 
-    def eval_problems(self, n: int, seed: int) -> list[Drawn]:
+    def eval_set(self, n: int, seed: int, level: int | None = None) -> EvalSet:
         from bus.hidden import hidden_ref_for
 
         out = []
-        for i in range(n + 5):  # more than asked: the hook keeps n
+        for i in range(n + 5):  # more than asked: eval_set_for keeps n
             task = finish_task(self.ctx, task_id=f"{self.ctx.name}-e{i}", prompt=[ChatMessage(role="user", content=f"q{i}")],
                                verifier="math", verifier_params={"problem_id": f"e{i}"},
                                hidden_ref=hidden_ref_for(self.ctx.name, f"e{seed}-{i}"))
             out.append(Drawn(task, {"gold": "0" if i % 3 == 0 else "5"}))
-        return out
+        return drawn_set(self.ctx.name, seed, level, out)
 
 
 CONFIG = f"""
@@ -83,8 +84,8 @@ def test_suite_has_a_drawn_heldout_set(tmp_path, evalonly_kind):
     suite = EvalSuite.from_config(load_config(_config(tmp_path)))
     assert suite.local() == ["arith"] and suite.pipeline_only() == ["zs"]
     assert suite.purpose("zs") == "heldout" and suite.purpose("arith") == "train" and suite.purpose("general_x") == "train"
-    assert len(suite.sets["zs"]["problems"]) == N and suite.sets["zs"]["sha256"] == \
-        EvalSuite.from_config(load_config(_config(tmp_path))).sets["zs"]["sha256"]  # pinned
+    assert len(suite.sets["zs"]) == N and suite.sets["zs"].sha256 == \
+        EvalSuite.from_config(load_config(_config(tmp_path))).sets["zs"].sha256  # pinned
     tasks = eval_tasks(suite, "r1", 3, ["zs"])
     assert len(tasks) == N and {t.purpose for t in tasks} == {"eval"} and {t.group_size for t in tasks} == {1}
     assert {t.temperature for t in tasks} == {0.0} and {t.verifier for t in tasks} == {"math"}

@@ -63,11 +63,12 @@ async def test_round_through_rollout_and_verifier_workers(js, run_id, tmp_path, 
     finally:
         await pe.stop()
     # the null engine answers "0": the score is exactly the share of problems whose answer is 0
-    problems = suite.sets["arith"]["problems"]
-    want = sum(p.answer == 0 for p in problems) / len(problems)
+    es = suite.sets["arith"]
+    want = sum(it.gold == 0 for it in es.items) / len(es)
     assert pe.last["tasks"] == pe.last["rewards"] == 12, pe.last  # every eval reward came back
     assert scores["arith"][:2] == (want, 12) and version == 0
-    assert problems == arith.heldout_set(cfg.scheduler.eval.seed, 12, 1)
+    assert [it.task.verifier_params["expression"] for it in es.items] == \
+        [p.expression for p in arith.heldout_set(cfg.scheduler.eval.seed, 12, 1)]
 
     async def learner_skipped_them():
         progress = await get_json(js, reg, LEARNER_PROGRESS) or {}

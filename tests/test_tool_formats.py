@@ -359,7 +359,7 @@ def test_eval_tasks_and_start_check_follow_the_domain_tool_format():
     cfg = load_config(None, ["sampler.domains.tool_calc.max_turns=2", "sampler.domains.tool_calc.tool_format=json",
                              "scheduler.eval.n=3"])
     suite = EvalSuite.from_config(cfg)
-    assert suite.sets["tool_calc"]["tool_format"] == "json"
+    assert {t.tool_format for t in suite.sets["tool_calc"].tasks()} == {"json"}
     assert {t.tool_format for t in eval_tasks(suite, "r", 0)} == {"json"}
     # json tools are declared by a chat template: a tokenizer without one is refused at start, saying so
     (line,) = template_problems(cfg, build_char_tokenizer())

@@ -27,12 +27,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from schemas import Task
 from schemas.registry import Registry
+
+if TYPE_CHECKING:
+    from producers.eval_set import EvalSet
 
 log = structlog.get_logger()
 
@@ -93,22 +96,16 @@ class TaskSkipped(RuntimeError):
 class DomainSource(Protocol):
     """A domain's task source: `make_task` draws training tasks.
 
-    Optional methods, looked up by name (a source without them still conforms; see
-    `eval_problems` below for the default): `demonstration(rng, level)` for SFT demos, and
-    `eval_problems(n, seed) -> list[Drawn]`, the domain's fixed held-out eval set: at most n
-    tasks, a pure function of (n, seed) and the domain's config, never drawn by
-    `make_task`. Each carries its verifier and public `verifier_params` like a training
-    task, its gold in `hidden`; the scheduler publishes them as greedy `purpose=eval`
-    tasks and scores them with those verifiers (`scheduler.pipeline_eval`)."""
+    Optional methods, looked up by name (a source without them still conforms):
+    `demonstration(rng, level)` for SFT demos, and `eval_set(n, seed, level) -> EvalSet | None`
+    (`producers.eval_set`), the domain's fixed held-out eval set: at most n items, a pure
+    function of (n, seed, level) and the domain's config, never drawn by `make_task`; level
+    None is the domain's own eval level. Each item is a task like a training one (verifier,
+    public `verifier_params`, gold in `hidden`); the set says how it is scored: locally by
+    the scheduler's engine (`local`, `answer`, each item's `gold`) and/or through the
+    pipeline as greedy `purpose=eval` tasks with their verifiers (`scheduler.pipeline_eval`)."""
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn: ...
-
-
-def eval_problems(source, n: int, seed: int) -> list[Drawn] | None:
-    """The source's held-out eval set (`source.eval_problems(n, seed)`, at most n tasks), or
-    None when the source has no such method (the default: no generic eval set)."""
-    fn = getattr(source, "eval_problems", None)
-    return None if fn is None else list(fn(n, seed))[:n]
 
 
 Factory = Callable[[DomainContext], DomainSource]
@@ -149,6 +146,25 @@ def make_source(run_id: str, name: str, cfg) -> DomainSource:
     """The task source of config domain `name`."""
     dc = cfg.sampler.domains[name]
     return get_factory(kind_of(name, dc))(DomainContext(run_id=run_id, name=name, cfg=cfg, dc=dc))
+
+
+def eval_set_for(cfg, name: str, n: int, seed: int, level: int | None = None, *, kind: str | None = None,
+                 dc=None) -> EvalSet | None:
+    """The eval set of config domain `name` (its source's `eval_set(n, seed, level)`, at most n
+    items), or None when its kind has no such hook, its factory raises `DomainUnavailable`
+    (the sampler disables it too, and logs why) or the set is empty. `kind` and `dc` default
+    to the config domain's; a kind that is a class without `eval_set` builds no source."""
+    dc = cfg.sampler.domains[name] if dc is None else dc
+    factory = get_factory(kind or kind_of(name, dc))
+    if isinstance(factory, type) and not hasattr(factory, "eval_set"):
+        return None
+    try:
+        source = factory(DomainContext(run_id="eval", name=name, cfg=cfg, dc=dc))
+    except DomainUnavailable:
+        return None
+    hook = getattr(source, "eval_set", None)
+    found = None if hook is None else hook(n, seed, level)
+    return found.head(n) if found is not None and len(found) else None
 
 
 def make_sources(run_id: str, cfg, names=None) -> tuple[dict[str, DomainSource], dict[str, str]]:

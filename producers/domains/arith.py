@@ -15,8 +15,11 @@ Guarantees:
 - Difficulty is an int >= 1 and sets the number of digits and operators
   (see `LEVELS`); the same (seed, difficulty) always yields the same problem stream.
 - The gold answer is exact integer arithmetic, computed by `schemas.answers.arith_value`, never `eval`.
-- `heldout_set(seed, n, difficulty)` is a fixed, seeded evaluation set; `is_heldout`
-  lets the sampler keep those problems out of training.
+- `heldout_set(seed, n, difficulty)` is a fixed, seeded evaluation set, which `ArithDomain`
+  never draws for training or demonstrations; `fixed_eval_set` (and the source's hook
+  `eval_set(n, seed, level)`, default level `scheduler.eval.difficulty`) gives it as an
+  `EvalSet` scored locally by one greedy completion, exact integer answer
+  (`schemas.answers.arith_answer`), or through the pipeline by the `arith` verifier.
 - Prompt format shared by SFT, rollout and evaluation: the model sees `"<expr>="`
   and must answer the integer, then end of sequence.
 """
@@ -27,9 +30,10 @@ import random
 from dataclasses import dataclass, field
 
 from producers.domains import DomainContext, Drawn, finish_task
+from producers.eval_set import EvalItem, EvalSet
 from producers.params import share_param
-from schemas import ChatMessage
-from schemas.answers import arith_value, worked_completion
+from schemas import ChatMessage, Task
+from schemas.answers import arith_answer, arith_value, worked_completion
 
 PARAMS = ("worked_share",)
 
@@ -95,6 +99,19 @@ def heldout_set(seed: int, n: int, difficulty: int) -> list[ArithProblem]:
     return list(seen.values())
 
 
+def fixed_eval_set(seed: int, n: int, level: int, *, domain: str = "arith", max_tokens: int = 16,
+                   run_id: str = "eval") -> EvalSet:
+    """`heldout_set(seed, n, level)` as an eval set of domain `domain` (see the module guarantees);
+    its content hash covers each problem's (expression, answer)."""
+    items = tuple(EvalItem(Task(run_id=run_id, task_id=f"{domain}-eval-{i}", domain=domain, group_size=1,
+                                max_tokens=max_tokens, temperature=0.0,
+                                prompt=[ChatMessage(role="user", content=p.prompt)], verifier="arith",
+                                verifier_params={"expression": p.expression}),
+                           gold=p.answer, row=(p.expression, p.answer))
+                  for i, p in enumerate(heldout_set(seed, n, level)))
+    return EvalSet(domain, seed, level, items, local="generate", answer=arith_answer)
+
+
 @dataclass
 class ArithDomain:
     """Task source of one `arith` config domain."""
@@ -127,3 +144,9 @@ class ArithDomain:
         worked = worked_completion(p.expression, p.answer) if self.worked_share > 0 else None
         shown = worked if worked is not None and rng.random() < self.worked_share else p.completion
         return [(p.prompt, False), (shown, True)]
+
+    def eval_set(self, n: int, seed: int, level: int | None = None) -> EvalSet:
+        """The held-out problems as this domain's eval set (default level `scheduler.eval.difficulty`)."""
+        cfg = self.ctx.cfg
+        return fixed_eval_set(seed, n, cfg.scheduler.eval.difficulty if level is None else level, domain=self.ctx.name,
+                              max_tokens=self.ctx.dc.max_tokens or cfg.sampler.max_tokens, run_id=self.ctx.run_id)

@@ -26,12 +26,13 @@ Guarantees:
 - `demonstration(rng, level)`: the prompt (context) and `<answer>{gold}</answer>`
   (trained) of a training problem (never an eval one); `demonstrable` is False for a
   dataset whose entries have no single gold answer (the SFT mix leaves it out).
-- `eval_problems(n, seed)`: at most min(n, `eval_n`) distinct problems at the domain's
-  start level, drawn (stream `eval`, seeded by `seed`) only from the eval slice, so they
+- `eval_problems(n, seed, level=None)`: at most min(n, `eval_n`) distinct problems at `level`
+  (default: the domain's start level), drawn (stream `eval`, seeded by `seed`) only from the eval slice, so they
   are disjoint from every training draw by content, whatever process draws either. It
   looks at most `want * EVAL_BUCKETS * 2 + EVAL_PATIENCE` draws and stops after
   EVAL_PATIENCE draws without a new problem, so a small question space at that level
   gives fewer problems (possibly none: the evaluator then has no set for the domain).
+  `eval_set(n, seed, level)` is that list as the domain's pipeline-only `EvalSet`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import structlog
 
 from bus.hidden import hidden_ref_for
 from producers.domains import DomainContext, DomainUnavailable, Drawn, TaskSkipped, finish_task
+from producers.eval_set import EvalSet, drawn_set
 from schemas import ChatMessage
 from schemas import rg_family as rg
 from schemas.answers import ANSWER_CLOSE, ANSWER_OPEN
@@ -167,9 +169,15 @@ class ReasoningGymDomain:
                 return [(render_prompt(str(e["question"])), False), (demo_completion(e["answer"]), True)]
         raise ValueError(f"domain {self.ctx.name!r}: no demonstrable problem at level {level} (no gold answers)")
 
-    def eval_problems(self, n: int, seed: int) -> list[Drawn]:
+    def eval_set(self, n: int, seed: int, level: int | None = None) -> EvalSet:
+        """The fixed held-out problems as a pipeline-only eval set (see the module guarantees)."""
+        level = self.ctx.dc.initial_level if level is None else level
+        return drawn_set(self.ctx.name, seed, level, self.eval_problems(n, seed, level))
+
+    def eval_problems(self, n: int, seed: int, level: int | None = None) -> list[Drawn]:
         """The fixed held-out problems (see the module guarantees)."""
-        level, want = self.ctx.dc.initial_level, min(n, self.eval_n)
+        level = self.ctx.dc.initial_level if level is None else level
+        want = min(n, self.eval_n)
         seen: set[str] = set()
         out: list[Drawn] = []
         limit, last_new = want * rg.EVAL_BUCKETS * 2 + EVAL_PATIENCE, 0

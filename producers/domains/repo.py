@@ -21,7 +21,8 @@ Guarantees:
 - A training task is a pure function of (index, params): training id `index mod n` of a
   seeded (`run.seed`) order, so every training task flows; `rng` is unused. Eval tasks
   are never drawn for training; `eval_problems(n, seed)` gives them (sorted by content
-  hash, at most min(n, eval_n)) as their own tasks, fixed by the cache's content hashes.
+  hash, at most min(n, eval_n)) as their own tasks, fixed by the cache's content hashes;
+  `eval_set(n, seed, level)` is that list as the domain's pipeline-only `EvalSet`.
 - The public task holds the prompt (issue, file list, tool usage, plus the lines
   `PROMPT_TASK_LINE` and `PROMPT_FORMAT_LINE`), the tools (`REPO_TOOLS`), the repository
   files (public: what the agent may see) in `workspace`, or, over `max_workspace_bytes`, as a
@@ -45,6 +46,7 @@ from bus.hidden import hidden_ref_for
 from bus.payloads import pack_files, payload_ref
 from bus.subjects import Registry
 from producers.domains import DomainContext, Drawn, TaskSkipped, finish_task
+from producers.eval_set import EvalSet, drawn_set
 from producers.repo_cache import BUILD_HINT, list_tasks, load_task
 from schemas import BlobRef, ChatMessage
 from schemas.repo_task import PROMPT_FORMAT_LINE, PROMPT_TASK_LINE, RepoTask
@@ -156,12 +158,18 @@ class RepoDomain:
         task = self.train[index % len(self.train)]
         return self._drawn(task, f"{self.ctx.name}-{task.task_id}-{index}", level)
 
-    def eval_problems(self, n: int, seed: int) -> list[Drawn]:
+    def eval_set(self, n: int, seed: int, level: int | None = None) -> EvalSet:
+        """The fixed held-out tasks as a pipeline-only eval set (see the module guarantees)."""
+        level = self.ctx.dc.initial_level if level is None else level
+        return drawn_set(self.ctx.name, seed, level, self.eval_problems(n, seed, level))
+
+    def eval_problems(self, n: int, seed: int, level: int | None = None) -> list[Drawn]:
         """The fixed held-out tasks (see the module guarantees); `seed` does not change them."""
+        level = self.ctx.dc.initial_level if level is None else level
         out = []
         for task in self.eval[:min(n, self.eval_n)]:
             try:
-                out.append(self._drawn(task, f"{self.ctx.name}-eval-{task.task_id}", self.ctx.dc.initial_level))
+                out.append(self._drawn(task, f"{self.ctx.name}-eval-{task.task_id}", level))
             except TaskSkipped:
                 continue
         return out

@@ -12,7 +12,12 @@ Guarantees:
 - Level L multiplies two numbers of L+2 digits each (level 1: 3x3 digits, ...), so the
   answer is out of reach without the tool; the gold is recomputed by the verifier from
   the public expression (nothing hidden to leak).
-- `heldout_set(seed, n, level)` is a fixed seeded eval set; training never draws it.
+- `heldout_set(seed, n, level)` is a fixed seeded eval set; training never draws it. The
+  source's hook `eval_set(n, seed, level)` (default level: the domain's start level) gives
+  it as an `EvalSet` of tool tasks in the domain's `tool_format` (at least 2 turns), scored
+  locally by greedy agent episodes, exact product in the final answer
+  (`schemas.answers.calc_answer`), or through the pipeline by the `tool_calc` verifier; its
+  content hash covers the expressions.
 - `demonstration(rng, level)` returns the SFT segments above, with only the model's own
   text trainable (prompt and observation are context), built with the same observation
   renderer the sandbox side uses. With `tool_format="json"` (the domain's
@@ -34,8 +39,10 @@ import random
 from dataclasses import dataclass, field
 
 from producers.domains import DomainContext, Drawn, finish_task
+from producers.eval_set import EvalItem, EvalSet
 from producers.params import share_param
-from schemas import ChatMessage
+from schemas import ChatMessage, Task
+from schemas.answers import calc_answer
 from schemas.tool_protocol import CALL_CLOSE, CALL_OPEN, ToolDemo, json_call_text, tool_specs, tool_turn_text
 
 TOOL = "python"
@@ -127,3 +134,17 @@ class ToolCalcDomain:
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool | None]]:
         return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format, self.direct_share)
+
+    def eval_set(self, n: int, seed: int, level: int | None = None) -> EvalSet:
+        """The held-out problems as this domain's eval set (see the module guarantees)."""
+        dc, name = self.ctx.dc, self.ctx.name
+        level = dc.initial_level if level is None else level
+        max_tokens = dc.max_tokens or self.ctx.cfg.sampler.max_tokens
+        items = tuple(EvalItem(Task(run_id=self.ctx.run_id, task_id=f"{name}-eval-{i}", domain=name, group_size=1,
+                                    max_tokens=max_tokens, temperature=0.0, max_turns=max(2, dc.max_turns),
+                                    prompt=[ChatMessage(role="user", content=p.prompt)], tools=[TOOL],
+                                    tool_format=dc.tool_format, verifier="tool_calc",
+                                    verifier_params={"expression": p.expression}),
+                               gold=p.answer, row=p.expression)
+                      for i, p in enumerate(heldout_set(seed, n, level)))
+        return EvalSet(name, seed, level, items, local="episodes", answer=calc_answer)

@@ -57,11 +57,11 @@ from rich.table import Table
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
-from schemas import DecodeError, Metric, decode, encode
+from bus.telemetry import STAGE_COUNTER, Heartbeats
+from schemas import encode
 
 RESULT = ROOT / "bench" / "results" / "bus.json"
 ROLES = ("learner", "verifier", "rollout", "sampler")  # start order: learner publishes version 0 first
-STAGE_COUNTER = {"sampler": "published", "rollout": "trajectories", "verifier": "rewards", "learner": "samples_trained"}
 
 GROUP_SIZE = 8
 BATCH_TASKS = 32
@@ -187,30 +187,6 @@ class Workers:
         return {role: p.returncode for role, p in self.procs.items()}
 
 
-class Telemetry:
-    """Newest Metric values per role (summed over worker ids of a role)."""
-
-    def __init__(self):
-        self.latest: dict[str, dict[str, dict[str, float]]] = {}
-
-    async def on_msg(self, raw) -> None:
-        try:
-            m = decode(raw.data, Metric)
-        except DecodeError:
-            return
-        self.latest.setdefault(m.role, {})[m.worker_id] = dict(m.values)
-
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for role, workers in self.latest.items():
-            agg: dict[str, float] = {}
-            for values in workers.values():
-                for k, v in values.items():
-                    agg[k] = agg.get(k, 0.0) + float(v)
-            out[role] = agg
-        return out
-
-
 async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -> dict:
     run_id = f"bench{int(time.time())}"
     config = tmp / "bench_bus.toml"
@@ -221,8 +197,8 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -
     reg = Registry(run_id)
     nc = await nats.connect(url, name="bench-bus-observer")
     js = nc.jetstream(timeout=10)
-    tele = Telemetry()
-    await nc.subscribe(reg.metrics(), cb=tele.on_msg)  # metrics.<run>.*.*
+    tele = Heartbeats(run_id)
+    await tele.subscribe(nc, reg)  # metrics.<run>.*.*
 
     async def progress() -> dict:
         try:
@@ -248,12 +224,12 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -
         await asyncio.sleep(SETTLE_S)
         pids = {**{r: p.pid for r, p in workers.procs.items()}, "nats-server": server_pid}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
-        p0, tele0, w0 = await progress(), tele.snapshot(), time.monotonic()
+        p0, tele0, w0 = await progress(), tele.per_role(), time.monotonic()
         console.print(f"ours: first step after {first_trained_s:.1f}s; measuring {WINDOW_S:.0f}s window ...")
         while time.monotonic() - w0 < WINDOW_S:
             workers.check_alive()
             await asyncio.sleep(1.0)
-        p1, tele1, w1 = await progress(), tele.snapshot(), time.monotonic()
+        p1, tele1, w1 = await progress(), tele.per_role(), time.monotonic()
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         streams = {}
         for fam in ("TASKS", "TRAJ", "REWARDS", "DLQ"):

@@ -43,10 +43,11 @@ import nats
 from rich.console import Console
 from rich.table import Table
 
-from bench.bus import ROLES, STAGE_COUNTER, Telemetry, Workers, cpu_ms_per, cpu_seconds
+from bench.bus import ROLES, Workers, cpu_ms_per, cpu_seconds
 from bus.kv import CURRICULUM, LEARNER_PROGRESS, get_json
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
+from bus.telemetry import CURRICULUM_VERSION, STAGE_COUNTER, Heartbeats
 
 RESULT = ROOT / "bench" / "results" / "domains.json"
 WARMUP_MAX_S, SETTLE_S = 90.0, 3.0
@@ -106,14 +107,14 @@ class Pipeline:
         self.store_dir = tmp / "store" / self.run_id
         self.stop_event = asyncio.Event()
         self.curriculum: asyncio.Task | None = None
-        self.tele = Telemetry()
+        self.tele = Heartbeats(self.run_id)
 
     async def start(self) -> None:
         from scheduler.store import open_store
 
         self.nc = await nats.connect(self.url, name=f"bench-domains-{self.run_id}")
         self.js = self.nc.jetstream(timeout=10)
-        await self.nc.subscribe(self.reg.metrics(), cb=self.tele.on_msg)
+        await self.tele.subscribe(self.nc, self.reg)
         self.store = open_store(None, self.store_dir)
         for role in ROLES:
             self.workers.start(role)
@@ -145,7 +146,7 @@ class Pipeline:
 
     async def reading(self) -> dict:
         """A point to measure from: learner progress, telemetry, CPU of this run's workers."""
-        return {"progress": await self.progress(), "tele": self.tele.snapshot(), "wall": time.monotonic(),
+        return {"progress": await self.progress(), "tele": self.tele.per_role(), "wall": time.monotonic(),
                 "cpu": {k: cpu_seconds(pid) for k, pid in self.pids().items()}}
 
     async def figures(self, a: dict, b: dict) -> dict:
@@ -172,7 +173,7 @@ class Pipeline:
         codes = self.workers.stop()
         await self.nc.close()
         self.store.close()
-        return {"exit_codes": codes, "curriculum_versions": counters.get("curriculum_version")}
+        return {"exit_codes": codes, "curriculum_versions": counters.get(CURRICULUM_VERSION)}
 
 
 async def warm_up(pipes: list[Pipeline]) -> None:

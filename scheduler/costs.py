@@ -17,44 +17,34 @@ import asyncio
 
 import structlog
 
-from schemas import DecodeError, Metric, decode
+from bus.telemetry import CPU_SECONDS, GPU_SECONDS, TOKEN_COUNTER, TOKENS, Heartbeats
 
 log = structlog.get_logger()
 
-TOKEN_COUNTER = {"rollout": "tokens", "learner": "tokens_trained"}
 
-
-def totals(latest: dict[str, Metric]) -> dict[str, dict[str, float]]:
-    """role -> {cpu_seconds, gpu_seconds, tokens} summed over every worker seen."""
+def totals(beats: Heartbeats) -> dict[str, dict[str, float]]:
+    """role -> {cpu_seconds, gpu_seconds, tokens} summed over every worker seen (counter names: `bus.telemetry`)."""
     out: dict[str, dict[str, float]] = {}
-    for m in latest.values():
+    for m in beats.metrics():
         t = out.setdefault(m.role, {"cpu_seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0.0})
-        t["cpu_seconds"] += float(m.values.get("cpu_seconds", 0.0))
-        t["gpu_seconds"] += float(m.values.get("gpu_seconds", 0.0))
-        t["tokens"] += float(m.values.get(TOKEN_COUNTER.get(m.role, "tokens"), 0.0))
+        t["cpu_seconds"] += float(m.values.get(CPU_SECONDS, 0.0))
+        t["gpu_seconds"] += float(m.values.get(GPU_SECONDS, 0.0))
+        t["tokens"] += float(m.values.get(TOKEN_COUNTER.get(m.role, TOKENS), 0.0))
     return out
 
 
 async def track_costs(nc, reg, store, stop: asyncio.Event, every_s: float = 10.0) -> dict[str, dict[str, float]]:
     """Run until `stop`; returns the last totals written."""
-    latest: dict[str, Metric] = {}
-
-    async def on_msg(raw) -> None:
-        try:
-            m = decode(raw.data, Metric)
-        except DecodeError:
-            return
-        if m.run_id == reg.run_id:
-            latest[m.worker_id] = m
+    beats = Heartbeats(reg.run_id)  # the newest heartbeat of every worker ever seen, of this run only
 
     async def write() -> dict:
-        t = totals(latest)
+        t = totals(beats)
         for role, v in t.items():
             await asyncio.to_thread(store.set_cost, reg.run_id, role, cpu_seconds=v["cpu_seconds"],
                                     gpu_seconds=v["gpu_seconds"], tokens=int(v["tokens"]))
         return t
 
-    sub = await nc.subscribe(reg.metrics(), cb=on_msg)
+    sub = await beats.subscribe(nc, reg)
     written: dict = {}
     try:
         while not stop.is_set():

@@ -13,16 +13,20 @@
   `rlbus.commands` or `rlbus.cli`, and every rlbus module belongs to a room.
 - Every KV key of the control plane is a constant in `bus/kv.py`; no module outside
   `bus/` spells one as a string literal (docstrings and log event names aside).
+- Every telemetry counter and stage name is a constant in `bus/telemetry.py`; no module of
+  `rlbus/` or `bench/` spells one as a literal where heartbeats are read.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-from bus import kv
+from bus import kv, telemetry
+from bus.subjects import ROLES as ROLE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"schemas": 0, "bus": 1, "sandbox_workers": 2, "producers": 3, "learner": 3, "rollout_workers": 3,
@@ -207,3 +211,76 @@ def test_the_key_check_fires(tmp_path, source):
     (tmp_path / "learner" / "w.py").write_text('"""Reads weights.latest."""\nlog.info("weights.latest")\n'
                                                'row = {"status": "ok", "curriculum": 1}\nrow.get("status")\n' + source)
     assert len(key_literals(tmp_path, kv_keys())) == 1
+
+
+HEARTBEAT_RECEIVER = re.compile(r"values|counters|beats|tele", re.IGNORECASE)
+"""An expression that holds heartbeat counters (`m.values`, `session.counters`, `beats`, `tele0`, ...)."""
+READER_METHODS = {"role_sum", "role_sums", "role_total", "gain"}
+"""Methods of `bus.telemetry.Heartbeats` (and the launcher's Monitor) whose arguments name a counter."""
+
+
+def _counter_uses(tree: ast.AST) -> set[int]:
+    """ids of the nodes under which a string names a telemetry counter: the key of a read
+    (`x[k]`, `x.get(k)`, `k in x`) on a heartbeat receiver, an argument of a reader method,
+    and the values of a role-keyed table (`{"sampler": "published", ...}`)."""
+    uses: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and HEARTBEAT_RECEIVER.search(ast.unparse(node.value)):
+            uses.add(id(node.slice))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            on_beats = HEARTBEAT_RECEIVER.search(ast.unparse(node.func.value))
+            if node.func.attr in READER_METHODS or (node.func.attr in {"get", "pop", "setdefault"} and on_beats):
+                uses |= {id(a) for a in node.args}
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and HEARTBEAT_RECEIVER.search(ast.unparse(node.comparators[0])):
+            uses.add(id(node.left))
+        elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value in ROLE_NAMES
+                                                for k in node.keys):
+            for v in node.values:  # a table's cells: a name, or a tuple/list of names
+                uses |= {id(v)} | ({id(e) for e in v.elts} if isinstance(v, (ast.Tuple, ast.List)) else set())
+    return uses
+
+
+def telemetry_literals(root: Path, names: frozenset[str] = telemetry.COUNTERS) -> list[str]:
+    """`file:line` of every telemetry counter name spelled as a literal where heartbeats are
+    read in `rlbus/` or `bench/` (see `_counter_uses`)."""
+    bad = []
+    for pkg in ("rlbus", "bench"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            uses = _counter_uses(tree)
+            for node in ast.walk(tree):
+                if id(node) in uses and isinstance(node, ast.Constant) and node.value in names:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno} {node.value!r} (use bus.telemetry)")
+    return bad
+
+
+def test_telemetry_names_are_defined_only_in_bus_telemetry():
+    assert {telemetry.PUBLISHED, telemetry.TRAJECTORIES, telemetry.REWARDS, telemetry.SAMPLES_TRAINED,
+            telemetry.CPU_SECONDS, telemetry.METRICS_PORT} <= telemetry.COUNTERS
+    assert {s.counter for s in telemetry.STAGES} <= telemetry.COUNTERS
+    assert {s.role for s in telemetry.STAGES} <= set(ROLE_NAMES)
+    assert list(telemetry.STAGE_COUNTER) == ["sampler", "rollout", "verifier", "learner"]
+    bad = telemetry_literals(ROOT)
+    assert not bad, "telemetry counter names spelled outside bus/telemetry.py (import the constant):\n" + "\n".join(bad)
+
+
+BENIGN = ('"""Counts published tasks and samples_trained."""\nlog.info("published", n=1)\n'
+          'row = {"trajectories": s.get("trajectories"), "tasks": 3}\nstep = progress.get("samples_trained")\n'
+          'mean = wv.metrics["reward_mean"]\nself._count("evals", 2)\n')
+
+
+@pytest.mark.parametrize("source", ['n = m.values.get("published", 0)\n',
+                                    'cpu = session.counters["cpu_seconds"]\n',
+                                    'port = "metrics_port" in m.values\n',
+                                    'tokens = mon.role_sum("rollout", "tokens")\n',
+                                    'STAGE_COUNTER = {"sampler": "published"}\n',
+                                    'STAGES = {"sandbox": ("execs", "execs")}\n',
+                                    'x = tele0.get(role, {}).get("trajectories")\n'])
+def test_the_telemetry_name_check_fires(tmp_path, source):
+    for pkg in ("rlbus", "bench"):
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "bench" / "ok.py").write_text(BENIGN)
+    (tmp_path / "rlbus" / "w.py").write_text(BENIGN + source)
+    bad = telemetry_literals(tmp_path)
+    assert bad and all(b.startswith("rlbus/w.py:7 ") for b in bad), bad

@@ -4,7 +4,8 @@ Guarantees:
 - Reads only: KV `learner.progress`, stream and consumer state, and the workers'
   telemetry (each `Metric` is a heartbeat with role, id, host and pid). It consumes
   nothing and changes nothing.
-- Rates are measured over the listening window from the workers' own counters.
+- Rates are measured over the listening window from the workers' own counters (heartbeats
+  read by `bus.telemetry.listen`; stages and their counters are `bus.telemetry.STAGE_COUNTER`).
 - Finds the run when not told: the single run folder under `--run-dir` whose launcher
   is alive (`RunFolder.find_active`), or the single run whose streams exist on the server
   (`rlbus.run.server.only_run`); otherwise it exits naming what to pass.
@@ -20,14 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+from bus import telemetry
 from bus.conn import connect
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.subjects import Registry
 from rlbus.run.folder import RunNotFound, find_run
 from rlbus.run.server import only_run
-from schemas import DecodeError, Metric, decode
-
-STAGE_COUNTER = {"sampler": "published", "rollout": "trajectories", "verifier": "rewards", "learner": "samples_trained"}
 
 
 async def collect(nats_url: str, run_id: str | None, listen: float = 2.5) -> dict:
@@ -37,38 +36,19 @@ async def collect(nats_url: str, run_id: str | None, listen: float = 2.5) -> dic
         js = nc.jetstream(timeout=10)
         run_id = run_id or await only_run(js)
         reg = Registry(run_id)
-        beats: dict[str, tuple[float, Metric]] = {}
-        first: dict[str, float] = {}
-
-        async def on_metric(raw):
-            try:
-                m = decode(raw.data, Metric)
-            except DecodeError:
-                return
-            beats[m.worker_id] = (time.time(), m)
-            counter = STAGE_COUNTER.get(m.role)
-            if counter and m.worker_id not in first:
-                first[m.worker_id] = m.values.get(counter, 0.0)
-
-        sub = await nc.subscribe(reg.metrics(), cb=on_metric)
-        t0 = time.monotonic()
-        await asyncio.sleep(listen)
-        elapsed = time.monotonic() - t0
-        await sub.unsubscribe()
+        beats, elapsed = await telemetry.listen(nc, reg, listen)
         progress = await get_json(js, reg, LEARNER_PROGRESS) or {}
         stages: dict[str, dict] = {}
-        for role, counter in STAGE_COUNTER.items():
-            ws = [m for _, m in beats.values() if m.role == role]
-            gained = sum(m.values.get(counter, 0.0) - first.get(m.worker_id, 0.0) for m in ws)
-            stages[role] = {"workers": len(ws), "total": sum(m.values.get(counter, 0.0) for m in ws),
-                            "rate_per_s": round(gained / max(elapsed, 1e-6), 2)}
+        for role, counter in telemetry.STAGE_COUNTER.items():
+            stages[role] = {"workers": len(beats.metrics(role)), "total": beats.role_sum(role, counter),
+                            "rate_per_s": round(beats.gain(role, counter) / max(elapsed, 1e-6), 2)}
         for family, role in (("TASKS", "rollout"), ("TRAJ", "verifier")):
             stages[role]["queue_depth"] = (await js.stream_info(reg.stream(family))).state.messages
         ci = await js.consumer_info(reg.stream("REWARDS"), "learner")
         stages["learner"]["queue_depth"] = ci.num_pending + ci.num_ack_pending
         stages["dlq"] = {"messages": (await js.stream_info(reg.stream("DLQ"))).state.messages}
-        workers = [{"role": m.role, "id": m.worker_id, "host": m.host, "pid": m.pid, "last_heartbeat": round(t, 3)}
-                   for t, m in sorted(beats.values(), key=lambda x: (x[1].role, x[1].worker_id))]
+        workers = [{"role": m.role, "id": m.worker_id, "host": m.host, "pid": m.pid,
+                    "last_heartbeat": round(beats.latest[m.worker_id][0], 3)} for m in beats.metrics()]
         return {"run_id": run_id, "step": int(progress.get("step", 0)), "weight_version": int(progress.get("version", 0)),
                 "stages": stages, "workers": workers}
     finally:
@@ -83,7 +63,7 @@ def render(status: dict):
               title_justify="left")
     for col in ("stage", "workers", "rate/s", "total", "queue depth"):
         t.add_column(col, justify="right" if col != "stage" else "left")
-    for role in STAGE_COUNTER:
+    for role in telemetry.STAGE_COUNTER:
         st = status["stages"][role]
         t.add_row(role, str(st["workers"]), f"{st['rate_per_s']:,.1f}", f"{st['total']:,.0f}", str(st.get("queue_depth", "-")))
     t.add_row("dlq", "", "", f"{status['stages']['dlq']['messages']}", "")

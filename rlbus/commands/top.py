@@ -1,6 +1,7 @@
 """`rlbus top`: a live terminal dashboard of one run, read from the bus alone.
 
-Panels: per-stage throughput (from the workers' heartbeat counters), stream depths and
+Panels: per-stage throughput (the workers' heartbeat counters of `bus.telemetry.STAGES`, read
+by `bus.telemetry.Heartbeats`), stream depths and
 every consumer's lag (pending, ack-pending, redelivered, waiting pulls), dead letters,
 recent reward and latest eval per domain, learner step and weight version, a staleness
 histogram (current version minus each recent reward's `policy_version`), and the
@@ -24,15 +25,14 @@ import argparse
 import asyncio
 import sys
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from pathlib import Path
 
 from bus.kv import CURRICULUM, LEARNER_PROGRESS, get_json
 from bus.subjects import Registry
-from schemas import DecodeError, EvalResult, Metric, Reward, decode
+from bus.telemetry import METRICS_PORT, STAGE_COUNTER, STAGES, Heartbeats
+from schemas import DecodeError, EvalResult, Reward, decode
 
-STAGES = {"sampler": ("published", "tasks"), "rollout": ("trajectories", "traj"), "verifier": ("rewards", "rewards"),
-          "learner": ("samples_trained", "samples"), "sandbox": ("execs", "execs"), "scheduler": ("evals", "evals")}
 FAMILIES = ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER")
 STALENESS_BUCKETS = ("0", "1", "2", "3", "4+", "unknown")
 
@@ -42,27 +42,6 @@ EPILOG = """examples:
   RLBUS_NATS_USER=monitor RLBUS_NATS_PASSWORD=... rlbus top --nats-url tls://host:4222 --run-id R
   rlbus top --once --run-dir runs > frame.txt       # one frame as text (for scripts, CI logs)
 """
-
-
-class Heartbeats:
-    """Latest heartbeat per worker plus a short history of each stage counter (for rates)."""
-
-    def __init__(self, window: float = 10.0):
-        self.window = window
-        self.latest: dict[str, tuple[float, Metric]] = {}
-        self.history: dict[str, deque] = defaultdict(lambda: deque(maxlen=256))
-
-    def add(self, metric: Metric, now: float | None = None) -> None:
-        now = time.time() if now is None else now
-        self.latest[metric.worker_id] = (now, metric)
-        counter = STAGES.get(metric.role, ("",))[0]
-        self.history[metric.worker_id].append((now, float(metric.values.get(counter, 0.0))))
-
-    def rate(self, worker: str) -> float:
-        points = [p for p in self.history[worker] if p[0] >= time.time() - self.window]
-        if len(points) < 2 or points[-1][0] <= points[0][0]:
-            return 0.0
-        return max(0.0, (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0]))
 
 
 async def _recent(js, stream: str, limit: int, kind):
@@ -120,14 +99,13 @@ async def collect_frame(js, reg: Registry, beats: Heartbeats, recent: int = 256)
             evals[e.domain] = e
     cur = await get_json(js, reg, CURRICULUM) or {}
     now = time.time()
-    stages = {}
-    for role, (counter, unit) in STAGES.items():
-        ws = [(wid, m) for wid, (_, m) in beats.latest.items() if m.role == role]
-        stages[role] = {"workers": len(ws), "unit": unit, "total": sum(m.values.get(counter, 0.0) for _, m in ws),
-                        "rate_per_s": round(sum(beats.rate(wid) for wid, _ in ws), 2)}
-    workers = [{"role": m.role, "id": wid, "host": m.host, "pid": m.pid, "age_s": round(now - t, 1),
-                "metrics_port": int(m.values["metrics_port"]) if "metrics_port" in m.values else None}
-               for wid, (t, m) in sorted(beats.latest.items(), key=lambda x: (x[1][1].role, x[0]))]
+    stages = {st.role: {"workers": len(beats.metrics(st.role)), "unit": st.unit,
+                        "total": beats.role_sum(st.role, st.counter), "rate_per_s": round(beats.role_rate(st.role), 2)}
+              for st in STAGES}
+    workers = [{"role": m.role, "id": m.worker_id, "host": m.host, "pid": m.pid,
+                "age_s": round(now - beats.latest[m.worker_id][0], 1),
+                "metrics_port": int(m.values[METRICS_PORT]) if METRICS_PORT in m.values else None}
+               for m in beats.metrics()]
     return {"run_id": reg.run_id, "time": now, "step": int(progress.get("step", 0)), "version": version,
             "stages": stages, "streams": streams, "consumers": consumers,
             "dead_letters": streams.get("DLQ"),
@@ -195,7 +173,7 @@ def render(frame: dict, top: int = 10):
     for col in ("stage", "workers", "rate/s", "total"):
         stages.add_column(col, justify="left" if col == "stage" else "right")
     for role, st in frame["stages"].items():
-        if st["workers"] or role in ("sampler", "rollout", "verifier", "learner"):
+        if st["workers"] or role in STAGE_COUNTER:  # the pipeline's stages always show
             stages.add_row(role, str(st["workers"]), f"{st['rate_per_s']:,.1f} {st['unit']}/s", f"{st['total']:,.0f}")
 
     lag = Table(title="consumer lag", title_justify="left")
@@ -241,15 +219,8 @@ async def _run(url: str, run_id: str | None, once: bool, interval: float, listen
     try:
         js = nc.jetstream(timeout=10)
         reg = Registry(run_id or await only_run(js))
-        beats = Heartbeats(window=max(3 * interval, listen, 5.0))
-
-        async def on_metric(raw):
-            try:
-                beats.add(decode(raw.data, Metric))
-            except DecodeError:
-                pass
-
-        await nc.subscribe(reg.metrics(), cb=on_metric)
+        beats = Heartbeats(reg.run_id, window=max(3 * interval, listen, 5.0))
+        await beats.subscribe(nc, reg)
         await asyncio.sleep(listen)
         if once:
             Console(width=120, no_color=True, force_terminal=False).print(

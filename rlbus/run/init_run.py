@@ -148,25 +148,16 @@ async def _ensure_topology(nats_url: str, run_id: str, wait_s: float = TOPOLOGY_
 async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeout: float = 5.0) -> bool:
     """True when a `metrics.<run>.<role>.*` heartbeat from `host` arrives within `timeout`."""
     from bus.conn import connect
+    from bus.telemetry import Heartbeats
 
     # the one connect helper: the role's own NATS user (RLBUS_NATS_USER/PASSWORD) may
-    # subscribe to its role's heartbeats; one try, no reconnects
+    # subscribe to its role's heartbeats (only those: not `metrics.<run>.>`); one try, no reconnects
     nc = await connect(nats_url, name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
                        allow_reconnect=False)
-    seen = asyncio.Event()
-    needle = host.encode()
-
-    async def on_msg(msg):
-        if needle in msg.data:
-            seen.set()
-
+    beats = Heartbeats(run_id)
     try:
-        await nc.subscribe(Registry(run_id).metrics(role), cb=on_msg)
-        try:
-            await asyncio.wait_for(seen.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        await nc.subscribe(Registry(run_id).metrics(role), cb=beats.on_msg)
+        return await beats.wait_for(lambda m: m.role == role and m.host == host, timeout)
     finally:
         await nc.close()
 

@@ -35,10 +35,9 @@ from bus.kv import (
     get_json,
 )
 from bus.subjects import Registry
+from bus.telemetry import BUSY_S, CPU_SECONDS, TOKENS, WEIGHTS_LOADED, Heartbeats
 from rlbus.run.live import Snapshot
-from schemas import DecodeError, EvalResult, Metric, RewardGlance, WeightVersion, decode, glance_reward
-
-STAGE_COUNTER = {"sampler": "published", "rollout": "trajectories", "verifier": "rewards", "learner": "samples_trained"}
+from schemas import DecodeError, EvalResult, RewardGlance, WeightVersion, decode, glance_reward
 
 
 class DomainRewards:
@@ -74,8 +73,7 @@ class Monitor:
 
     def __init__(self, js, reg: Registry, snap: Snapshot):
         self.js, self.reg, self.snap = js, reg, snap
-        self.workers: dict[str, dict[str, float]] = {}  # worker_id -> counters
-        self.roles: dict[str, str] = {}
+        self.beats = Heartbeats()  # every worker's newest heartbeat (bus.telemetry's one reader)
         self.step_rewards: dict[int, float] = {}
         self.evals: dict[int, EvalResult] = {}  # first trained domain's curve (the live view's headline)
         self.headline: str | None = None
@@ -89,23 +87,14 @@ class Monitor:
         self.sandbox_isolation: str | None = None  # "bwrap" | "docker" | "degraded", probed by the launcher
         self.tasks_by_domain: dict[str, int] = {}  # KV `sampler.progress` by_domain
         self.curriculum: dict = {}  # KV `curriculum`: weights and levels
-        self.last_heartbeat: dict[int, float] = {}  # worker pid -> monotonic time of its last heartbeat
+        self.last_heartbeat: dict[int, float] = self.beats.last_seen  # worker pid -> monotonic time of its last beat
 
     async def start(self, nc) -> None:
         """Subscribe to telemetry, weight announcements and eval results."""
-        await nc.subscribe(self.reg.metrics(), cb=self._on_metric)
+        await self.beats.subscribe(nc, self.reg)
         await nc.subscribe(self.reg.weights, cb=self._on_weights)
         await self.js.subscribe(self.reg.all("eval"), cb=self._on_eval, ordered_consumer=True)
         await self.js.subscribe(self.reg.all("rewards"), cb=self._on_reward, ordered_consumer=True)
-
-    async def _on_metric(self, raw) -> None:
-        try:
-            m = decode(raw.data, Metric)
-        except DecodeError:
-            return
-        self.workers[m.worker_id], self.roles[m.worker_id] = m.values, m.role
-        if m.pid:
-            self.last_heartbeat[m.pid] = time.monotonic()
 
     async def _on_weights(self, raw) -> None:
         try:
@@ -136,30 +125,22 @@ class Monitor:
             self.evals[ev.version] = ev
 
     def totals(self) -> dict[str, float]:
-        """Sum of each stage's main counter over its workers."""
-        out: dict[str, float] = {}
-        for wid, values in self.workers.items():
-            role = self.roles[wid]
-            if role in STAGE_COUNTER:
-                out[role] = out.get(role, 0.0) + values.get(STAGE_COUNTER[role], 0.0)
-        return out
+        """Sum of each pipeline stage's main counter over its workers (`bus.telemetry.STAGE_COUNTER`)."""
+        return self.beats.stage_totals()
 
     def role_total(self, role: str, counter: str) -> float:
         """A counter summed over a role's workers, as a float (seconds and the like)."""
-        return float(sum(v.get(counter, 0.0) for wid, v in self.workers.items() if self.roles.get(wid) == role))
+        return self.beats.role_sum(role, counter)
 
     def role_sum(self, role: str, counter: str) -> int:
         """A counter summed over a role's workers (the last heartbeat of each, restarted ones included)."""
-        return int(sum(v.get(counter, 0) for wid, v in self.workers.items() if self.roles.get(wid) == role))
+        return int(self.beats.role_sum(role, counter))
 
     def cpu_seconds(self, server_pid: int | None = None) -> dict[str, float]:
         """CPU seconds per role (the last heartbeat of each worker, summed over a role's
         workers, restarted ones included), the launcher's own, and nats-server's (when this
         launcher started it and /proc is readable): where a run's cores went."""
-        out: dict[str, float] = {}
-        for wid, values in self.workers.items():
-            if "cpu_seconds" in values:
-                out[self.roles[wid]] = round(out.get(self.roles[wid], 0.0) + values["cpu_seconds"], 1)
+        out = {role: round(v, 1) for role, v in self.beats.role_sums(CPU_SECONDS).items()}
         t = os.times()
         out["launcher"] = round(t.user + t.system, 1)
         if server_pid:
@@ -207,8 +188,8 @@ class Monitor:
 def rollout_figures(mon) -> dict:
     """summary.json's `rollout`: weight versions hot-loaded (summed over rollout workers), generated
     tokens, the seconds spent rolling out, and their ratio (rollout tokens/s per worker-second)."""
-    tokens, busy = mon.role_sum("rollout", "tokens"), mon.role_total("rollout", "busy_s")
-    return {"weights_loaded": mon.role_sum("rollout", "weights_loaded"), "tokens": tokens,
+    tokens, busy = mon.role_sum("rollout", TOKENS), mon.role_total("rollout", BUSY_S)
+    return {"weights_loaded": mon.role_sum("rollout", WEIGHTS_LOADED), "tokens": tokens,
             "busy_s": round(busy, 2), "tokens_per_s": round(tokens / busy, 1) if busy > 0 else None}
 
 

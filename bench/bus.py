@@ -55,13 +55,14 @@ from rich.console import Console
 from rich.table import Table
 
 from bus.kv import LEARNER_PROGRESS, get_json
+from bus.roles import in_start_order
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
 from bus.telemetry import STAGE_COUNTER, Heartbeats
 from schemas import encode
 
 RESULT = ROOT / "bench" / "results" / "bus.json"
-ROLES = ("learner", "verifier", "rollout", "sampler")  # start order: learner publishes version 0 first
+ROLES = in_start_order(STAGE_COUNTER)  # the pipeline's roles, as `rlbus up` starts them: the learner first
 
 GROUP_SIZE = 8
 BATCH_TASKS = 32

@@ -30,29 +30,21 @@ import ssl
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from bus.subjects import ROLES, Registry
+from bus.roles import ROLES
+from bus.subjects import Registry
 
 MONITOR = "monitor"
 ADMIN = "admin"
-USERS = ROLES + (MONITOR, ADMIN)
-"""Every NATS user rlbus knows: one per role, a read-only `monitor`, and `admin` (launcher, ops)."""
+USERS = tuple(r.nats_user for r in ROLES) + (MONITOR, ADMIN)
+"""Every NATS user rlbus knows: one per role (`bus.roles`), a read-only `monitor`, and `admin` (launcher, ops)."""
 
 ENV_USER, ENV_PASSWORD, ENV_PASSWORD_FILE = "RLBUS_NATS_USER", "RLBUS_NATS_PASSWORD", "RLBUS_NATS_PASSWORD_FILE"
 ENV_CREDS = "RLBUS_NATS_CREDS"
 """A NATS `.creds` file (user JWT + nkey seed, decentralized/operator auth); `rlbus --nats-creds FILE` sets it."""
 ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = "RLBUS_NATS_TLS_CA", "RLBUS_NATS_TLS_CERT", "RLBUS_NATS_TLS_KEY"
 
-# family -> which roles create it when missing (KV_/OBJ_ entries are buckets)
-ROLE_TOPOLOGY: dict[str, tuple[str, ...]] = {
-    "sampler": ("TASKS", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_workspaces"),
-    "rollout": ("TASKS", "TRAJ", "WEIGHTS", "DLQ", "KV_run", "OBJ_weights", "OBJ_artifacts"),
-    "verifier": ("TRAJ", "REWARDS", "DLQ", "KV_hidden"),
-    "learner": ("REWARDS", "WEIGHTS", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
-    "scheduler": ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_weights",
-                  "OBJ_workspaces"),
-    "sandbox": (),
-    "tracker": (),  # reads only: the run's streams exist before it starts (launcher, compose init)
-}
+ROLE_TOPOLOGY: dict[str, tuple[str, ...]] = {r.name: r.creates for r in ROLES}
+"""role -> the families it creates when missing (KV_/OBJ_ entries are buckets; `bus.roles.Role.creates`)."""
 
 
 def inbox_prefix(user: str) -> str:

@@ -25,6 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from bus.conn import connect, ensure_topology
+from bus.roles import ROLES
 from bus.subjects import Registry
 from bus.telemetry import report_forever, start_metrics_server
 from schemas.config import RunConfig
@@ -33,17 +34,9 @@ from schemas.redact import redact_url
 log = structlog.get_logger()
 
 
-# What `WorkerContext.max_messages` (`rlbus worker ROLE --max-messages N`) counts in each
-# role: every role reads it once, into a variable named for its own unit.
-ROLE_LIMIT = {
-    "sampler": "tasks published",
-    "rollout": "tasks taken, per duration pool",
-    "verifier": "trajectories fetched",
-    "learner": "optimizer steps",
-    "scheduler": "evaluations (the baseline included)",
-    "sandbox": "(no limit; stops on until_idle)",
-    "tracker": "messages consumed (weight versions, rewards, evals, curriculum updates)",
-}
+ROLE_LIMIT: dict[str, str] = {r.name: r.limit_unit for r in ROLES}
+"""What `WorkerContext.max_messages` (`rlbus worker ROLE --max-messages N`) counts in each
+role (`bus.roles.Role.limit_unit`): every role reads it once, into a variable named for its own unit."""
 
 
 @dataclass

@@ -25,8 +25,11 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from bus.roles import NAMES
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-ROLES = ("sampler", "rollout", "sandbox", "verifier", "learner", "scheduler", "tracker")
+ROLES: tuple[str, ...] = NAMES
+"""Every role's name, in pipeline order (declared once, in `bus.roles.ROLES`)."""
 DAY = 24 * 3600.0
 
 

@@ -1,8 +1,8 @@
 """`rlbus worker ROLE --config FILE`: run exactly one role as one process.
 
 Guarantees:
-- ROLE is one of `bus.subjects.ROLES`; its module (`ROLE_MODULES`) is imported only when
-  it runs, and its `run(cfg, ctx)` is the whole process.
+- ROLE is one of the roles of `bus.roles.ROLES`; its module (`Role.module`) is imported
+  only when it runs, and its `run(cfg, ctx)` is the whole process.
 - The run id is `--run-id`, else `run.run_id`; without either the command exits saying so.
 - The NATS URL is `--nats-url`, else env `RLBUS_NATS_URL` (how `rlbus up` and the container
   entry hand over credentials), else `run.nats_url`, else nats://127.0.0.1:4222; a URL
@@ -19,20 +19,14 @@ import os
 import sys
 from pathlib import Path
 
-from bus.session import ROLE_LIMIT
-from bus.subjects import ROLES
-
-ROLE_MODULES = {"sampler": "producers.sampler", "rollout": "rollout_workers.worker",
-                "verifier": "verifier_workers.worker", "learner": "learner.worker", "scheduler": "scheduler.worker",
-                "sandbox": "sandbox_workers.service", "tracker": "rlbus.tracking.tracker"}
-"""Role -> the module whose `run(cfg, ctx)` is that role's process."""
+from bus.roles import NAMES, ROLES, role
 
 
 def register(sub) -> None:
     """Add `rlbus worker` to the CLI's subparsers."""
     w = sub.add_parser("worker", help="run one role as one process",
                        description="Run exactly one role. Workers talk only over NATS; the run folder holds the prepared model.")
-    w.add_argument("role", choices=ROLES, help="which role")
+    w.add_argument("role", choices=NAMES, help="which role")
     w.add_argument("--config", required=True, help="run config (TOML, or the config.json `up` writes)")
     w.add_argument("--nats-url", help="NATS server URL (default: run.nats_url, else nats://127.0.0.1:4222)")
     w.add_argument("--run-id", help="run id (default: run.run_id)")
@@ -40,7 +34,7 @@ def register(sub) -> None:
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     w.add_argument("--max-messages", type=int, metavar="N",
                    help="stop after N units of the role's work (tests): "
-                        + "; ".join(f"{role}: {unit}" for role, unit in ROLE_LIMIT.items()))
+                        + "; ".join(f"{r.name}: {r.limit_unit}" for r in ROLES))
     w.add_argument("--until-idle", type=float, help="stop after S seconds without work (tests)")
     w.set_defaults(func=main)
 
@@ -66,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     folder = RunFolder.of(Path(args.run_dir or cfg.run.run_dir), run_id)
     ctx = WorkerContext(run_id=run_id, nats_url=worker_url(args, cfg), run_path=folder.path,
                         max_messages=args.max_messages, until_idle=args.until_idle, configured_model=cfg.model.path)
-    asyncio.run(importlib.import_module(ROLE_MODULES[args.role]).run(cfg, ctx))
+    asyncio.run(importlib.import_module(role(args.role).module).run(cfg, ctx))
     return 0
 
 

@@ -4,12 +4,13 @@ Guarantees:
 - Each role runs as `rlbus worker ROLE` in its own process (own session, log file under
   `<run>/logs/`); a worker that dies while the run is live is restarted (up to
   `MAX_RESTARTS` per role, after which the run fails).
-- Stop (limits or Ctrl-C) drains in order: the sampler stops first, the pipeline gets
-  `run.drain_seconds` to finish in-flight work, then rollout and verifier, then the
-  learner (which records what it still holds), then the scheduler (which
-  evaluates the newest version), and last the tracker, which runs only when
-  `tracking.backends` lists one (a missing tracking package stops `up` before anything
-  starts, naming the extra).
+- Roles start in `bus.roles.start_order(cfg)`: the learner first, the sampler last; the
+  sandbox service only with `sandbox.remote`, the tracker only when `tracking.backends`
+  lists one (a missing tracking package stops `up` before anything starts, naming the extra).
+- Stop (limits or Ctrl-C) drains by `bus.roles.stop_phases()`: the sampler stops first, the
+  pipeline gets `run.drain_seconds` to finish in-flight work, then rollout, verifier and the
+  sandbox service, then the learner (which records what it still holds), then the scheduler
+  (which evaluates the newest version), and last the tracker.
 - Everything of a run lives under `<run-dir>/<run_id>/`; `summary.json` is kept current
   during the run and completed (with per-message accounting) at the end, next to
   `reward_curve.png`. Its `domains` gives each domain's training rewards (count, mean,
@@ -40,6 +41,7 @@ from rich.console import Console
 from rich.live import Live
 
 from bus.conn import connect, ensure_topology
+from bus.roles import start_order, stop_phases
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
 from rlbus.report.plots import reward_curve
@@ -53,14 +55,10 @@ from rlbus.run.supervisor import Supervisor
 from rlbus.run.watchdog import FatalStop, HeartbeatWatch, ServerKeeper, log_size, resume_command, store_full
 from schemas.config import RunConfig
 
-START_ORDER = ("learner", "scheduler", "tracker", "sandbox", "verifier", "rollout", "sampler")
-STARTS_IF = {"tracker": lambda cfg: bool(cfg.tracking.backends), "sandbox": lambda cfg: cfg.sandbox.remote}
-"""Roles started only when the config asks for them (every other role always starts)."""
-
 
 def roles_to_start(cfg: RunConfig) -> list[str]:
-    """START_ORDER without the optional roles this config leaves out (no tracker without backends)."""
-    return [role for role in START_ORDER if STARTS_IF.get(role, lambda _: True)(cfg)]
+    """The roles this config starts, in start order (`bus.roles.start_order`: no tracker without backends)."""
+    return list(start_order(cfg))
 
 
 class RunLoop:
@@ -159,7 +157,8 @@ class RunLoop:
         if stop_reason == "failed":
             await self.sup.stop(list(self.sup.procs), 5)
             return
-        await self.sup.stop(["sampler"], 30)
+        (producers, producers_timeout), *rest = stop_phases()
+        await self.sup.stop(list(producers), producers_timeout)  # the sampler: no new work
         drain_end = time.monotonic() + self.cfg.run.drain_seconds
         while time.monotonic() < drain_end and not (self.interrupted.is_set() and stop_reason != "interrupted"):
             await asyncio.sleep(0.5)
@@ -167,10 +166,8 @@ class RunLoop:
             d = self.snap.depths
             if d.get("tasks", 1) == 0 and d.get("traj", 1) == 0 and d.get("rewards", 1) == 0:
                 break
-        await self.sup.stop(["rollout", "verifier", "sandbox"], 30)
-        await self.sup.stop(["learner"], 60)
-        await self.sup.stop(["scheduler"], 60)
-        await self.sup.stop(["tracker"], 60)  # last: it writes what the others published (no-op without one)
+        for roles, timeout in rest:  # rollout/verifier/sandbox, learner, scheduler, tracker (no-op when not running)
+            await self.sup.stop(list(roles), timeout)
         await asyncio.sleep(0.5)  # let the last eval result arrive
 
     async def finish(self, js, reg: Registry, stop_reason: str, failure: str | None) -> dict:

@@ -11,9 +11,12 @@
     checkpoints/    the learner's checkpoints (`learner.pt`)
 
 Guarantees:
-- Every rlbus module above the roles finds these paths here; none spells a file name of
-  the run folder itself. (The roles below rlbus, e.g. the learner writing checkpoints/,
-  cannot import this and keep their own names.)
+- `rlbus.run` and `rlbus.commands` find the files and folders above here and spell none
+  of their names themselves. (What other packages own keeps its own name: the roles
+  below rlbus, e.g. the learner writing checkpoints/, cannot import this; the run store
+  `run.db` is `scheduler.store`'s, the tool secret `secrets/` is
+  `sandbox_workers.integrity`'s; `rlbus.report` and `rlbus.tracking` write their own
+  outputs, report.md, plots/, tracking/, tensorboard/.)
 - `state()` is run.json parsed: {} when it is missing, unreadable or not an object (it
   is replaced atomically by `write_state`, so a reader never sees half of one).
 - `server_url()` is the server the run recorded (run.json's `nats_url`, else

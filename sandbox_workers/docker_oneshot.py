@@ -11,7 +11,7 @@ SETGID and KILL added back (every command still runs as 65534 with no capability
 `mem_limit` gets `AGENT_MEMORY_MB` more and `pids_limit` is `pids + AGENT_PID_HEADROOM`
 (the command's tree gets `pids`), and the cpu rlimit is set per command by the agent.
 `agent_source` refuses (ValueError: no container starts) a program whose parts import
-any project module but an earlier part. A run is ONE request/reply over the
+any project module but an earlier part (`sandbox_workers.program_parts.join_parts`). A run is ONE request/reply over the
 container's attached stdin/stdout (it has no network): the agent writes the files into
 an empty /work, runs the command in a child forked before the request was read, kills
 every process, wipes /work, /tmp, /dev/mqueue and SysV IPC and proves the container
@@ -28,7 +28,6 @@ async code.
 
 from __future__ import annotations
 
-import ast
 import marshal
 import os
 import select
@@ -51,6 +50,7 @@ from sandbox_workers.docker_pool import (
     sandbox_path,
     shared_pool,
 )
+from sandbox_workers.program_parts import join_files
 
 AGENT_LABEL = "rlbus.sandbox.agent"
 AGENT_USER = "0:0"
@@ -65,58 +65,12 @@ AGENT_PARTS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), nam
 """The files of the agent program, in the order they are joined (each imports only earlier ones)."""
 
 
-def _is_project(module: str) -> bool:
-    return module == "sandbox_workers" or module.startswith("sandbox_workers.")
-
-
-def _part_imports_dropped(name: str, source: str, earlier: set[str]) -> str:
-    """`source` without its top-level imports of `earlier` parts; ValueError for any other project import."""
-    tree = ast.parse(source, name)
-    drop: set[int] = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and not node.level and _is_project(node.module or ""):
-            if node.module.removeprefix("sandbox_workers.") not in earlier or any(a.asname for a in node.names):
-                raise ValueError(f"agent part {name}: `from {node.module} import` is not an earlier part's names")
-            drop.update(range(node.lineno - 1, node.end_lineno))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.lineno - 1 in drop:
-            continue
-        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        if (isinstance(node, ast.ImportFrom) and node.level) or any(_is_project(m) for m in modules):
-            raise ValueError(f"agent part {name} imports project code at line {node.lineno}")
-    return "".join(line for i, line in enumerate(source.splitlines(keepends=True)) if i not in drop)
-
-
-def join_agent_parts(sources: list[tuple[str, str]]) -> str:
-    """One program from (path, source) parts, in order: each part's top-level
-    `from sandbox_workers.<earlier part> import names` is dropped (those names are already
-    globals of the program). ValueError, so no container starts, if a part imports any
-    other project module, imports a later part, renames an imported name, or if the joined
-    program does not compile."""
-    earlier: set[str] = set()
-    out = []
-    for path, source in sources:
-        out.append(_part_imports_dropped(path, source, earlier))
-        earlier.add(os.path.basename(path).removesuffix(".py"))
-    program = "\n".join(out)
-    try:
-        compile(program, "<rlbus-agent>", "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        raise ValueError(f"the joined agent program does not compile: {exc}") from exc
-    return program
-
-
 def agent_source() -> str:
     """The agent program (`AGENT_PARTS` joined), passed in the container's command (the image
     has no project code)."""
     global _agent_source
     if _agent_source is None:
-        parts = []
-        for path in AGENT_PARTS:
-            with open(path, encoding="utf-8") as f:
-                parts.append((path, f.read()))
-        _agent_source = join_agent_parts(parts)
+        _agent_source = join_files(AGENT_PARTS, "sandbox_workers")
     return _agent_source
 
 

@@ -24,7 +24,8 @@ from test_code_verifier import ADD, GOOD_ADD, score
 
 from sandbox_workers.base import Limits
 from sandbox_workers.factory import open_sandbox
-from verifier_workers.verifiers.code import RESULT, SandboxInfraError, _judge, counted_tests, harness_source
+from verifier_workers.harness_programs import code_harness
+from verifier_workers.verifiers.code import RESULT, SandboxInfraError, _judge, counted_tests
 
 REWRITTEN = b"def check(candidate):\n    pass\n"
 # the candidate returns only once the test file's bytes changed on disk (or after 5 s)
@@ -62,7 +63,7 @@ def _run_harness(program: str, rewrite: bool):
     try:
         assert sb.isolation == "bwrap"
         sb.write_files([("candidate.py", program.encode()), ("tests.py", tests), ("job.marshal", job),
-                        ("harness.py", harness_source())])
+                        ("harness.py", code_harness())])
         work = Path(sb.workdir)
         os.link(work / "tests.py", work / ".keep")
 

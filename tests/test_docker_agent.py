@@ -305,12 +305,13 @@ def test_harness_supervisor_is_non_dumpable_in_the_agent(db):
 
     from test_code_verifier import ADD, GOOD_ADD
 
-    from verifier_workers.verifiers.code import counted_tests, harness_source
+    from verifier_workers.harness_programs import code_harness
+    from verifier_workers.verifiers.code import counted_tests
 
     job = marshal.dumps({"nonce": "ab" * 32, "entry_point": "add", "prompt": "", "timeout_s": 5.0}, 4)
     tests = counted_tests(ADD).encode()
     r = db.run_isolated([("candidate.py", GOOD_ADD.encode()), ("tests.py", tests), ("job.marshal", job),
-                         ("harness.py", harness_source())], python="harness.py", timeout=10,
+                         ("harness.py", code_harness())], python="harness.py", timeout=10,
                         limits=Limits(memory_mb=256, cpu_seconds=12, pids=32), report=("tests.py", "job.marshal"))
     assert "'nondumpable': True" in r.result.stdout and "RLBUS-PASS " in r.result.stdout, r.result
     assert f"'tests_sha256_before': '{hashlib.sha256(tests).hexdigest()}'" in r.result.stdout

@@ -1,5 +1,6 @@
 """The `repo` verifier's in-container program (standalone, stdlib only; the runner imports pytest
-and the harness's guard, `verifier_workers/repo_harness_guard.py`, installed as `_rlbus_guard`).
+and the harness's guard, `verifier_workers/repo_harness_guard.py` joined with its parts,
+installed as `_rlbus_guard`: `verifier_workers.harness_programs.repo_guard`).
 
 Two processes, two uids, in a fresh container whose execs may run as uid 0 with only the
 SETUID, SETGID and KILL capabilities (`sandbox_workers.docker_fresh`):
@@ -39,12 +40,13 @@ Guarantees (the policy controls every non-protected file of the repository):
   skipped, a collection error, the runner killed or exiting early) counts as failed.
 - Report lines carry a sequence number and an HMAC under a per-run key that exists only in the
   frame of the guard's sender generator, and the sender writes a passing report only from
-  pytest's genuine call stack (see `repo_harness_guard`): calling the sender from candidate code,
+  pytest's genuine call stack (see `repo_harness_guard_report`): calling the sender from candidate code,
   or reaching it through frames (refused by the audit hook) forges nothing. A line written to
   fd 3 by anything else, a malformed or duplicate report, or one for an unexpected id is tamper.
 - In-process tamper (labelled `tamper`, all scores 0): the guard's audit hook and integrity
   checks (after every report: builtins, sys, os, pytest/pluggy/unittest, key classes, every
-  hook's implementations, the test modules and test functions) -- see `repo_harness_guard`.
+  hook's implementations, the test modules and test functions) -- see `repo_harness_guard`
+  and `repo_harness_guard_audit`.
 - Hidden-test comparisons see only plain data (the host rewrites the test files,
   `repo_harness_rewrite`), so a candidate-defined `__eq__`/`__bool__` decides nothing.
 - Residual (documented in docs/architecture.md): candidate code runs inside the runner's

@@ -10,7 +10,7 @@ Guarantees:
   method (so rebinding the test module's globals at run time changes nothing inside a running
   test; other functions, whose signatures tests may inspect, see them by scope) and
   imported at the top from the harness's guard (`_rlbus_guard.plain` / `truth`, which raise
-  AssertionError for anything that is not comparable data: see `repo_harness_guard`); each
+  AssertionError for anything that is not comparable data: see `repo_harness_guard_data`); each
   check carries `changed_functions` of the diff as a constant (the repository functions the
   candidate wrote, whose comparison methods are never trusted). A
   `pytest.approx(...)` / `approx(...)` operand written in the test keeps its call; its arguments

@@ -67,14 +67,13 @@ import re
 import secrets
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 from schemas import Trajectory
 from verifier_workers.errors import VerifierInfraError
+from verifier_workers.harness_programs import code_harness
 from verifier_workers.verdict import Verdict, VerifierInputError
 
-HARNESS_PATH = Path(__file__).parents[1] / "harness.py"  # verifier_workers/harness.py
 DEFAULT_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 60.0
 DEFAULT_MEMORY_MB = 256
@@ -183,11 +182,6 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=1)
-def harness_source() -> bytes:
-    return HARNESS_PATH.read_bytes()
-
-
 REAPPEARED = "RLBUS-TESTS-REAPPEARED"
 
 
@@ -274,7 +268,7 @@ def check_program(program: str, tests: str, entry_point: str, *, prompt: str = "
     tests_sha, cand_sha = hashlib.sha256(test_bytes).hexdigest(), hashlib.sha256(cand).hexdigest()
     job = marshal.dumps({"nonce": nonce, "entry_point": entry_point, "prompt": prompt,
                          "timeout_s": float(timeout_s)}, 4)
-    files = [("candidate.py", cand), ("tests.py", test_bytes), ("job.marshal", job), ("harness.py", harness_source())]
+    files = [("candidate.py", cand), ("tests.py", test_bytes), ("job.marshal", job), ("harness.py", code_harness())]
     t0 = time.perf_counter()
     res, reappeared = _run_in_sandbox(name, files, timeout_s, memory_mb)
     took = time.perf_counter() - t0

@@ -56,7 +56,6 @@ names the image (default `rlbus-repo-sandbox:latest`, built by `rlbus sandbox bu
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import json
@@ -64,17 +63,16 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 from schemas import Trajectory
 from schemas.repo_task import EXPORT_REFUSED, RepoTask, helper_paths, is_protected
 from verifier_workers.errors import VerifierInfraError
+from verifier_workers.harness_programs import repo_guard, repo_harness
 from verifier_workers.repo_diff import PatchResult, apply_diff
 from verifier_workers.repo_harness_rewrite import changed_functions, new_top_levels, rewrite_tests, shadowing
 from verifier_workers.verdict import Verdict, VerifierInputError
 
-HARNESS_PATH = Path(__file__).parents[1] / "repo_harness.py"  # verifier_workers/, beside this package
-GUARD_PATH = Path(__file__).parents[1] / "repo_harness_guard.py"
 DIFF_ARTIFACT = "diff"
 DEFAULT_IMAGE = "rlbus-repo-sandbox:latest"
 RESULT_FILE = "/work/.rlbus/result.json"
@@ -98,16 +96,6 @@ class Prepared:
     paths: list[str]
     pythonpath: list[str]
     new_top: list[str]
-
-
-@functools.lru_cache(maxsize=1)
-def harness_source() -> str:
-    return HARNESS_PATH.read_text()
-
-
-@functools.lru_cache(maxsize=1)
-def guard_source() -> str:
-    return GUARD_PATH.read_text()
 
 
 def load_task(hidden: dict | None) -> RepoTask:
@@ -223,7 +211,7 @@ def _run(task: RepoTask, prep: Prepared, params: tuple[float, int, int, float], 
     timeout, memory, pids, cpus = params
     protected = protected_predicate(task)
     nonce, call = secrets.token_hex(32), secrets.token_hex(8)
-    job = {"nonce": nonce, "call": call, "files": prep.files, "harness": harness_source(), "guard": guard_source(),
+    job = {"nonce": nonce, "call": call, "files": prep.files, "harness": repo_harness(), "guard": repo_guard(),
            "expected": prep.expected, "paths": prep.paths, "pythonpath": prep.pythonpath, "new_top": prep.new_top,
            "deps": list(task.deps), "timeout_s": timeout, "install_timeout_s": INSTALL_TIMEOUT_S,
            "protect_hash": sorted(task.hidden_files), "trusted_files": sorted(p for p in prep.files if protected(p))}
@@ -233,7 +221,7 @@ def _run(task: RepoTask, prep: Prepared, params: tuple[float, int, int, float], 
     try:
         from sandbox_workers.docker_fresh import run_fresh
 
-        run = run_fresh(["python3", "-I", "-S", "-c", harness_source(), "supervise"], json.dumps(job).encode(),
+        run = run_fresh(["python3", "-I", "-S", "-c", repo_harness(), "supervise"], json.dumps(job).encode(),
                         RESULT_FILE, image=image, limits=limits, cpus=cpus,
                         timeout=timeout + INSTALL_TIMEOUT_S + 30)
     except Exception as exc:

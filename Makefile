@@ -82,9 +82,11 @@ test-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python -m pytest -q --durations=25 -m vllm; rc=$$?; [ $$rc = 0 ] || [ $$rc = 5 ]
 
 # ruff (configured in pyproject.toml): pyflakes, isort, bugbear, a 60-statement cap per function;
-# then mypy on the layers everything stands on (schemas/, bus/: [tool.mypy] files).
+# the formatter's check (`ruff format .` fixes it); then mypy on the layers everything stands on
+# (schemas/, bus/: [tool.mypy] files).
 lint: $(VENV)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 bench: $(VENV)

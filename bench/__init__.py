@@ -49,8 +49,9 @@ def missing(script: str, *, modules: tuple[str, ...] = (), cuda: bool = False, d
     return needs
 
 
-def skip_unless(script: str, *, modules: tuple[str, ...] = (), cuda: bool = False, docker: bool = False,
-                hint: str = "") -> None:
+def skip_unless(
+    script: str, *, modules: tuple[str, ...] = (), cuda: bool = False, docker: bool = False, hint: str = ""
+) -> None:
     """Return if benchmark `script` (its `__file__`) can run here; else print
     `SKIP bench/<name>.py: needs ...[; hint]` (one line, stdout) and exit 0."""
     needs = missing(script, modules=modules, cuda=cuda, docker=docker)

@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.n):
         d = entries[k % len(entries)]
         answer = d.hidden["answer"] if k % 2 == 0 else "surely not it"
-        entry = {"question": d.hidden["question"], "answer": rg.unpack(d.hidden["answer"]),
-                 "metadata": rg.unpack(d.hidden["metadata"])}
+        entry = {
+            "question": d.hidden["question"],
+            "answer": rg.unpack(d.hidden["answer"]),
+            "metadata": rg.unpack(d.hidden["metadata"]),
+        }
         ds = rg.build(d.hidden["dataset"], 1, "inclusive", {}, seed=0, size=1)
         t = time.perf_counter()
         ds.score_answer(answer, entry)
@@ -63,13 +66,25 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         verify_reasoning_gym(traj, d.hidden)
         pooled.append(time.perf_counter() - t)
-    result = {"n": args.n, "datasets": DATASETS, "template_start_s": round(startup, 2),
-              "isolation": answer_pool.pool().isolation,
-              "in_process_ms": {"p50": round(pct(inproc, 0.5), 3), "p99": round(pct(inproc, 0.99), 3),
-                                "mean": round(statistics.mean(inproc) * 1000, 3)},
-              "pool_ms": {"p50": round(pct(pooled, 0.5), 2), "p99": round(pct(pooled, 0.99), 2),
-                          "mean": round(statistics.mean(pooled) * 1000, 2)},
-              "host": platform.node(), "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}
+    result = {
+        "n": args.n,
+        "datasets": DATASETS,
+        "template_start_s": round(startup, 2),
+        "isolation": answer_pool.pool().isolation,
+        "in_process_ms": {
+            "p50": round(pct(inproc, 0.5), 3),
+            "p99": round(pct(inproc, 0.99), 3),
+            "mean": round(statistics.mean(inproc) * 1000, 3),
+        },
+        "pool_ms": {
+            "p50": round(pct(pooled, 0.5), 2),
+            "p99": round(pct(pooled, 0.99), 2),
+            "mean": round(statistics.mean(pooled) * 1000, 2),
+        },
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg": [round(x, 1) for x in os.getloadavg()],
+    }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

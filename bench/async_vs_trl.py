@@ -103,12 +103,24 @@ def main() -> dict:
     seconds = a.minutes * 60
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-async-") as d:
         tmp = Path(d)
-        start, sft = (Path(a.start), {"given": a.start}) if a.start else prepare_start(tmp, a.sft_seconds, a.sft_steps, eval_n)
+        start, sft = (
+            (Path(a.start), {"given": a.start}) if a.start else prepare_start(tmp, a.sft_seconds, a.sft_steps, eval_n)
+        )
         acc0 = accuracy(start, eval_n, threads=threads)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin_dir(tmp)), str(ROOT),
-                                                            os.environ.get("PYTHONPATH", "")]))
-        ours = run_ours(start, tmp, seconds, f"async{int(time.time())}", verifier="slow_arith", lr=lr, eval_n=eval_n,
-                        verifier_section="concurrency = 256\nbatch = 256", env=env)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(plugin_dir(tmp)), str(ROOT), os.environ.get("PYTHONPATH", "")])
+        )
+        ours = run_ours(
+            start,
+            tmp,
+            seconds,
+            f"async{int(time.time())}",
+            verifier="slow_arith",
+            lr=lr,
+            eval_n=eval_n,
+            verifier_section="concurrency = 256\nbatch = 256",
+            env=env,
+        )
         acc_ours = accuracy(start, eval_n, ours["state_dict"], threads)
         reward = SlowArithReward()
         peer = run_trl(start, tmp / "trl", seconds, reward, threads, lr=lr, eval_n=eval_n)
@@ -125,21 +137,39 @@ def main() -> dict:
         "target_ratio": 2.0,
         "peer_name": f"TRL {version('trl')} GRPOTrainer, reward scored in parallel threads per batch",
         "command": f"python bench/async_vs_trl.py --minutes {a.minutes:g} --sft-seconds {a.sft_seconds:g} "
-                   f"--sft-steps {a.sft_steps}",
+        f"--sft-steps {a.sft_steps}",
         "budget_minutes_per_side": a.minutes,
-        "verifier_latency_s": {"distribution": "uniform", "low": LATENCY[0], "high": LATENCY[1], "mean": 1.1,
-                               "seeded_by": "sample key"},
+        "verifier_latency_s": {
+            "distribution": "uniform",
+            "low": LATENCY[0],
+            "high": LATENCY[1],
+            "mean": 1.1,
+            "seeded_by": "sample key",
+        },
         "accuracy": {"start": acc0, "ours": acc_ours, "peer": acc_peer},
         "sft": sft,
-        "ours_detail": {"trained_samples": s.get("trained_samples"), "steps": s.get("steps"),
-                        "trajectories": s.get("trajectories"), "rewards": s.get("rewards"),
-                        "dead_letters": s.get("dead_letters"), "stop_reason": s.get("stop_reason"),
-                        "verifier": "plugin slow_arith via rlbus.verifiers entry point; concurrency=256, batch=256",
-                        "rlbus_up_wall_s": ours["wall_s"]},
-        "peer_detail": {"steps": peer["steps"], "samples_trained": peer["samples_trained"], "wall_s": peer["wall_s"],
-                        "reward_calls": reward.calls, "reward_wait_s": round(reward.wait_s, 1),
-                        "samples_per_step": PROMPTS_PER_STEP * GROUP, "torch_threads": threads},
-        "python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+        "ours_detail": {
+            "trained_samples": s.get("trained_samples"),
+            "steps": s.get("steps"),
+            "trajectories": s.get("trajectories"),
+            "rewards": s.get("rewards"),
+            "dead_letters": s.get("dead_letters"),
+            "stop_reason": s.get("stop_reason"),
+            "verifier": "plugin slow_arith via rlbus.verifiers entry point; concurrency=256, batch=256",
+            "rlbus_up_wall_s": ours["wall_s"],
+        },
+        "peer_detail": {
+            "steps": peer["steps"],
+            "samples_trained": peer["samples_trained"],
+            "wall_s": peer["wall_s"],
+            "reward_calls": reward.calls,
+            "reward_wait_s": round(reward.wait_s, 1),
+            "samples_per_step": PROMPTS_PER_STEP * GROUP,
+            "torch_threads": threads,
+        },
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)

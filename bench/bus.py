@@ -140,8 +140,14 @@ def cpu_seconds(pid: int) -> float | None:
 
 def cpu_ms_per(before: dict[str, float | None], after: dict[str, float | None], n: int) -> dict[str, float | None]:
     """CPU milliseconds per unit of work for each process, from two cpu_seconds readings."""
-    return {k: (round(1000 * (after[k] - before[k]) / n, 4) if n and before.get(k) is not None
-                and after.get(k) is not None else None) for k in after}
+    return {
+        k: (
+            round(1000 * (after[k] - before[k]) / n, 4)
+            if n and before.get(k) is not None and after.get(k) is not None
+            else None
+        )
+        for k in after
+    }
 
 
 # ---------------------------------------------------------------------------- ours
@@ -153,12 +159,32 @@ class Workers:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, role: str) -> None:
-        cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(self.config),
-               "--nats-url", self.url, "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "worker",
+            role,
+            "--config",
+            str(self.config),
+            "--nats-url",
+            self.url,
+            "--run-id",
+            self.run_id,
+            "--run-dir",
+            str(self.run_dir),
+        ]
         log = open(self.log_dir / f"{role}.log", "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.procs[role] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        self.procs[role] = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
         log.close()
 
     def check_alive(self) -> None:
@@ -211,15 +237,19 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -
         for role in ROLES:
             workers.start(role)
         t_start = time.monotonic()
-        console.print(f"[bold]ours[/]: started {', '.join(f'{r}={p.pid}' for r, p in workers.procs.items())}; warming up ...")
+        console.print(
+            f"[bold]ours[/]: started {', '.join(f'{r}={p.pid}' for r, p in workers.procs.items())}; warming up ..."
+        )
         while True:
             workers.check_alive()
             p = await progress()
             if p.get("samples_trained", 0) > 0:
                 break
             if time.monotonic() - t_start > WARMUP_MAX_S:
-                raise TimeoutError("no trajectory reached the learner during warm-up:\n"
-                                   + "\n".join(f"--- {r}\n{workers.tail(r)}" for r in ROLES))
+                raise TimeoutError(
+                    "no trajectory reached the learner during warm-up:\n"
+                    + "\n".join(f"--- {r}\n{workers.tail(r)}" for r in ROLES)
+                )
             await asyncio.sleep(0.5)
         first_trained_s = time.monotonic() - t_start
         await asyncio.sleep(SETTLE_S)
@@ -256,10 +286,14 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -
         "warmup_s": round(first_trained_s + SETTLE_S, 1),
         "stage_rates_wall": stages,
         "cpu_ms_per_trajectory": cpu_ms_per(cpu0, cpu1, trained),
-        "cpu_util_in_window": {k: (round((cpu1[k] - cpu0[k]) / wall, 3) if cpu0[k] is not None and cpu1[k] is not None
-                                   else None) for k in cpu1},
+        "cpu_util_in_window": {
+            k: (round((cpu1[k] - cpu0[k]) / wall, 3) if cpu0[k] is not None and cpu1[k] is not None else None)
+            for k in cpu1
+        },
         "stream_backlog_at_end": streams,
-        "worker_counters_at_end": {r: {k: v for k, v in c.items() if not k.startswith("reward_")} for r, c in tele1.items()},
+        "worker_counters_at_end": {
+            r: {k: v for k, v in c.items() if not k.startswith("reward_")} for r, c in tele1.items()
+        },
         "worker_exit_codes": codes,
         "run_id": run_id,
     }
@@ -270,10 +304,18 @@ async def measure_peer(url: str, server_pid: int, payload_bytes: int, console: C
     nc = await nats.connect(url, name="bench-bus-peer", pending_size=64 * 1024 * 1024)
     js = nc.jetstream(timeout=30)
     subject = f"{name.lower()}.work"
-    await js.add_stream(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE,
-                                     storage=StorageType.FILE, num_replicas=1))
-    await js.add_consumer(name, ConsumerConfig(durable_name="peer", ack_policy=AckPolicy.EXPLICIT,
-                                               max_ack_pending=20_000, ack_wait=60.0))
+    await js.add_stream(
+        StreamConfig(
+            name=name,
+            subjects=[subject],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            num_replicas=1,
+        )
+    )
+    await js.add_consumer(
+        name, ConsumerConfig(durable_name="peer", ack_policy=AckPolicy.EXPLICIT, max_ack_pending=20_000, ack_wait=60.0)
+    )
     payload = os.urandom(payload_bytes)
     console.print(f"[bold]peer[/] ({name}): publish+fetch+ack of up to {PEER_N} x {payload_bytes} B messages ...")
     cpu0 = {"peer": time.process_time(), "nats-server": cpu_seconds(server_pid)}
@@ -308,11 +350,18 @@ async def measure_peer(url: str, server_pid: int, payload_bytes: int, console: C
     await js.delete_stream(name)
     await nc.close()
     total = t_end - t0
-    return {"msg_per_s": acked / total, "n": acked, "published": published, "seconds": round(total, 3),
-            "publish_s": round(t_pub - t0, 3), "fetch_ack_s": round(t_end - t_pub, 3),
-            "publish_msg_per_s": round(published / (t_pub - t0), 1),
-            "fetch_ack_msg_per_s": round(acked / (t_end - t_pub), 1), "left_in_stream": left,
-            "cpu_ms_per_message": cpu_ms_per(cpu0, cpu1, acked)}
+    return {
+        "msg_per_s": acked / total,
+        "n": acked,
+        "published": published,
+        "seconds": round(total, 3),
+        "publish_s": round(t_pub - t0, 3),
+        "fetch_ack_s": round(t_end - t_pub, 3),
+        "publish_msg_per_s": round(published / (t_pub - t0), 1),
+        "fetch_ack_msg_per_s": round(acked / (t_end - t_pub), 1),
+        "left_in_stream": left,
+        "cpu_ms_per_message": cpu_ms_per(cpu0, cpu1, acked),
+    }
 
 
 # ---------------------------------------------------------------------------- main
@@ -345,15 +394,28 @@ async def main() -> dict:
         "target_ratio": 0.3,
         "peer_name": "raw JetStream publish+fetch+ack, one nats-py process",
         "command": "python bench/bus.py",
-        "ours_detail": {**ours, "group_size": GROUP_SIZE, "rollout_batch_tasks": BATCH_TASKS,
-                        "learner_groups_per_step": GROUPS_PER_STEP, "sampler_max_inflight_tasks": MAX_INFLIGHT_TASKS,
-                        "sampler_publish_batch": PUBLISH_BATCH, "verifier_batch": VERIFIER_BATCH,
-                        "messages_per_trajectory": "1 trajectory + 1 reward + 1/group_size task (+ ledger/KV per batch)"},
+        "ours_detail": {
+            **ours,
+            "group_size": GROUP_SIZE,
+            "rollout_batch_tasks": BATCH_TASKS,
+            "learner_groups_per_step": GROUPS_PER_STEP,
+            "sampler_max_inflight_tasks": MAX_INFLIGHT_TASKS,
+            "sampler_publish_batch": PUBLISH_BATCH,
+            "verifier_batch": VERIFIER_BATCH,
+            "messages_per_trajectory": "1 trajectory + 1 reward + 1/group_size task (+ ledger/KV per batch)",
+        },
         "ratio_vs_mean_peer": round(ours["traj_per_s"] / peer_mean, 3) if peer_mean else None,
-        "peer_runs_msg_per_s": {"before_ours": round(peer_before["msg_per_s"], 1),
-                                "after_ours": round(peer_after["msg_per_s"], 1)},
-        "peer_detail": {**peer, "payload_bytes": payload_bytes, "fetch_batch": PEER_FETCH_BATCH,
-                        "storage": "file", "retention": "workqueue"},
+        "peer_runs_msg_per_s": {
+            "before_ours": round(peer_before["msg_per_s"], 1),
+            "after_ours": round(peer_after["msg_per_s"], 1),
+        },
+        "peer_detail": {
+            **peer,
+            "payload_bytes": payload_bytes,
+            "fetch_batch": PEER_FETCH_BATCH,
+            "storage": "file",
+            "retention": "workqueue",
+        },
         "payload_bytes": payload_bytes,
         "python": platform.python_version(),
         "nats_py": version("nats-py"),
@@ -368,22 +430,40 @@ async def main() -> dict:
     table = Table(title="bus: null-model pipeline vs raw JetStream (same server, same run)")
     for col in ("side", "rate", "unit", "detail"):
         table.add_column(col)
-    table.add_row("ours", f"{result['ours']:,.0f}", "traj/s end to end",
-                  f"{ours['samples_trained_in_window']} trained in {ours['window_s']:.1f}s, G={GROUP_SIZE}")
-    table.add_row("peer", f"{result['peer']:,.0f}", "msg/s publish+fetch+ack",
-                  f"{peer['n']} x {payload_bytes} B in {peer['seconds']:.1f}s (faster of 2 runs: "
-                  f"{peer_before['msg_per_s']:,.0f} before, {peer_after['msg_per_s']:,.0f} after)")
+    table.add_row(
+        "ours",
+        f"{result['ours']:,.0f}",
+        "traj/s end to end",
+        f"{ours['samples_trained_in_window']} trained in {ours['window_s']:.1f}s, G={GROUP_SIZE}",
+    )
+    table.add_row(
+        "peer",
+        f"{result['peer']:,.0f}",
+        "msg/s publish+fetch+ack",
+        f"{peer['n']} x {payload_bytes} B in {peer['seconds']:.1f}s (faster of 2 runs: "
+        f"{peer_before['msg_per_s']:,.0f} before, {peer_after['msg_per_s']:,.0f} after)",
+    )
     ok = result["ratio"] is not None and result["ratio"] >= 0.3
-    table.add_row("ratio", f"{result['ratio']}", "ours/peer", "[green]>= 0.3 target met[/]" if ok else "[red]< 0.3 target[/]")
+    table.add_row(
+        "ratio", f"{result['ratio']}", "ours/peer", "[green]>= 0.3 target met[/]" if ok else "[red]< 0.3 target[/]"
+    )
     for k, v in ours["stage_rates_wall"].items():
         table.add_row("", f"{v}", k, "")
     cpu = ours["cpu_ms_per_trajectory"]
     if all(v is not None for v in cpu.values()):
-        table.add_row("cpu", f"{sum(cpu.values()):.3f}", "ms CPU per trajectory (all processes)",
-                      ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()))
+        table.add_row(
+            "cpu",
+            f"{sum(cpu.values()):.3f}",
+            "ms CPU per trajectory (all processes)",
+            ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()),
+        )
         pc = peer["cpu_ms_per_message"]
-        table.add_row("cpu", f"{sum(pc.values()):.3f}", "ms CPU per peer message",
-                      ", ".join(f"{k} {v:.3f}" for k, v in pc.items()))
+        table.add_row(
+            "cpu",
+            f"{sum(pc.values()):.3f}",
+            "ms CPU per peer message",
+            ", ".join(f"{k} {v:.3f}" for k, v in pc.items()),
+        )
     console.print(table)
     console.print(f"wrote {RESULT.relative_to(ROOT)}")
     return result

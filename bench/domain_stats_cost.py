@@ -74,10 +74,13 @@ def bench_pcgrad(n_params: int) -> dict:
         flat = [(0.3 if i % 2 else -0.3) * shared + torch.randn(n_params, generator=gen) for i in range(k)]
         new, n_new = pcgrad(flat)
         old, n_old = pcgrad_loop(flat)
-        out[str(k)] = {"gram_ms": median_ms(lambda f=flat: pcgrad(f), 3),
-                       "loop_ms": median_ms(lambda f=flat: pcgrad_loop(f), 1 if k > 10 else 3),
-                       "conflicts": n_new, "same_conflicts_as_loop": n_new == n_old,
-                       "max_rel_diff_vs_loop": round(float((new - old).abs().max() / old.abs().max()), 8)}
+        out[str(k)] = {
+            "gram_ms": median_ms(lambda f=flat: pcgrad(f), 3),
+            "loop_ms": median_ms(lambda f=flat: pcgrad_loop(f), 1 if k > 10 else 3),
+            "conflicts": n_new,
+            "same_conflicts_as_loop": n_new == n_old,
+            "max_rel_diff_vs_loop": round(float((new - old).abs().max() / old.abs().max()), 8),
+        }
     return out
 
 
@@ -90,11 +93,28 @@ def batch_over(k: int, n_groups: int = 100, size: int = 2) -> list:
         prompt = [rng.randrange(4, 90) for _ in range(rng.randrange(4, 12))]
         for i in range(size):
             comp = [rng.randrange(4, 90) for _ in range(rng.randrange(2, 12))]
-            traj = Trajectory(run_id="b", task_id=f"t{g}", task_msg_id=f"tm{g}", domain=f"d{g % k:03d}", group_id=f"g{g}",
-                              group_size=size, sample_index=i, verifier="arith", policy_version=0,
-                              turns=[Turn(role="prompt", text="p", token_ids=pack_i32(prompt)),
-                                     Turn(role="assistant", text="c", token_ids=pack_i32(comp),
-                                          logprobs=pack_f32([-4.5] * len(comp)), trainable=True, policy_version=0)])
+            traj = Trajectory(
+                run_id="b",
+                task_id=f"t{g}",
+                task_msg_id=f"tm{g}",
+                domain=f"d{g % k:03d}",
+                group_id=f"g{g}",
+                group_size=size,
+                sample_index=i,
+                verifier="arith",
+                policy_version=0,
+                turns=[
+                    Turn(role="prompt", text="p", token_ids=pack_i32(prompt)),
+                    Turn(
+                        role="assistant",
+                        text="c",
+                        token_ids=pack_i32(comp),
+                        logprobs=pack_f32([-4.5] * len(comp)),
+                        trainable=True,
+                        policy_version=0,
+                    ),
+                ],
+            )
             out.append(PooledSample(Reward(run_id="b", trajectory=traj, reward=float(rng.random())), raw=None))
     return out
 
@@ -117,6 +137,7 @@ def bench_train_step(model_dir: Path) -> dict:
 
             def step(model=model, opt=opt, lc=lc, batch=batch, metrics=metrics):
                 metrics.update(train_step(model, None, opt, batch, 0, lc))
+
             step()  # warm-up
             row["pcgrad_ms" if pc else "plain_ms"] = median_ms(step, 3)
             if pc:
@@ -135,15 +156,21 @@ def bench_curriculum() -> dict:
     out = {}
     for k in KS:
         names = [f"d{i:03d}" for i in range(k)]
-        cur = Curriculum({d: DomainSpec(target_reward=None, levels=(1, 6)) for d in names}, window=64,
-                         min_share=0.1 / k, max_share=min(1.0, 10.0 / k))
+        cur = Curriculum(
+            {d: DomainSpec(target_reward=None, levels=(1, 6)) for d in names},
+            window=64,
+            min_share=0.1 / k,
+            max_share=min(1.0, 10.0 / k),
+        )
         rng = random.Random(0)
         for _ in range(40 * k):
             d = rng.choice(names)
             cur.observe(d, cur.level(d), [float(rng.random() < 0.5) for _ in range(8)], version=rng.randrange(3))
-        out[str(k)] = {"weights_ms": median_ms(cur.weights, 20),
-                       "kv_value_ms": median_ms(lambda c=cur: json.dumps(kv_value(c, 1)), 5),
-                       "kv_value_bytes": len(json.dumps(kv_value(cur, 1)))}
+        out[str(k)] = {
+            "weights_ms": median_ms(cur.weights, 20),
+            "kv_value_ms": median_ms(lambda c=cur: json.dumps(kv_value(c, 1)), 5),
+            "kv_value_bytes": len(json.dumps(kv_value(cur, 1))),
+        }
     return out
 
 
@@ -155,12 +182,27 @@ def bench_domain_stats() -> dict:
         with tempfile.TemporaryDirectory() as d:
             store = open_store(None, Path(d))
             rng, t0 = random.Random(0), 1_700_000_000.0
-            rows = [{"msg_id": f"r{i}", "run_id": "b", "domain": f"d{i % k:03d}", "difficulty": 1, "purpose": "train",
-                     "reward": float(rng.random() < 0.5), "status": "ok", "policy_version": i // 1000,
-                     "task_msg_id": f"t{i // 4}", "created_at": t0 + i * 0.01} for i in range(20_000)]
+            rows = [
+                {
+                    "msg_id": f"r{i}",
+                    "run_id": "b",
+                    "domain": f"d{i % k:03d}",
+                    "difficulty": 1,
+                    "purpose": "train",
+                    "reward": float(rng.random() < 0.5),
+                    "status": "ok",
+                    "policy_version": i // 1000,
+                    "task_msg_id": f"t{i // 4}",
+                    "created_at": t0 + i * 0.01,
+                }
+                for i in range(20_000)
+            ]
             store.insert_ignore(RewardRow, rows)
-            out[str(k)] = {"domain_stats_ms": median_ms(lambda s=store: domain_stats(s, "b", 10.0), 5),
-                           "rows_out": len(domain_stats(store, "b", 10.0)), "rewards": len(rows)}
+            out[str(k)] = {
+                "domain_stats_ms": median_ms(lambda s=store: domain_stats(s, "b", 10.0), 5),
+                "rows_out": len(domain_stats(store, "b", 10.0)),
+                "rewards": len(rows),
+            }
             store.close()
     return out
 
@@ -175,17 +217,32 @@ def main() -> dict:
         from transformers import AutoModelForCausalLM
 
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        result = {"name": "domain_stats_cost", "command": "python bench/domain_stats_cost.py", "domains": list(KS),
-                  "model_params": n_params,
-                  "pcgrad": bench_pcgrad(n_params), "train_step": bench_train_step(model_dir),
-                  "curriculum": bench_curriculum(), "domain_stats": bench_domain_stats()}
-    result.update(seconds=round(time.monotonic() - t_start, 1), python=platform.python_version(),
-                  torch=torch.__version__, torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),
-                  load_avg=os.getloadavg(), timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        result = {
+            "name": "domain_stats_cost",
+            "command": "python bench/domain_stats_cost.py",
+            "domains": list(KS),
+            "model_params": n_params,
+            "pcgrad": bench_pcgrad(n_params),
+            "train_step": bench_train_step(model_dir),
+            "curriculum": bench_curriculum(),
+            "domain_stats": bench_domain_stats(),
+        }
+    result.update(
+        seconds=round(time.monotonic() - t_start, 1),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        cpus=os.cpu_count(),
+        load_avg=os.getloadavg(),
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k in ("pcgrad", "train_step", "curriculum", "domain_stats")},
-                     indent=1))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k in ("pcgrad", "train_step", "curriculum", "domain_stats")}, indent=1
+        )
+    )
     print(f"wrote {RESULT.relative_to(ROOT)} in {result['seconds']}s")
     return result
 

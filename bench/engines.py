@@ -53,9 +53,25 @@ def start_checkpoint(config: Path, work: Path) -> Path:
 
 def run_engine(engine: str, config: Path, start: Path, work: Path, minutes: float) -> dict:
     """One `rlbus up` of CONFIG from START with `rollout.engine = engine`; its summary and wall time."""
-    cmd = [sys.executable, "-m", "rlbus.cli", "up", str(config), "--run-dir", str(work / "runs"),
-           "--run-id", engine, "--max-minutes", str(minutes),
-           "--set", f"model.path={start}", "--set", "sft.enabled=false", "--set", f"rollout.engine={engine}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlbus.cli",
+        "up",
+        str(config),
+        "--run-dir",
+        str(work / "runs"),
+        "--run-id",
+        engine,
+        "--max-minutes",
+        str(minutes),
+        "--set",
+        f"model.path={start}",
+        "--set",
+        "sft.enabled=false",
+        "--set",
+        f"rollout.engine={engine}",
+    ]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=minutes * 60 + 600)
@@ -69,16 +85,31 @@ def run_engine(engine: str, config: Path, start: Path, work: Path, minutes: floa
 def figures(engine: str, out: dict) -> dict:
     """The compared figures of one engine's run."""
     s = out["summary"]
-    evals = {d: {"baseline": e["baseline"], "final": e["final"], "final_version": e["final_version"],
-                 "gain": None if e["baseline"] is None else round(e["final"] - e["baseline"], 4)}
-             for d, e in s["eval"].items()}
+    evals = {
+        d: {
+            "baseline": e["baseline"],
+            "final": e["final"],
+            "final_version": e["final_version"],
+            "gain": None if e["baseline"] is None else round(e["final"] - e["baseline"], 4),
+        }
+        for d, e in s["eval"].items()
+    }
     gains = [e["gain"] for e in evals.values() if e["gain"] is not None]
     tool = s["domains"].get("tool_calc", {})
-    return {"engine": engine, "eval": evals, "mean_gain": round(sum(gains) / len(gains), 4) if gains else None,
-            "rollout_tok_s": s["rollout"].get("tokens_per_s"), "weights_loaded": s["rollout"]["weights_loaded"],
-            "rollout_tokens": s["rollout"].get("tokens"), "steps": s["steps"], "lost": s["lost"],
-            "tool_calls": tool.get("tool_calls"), "tool_calc_rewards": tool.get("rewards"),
-            "wall_s": out["wall_s"], "load_avg": out["load_avg"]}
+    return {
+        "engine": engine,
+        "eval": evals,
+        "mean_gain": round(sum(gains) / len(gains), 4) if gains else None,
+        "rollout_tok_s": s["rollout"].get("tokens_per_s"),
+        "weights_loaded": s["rollout"]["weights_loaded"],
+        "rollout_tokens": s["rollout"].get("tokens"),
+        "steps": s["steps"],
+        "lost": s["lost"],
+        "tool_calls": tool.get("tool_calls"),
+        "tool_calc_rewards": tool.get("rewards"),
+        "wall_s": out["wall_s"],
+        "load_avg": out["load_avg"],
+    }
 
 
 def ratio(a, b):
@@ -95,18 +126,32 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlbus-engines-") as tmp:
         work = Path(tmp)
         start = start_checkpoint(args.config, work)
-        rows = {engine: figures(engine, run_engine(engine, args.config, start, work, args.minutes))
-                for engine in ("hf", "vllm")}
+        rows = {
+            engine: figures(engine, run_engine(engine, args.config, start, work, args.minutes))
+            for engine in ("hf", "vllm")
+        }
     hf, vl = rows["hf"], rows["vllm"]
-    result = {"config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
-              "minutes": args.minutes, "cpus": os.cpu_count(), "machine": platform.machine(),
-              "hf": hf, "vllm": vl, "gain_ratio": ratio(vl["mean_gain"], hf["mean_gain"]),
-              "tok_s_ratio": ratio(vl["rollout_tok_s"], hf["rollout_tok_s"])}
+    result = {
+        "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
+        "minutes": args.minutes,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "hf": hf,
+        "vllm": vl,
+        "gain_ratio": ratio(vl["mean_gain"], hf["mean_gain"]),
+        "tok_s_ratio": ratio(vl["rollout_tok_s"], hf["rollout_tok_s"]),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("gain_ratio", "tok_s_ratio")} |
-                     {e: {k: rows[e][k] for k in ("mean_gain", "rollout_tok_s", "weights_loaded", "steps", "lost")}
-                      for e in rows}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("gain_ratio", "tok_s_ratio")}
+            | {
+                e: {k: rows[e][k] for k in ("mean_gain", "rollout_tok_s", "weights_loaded", "steps", "lost")}
+                for e in rows
+            }
+        )
+    )
     return 0
 
 

@@ -28,8 +28,11 @@ from bus.server import EmbeddedNats, free_port
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
-SANDBOX_CONFIG = BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3").replace("hidden_size = 32\nnum_layers = 1", "hidden_size = 64\nnum_layers = 2").replace(
-    "max_steps = 30\nseconds = 30", "max_steps = 300\nseconds = 90") + """
+SANDBOX_CONFIG = (
+    BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3")
+    .replace("hidden_size = 32\nnum_layers = 1", "hidden_size = 64\nnum_layers = 2")
+    .replace("max_steps = 30\nseconds = 30", "max_steps = 300\nseconds = 90")
+    + """
 [sampler.domains.tool_calc]
 weight = 1.0
 sft_weight = 1.0
@@ -39,12 +42,15 @@ max_turns = 2
 remote = true
 timeout_s = 5.0
 """
+)
 """Tool episodes through the sandbox service (`rlbus worker sandbox`, started by `up` when remote)."""
 
 DOCKER_CONFIG = SANDBOX_CONFIG.replace("remote = true", 'backend = "docker"\nwarm_pool = 1')
 """Tool episodes in Docker sandboxes (the engine restarts under them)."""
 
-SLOW_VERIFIER_CONFIG = BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3") + """
+SLOW_VERIFIER_CONFIG = (
+    BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3")
+    + """
 [sampler.domains.arith]
 weight = 0.67
 [sampler.domains.slow]
@@ -53,14 +59,17 @@ weight = 0.33
 sft_weight = 0.0
 params = { seconds = 0.0, verify_seconds = 30.0 }
 """
+)
 """Arithmetic plus a domain whose verifier takes 30 s a call (longer than the verifier's ack_wait)."""
 
 FLOOD_ANSWER = "<answer>9**9**9**9</answer>"
 """An answer that holds the scorer's interpreter (sympy's eval of a tower of powers): on 45ce3d4 it
 froze the verifier worker until the watchdog killed it, and its redelivery froze the next one."""
-ANSWER_FLOOD_CONFIG = BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3").replace(
-    'tokenizer = "char"', 'tokenizer = "bpe"').replace(
-    "[rollout]\n", f"[rollout]\nengine = \"null\"\nnull_answer = \"{FLOOD_ANSWER}\"\n") + """
+ANSWER_FLOOD_CONFIG = (
+    BASE_CONFIG.replace("max_minutes = 1.5", "max_minutes = 3")
+    .replace('tokenizer = "char"', 'tokenizer = "bpe"')
+    .replace("[rollout]\n", f'[rollout]\nengine = "null"\nnull_answer = "{FLOOD_ANSWER}"\n')
+    + """
 [verifier]
 answer_cpu_s = 1.0
 answer_wall_s = 3.0
@@ -73,6 +82,7 @@ sft_weight = 0.0
 max_tokens = 16
 params = { dataset = "countdown" }
 """
+)
 """Every sample of every task is `FLOOD_ANSWER` (the null engine's fixed answer): half the tasks
 are reasoning-gym countdown, whose scorer parses the answer with sympy, so each of their answers
 runs into the answer pool's limits (`answer_limit`, reward 0); the other half are arithmetic. A BPE
@@ -147,8 +157,10 @@ class LocalCluster:
 
     def _config(self, i: int) -> str:
         routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.routes) if j != i)
-        return (f"server_name: n{i}\n"
-                f"cluster {{ name: rlbus-faults, listen: 127.0.0.1:{self.routes[i]}, routes: [{routes}] }}\n")
+        return (
+            f"server_name: n{i}\n"
+            f"cluster {{ name: rlbus-faults, listen: 127.0.0.1:{self.routes[i]}, routes: [{routes}] }}\n"
+        )
 
     def _start(self, i: int, wait: bool) -> None:
         node = EmbeddedNats(self.root / f"n{i}", port=self.ports[i], config=self._config(i))
@@ -216,8 +228,10 @@ def pg_rows(run: FaultRun) -> dict:
 
     engine = sa.create_engine(PG_URL)
     with engine.connect() as conn:
-        rows = conn.execute(sa.text("SELECT count(*), count(DISTINCT msg_id) FROM rewards "
-                                    "WHERE run_id = :r AND purpose = 'train'"), {"r": run.run_id}).one()
+        rows = conn.execute(
+            sa.text("SELECT count(*), count(DISTINCT msg_id) FROM rewards WHERE run_id = :r AND purpose = 'train'"),
+            {"r": run.run_id},
+        ).one()
     engine.dispose()
     seen = sum(int(d.get("rewards", 0)) for d in (run.summary().get("domains") or {}).values())
     return {"sql_reward_rows": rows[0], "sql_distinct": rows[1], "rewards_seen": seen, "sql_missing": seen - rows[1]}
@@ -229,7 +243,9 @@ def restart_docker() -> str:
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 0:
+    while (
+        time.monotonic() < deadline and subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 0
+    ):
         time.sleep(0.5)
     with open("/tmp/dockerd.log", "ab") as log:  # the engine keeps its own copy of the descriptor
         subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -242,6 +258,7 @@ def restart_docker() -> str:
 
 def docker_leftovers(run: FaultRun) -> dict:
     """Containers of this run still present after it stopped (must be none)."""
-    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=rlbus.run_id={run.run_id}"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=rlbus.run_id={run.run_id}"], capture_output=True, text=True
+    )
     return {"containers_left": len(out.stdout.split())}

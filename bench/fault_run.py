@@ -61,8 +61,14 @@ learner steps per second, the drain), so a fault at ~20 s has the rest of the ru
 class FaultRun:
     """A run under test: its folder, its launcher, its console."""
 
-    def __init__(self, tmp: Path, name: str, config: str = BASE_CONFIG, overrides: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        config: str = BASE_CONFIG,
+        overrides: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
         self.tmp = tmp
         self.run_id = f"fault-{name}-{os.getpid()}"
         self.run_dir = tmp / "runs"
@@ -86,8 +92,15 @@ class FaultRun:
         out = self.console_path.open("ab")
         out.write(f"\n$ rlbus up {'--resume ' + str(self.run_path) if resume else self.config_file.name}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=dict(os.environ, **(self.env or {})))
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=dict(os.environ, **(self.env or {})),
+        )
         out.close()
 
     # -- reading the run ---------------------------------------------------------------
@@ -114,8 +127,9 @@ class FaultRun:
     def pid(self, role: str) -> int:
         """The pid of `role`'s current worker (or `server`, `launcher`)."""
         st = self.state()
-        found = {"server": st.get("server_pid"), "launcher": st.get("launcher_pid")}.get(role) \
-            or st.get("workers", {}).get(role)
+        found = {"server": st.get("server_pid"), "launcher": st.get("launcher_pid")}.get(role) or st.get(
+            "workers", {}
+        ).get(role)
         if not found:
             raise RuntimeError(f"no {role} pid in {self.run_path / 'run.json'}")
         return int(found)

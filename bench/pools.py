@@ -107,10 +107,29 @@ def run_scenario(name: str, config: str, tmp: Path, console: Console) -> dict:
     try:
         for role in ("learner", "verifier", "rollout", "sampler"):
             log = open(tmp / f"{name}-{role}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(cfg_path), "--nats-url", server.url,
-                 "--run-id", run_id, "--run-dir", str(tmp / "runs")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rlbus.cli",
+                        "worker",
+                        role,
+                        "--config",
+                        str(cfg_path),
+                        "--nats-url",
+                        server.url,
+                        "--run-id",
+                        run_id,
+                        "--run-dir",
+                        str(tmp / "runs"),
+                    ],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         subject = reg.rewards("quick")
         deadline = time.monotonic() + 120
         while asyncio.run(stored(server.url, reg, subject)) == 0:
@@ -123,9 +142,15 @@ def run_scenario(name: str, config: str, tmp: Path, console: Console) -> dict:
         n1, t1 = asyncio.run(stored(server.url, reg, subject)), time.monotonic()
         slow = asyncio.run(stored(server.url, reg, reg.rewards("slow")))
         rate = (n1 - n0) / (t1 - t0)
-        console.print(f"{name:>15}: {rate:7.1f} quick rewards/s ({n1 - n0} in {t1 - t0:.0f} s; slow rewards so far {slow})")
-        return {"quick_rewards_per_s": round(rate, 2), "quick_rewards": n1 - n0, "window_s": round(t1 - t0, 1),
-                "slow_rewards_total": slow}
+        console.print(
+            f"{name:>15}: {rate:7.1f} quick rewards/s ({n1 - n0} in {t1 - t0:.0f} s; slow rewards so far {slow})"
+        )
+        return {
+            "quick_rewards_per_s": round(rate, 2),
+            "quick_rewards": n1 - n0,
+            "window_s": round(t1 - t0, 1),
+            "slow_rewards_total": slow,
+        }
     finally:
         for p in procs:
             if p.poll() is None:
@@ -147,10 +172,17 @@ def main() -> int:
     ours = results["mixed_pools"]["quick_rewards_per_s"]
     peer = results["short_only"]["quick_rewards_per_s"]
     out = {
-        "benchmark": "pools", "unit": "0.1 s-task rewards/s", "ours": ours, "peer": peer,
-        "ratio": round(ours / peer, 3) if peer else None, "target": ">= 0.8",
+        "benchmark": "pools",
+        "unit": "0.1 s-task rewards/s",
+        "ours": ours,
+        "peer": peer,
+        "ratio": round(ours / peer, 3) if peer else None,
+        "target": ">= 0.8",
         "contrast_one_pool": results["mixed_one_pool"]["quick_rewards_per_s"],
-        "scenarios": results, "short_task_s": SHORT_S, "long_task_s": LONG_S, "warmup_s": WARMUP_S,
+        "scenarios": results,
+        "short_task_s": SHORT_S,
+        "long_task_s": LONG_S,
+        "warmup_s": WARMUP_S,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

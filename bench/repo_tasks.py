@@ -113,10 +113,22 @@ def _trajectory(task, diff: str):
     """The trajectory `rlbus verify --domain repo` builds: the diff as its `diff` artifact."""
     from schemas import Trajectory
 
-    return Trajectory(run_id="bench", task_id=task.task_id, task_msg_id="bench", domain="repo", group_id="bench",
-                      group_size=1, sample_index=0, turns=[], verifier="repo",
-                      verifier_params={"problem_id": task.task_id}, hidden_ref="bench", policy_version=0,
-                      final_text="", artifacts={"diff": diff.encode()})
+    return Trajectory(
+        run_id="bench",
+        task_id=task.task_id,
+        task_msg_id="bench",
+        domain="repo",
+        group_id="bench",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier="repo",
+        verifier_params={"problem_id": task.task_id},
+        hidden_ref="bench",
+        policy_version=0,
+        final_text="",
+        artifacts={"diff": diff.encode()},
+    )
 
 
 def _details_times(details: str) -> tuple[float | None, float | None]:
@@ -141,12 +153,24 @@ def verify_job(task, job: dict) -> dict:
             break
         except VerifierInfraError as exc:
             if attempt == INFRA_ATTEMPTS - 1:
-                return {"id": job["id"], "kind": job["kind"], "error": str(exc)[:300], "retries": attempt,
-                        "s": time.perf_counter() - t0}
+                return {
+                    "id": job["id"],
+                    "kind": job["kind"],
+                    "error": str(exc)[:300],
+                    "retries": attempt,
+                    "s": time.perf_counter() - t0,
+                }
     setup_s, run_s = _details_times(reward.details)
-    return {"id": job["id"], "kind": job["kind"], "resolved": reward.components.get("resolved"),
-            "status": reward.status, "s": time.perf_counter() - t0, "setup_s": setup_s, "run_s": run_s,
-            "retries": attempt}
+    return {
+        "id": job["id"],
+        "kind": job["kind"],
+        "resolved": reward.components.get("resolved"),
+        "status": reward.status,
+        "s": time.perf_counter() - t0,
+        "setup_s": setup_s,
+        "run_s": run_s,
+        "retries": attempt,
+    }
 
 
 def worker_main(tasks_json: list[str], concurrency: int, jobs_q, results_q, ready_q, go) -> None:
@@ -155,9 +179,12 @@ def worker_main(tasks_json: list[str], concurrency: int, jobs_q, results_q, read
     from schemas.repo_task import RepoTask
 
     tasks = [RepoTask.from_json(t) for t in tasks_json]
-    warm = [threading.Thread(target=verify_job, args=(tasks[0], {"id": "warm", "kind": "gold",
-                                                                 "diff": tasks[0].gold_patch}))
-            for _ in range(concurrency)]
+    warm = [
+        threading.Thread(
+            target=verify_job, args=(tasks[0], {"id": "warm", "kind": "gold", "diff": tasks[0].gold_patch})
+        )
+        for _ in range(concurrency)
+    ]
     for t in warm:
         t.start()
     for t in warm:
@@ -184,8 +211,10 @@ def run_ours(tasks: list, jobs: list[dict], workers: int, concurrency: int, time
     ctx = mp.get_context("spawn")
     jobs_q, results_q, ready_q, go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     tasks_json = [t.to_json() for t in tasks]
-    procs = [ctx.Process(target=worker_main, args=(tasks_json, concurrency, jobs_q, results_q, ready_q, go),
-                         daemon=True) for _ in range(workers)]
+    procs = [
+        ctx.Process(target=worker_main, args=(tasks_json, concurrency, jobs_q, results_q, ready_q, go), daemon=True)
+        for _ in range(workers)
+    ]
     for p in procs:
         p.start()
     try:
@@ -208,8 +237,12 @@ def run_ours(tasks: list, jobs: list[dict], workers: int, concurrency: int, time
             p.join(timeout=60)
             if p.is_alive():
                 p.terminate()
-    return {"seconds": round(seconds, 3), "rate": round(len(jobs) / seconds, 3), "results": results,
-            "worker_cpu_s_per_job": round(sum(cpu) / len(jobs), 4)}
+    return {
+        "seconds": round(seconds, 3),
+        "rate": round(len(jobs) / seconds, 3),
+        "results": results,
+        "worker_cpu_s_per_job": round(sum(cpu) / len(jobs), 4),
+    }
 
 
 # ---------------------------------------------------------------- peer: plain pytest, one container
@@ -235,9 +268,14 @@ def run_peer(driver_jobs: list[dict], image: str, timeout: float = 1800.0) -> di
 
     client = get_client()
     t0 = time.perf_counter()
-    cid = client.api.create_container(image=image, command=["sleep", "infinity"], user="65534:65534",
-                                      working_dir="/tmp", network_disabled=True,
-                                      host_config=client.api.create_host_config(network_mode="none"))["Id"]
+    cid = client.api.create_container(
+        image=image,
+        command=["sleep", "infinity"],
+        user="65534:65534",
+        working_dir="/tmp",
+        network_disabled=True,
+        host_config=client.api.create_host_config(network_mode="none"),
+    )["Id"]
     try:
         client.api.start(cid)
         started = time.perf_counter() - t0
@@ -253,9 +291,13 @@ def run_peer(driver_jobs: list[dict], image: str, timeout: float = 1800.0) -> di
     finally:
         remove_container(client, cid)
     loop = report["loop_s"]
-    return {"seconds": round(loop, 3), "rate": round(len(driver_jobs) / loop, 3),
-            "container_start_s": round(started, 3), "wall_s": round(time.perf_counter() - t0, 3),
-            "results": report["results"]}
+    return {
+        "seconds": round(loop, 3),
+        "rate": round(len(driver_jobs) / loop, 3),
+        "container_start_s": round(started, 3),
+        "wall_s": round(time.perf_counter() - t0, 3),
+        "results": report["results"],
+    }
 
 
 # ---------------------------------------------------------------- sandbox start / reset times
@@ -263,8 +305,11 @@ def _pcts(xs: list[float]) -> dict:
     xs = sorted(xs)
     if not xs:
         return {}
-    return {"p50": round(statistics.median(xs), 4), "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 4),
-            "n": len(xs)}
+    return {
+        "p50": round(statistics.median(xs), 4),
+        "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 4),
+        "n": len(xs),
+    }
 
 
 def measure_sandbox(image: str, samples: int) -> dict:
@@ -296,8 +341,12 @@ def measure_sandbox(image: str, samples: int) -> dict:
     finally:
         plain.remove(box)
     fresh_cost = [a + b for a, b in zip(start, remove)]
-    return {"start_s": _pcts(start), "remove_s": _pcts(remove), "fresh_cost_s": _pcts(fresh_cost),
-            "reset_s": _pcts(reset)}
+    return {
+        "start_s": _pcts(start),
+        "remove_s": _pcts(remove),
+        "fresh_cost_s": _pcts(fresh_cost),
+        "reset_s": _pcts(reset),
+    }
 
 
 # ---------------------------------------------------------------- rounds and the summary
@@ -310,12 +359,19 @@ def judge(results: list[dict], ok_key: str) -> dict:
     gold = [r for r in results if r["id"].endswith(":gold")]
     empty = [r for r in results if r["id"].endswith(":empty")]
     if ok_key == "rc":
-        return {"resolved_gold": sum(r["rc"] == 0 for r in gold), "unresolved_mutants": sum(r["rc"] != 0 for r in empty),
-                "n": len(gold)}
-    return {"resolved_gold": sum(r.get("resolved") == 1.0 for r in gold),
-            "unresolved_mutants": sum(r.get("resolved") == 0.0 for r in empty), "n": len(gold),
-            "infra_errors": sum("error" in r for r in results), "infra_retries": sum(r["retries"] for r in results),
-            "statuses": sorted({r.get("status", "infra_error") for r in results})}
+        return {
+            "resolved_gold": sum(r["rc"] == 0 for r in gold),
+            "unresolved_mutants": sum(r["rc"] != 0 for r in empty),
+            "n": len(gold),
+        }
+    return {
+        "resolved_gold": sum(r.get("resolved") == 1.0 for r in gold),
+        "unresolved_mutants": sum(r.get("resolved") == 0.0 for r in empty),
+        "n": len(gold),
+        "infra_errors": sum("error" in r for r in results),
+        "infra_retries": sum(r["retries"] for r in results),
+        "statuses": sorted({r.get("status", "infra_error") for r in results}),
+    }
 
 
 def one_round(tasks: list, jobs: list[dict], driver_jobs: list[dict], args) -> dict:
@@ -326,17 +382,26 @@ def one_round(tasks: list, jobs: list[dict], driver_jobs: list[dict], args) -> d
     peer_b = run_peer(driver_jobs, args.image)
     peer = max(peer_a, peer_b, key=lambda p: p["rate"])
     overhead = [r["s"] - r["setup_s"] - r["run_s"] for r in ours["results"] if r.get("run_s") is not None]
-    return {"ours": ours["rate"], "peer": peer["rate"], "ratio": round(ours["rate"] / peer["rate"], 3),
-            "ours_s": ours["seconds"], "peer_s": [peer_a["seconds"], peer_b["seconds"]],
-            "peer_container_start_s": peer["container_start_s"], "ours_judged": judge(ours["results"], "resolved"),
-            "peer_judged": judge(peer["results"], "rc"), "worker_cpu_s_per_job": ours["worker_cpu_s_per_job"],
-            "verify_s": _pcts([r["s"] for r in ours["results"]]),
-            "harness_run_s": _pcts([r["run_s"] for r in ours["results"] if r.get("run_s") is not None]),
-            "harness_setup_s": _pcts([r["setup_s"] for r in ours["results"] if r.get("setup_s") is not None]),
-            "overhead_s": _pcts(overhead), "peer_job_s": _pcts([r["s"] for r in peer["results"]]),
-            "failures": [r for r in ours["results"] if "error" in r or
-                         (r["kind"] == "gold") != (r.get("resolved") == 1.0)][:5],
-            "load_avg": [load_before, _load()]}
+    return {
+        "ours": ours["rate"],
+        "peer": peer["rate"],
+        "ratio": round(ours["rate"] / peer["rate"], 3),
+        "ours_s": ours["seconds"],
+        "peer_s": [peer_a["seconds"], peer_b["seconds"]],
+        "peer_container_start_s": peer["container_start_s"],
+        "ours_judged": judge(ours["results"], "resolved"),
+        "peer_judged": judge(peer["results"], "rc"),
+        "worker_cpu_s_per_job": ours["worker_cpu_s_per_job"],
+        "verify_s": _pcts([r["s"] for r in ours["results"]]),
+        "harness_run_s": _pcts([r["run_s"] for r in ours["results"] if r.get("run_s") is not None]),
+        "harness_setup_s": _pcts([r["setup_s"] for r in ours["results"] if r.get("setup_s") is not None]),
+        "overhead_s": _pcts(overhead),
+        "peer_job_s": _pcts([r["s"] for r in peer["results"]]),
+        "failures": [r for r in ours["results"] if "error" in r or (r["kind"] == "gold") != (r.get("resolved") == 1.0)][
+            :5
+        ],
+        "load_avg": [load_before, _load()],
+    }
 
 
 def summarize(tasks: list, rounds: list[dict], sandbox: dict, args) -> dict:
@@ -344,18 +409,31 @@ def summarize(tasks: list, rounds: list[dict], sandbox: dict, args) -> dict:
     judged = head["ours_judged"]
     n = len(tasks)
     return {
-        "ours": head["ours"], "peer": head["peer"], "unit": "verified tasks/s", "ratio": head["ratio"],
+        "ours": head["ours"],
+        "peer": head["peer"],
+        "unit": "verified tasks/s",
+        "ratio": head["ratio"],
         "resolved_gold": f"{min(r['ours_judged']['resolved_gold'] for r in rounds)}/{n}",
         "unresolved_mutants": f"{min(r['ours_judged']['unresolved_mutants'] for r in rounds)}/{n}",
         "peer_resolved_gold": f"{head['peer_judged']['resolved_gold']}/{n}",
         "peer_unresolved_mutants": f"{head['peer_judged']['unresolved_mutants']}/{n}",
-        "infra_errors": judged["infra_errors"], "n_tasks": n, "n_jobs": 2 * n,
-        "tasks": [t.task_id for t in tasks], "workers": args.workers, "concurrency": args.concurrency,
+        "infra_errors": judged["infra_errors"],
+        "n_tasks": n,
+        "n_jobs": 2 * n,
+        "tasks": [t.task_id for t in tasks],
+        "workers": args.workers,
+        "concurrency": args.concurrency,
         "target": {"ratio": TARGET_RATIO, "resolved_gold": f"{n}/{n}", "unresolved_mutants": f"{n}/{n}"},
         "met": head["ratio"] >= TARGET_RATIO and judged["resolved_gold"] == n and judged["unresolved_mutants"] == n,
-        "headline": "the round with the lower ratio", "ratios": [r["ratio"] for r in rounds],
-        "sandbox": sandbox, "load_avg": _load(), "rounds": rounds, "image": args.image,
-        "quick": args.quick, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "headline": "the round with the lower ratio",
+        "ratios": [r["ratio"] for r in rounds],
+        "sandbox": sandbox,
+        "load_avg": _load(),
+        "rounds": rounds,
+        "image": args.image,
+        "quick": args.quick,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -407,14 +485,20 @@ def main() -> int:
             print(f"round {len(rounds) + 1} lost ({retried[-1]}); the engine answers again: repeating it", flush=True)
             continue
         r = rounds[-1]
-        print(f"round {len(rounds)}: ours {r['ours']} /s, peer {r['peer']} /s, ratio {r['ratio']}, "
-              f"gold {r['ours_judged']['resolved_gold']}/{len(tasks)}, "
-              f"mutants {r['ours_judged']['unresolved_mutants']}/{len(tasks)}, load {r['load_avg']}", flush=True)
+        print(
+            f"round {len(rounds)}: ours {r['ours']} /s, peer {r['peer']} /s, ratio {r['ratio']}, "
+            f"gold {r['ours_judged']['resolved_gold']}/{len(tasks)}, "
+            f"mutants {r['ours_judged']['unresolved_mutants']}/{len(tasks)}, load {r['load_avg']}",
+            flush=True,
+        )
         result = summarize(tasks, rounds, sandbox, args) | {"rounds_lost": retried}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # after every round: a lost one keeps these
-    print(json.dumps({k: result[k] for k in ("ours", "peer", "ratio", "resolved_gold", "unresolved_mutants",
-                                             "n_tasks", "met")}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("ours", "peer", "ratio", "resolved_gold", "unresolved_mutants", "n_tasks", "met")}
+        )
+    )
     return 0
 
 

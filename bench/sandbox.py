@@ -45,13 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sandbox_workers import images
@@ -249,8 +243,10 @@ def run_rounds(series: list[Series], n: int, progress) -> dict[str, list[float]]
 
 def machine_note() -> str:
     load = os.getloadavg()
-    return (f"{platform.node()}: {os.cpu_count()} CPUs, {platform.platform()}, "
-            f"load avg {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at start (shared machine)")
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPUs, {platform.platform()}, "
+        f"load avg {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at start (shared machine)"
+    )
 
 
 def main() -> int:
@@ -268,8 +264,15 @@ def main() -> int:
         console.print(f"built {args.image}")
     cols = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     warm = DockerWarm(args.image)
-    series = [warm, DockerFloor(args.image), DockerCold(args.image), ProcessExec(), ProcessFresh(),
-              ProcessExec(["/usr/bin/true"], "process bwrap: exec of true"), HostPython()]
+    series = [
+        warm,
+        DockerFloor(args.image),
+        DockerCold(args.image),
+        ProcessExec(),
+        ProcessFresh(),
+        ProcessExec(["/usr/bin/true"], "process bwrap: exec of true"),
+        HostPython(),
+    ]
     with Progress(*cols, console=console) as progress:
         times = run_rounds(series, args.n, progress)
     stats = {name: summary(values) for name, values in times.items()}
@@ -278,19 +281,27 @@ def main() -> int:
     floor = stats[DockerFloor.name]
     result = {
         "metric": "p50 ms to run `python3 -c pass` in a fresh sandbox (lower is better)",
-        "ours": w["p50"], "peer": c["p50"], "ratio": round(c["p50"] / w["p50"], 2),
-        "ours_p99": w["p99"], "peer_p99": c["p99"],
+        "ours": w["p50"],
+        "peer": c["p50"],
+        "ratio": round(c["p50"] / w["p50"], 2),
+        "ours_p99": w["p99"],
+        "peer_p99": c["p99"],
         "ours_desc": "docker backend: warm-pool hand-out (fresh: new or proven clean) + execute",
         "peer_desc": "docker run --rm --network none <image> python3 -c pass (CLI, cold container)",
         "warm_ready_gap_p50_ms": pct(warm.gaps, 0.5),
-        "docker_exec_floor_p50_ms": floor["p50"], "docker_exec_floor_p99_ms": floor["p99"],
-        "process_p50": p["p50"], "process_p99": p["p99"],
-        "process_fresh_p50": pf["p50"], "process_fresh_p99": pf["p99"],
+        "docker_exec_floor_p50_ms": floor["p50"],
+        "docker_exec_floor_p99_ms": floor["p99"],
+        "process_p50": p["p50"],
+        "process_p99": p["p99"],
+        "process_fresh_p50": pf["p50"],
+        "process_fresh_p99": pf["p99"],
         "process_isolation": "bwrap",
         "process_true_p50_ms": stats["process bwrap: exec of true"]["p50"],
         "host_python_p50_ms": stats[HostPython.name]["p50"],
         "targets": {"ours_p50_ms": 100, "process_p50_ms": 30},
-        "n": args.n, "image": args.image, "machine": note,
+        "n": args.n,
+        "image": args.image,
+        "machine": note,
         "load_avg_end": [round(x, 1) for x in os.getloadavg()],
         "sampling": "interleaved rounds: one sample of every series per round, rotating order",
     }

@@ -54,20 +54,37 @@ def make_rewards(spec: dict) -> list:
 
     rewards = []
     for i, (p, c, r, g) in enumerate(zip(spec["prompts"], spec["completions"], spec["rewards"], spec["groups"])):
-        turns = [Turn(role="prompt", text="", token_ids=pack_i32(np.asarray(p, dtype=np.int32))),
-                 Turn(role="assistant", text="", token_ids=pack_i32(np.asarray(c, dtype=np.int32)),
-                      logprobs=pack_f32(np.full(len(c), spec["behavior_logp"], dtype=np.float32)),
-                      trainable=True, policy_version=0)]
-        traj = Trajectory(run_id="bench", task_id=f"t{g}", task_msg_id=f"t{g}", domain="synthetic",
-                          group_id=f"g{g}", group_size=spec["group_size"], sample_index=i % spec["group_size"],
-                          turns=turns, verifier="none", policy_version=0, tokens=len(c))
+        turns = [
+            Turn(role="prompt", text="", token_ids=pack_i32(np.asarray(p, dtype=np.int32))),
+            Turn(
+                role="assistant",
+                text="",
+                token_ids=pack_i32(np.asarray(c, dtype=np.int32)),
+                logprobs=pack_f32(np.full(len(c), spec["behavior_logp"], dtype=np.float32)),
+                trainable=True,
+                policy_version=0,
+            ),
+        ]
+        traj = Trajectory(
+            run_id="bench",
+            task_id=f"t{g}",
+            task_msg_id=f"t{g}",
+            domain="synthetic",
+            group_id=f"g{g}",
+            group_size=spec["group_size"],
+            sample_index=i % spec["group_size"],
+            turns=turns,
+            verifier="none",
+            policy_version=0,
+            tokens=len(c),
+        )
         rewards.append(Reward(run_id="bench", trajectory=traj, reward=float(r)))
     return rewards
 
 
 def warmup_subset(rewards: list, group_size: int) -> list:
     """The group with the fewest tokens: a cheap first step that allocates optimizer state."""
-    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
     return min(groups, key=lambda g: sum(r.trajectory.tokens for r in g))
 
 
@@ -80,7 +97,7 @@ def deal(chunks: list[list[int]], lengths: list[int], world: int) -> list[list[l
         if len(chunks[big]) < 2:
             raise ValueError(f"cannot deal {len(chunks)} single-row micro-batches to {world} ranks evenly")
         c = chunks.pop(big)
-        chunks += [c[: len(c) // 2], c[len(c) // 2:]]
+        chunks += [c[: len(c) // 2], c[len(c) // 2 :]]
     cost = lambda c: len(c) * max(lengths[i] for i in c)
     per_rank, load = [[] for _ in range(world)], [0] * world
     for c in sorted(chunks, key=cost, reverse=True):
@@ -134,8 +151,9 @@ class Sharded:
         batch = pack_samples(self.rewards if rewards is None else rewards, 0)
         adv = batch_advantages(batch, lc)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        mine = deal(plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size), lengths,
-                    self.world)[self.rank]
+        mine = deal(plan_micro_batches(lengths, lc.micro_batch_tokens, lc.micro_batch_size), lengths, self.world)[
+            self.rank
+        ]
         self.opt.zero_grad(set_to_none=True)
         max_len = batch["loss_mask"].shape[1]
         for k, rows in enumerate(mine):  # as learner.sharded: gradients reduce-scattered at the last backward
@@ -161,8 +179,14 @@ def build_side(a, spec: dict, rewards: list):
         from bench.learner_vs_trl import Peer, trl_inputs
 
         inputs, small_inputs = trl_inputs(rewards, 0), trl_inputs(small, 0)
-        peer = Peer(Path(a.model), inputs, spec["group_size"], max(map(len, spec["completions"])), a.lr,
-                    Path(tempfile.mkdtemp(prefix="rlbus-scale-trl-")))
+        peer = Peer(
+            Path(a.model),
+            inputs,
+            spec["group_size"],
+            max(map(len, spec["completions"])),
+            a.lr,
+            Path(tempfile.mkdtemp(prefix="rlbus-scale-trl-")),
+        )
         return (lambda full: peer.step(None if full else small_inputs)), peer.model
     if a.side == "ours":
         from bench.learner_vs_trl import Ours
@@ -219,8 +243,14 @@ def main() -> None:
     spec = json.loads(Path(a.batch).read_text())
     step, model = build_side(a, spec, make_rewards(spec))
     torch.set_num_threads(a.threads)  # whatever the trainer set up, the same budget on both sides
-    say({"loaded": True, "baseline_rss_mb": base["rss_mb"], "threads": torch.get_num_threads(),
-         "params": sum(p.numel() for p in model.parameters())})
+    say(
+        {
+            "loaded": True,
+            "baseline_rss_mb": base["rss_mb"],
+            "threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+    )
     serve(step, a.warmup)
 
 

@@ -62,8 +62,13 @@ def measure_tier(model_dir: Path, tier: str, problems, max_tokens: int, group: i
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return {"tokens_per_s": statistics.median(rates), "tokens_per_s_all": [round(r, 1) for r in rates],
-            "greedy_accuracy": acc, "greedy_eval_s": round(eval_s, 3), "startup_s": round(startup, 1)}
+    return {
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_all": [round(r, 1) for r in rates],
+        "greedy_accuracy": acc,
+        "greedy_eval_s": round(eval_s, 3),
+        "startup_s": round(startup, 1),
+    }
 
 
 def main() -> dict:
@@ -108,10 +113,19 @@ def main() -> dict:
         "accuracy_within_margin": delta >= -a.margin,
         "tiers": tiers,
         "command": "python bench/vllm_tiers.py" + (f" --model {a.model}" if a.model else ""),
-        "settings": {"n": a.n, "max_tokens": a.max_tokens, "group": a.group, "repeats": a.repeats,
-                     "model": a.model or "tiny qwen2 (demo) + SFT", "sft": sft},
-        "gpu": torch.cuda.get_device_name(0), "vllm": version("vllm"), "torch": torch.__version__,
-        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "settings": {
+            "n": a.n,
+            "max_tokens": a.max_tokens,
+            "group": a.group,
+            "repeats": a.repeats,
+            "model": a.model or "tiny qwen2 (demo) + SFT",
+            "sft": sft,
+        },
+        "gpu": torch.cuda.get_device_name(0),
+        "vllm": version("vllm"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)

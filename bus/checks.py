@@ -65,8 +65,12 @@ class TaskCheck:
         data = msgpack.unpackb(raw, raw=False)
         if not isinstance(data, dict) or not isinstance(data.get("verifier"), str):
             raise ValueError("not a task check")
-        return cls(data["verifier"], dict(data.get("verifier_params") or {}), dict(data.get("reward_weights") or {}),
-                   data.get("hidden_ref"))
+        return cls(
+            data["verifier"],
+            dict(data.get("verifier_params") or {}),
+            dict(data.get("reward_weights") or {}),
+            data.get("hidden_ref"),
+        )
 
 
 def check_key(domain: str, task_id: str) -> str:
@@ -122,9 +126,11 @@ class CheckCache:
         except (KeyNotFoundError, NotFoundError):
             entry = None
         if entry is None or not entry.value:
-            raise HiddenDataMissing(f"no check for task {task_id!r} of domain {domain!r} in bucket "
-                                    f"{self.reg.hidden_bucket!r} (key {key!r}): tasks must be published by the "
-                                    "run's sampler or scheduler, which store it first (bus.checks.put_checks)")
+            raise HiddenDataMissing(
+                f"no check for task {task_id!r} of domain {domain!r} in bucket "
+                f"{self.reg.hidden_bucket!r} (key {key!r}): tasks must be published by the "
+                "run's sampler or scheduler, which store it first (bus.checks.put_checks)"
+            )
         try:
             check = TaskCheck.unpack(entry.value)
         except Exception as exc:  # msgpack raises several types; a bad record is infra

@@ -48,9 +48,18 @@ def _denied_text(user: str | None, error: str) -> str:
     return f"NATS user {user or '(none)'!r} is not allowed: {error.removeprefix('nats: ').strip()}"
 
 
-async def connect(url: str, name: str = "rlbus", *, user: str | None = None, password: str | None = None,
-                  creds: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                  tls_key: str | None = None, **options) -> nats.NATS:
+async def connect(
+    url: str,
+    name: str = "rlbus",
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    creds: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    **options,
+) -> nats.NATS:
     """Connect with unlimited reconnects, as `user` (default: env) over TLS when a CA is set.
     `url` may list several servers separated by commas (a cluster's nodes).
 
@@ -72,9 +81,15 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
     extra, who, user, creds = _login_options(user, password, creds, tls_ca, tls_cert, tls_key)
     events = _ConnectionEvents(redact_url(url), name, who)  # logged: never with a password
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: every node's URL, comma-separated
-    settings = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
-                    error_cb=events.on_error, pending_size=64 * 1024 * 1024)
+    settings = dict(
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        disconnected_cb=events.on_disconnect,
+        reconnected_cb=events.on_reconnect,
+        error_cb=events.on_error,
+        pending_size=64 * 1024 * 1024,
+    )
     settings.update(extra)
     settings.update(options)
     attempt = asyncio.ensure_future(nats.connect(servers, **settings))
@@ -94,9 +109,11 @@ async def connect(url: str, name: str = "rlbus", *, user: str | None = None, pas
             await attempt
         how = f"with .creds file {creds}" if creds else (f"as user {user!r}" if user else "without credentials")
         log.error("bus.login_refused", url=redact_url(url), user=who)
-        raise NatsAuthError(f"NATS server {redact_url(url)} refused the login {how} (authorization violation); set "
-                            f"RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (e.g. `set -a; . compose/.env; set +a`), "
-                            f"or pass --nats-creds FILE")
+        raise NatsAuthError(
+            f"NATS server {redact_url(url)} refused the login {how} (authorization violation); set "
+            f"RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (e.g. `set -a; . compose/.env; set +a`), "
+            f"or pass --nats-creds FILE"
+        )
     nc = attempt.result()
     events.connected = True
     nc._rlbus_denied = events.denied  # type: ignore[attr-defined]  # read by check_permitted
@@ -235,9 +252,11 @@ async def _ensure_role_topology(js: JetStreamContext, reg: Registry, role: str) 
             except NotFoundError:  # BucketNotFoundError: create it; other errors propagate
                 await js.create_key_value(bucket=bucket, history=history, replicas=stream_replicas())
     payloads = reg.payload_buckets()
-    for family, (bucket, max_bytes) in (("OBJ_weights", (reg.object_bucket, None)),
-                                        ("OBJ_workspaces", payloads["workspace"]),
-                                        ("OBJ_artifacts", payloads["artifact"])):
+    for family, (bucket, max_bytes) in (
+        ("OBJ_weights", (reg.object_bucket, None)),
+        ("OBJ_workspaces", payloads["workspace"]),
+        ("OBJ_artifacts", payloads["artifact"]),
+    ):
         if family in families:
             await _ensure_object_store(js, bucket, max_bytes)
 
@@ -267,8 +286,14 @@ async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec):
 
 async def delete_run(js: JetStreamContext, reg: Registry) -> None:
     """Delete every stream and bucket of a run (missing ones are skipped)."""
-    names = [str(c.name) for c in reg.streams()] + [f"KV_{reg.kv_bucket}", f"KV_{reg.hidden_bucket}", f"KV_{reg.toolrec_bucket}",
-                                       f"OBJ_{reg.object_bucket}", f"OBJ_{reg.workspace_bucket}", f"OBJ_{reg.artifact_bucket}"]
+    names = [str(c.name) for c in reg.streams()] + [
+        f"KV_{reg.kv_bucket}",
+        f"KV_{reg.hidden_bucket}",
+        f"KV_{reg.toolrec_bucket}",
+        f"OBJ_{reg.object_bucket}",
+        f"OBJ_{reg.workspace_bucket}",
+        f"OBJ_{reg.artifact_bucket}",
+    ]
     for name in names:
         try:
             await js.delete_stream(name)

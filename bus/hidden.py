@@ -54,8 +54,14 @@ CHUNK_BYTES = 512 * 1024
 CHUNKS_KEY = "__chunks__"
 
 
-async def put_hidden(js: JetStreamContext, reg: Registry, ref: str, data: dict[str, Any],
-                     inline_max: int = INLINE_MAX, chunk_bytes: int = CHUNK_BYTES) -> None:
+async def put_hidden(
+    js: JetStreamContext,
+    reg: Registry,
+    ref: str,
+    data: dict[str, Any],
+    inline_max: int = INLINE_MAX,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
     """Store `data` (msgpack-able) under `ref` (chunked when over `inline_max` bytes)."""
     kv = await js.key_value(reg.hidden_bucket)
     blob = msgpack.packb(data, use_bin_type=True)
@@ -64,7 +70,7 @@ async def put_hidden(js: JetStreamContext, reg: Registry, ref: str, data: dict[s
         return
     n = (len(blob) + chunk_bytes - 1) // chunk_bytes
     for i in range(n):
-        await kv.put(f"{ref}.c{i}", blob[i * chunk_bytes:(i + 1) * chunk_bytes])
+        await kv.put(f"{ref}.c{i}", blob[i * chunk_bytes : (i + 1) * chunk_bytes])
     head = {CHUNKS_KEY: n, "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
     await kv.put(ref, msgpack.packb(head, use_bin_type=True))
 
@@ -82,8 +88,9 @@ async def get_hidden(js: JetStreamContext, reg: Registry, ref: str) -> dict[str,
     kv = await js.key_value(reg.hidden_bucket)
     raw = await _value(kv, ref)
     if raw is None:
-        raise HiddenDataMissing(f"hidden data {ref!r} not in bucket {reg.hidden_bucket!r} "
-                                "(was the task published by this run's sampler?)")
+        raise HiddenDataMissing(
+            f"hidden data {ref!r} not in bucket {reg.hidden_bucket!r} (was the task published by this run's sampler?)"
+        )
     data = msgpack.unpackb(raw, raw=False)
     if not (isinstance(data, dict) and CHUNKS_KEY in data and len(data) == 3):
         return data

@@ -38,9 +38,9 @@ from urllib.parse import urlparse
 from nats.js import JetStreamContext, api
 
 SCHEME = "nats-object"
-CHUNK_SIZE = 1024 * 1024        # bytes per chunk message (capped by the server's max_payload)
-MAX_IN_FLIGHT = 256             # chunks published but not yet acked
-GET_TIMEOUT_S = 30.0            # longest wait for the next chunk of an object
+CHUNK_SIZE = 1024 * 1024  # bytes per chunk message (capped by the server's max_payload)
+MAX_IN_FLIGHT = 256  # chunks published but not yet acked
+GET_TIMEOUT_S = 30.0  # longest wait for the next chunk of an object
 
 
 class ChecksumMismatch(ValueError):
@@ -79,7 +79,7 @@ def _chunks(segments: list, size: int) -> Iterator[bytes | memoryview]:
                 yield bytes(pending)
                 pending = bytearray()
         while len(mv) - pos >= size:
-            yield mv[pos:pos + size]
+            yield mv[pos : pos + size]
             pos += size
         if pos < len(mv):
             pending += mv[pos:]
@@ -91,8 +91,9 @@ def _meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
 
-async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: list,
-                       purge_replaced: bool = True) -> tuple[str, str, int]:
+async def put_segments(
+    js: JetStreamContext, bucket: str, name: str, segments: list, purge_replaced: bool = True
+) -> tuple[str, str, int]:
     """Store the concatenation of `segments` as object `name` in `bucket`; (uri, sha256, size).
     `purge_replaced=False` leaves the chunks of an object it replaces in place (for writers
     without purge rights: content-addressed names, where a replaced object is a duplicate)."""
@@ -119,12 +120,19 @@ async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: l
         if acks:
             await asyncio.wait_for(asyncio.gather(*acks), GET_TIMEOUT_S)
         sha = await hashing
-        info = api.ObjectInfo(name=name, bucket=bucket, nuid=nuid, size=total, chunks=sent,
-                              mtime=datetime.now(timezone.utc).isoformat(),
-                              digest="SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha)).decode(),
-                              options=api.ObjectMetaOptions(max_chunk_size=size))
-        await js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(),
-                         headers={api.Header.ROLLUP: "sub"})
+        info = api.ObjectInfo(
+            name=name,
+            bucket=bucket,
+            nuid=nuid,
+            size=total,
+            chunks=sent,
+            mtime=datetime.now(timezone.utc).isoformat(),
+            digest="SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha)).decode(),
+            options=api.ObjectMetaOptions(max_chunk_size=size),
+        )
+        await js.publish(
+            _meta_subject(bucket, name), json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: "sub"}
+        )
     except BaseException:
         for fut in acks:
             fut.cancel()
@@ -139,7 +147,9 @@ async def put_segments(js: JetStreamContext, bucket: str, name: str, segments: l
     return f"{SCHEME}://{bucket}/{name}", sha, total
 
 
-async def put_blob(js: JetStreamContext, bucket: str, name: str, data, purge_replaced: bool = True) -> tuple[str, str, int]:
+async def put_blob(
+    js: JetStreamContext, bucket: str, name: str, data, purge_replaced: bool = True
+) -> tuple[str, str, int]:
     """Store `data` as object `name` in `bucket`; return (uri, sha256, size) (`purge_replaced`: see `put_segments`)."""
     return await put_segments(js, bucket, name, [memoryview(data)], purge_replaced)
 

@@ -82,8 +82,9 @@ def payload_ref(reg: Registry, data: bytes, kind: str = "workspace") -> BlobRef:
 def rebind(ref: BlobRef, reg: Registry, kind: str = "workspace") -> BlobRef:
     """The same payload's ref in `reg`'s run (a task drawn under one run id, published under another:
     the scheduler's eval sets are drawn as run `eval`); the bytes must be stored there too."""
-    return BlobRef(uri=f"nats-object://{bucket_of(reg, kind)}/{payload_name(ref.sha256)}", sha256=ref.sha256,
-                   size=ref.size)
+    return BlobRef(
+        uri=f"nats-object://{bucket_of(reg, kind)}/{payload_name(ref.sha256)}", sha256=ref.sha256, size=ref.size
+    )
 
 
 def pack_files(files: dict[str, str]) -> bytes:

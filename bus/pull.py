@@ -78,8 +78,15 @@ class Delivery:
         return self.raw.metadata.num_delivered
 
 
-async def dead_letter(js: JetStreamContext, reg: Registry, stage: str, raw: Msg, reason: str,
-                      error_type: str, task_msg_id: str | None = None) -> None:
+async def dead_letter(
+    js: JetStreamContext,
+    reg: Registry,
+    stage: str,
+    raw: Msg,
+    reason: str,
+    error_type: str,
+    task_msg_id: str | None = None,
+) -> None:
     """Publish the original message to the DLQ with its reason, then term it."""
     try:
         delivered = raw.metadata.num_delivered
@@ -92,9 +99,17 @@ async def dead_letter(js: JetStreamContext, reg: Registry, stage: str, raw: Msg,
         origin = headers.get("Nats-Msg-Id") or new_msg_id()
     letter = DeadLetter(
         # derived id: a crash between this publish and the term cannot dead-letter twice
-        run_id=reg.run_id, msg_id=f"dlq-{stage}-{origin}-{delivered}", stage=stage, reason=reason, error_type=error_type,
-        original_subject=raw.subject, original_data=raw.data or b"", original_headers=headers,
-        original_msg_id=headers.get("Nats-Msg-Id"), delivery_count=delivered, task_msg_id=task_msg_id,
+        run_id=reg.run_id,
+        msg_id=f"dlq-{stage}-{origin}-{delivered}",
+        stage=stage,
+        reason=reason,
+        error_type=error_type,
+        original_subject=raw.subject,
+        original_data=raw.data or b"",
+        original_headers=headers,
+        original_msg_id=headers.get("Nats-Msg-Id"),
+        delivery_count=delivered,
+        task_msg_id=task_msg_id,
     )
     await publish(js, reg.dlq(stage), letter)
     await raw.term()
@@ -112,8 +127,9 @@ def _task_msg_id_of(msg: Message) -> str | None:
     return None
 
 
-async def decode_batch(js: JetStreamContext, reg: Registry, stage: str, raws: Sequence[Msg],
-                       expect: type[Message]) -> list[Delivery]:
+async def decode_batch(
+    js: JetStreamContext, reg: Registry, stage: str, raws: Sequence[Msg], expect: type[Message]
+) -> list[Delivery]:
     """Decode fetched messages; dead-letter undecodable and foreign ones; return the rest."""
     good: list[Delivery] = []
     for raw in raws:
@@ -123,8 +139,15 @@ async def decode_batch(js: JetStreamContext, reg: Registry, stage: str, raws: Se
             await dead_letter(js, reg, stage, raw, f"decode error in {exc.field}: {exc.reason}", "decode_error")
             continue
         if msg.run_id != reg.run_id:
-            await dead_letter(js, reg, stage, raw, f"message of run {msg.run_id!r} on run {reg.run_id!r}",
-                              "foreign_run", _task_msg_id_of(msg))
+            await dead_letter(
+                js,
+                reg,
+                stage,
+                raw,
+                f"message of run {msg.run_id!r} on run {reg.run_id!r}",
+                "foreign_run",
+                _task_msg_id_of(msg),
+            )
             continue
         good.append(Delivery(raw, msg))
     return good
@@ -184,8 +207,16 @@ def keep_alive(held: Collection[Delivery], ack_wait_s: float) -> asyncio.Task:
 BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
 
 
-async def _fetch_decoded(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message], want: int,
-                         timeout: float, counters: dict[str, float]) -> tuple[int, list[Delivery]]:
+async def _fetch_decoded(
+    js: JetStreamContext,
+    reg: Registry,
+    stage: str,
+    sub,
+    expect: type[Message],
+    want: int,
+    timeout: float,
+    counters: dict[str, float],
+) -> tuple[int, list[Delivery]]:
     """(messages fetched, the usable ones decoded); the rest are dead-lettered and counted."""
     raws = await fetch(sub, want, timeout)
     deliveries = await decode_batch(js, reg, stage, raws, expect) if raws else []
@@ -193,11 +224,22 @@ async def _fetch_decoded(js: JetStreamContext, reg: Registry, stage: str, sub, e
     return len(raws), deliveries
 
 
-async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message],
-                        handler: BatchHandler, *, batch: int = 64, fetch_timeout: float = 1.0,
-                        ack_wait_s: float = 30.0, max_messages: int | None = None,
-                        until_idle: float | None = None, stop: asyncio.Event | None = None,
-                        counters: dict[str, float] | None = None) -> dict[str, float]:
+async def run_pull_loop(
+    js: JetStreamContext,
+    reg: Registry,
+    stage: str,
+    sub,
+    expect: type[Message],
+    handler: BatchHandler,
+    *,
+    batch: int = 64,
+    fetch_timeout: float = 1.0,
+    ack_wait_s: float = 30.0,
+    max_messages: int | None = None,
+    until_idle: float | None = None,
+    stop: asyncio.Event | None = None,
+    counters: dict[str, float] | None = None,
+) -> dict[str, float]:
     """Run `handler` over batches until `stop`, `max_messages` (fetched) or `until_idle` seconds idle;
     its outcome (return, or a raised Retry/Reject) applies to the whole batch."""
     counters = counters if counters is not None else {}
@@ -229,11 +271,23 @@ async def run_pull_loop(js: JetStreamContext, reg: Registry, stage: str, sub, ex
 MessageHandler = Callable[[Delivery], Awaitable[None]]
 
 
-async def run_pull_stream(js: JetStreamContext, reg: Registry, stage: str, sub, expect: type[Message],
-                          handler: MessageHandler, *, inflight: int = 64, fetch_batch: int | None = None,
-                          fetch_timeout: float = 1.0, ack_wait_s: float = 30.0, max_messages: int | None = None,
-                          until_idle: float | None = None, stop: asyncio.Event | None = None,
-                          counters: dict[str, float] | None = None) -> dict[str, float]:
+async def run_pull_stream(
+    js: JetStreamContext,
+    reg: Registry,
+    stage: str,
+    sub,
+    expect: type[Message],
+    handler: MessageHandler,
+    *,
+    inflight: int = 64,
+    fetch_batch: int | None = None,
+    fetch_timeout: float = 1.0,
+    ack_wait_s: float = 30.0,
+    max_messages: int | None = None,
+    until_idle: float | None = None,
+    stop: asyncio.Event | None = None,
+    counters: dict[str, float] | None = None,
+) -> dict[str, float]:
     """Run `handler` on each message concurrently, at most `inflight` at once, acking each as it ends.
 
     Stops on `stop`, after `max_messages` fetched messages, or when nothing was fetched

@@ -67,23 +67,82 @@ class Role:
 
 
 ROLES: tuple[Role, ...] = (
-    Role("sampler", "producers.sampler", "tasks published", start=7, stop_phase=0, stop_timeout_s=30,
-         creates=("TASKS", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_workspaces")),
-    Role("rollout", "rollout_workers.worker", "tasks taken, per duration pool", start=6, stop_phase=1,
-         stop_timeout_s=30, creates=("TASKS", "TRAJ", "WEIGHTS", "DLQ", "KV_run", "OBJ_weights", "OBJ_artifacts")),
-    Role("sandbox", "sandbox_workers.service", "(no limit; stops on until_idle)", start=4, stop_phase=1,
-         stop_timeout_s=30, starts_if="sandbox.remote"),
-    Role("verifier", "verifier_workers.worker", "trajectories fetched", start=5, stop_phase=1, stop_timeout_s=30,
-         creates=("TRAJ", "REWARDS", "DLQ", "KV_hidden")),
-    Role("learner", "learner.worker", "optimizer steps", start=1, stop_phase=2, stop_timeout_s=60,
-         creates=("REWARDS", "WEIGHTS", "DLQ", "LEDGER", "KV_run", "OBJ_weights")),
-    Role("scheduler", "scheduler.worker", "evaluations (the baseline included)", start=2, stop_phase=3,
-         stop_timeout_s=60, creates=("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER", "KV_run",
-                                     "KV_hidden", "OBJ_weights", "OBJ_workspaces")),
+    Role(
+        "sampler",
+        "producers.sampler",
+        "tasks published",
+        start=7,
+        stop_phase=0,
+        stop_timeout_s=30,
+        creates=("TASKS", "DLQ", "LEDGER", "KV_run", "KV_hidden", "OBJ_workspaces"),
+    ),
+    Role(
+        "rollout",
+        "rollout_workers.worker",
+        "tasks taken, per duration pool",
+        start=6,
+        stop_phase=1,
+        stop_timeout_s=30,
+        creates=("TASKS", "TRAJ", "WEIGHTS", "DLQ", "KV_run", "OBJ_weights", "OBJ_artifacts"),
+    ),
+    Role(
+        "sandbox",
+        "sandbox_workers.service",
+        "(no limit; stops on until_idle)",
+        start=4,
+        stop_phase=1,
+        stop_timeout_s=30,
+        starts_if="sandbox.remote",
+    ),
+    Role(
+        "verifier",
+        "verifier_workers.worker",
+        "trajectories fetched",
+        start=5,
+        stop_phase=1,
+        stop_timeout_s=30,
+        creates=("TRAJ", "REWARDS", "DLQ", "KV_hidden"),
+    ),
+    Role(
+        "learner",
+        "learner.worker",
+        "optimizer steps",
+        start=1,
+        stop_phase=2,
+        stop_timeout_s=60,
+        creates=("REWARDS", "WEIGHTS", "DLQ", "LEDGER", "KV_run", "OBJ_weights"),
+    ),
+    Role(
+        "scheduler",
+        "scheduler.worker",
+        "evaluations (the baseline included)",
+        start=2,
+        stop_phase=3,
+        stop_timeout_s=60,
+        creates=(
+            "TASKS",
+            "TRAJ",
+            "REWARDS",
+            "WEIGHTS",
+            "EVAL",
+            "DLQ",
+            "LEDGER",
+            "KV_run",
+            "KV_hidden",
+            "OBJ_weights",
+            "OBJ_workspaces",
+        ),
+    ),
     # last to stop: it writes what the others published; reads only (the run's streams exist before it starts)
-    Role("tracker", "rlbus.tracking.tracker",
-         "messages consumed (weight versions, rewards, evals, curriculum updates)", start=3, stop_phase=4,
-         stop_timeout_s=60, starts_if="tracking.backends"),
+    Role(
+        "tracker",
+        "rlbus.tracking.tracker",
+        "messages consumed (weight versions, rewards, evals, curriculum updates)",
+        start=3,
+        stop_phase=4,
+        stop_timeout_s=60,
+        starts_if="tracking.backends",
+    ),
 )
 NAMES: tuple[str, ...] = tuple(r.name for r in ROLES)
 BY_NAME: dict[str, Role] = {r.name: r for r in ROLES}
@@ -113,6 +172,5 @@ def stop_phases() -> tuple[tuple[tuple[str, ...], float], ...]:
     out = []
     for phase in phases:
         members = [r for r in ROLES if r.stop_phase == phase]
-        out.append((tuple(reversed(in_start_order(r.name for r in members))),
-                    max(r.stop_timeout_s for r in members)))
+        out.append((tuple(reversed(in_start_order(r.name for r in members))), max(r.stop_timeout_s for r in members)))
     return tuple(out)

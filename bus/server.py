@@ -58,8 +58,15 @@ def tls_block(cert_file: str, key_file: str, ca_file: str | None = None, verify_
 class EmbeddedNats:
     """A nats-server child process with JetStream on a free port."""
 
-    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, monitor_port: int | None = None,
-                 config: str | None = None, tls: bool = False, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        store_dir: str | os.PathLike,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        config: str | None = None,
+        tls: bool = False,
+        env: dict[str, str] | None = None,
+    ):
         self.store_dir = Path(store_dir)
         self.config = config
         self.tls = tls
@@ -82,8 +89,18 @@ class EmbeddedNats:
     def start(self, timeout: float = 15.0) -> "EmbeddedNats":
         """Start the server and wait until it accepts TCP connections."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-               "-sd", str(self.store_dir), "-l", str(self.log_path)]
+        cmd = [
+            nats_server_binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "-l",
+            str(self.log_path),
+        ]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
         if self.config is not None:
@@ -97,8 +114,14 @@ class EmbeddedNats:
             self._log_offset = self.log_path.stat().st_size
         except FileNotFoundError:
             self._log_offset = 0
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

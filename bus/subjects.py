@@ -191,8 +191,10 @@ class Registry:
 
     def payload_buckets(self) -> dict[str, tuple[str, int]]:
         """Payload kind -> (bucket, max_bytes): `workspace` and `artifact`."""
-        return {"workspace": (self.workspace_bucket, self.limits.workspaces_max_bytes),
-                "artifact": (self.artifact_bucket, self.limits.artifacts_max_bytes)}
+        return {
+            "workspace": (self.workspace_bucket, self.limits.workspaces_max_bytes),
+            "artifact": (self.artifact_bucket, self.limits.artifacts_max_bytes),
+        }
 
     @property
     def kv_stream(self) -> str:
@@ -238,25 +240,40 @@ class Registry:
         ]
 
     # -- consumers --------------------------------------------------------------
-    def rollout_consumer(self, ack_wait_s: float = 60.0, max_ack_pending: int = 256, pool: str = "short") -> ConsumerSpec:
+    def rollout_consumer(
+        self, ack_wait_s: float = 60.0, max_ack_pending: int = 256, pool: str = "short"
+    ) -> ConsumerSpec:
         """The shared durable every rollout worker of a duration pool pulls tasks from
         (`rollout` for the `short` pool, `rollout-<pool>` otherwise; each its own ack_wait)."""
         if pool == "short":
             durable, subject = "rollout", f"tasks.{self.run_id}.*"
         else:
             durable, subject = f"rollout-{check_token('pool', pool)}", f"tasks.{self.run_id}.*.{pool}"
-        return ConsumerSpec(self.stream("TASKS"), durable, subject, ack_wait_s, 5,
-                            (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s), max_ack_pending)
+        return ConsumerSpec(
+            self.stream("TASKS"),
+            durable,
+            subject,
+            ack_wait_s,
+            5,
+            (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s),
+            max_ack_pending,
+        )
 
     def verifier_consumer(self, ack_wait_s: float = 30.0, max_ack_pending: int = 4096) -> ConsumerSpec:
         """The shared durable every verifier worker pulls trajectories from."""
-        return ConsumerSpec(self.stream("TRAJ"), "verifier", self.all("traj"), ack_wait_s, 5,
-                            (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s), max_ack_pending)
+        return ConsumerSpec(
+            self.stream("TRAJ"),
+            "verifier",
+            self.all("traj"),
+            ack_wait_s,
+            5,
+            (ack_wait_s, 2 * ack_wait_s, 4 * ack_wait_s),
+            max_ack_pending,
+        )
 
     def learner_consumer(self, ack_wait_s: float = 300.0, max_ack_pending: int = 20000) -> ConsumerSpec:
         """The learner's durable on the REWARDS log (acks after the step that used them)."""
-        return ConsumerSpec(self.stream("REWARDS"), "learner", self.all("rewards"), ack_wait_s, 20,
-                            (), max_ack_pending)
+        return ConsumerSpec(self.stream("REWARDS"), "learner", self.all("rewards"), ack_wait_s, 20, (), max_ack_pending)
 
     TRACKER_FEEDS = ("weights", "rewards", "eval", "kv")
 
@@ -266,7 +283,11 @@ class Registry:
         history of one key of the run's KV bucket). Unlimited deliveries: the tracker acks after
         writing, and a slow or failing backend must never turn into dead letters."""
         if feed == "kv":
-            stream, durable, subject = self.kv_stream, f"tracker-kv-{check_token('kv key', kv_key)}", self.kv_key_subject(kv_key)
+            stream, durable, subject = (
+                self.kv_stream,
+                f"tracker-kv-{check_token('kv key', kv_key)}",
+                self.kv_key_subject(kv_key),
+            )
         elif feed in ("weights", "rewards", "eval"):
             stream, durable = self.stream(feed), f"tracker-{feed}"
             subject = self.weights if feed == "weights" else self.all(feed)

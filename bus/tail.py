@@ -28,8 +28,14 @@ def _short(value, limit: int = 120):
     return value
 
 
-async def tail(url: str, subject: str, as_json: bool = False, max_messages: int | None = None,
-               out=sys.stdout, timeout: float | None = None) -> int:
+async def tail(
+    url: str,
+    subject: str,
+    as_json: bool = False,
+    max_messages: int | None = None,
+    out=sys.stdout,
+    timeout: float | None = None,
+) -> int:
     """Print messages on `subject` until `max_messages` (or `timeout` seconds); return the count."""
     nc = await connect(url, name="rlbus-tail")
     seen = 0

@@ -83,8 +83,19 @@ async def report_forever(nc, reg: Registry, role: str, counters: dict[str, float
         t = os.times()
         counters[CPU_SECONDS] = t.user + t.system  # this process's CPU so far (the run store's cost)
         try:
-            await nc.publish(subject, encode(Metric(run_id=reg.run_id, role=role, worker_id=wid, values=dict(counters),
-                                                    host=socket.gethostname(), pid=os.getpid())))
+            await nc.publish(
+                subject,
+                encode(
+                    Metric(
+                        run_id=reg.run_id,
+                        role=role,
+                        worker_id=wid,
+                        values=dict(counters),
+                        host=socket.gethostname(),
+                        pid=os.getpid(),
+                    )
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 - telemetry must never take the worker down
             log.warning("telemetry.publish_failed", error=str(exc))
         await asyncio.sleep(every)
@@ -112,18 +123,55 @@ CPU_SECONDS = "cpu_seconds"  # every worker: its process's user+system CPU so fa
 GPU_SECONDS = "gpu_seconds"  # a worker that measures its GPU time
 METRICS_PORT = "metrics_port"  # a worker serving /metrics: the port it bound (set by `start_metrics_server`)
 
-PROCESSED = {"sampler": (PUBLISHED,), "rollout": (TASKS, TRAJECTORIES), "verifier": (REWARDS,),
-             "learner": (SAMPLES_TRAINED, TASKS_DONE), "scheduler": (EVALS, RECORDED_REWARDS),
-             "sandbox": (EXECS, SESSIONS_OPENED)}
+PROCESSED = {
+    "sampler": (PUBLISHED,),
+    "rollout": (TASKS, TRAJECTORIES),
+    "verifier": (REWARDS,),
+    "learner": (SAMPLES_TRAINED, TASKS_DONE),
+    "scheduler": (EVALS, RECORDED_REWARDS),
+    "sandbox": (EXECS, SESSIONS_OPENED),
+}
 OUTCOMES = ("ack", "retry", "reject", "dead_lettered")
-ERRORS = ("infra_errors", "weights_rejected", "undecodable", "foreign", "duplicates", "errors",
-          "max_deliveries_dead_lettered", "gate_waits", "check_forged")
+ERRORS = (
+    "infra_errors",
+    "weights_rejected",
+    "undecodable",
+    "foreign",
+    "duplicates",
+    "errors",
+    "max_deliveries_dead_lettered",
+    "gate_waits",
+    "check_forged",
+)
 INFLIGHT = ("inflight", "sessions_open")
 TOKEN_COUNTER = {"rollout": TOKENS, "learner": TOKENS_TRAINED}
 """The tokens a role's cost is counted in (the run store's `costs`): rollout generated, learner trained."""
-COUNTERS = frozenset({PUBLISHED, TASKS, TRAJECTORIES, REWARDS, REWARD_SUM, REWARD_MEAN, SAMPLES_TRAINED, TASKS_DONE,
-                      EVALS, RECORDED_REWARDS, EXECS, SESSIONS_OPENED, TOKENS, TOKENS_TRAINED, BUSY_S, WEIGHTS_LOADED,
-                      CURRICULUM_VERSION, CPU_SECONDS, GPU_SECONDS, METRICS_PORT, *ERRORS, *INFLIGHT})
+COUNTERS = frozenset(
+    {
+        PUBLISHED,
+        TASKS,
+        TRAJECTORIES,
+        REWARDS,
+        REWARD_SUM,
+        REWARD_MEAN,
+        SAMPLES_TRAINED,
+        TASKS_DONE,
+        EVALS,
+        RECORDED_REWARDS,
+        EXECS,
+        SESSIONS_OPENED,
+        TOKENS,
+        TOKENS_TRAINED,
+        BUSY_S,
+        WEIGHTS_LOADED,
+        CURRICULUM_VERSION,
+        CPU_SECONDS,
+        GPU_SECONDS,
+        METRICS_PORT,
+        *ERRORS,
+        *INFLIGHT,
+    }
+)
 """Every counter name defined here (what the literal check of `tests/test_layers.py` looks for)."""
 
 
@@ -141,9 +189,13 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("sampler", PUBLISHED, "tasks"), Stage("rollout", TRAJECTORIES, "traj"), Stage("verifier", REWARDS, "rewards"),
-    Stage("learner", SAMPLES_TRAINED, "samples"), Stage("sandbox", EXECS, "execs", pipeline=False),
-    Stage("scheduler", EVALS, "evals", pipeline=False))
+    Stage("sampler", PUBLISHED, "tasks"),
+    Stage("rollout", TRAJECTORIES, "traj"),
+    Stage("verifier", REWARDS, "rewards"),
+    Stage("learner", SAMPLES_TRAINED, "samples"),
+    Stage("sandbox", EXECS, "execs", pipeline=False),
+    Stage("scheduler", EVALS, "evals", pipeline=False),
+)
 STAGE_COUNTER: dict[str, str] = {s.role: s.counter for s in STAGES if s.pipeline}
 """The pipeline's stages in order (sampler, rollout, verifier, learner) -> their main counter."""
 _STAGE_OF = {s.role: s.counter for s in STAGES}
@@ -232,8 +284,12 @@ class Heartbeats:
 
     def gain(self, role: str, counter: str) -> float:
         """How much `counter` grew over the role's workers since this reader first saw each."""
-        return float(sum(m.values.get(counter, 0.0) - self.first.get(m.worker_id, {}).get(counter, 0.0)
-                         for m in self.metrics(role)))
+        return float(
+            sum(
+                m.values.get(counter, 0.0) - self.first.get(m.worker_id, {}).get(counter, 0.0)
+                for m in self.metrics(role)
+            )
+        )
 
     def rate(self, worker: str) -> float:
         """The worker's stage counter per second over the last `window` seconds."""
@@ -295,19 +351,22 @@ class CountersCollector:
         up = GaugeMetricFamily("rlbus_up", "1 while the worker serves metrics", labels=base)
         up.add_metric(ids, 1.0)
         yield up
-        groups = (("rlbus_messages_processed", "Messages/items a role has processed", "what",
-                   PROCESSED.get(self.role, ())),
-                  ("rlbus_outcomes", "Handler outcomes of pulled messages", "outcome", OUTCOMES),
-                  ("rlbus_errors", "Errors and rejections by kind", "kind", ERRORS))
+        groups = (
+            ("rlbus_messages_processed", "Messages/items a role has processed", "what", PROCESSED.get(self.role, ())),
+            ("rlbus_outcomes", "Handler outcomes of pulled messages", "outcome", OUTCOMES),
+            ("rlbus_errors", "Errors and rejections by kind", "kind", ERRORS),
+        )
         for name, doc, label, keys in groups:
             fam = CounterMetricFamily(name, doc, labels=base + [label])
             for key in keys:
                 if key in c:
                     fam.add_metric(ids + [key], c[key])
             yield fam
-        gauges = (("rlbus_learner_step", "Learner step", ("step",)),
-                  ("rlbus_weight_version", "Weight version this worker produced or holds", ("version", "weight_version")),
-                  ("rlbus_inflight", "In-flight work (sampler tasks, open sandbox sessions)", INFLIGHT))
+        gauges = (
+            ("rlbus_learner_step", "Learner step", ("step",)),
+            ("rlbus_weight_version", "Weight version this worker produced or holds", ("version", "weight_version")),
+            ("rlbus_inflight", "In-flight work (sampler tasks, open sandbox sessions)", INFLIGHT),
+        )
         for name, doc, keys in gauges:
             fam = GaugeMetricFamily(name, doc, labels=base)
             for key in keys:
@@ -315,14 +374,17 @@ class CountersCollector:
                     fam.add_metric(ids, c[key])
                     break
             yield fam
-        reward = GaugeMetricFamily("rlbus_reward_mean", "Mean reward (learner: last step; verifier: running)", labels=base)
+        reward = GaugeMetricFamily(
+            "rlbus_reward_mean", "Mean reward (learner: last step; verifier: running)", labels=base
+        )
         if REWARD_MEAN in c:
             reward.add_metric(ids, c[REWARD_MEAN])
         elif c.get(REWARDS):
             reward.add_metric(ids, c.get(REWARD_SUM, 0.0) / c[REWARDS])
         yield reward
-        every = GaugeMetricFamily("rlbus_counter", "Every numeric counter of the worker, as a gauge",
-                                  labels=base + ["name"])
+        every = GaugeMetricFamily(
+            "rlbus_counter", "Every numeric counter of the worker, as a gauge", labels=base + ["name"]
+        )
         for key, value in sorted(c.items()):
             every.add_metric(ids + [_NAME.sub("_", key)], value)
         yield every

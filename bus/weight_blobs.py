@@ -45,8 +45,6 @@ def state_tensors(model) -> dict:
     return tensors
 
 
-
-
 def state_to_bytes(model) -> bytes:
     """Serialize a torch model's parameters and buffers as safetensors bytes (tied tensors once)."""
     from safetensors.torch import save
@@ -56,9 +54,23 @@ def state_to_bytes(model) -> bytes:
 
 # torch dtype name -> safetensors dtype; the order of safetensors' Dtype enum (its writer
 # puts tensors in descending dtype order, then by name).
-ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
-             "int16": "I16", "uint16": "U16", "float16": "F16", "bfloat16": "BF16", "int32": "I32",
-             "uint32": "U32", "float32": "F32", "float64": "F64", "int64": "I64", "uint64": "U64"}
+ST_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fn": "F8_E4M3",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "float64": "F64",
+    "int64": "I64",
+    "uint64": "U64",
+}
 _ST_RANK = {st: i for i, st in enumerate(ST_DTYPES.values())}
 
 
@@ -94,7 +106,6 @@ def state_segments(tensors: dict, metadata: dict | None = None) -> list[memoryvi
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *segments]
 
 
-
 def load_state_bytes(model, blob: bytes) -> None:
     """Load safetensors bytes into `model` in place (no restart)."""
     import torch
@@ -104,8 +115,10 @@ def load_state_bytes(model, blob: bytes) -> None:
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {name for name in missing if _is_tied_alias(model, name, tensors)}
     if unexpected or set(missing) - tied:
-        raise ValueError(f"weight blob does not fit the model: missing={sorted(set(missing) - tied)[:5]} "
-                         f"unexpected={sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"weight blob does not fit the model: missing={sorted(set(missing) - tied)[:5]} "
+            f"unexpected={sorted(unexpected)[:5]}"
+        )
     with torch.no_grad():
         model.tie_weights() if hasattr(model, "tie_weights") else None
 
@@ -118,7 +131,7 @@ def _is_tied_alias(model, name: str, tensors: dict) -> bool:
 
 def _header_metadata(blob: bytes) -> dict:
     (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8:8 + n]).get("__metadata__", {}) or {}
+    return json.loads(blob[8 : 8 + n]).get("__metadata__", {}) or {}
 
 
 def blob_kind(blob: bytes) -> str:

@@ -53,7 +53,6 @@ def in_background_thread(fn, *args) -> concurrent.futures.Future:
     return fut
 
 
-
 class NatsStore:
     """The run's JetStream object store."""
 
@@ -122,7 +121,9 @@ class FileStore:
         """Names of the files in the directory (temp files of unfinished writes excluded)."""
         if not self.root.is_dir():
             return []
-        return [p.name for p in await asyncio.to_thread(lambda: list(self.root.iterdir())) if not p.name.startswith(".")]
+        return [
+            p.name for p in await asyncio.to_thread(lambda: list(self.root.iterdir())) if not p.name.startswith(".")
+        ]
 
     async def delete(self, name: str) -> None:
         """Unlink `root/name` (a missing file is no error). A reader that already opened or
@@ -159,11 +160,13 @@ class S3Store:
 
     async def names(self) -> list[str]:
         """Names (keys without the prefix) under the prefix."""
+
         def list_all() -> list[str]:
             out, start = [], (self.prefix + "/") if self.prefix else ""
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
-                out += [o["Key"][len(start):] for o in page.get("Contents", [])]
+                out += [o["Key"][len(start) :] for o in page.get("Contents", [])]
             return out
+
         return await asyncio.to_thread(list_all)
 
     async def delete(self, name: str) -> None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """Container healthcheck of nats-server: JetStream enabled and healthy (monitoring port 8222)."""
+
 import os
 import sys
 import urllib.request

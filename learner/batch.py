@@ -64,8 +64,18 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def grpo_loss(model, ref_model, batch: dict[str, torch.Tensor], *, beta: float, clip_low: float,
-              clip_high: float, normalize_std: bool, objective: str = "grpo", kl: str = "k3"):
+def grpo_loss(
+    model,
+    ref_model,
+    batch: dict[str, torch.Tensor],
+    *,
+    beta: float,
+    clip_low: float,
+    clip_high: float,
+    normalize_std: bool,
+    objective: str = "grpo",
+    kl: str = "k3",
+):
     """Group-relative advantages + clipped ratio + optional KL; returns (loss, stats, advantages).
 
     `objective` picks the GRPO-family member (`learner.objectives`): `grpo` (advantages
@@ -81,9 +91,27 @@ def grpo_loss(model, ref_model, batch: dict[str, torch.Tensor], *, beta: float, 
         with torch.no_grad():
             logp_ref = token_logprobs(ref_model, batch["input_ids"], batch["attention_mask"])
     if objective == "grpo" and kl == "k3":
-        loss, stats = policy_loss(logp, batch["behavior_logp"], adv, batch["loss_mask"], clip_low=clip_low,
-                                  clip_high=clip_high, beta=beta, logp_ref=logp_ref)
+        loss, stats = policy_loss(
+            logp,
+            batch["behavior_logp"],
+            adv,
+            batch["loss_mask"],
+            clip_low=clip_low,
+            clip_high=clip_high,
+            beta=beta,
+            logp_ref=logp_ref,
+        )
     else:
-        loss, stats = objective_loss(objective, logp, batch["behavior_logp"], adv, batch["loss_mask"],
-                                     clip_low=clip_low, clip_high=clip_high, beta=beta, kl=kl, logp_ref=logp_ref)
+        loss, stats = objective_loss(
+            objective,
+            logp,
+            batch["behavior_logp"],
+            adv,
+            batch["loss_mask"],
+            clip_low=clip_low,
+            clip_high=clip_high,
+            beta=beta,
+            kl=kl,
+            logp_ref=logp_ref,
+        )
     return loss, stats, adv

@@ -22,6 +22,7 @@ from pathlib import Path
 def save(path: Path, *, model, optimizer, state: dict) -> None:
     """Atomically write a checkpoint."""
     import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "model": model.state_dict(),
@@ -38,6 +39,7 @@ def save(path: Path, *, model, optimizer, state: dict) -> None:
 def load(path: Path, *, model, optimizer) -> dict | None:
     """Restore model/optimizer/RNG in place; return the saved state dict, or None."""
     import torch
+
     if not path.exists():
         return None
     payload = torch.load(path, map_location="cpu", weights_only=False)

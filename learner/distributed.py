@@ -22,8 +22,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["decoder_layers", "full_state_dict", "init_from_env", "load_sharded", "resolve_backend", "save_sharded",
-           "shard_model", "world_problem", "wrap_ddp"]
+__all__ = [
+    "decoder_layers",
+    "full_state_dict",
+    "init_from_env",
+    "load_sharded",
+    "resolve_backend",
+    "save_sharded",
+    "shard_model",
+    "world_problem",
+    "wrap_ddp",
+]
 
 
 def resolve_backend(backend: str) -> str:
@@ -46,7 +55,9 @@ def world_problem(lc) -> str | None:
     if lc.policy == "null":
         return f"learner.world_size = {n} with learner.policy = 'null' (no model to shard); set learner.world_size = 1"
     if lc.lora.rank > 0:
-        return f"learner.world_size = {n} does not support LoRA yet; set learner.lora.rank = 0 or learner.world_size = 1"
+        return (
+            f"learner.world_size = {n} does not support LoRA yet; set learner.lora.rank = 0 or learner.world_size = 1"
+        )
     if lc.pcgrad:
         return f"learner.world_size = {n} does not support PCGrad yet; set learner.pcgrad = false or learner.world_size = 1"
     import torch
@@ -57,8 +68,9 @@ def world_problem(lc) -> str | None:
             return "learner.backend = 'nccl' needs CUDA, which this machine lacks; set learner.backend = 'gloo' (or 'auto')"
         gpus = torch.cuda.device_count()
         if n > gpus:
-            return (f"learner.world_size = {n} but only {gpus} CUDA device(s) are visible; "
-                    f"set learner.world_size <= {gpus}")
+            return (
+                f"learner.world_size = {n} but only {gpus} CUDA device(s) are visible; set learner.world_size <= {gpus}"
+            )
         return None
     cores = os.cpu_count() or 1
     if n > cores:

@@ -82,8 +82,11 @@ class GroupPool:
     def _ready(self, now: float) -> list[Group]:
         """Complete groups, then late ones with at least 2 samples."""
         complete = [g for g in self.groups.values() if g.complete]
-        return complete + [g for g in self.groups.values()
-                           if not g.complete and now - g.first_seen >= self.deadline_s and len(g.samples) >= 2]
+        return complete + [
+            g
+            for g in self.groups.values()
+            if not g.complete and now - g.first_seen >= self.deadline_s and len(g.samples) >= 2
+        ]
 
     def pop_ready(self, now: float, limit: int, informative_only: bool = False) -> tuple[list[Group], list[Group]]:
         """(ready groups, at most `limit`; expired groups with < 2 samples).
@@ -114,8 +117,9 @@ class GroupPool:
 
 def split_stale(group: Group, current_version: int, max_staleness: int) -> list[PooledSample]:
     """Remove and return the group's samples older than `max_staleness` versions."""
-    stale = [i for i, s in group.samples.items()
-             if current_version - s.reward.trajectory.policy_version > max_staleness]
+    stale = [
+        i for i, s in group.samples.items() if current_version - s.reward.trajectory.policy_version > max_staleness
+    ]
     return [group.samples.pop(i) for i in stale]
 
 
@@ -136,8 +140,9 @@ class Partition:
     """Samples dropped for being more than `max_staleness` versions old."""
 
 
-def partition(ready: list[Group], expired: list[Group], version: int, *, max_staleness: int,
-              skip_zero_variance: bool) -> Partition:
+def partition(
+    ready: list[Group], expired: list[Group], version: int, *, max_staleness: int, skip_zero_variance: bool
+) -> Partition:
     """Split a window's popped groups (`GroupPool.pop_ready`) at policy `version` into
     what trains, what is filtered (and why) and what to ack."""
     fates = [TaskFate(task_msg_id=g.task_msg_id, fate="filtered", reason=EXPIRED_REASON) for g in expired]
@@ -160,7 +165,11 @@ def partition(ready: list[Group], expired: list[Group], version: int, *, max_sta
             train.append(g)
             continue
         to_ack += [s.raw for s in g.samples.values()]
-    fates += [TaskFate(task_msg_id=g.task_msg_id, fate="trained", reward_msg_ids=[s.reward.msg_id for s in g.samples.values()])
-              for g in train]
+    fates += [
+        TaskFate(
+            task_msg_id=g.task_msg_id, fate="trained", reward_msg_ids=[s.reward.msg_id for s in g.samples.values()]
+        )
+        for g in train
+    ]
     to_ack += [s.raw for g in train for s in g.samples.values()]
     return Partition(train, fates, to_ack, skipped, stale_samples)

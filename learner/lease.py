@@ -29,7 +29,6 @@ from bus.kv import LEARNER_LEASE
 log = structlog.get_logger()
 
 
-
 def lost_race(exc: Exception) -> bool:
     """True when a conditional KV write failed because someone else wrote first."""
     return isinstance(exc, KeyWrongLastSequenceError) or "wrong last sequence" in str(exc).lower()
@@ -54,8 +53,11 @@ class LearnerLease:
             entry = None
         try:
             if entry is None or not entry.value:
-                self.revision = await kv.create(LEARNER_LEASE, self._value()) if entry is None else \
-                    await kv.update(LEARNER_LEASE, self._value(), last=entry.revision)
+                self.revision = (
+                    await kv.create(LEARNER_LEASE, self._value())
+                    if entry is None
+                    else await kv.update(LEARNER_LEASE, self._value(), last=entry.revision)
+                )
                 return True
             held = json.loads(entry.value)
             if held.get("owner") == self.owner or held.get("expires", 0) < time.time():

@@ -25,8 +25,14 @@ def wrap_lora(model, *, rank: int, alpha: float, dropout: float = 0.0, target_mo
     """Wrap a causal LM with LoRA adapters (base frozen); returns the peft model."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                     task_type="CAUSAL_LM", bias="none")
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
     return get_peft_model(model, cfg)
 
 
@@ -42,8 +48,13 @@ def is_lora(model) -> bool:
 def adapter_meta(model) -> dict:
     """The adapter config needed to rebuild it on a fresh base (JSON-able)."""
     c = model.peft_config[model.active_adapter]
-    return {"r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
-            "target_modules": sorted(c.target_modules), "bias": c.bias}
+    return {
+        "r": c.r,
+        "lora_alpha": c.lora_alpha,
+        "lora_dropout": c.lora_dropout,
+        "target_modules": sorted(c.target_modules),
+        "bias": c.bias,
+    }
 
 
 def adapter_blob(model) -> bytes:

@@ -35,10 +35,7 @@ __all__ = ["LossStats", "group_advantages", "kl_k3", "policy_loss"]
 
 
 def group_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
+    rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """Group-relative advantages of GRPO.
 
@@ -61,15 +58,9 @@ def group_advantages(
     Vectorised with ``torch.unique`` + ``index_add`` / ``scatter_reduce``.
     """
     if rewards.dim() != 1 or group_ids.dim() != 1:
-        raise ValueError(
-            f"rewards and group_ids must be 1-D, got {tuple(rewards.shape)} "
-            f"and {tuple(group_ids.shape)}"
-        )
+        raise ValueError(f"rewards and group_ids must be 1-D, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
     if rewards.shape[0] != group_ids.shape[0]:
-        raise ValueError(
-            f"rewards ({rewards.shape[0]}) and group_ids ({group_ids.shape[0]}) "
-            "must have the same length"
-        )
+        raise ValueError(f"rewards ({rewards.shape[0]}) and group_ids ({group_ids.shape[0]}) must have the same length")
     if group_ids.is_floating_point() or group_ids.is_complex():
         raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     r = rewards.detach()
@@ -86,12 +77,8 @@ def group_advantages(
     mean = zeros.index_add(0, inv, r) / counts
     centered = r - mean[inv]
 
-    gmax = torch.full_like(zeros, float("-inf")).scatter_reduce(
-        0, inv, r, reduce="amax", include_self=True
-    )
-    gmin = torch.full_like(zeros, float("inf")).scatter_reduce(
-        0, inv, r, reduce="amin", include_self=True
-    )
+    gmax = torch.full_like(zeros, float("-inf")).scatter_reduce(0, inv, r, reduce="amax", include_self=True)
+    gmin = torch.full_like(zeros, float("inf")).scatter_reduce(0, inv, r, reduce="amin", include_self=True)
     degenerate = (counts < 2) | (gmax == gmin)
 
     adv = centered
@@ -155,24 +142,29 @@ class LossStats:
             else:
                 mean = low = high = float("nan")
                 clip_frac = 0.0
-            return cls(loss=float(loss.detach()), pg_loss=float(pg_loss.detach()), kl=kl, clip_frac=clip_frac,
-                       ratio_mean=mean, ratio_min=low, ratio_max=high, tokens=tokens)
+            return cls(
+                loss=float(loss.detach()),
+                pg_loss=float(pg_loss.detach()),
+                kl=kl,
+                clip_frac=clip_frac,
+                ratio_mean=mean,
+                ratio_min=low,
+                ratio_max=high,
+                tokens=tokens,
+            )
 
 
-def check_loss_inputs(logp_new, logp_behavior, advantages, mask, *, clip_low: float, clip_high: float,
-                      beta: float, logp_ref) -> bool:
+def check_loss_inputs(
+    logp_new, logp_behavior, advantages, mask, *, clip_low: float, clip_high: float, beta: float, logp_ref
+) -> bool:
     """Validate the shared inputs of the policy losses; return whether the KL term is on."""
     shape = logp_new.shape
     if logp_behavior.shape != shape:
-        raise ValueError(
-            f"logp_behavior shape {tuple(logp_behavior.shape)} != logp_new shape {tuple(shape)}"
-        )
+        raise ValueError(f"logp_behavior shape {tuple(logp_behavior.shape)} != logp_new shape {tuple(shape)}")
     if mask.shape != shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} != logp_new shape {tuple(shape)}")
     if advantages.shape != shape[:1]:
-        raise ValueError(
-            f"advantages must be [B] = [{shape[0]}], got shape {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"advantages must be [B] = [{shape[0]}], got shape {tuple(advantages.shape)}")
     if not logp_new.is_floating_point():
         raise ValueError(f"logp_new must be a floating tensor, got {logp_new.dtype}")
     if not 0.0 <= clip_low < 1.0:
@@ -189,9 +181,7 @@ def check_loss_inputs(logp_new, logp_behavior, advantages, mask, *, clip_low: fl
                 "shape [B, T]); pass logp_ref or set beta=0"
             )
         if logp_ref.shape != shape:
-            raise ValueError(
-                f"logp_ref shape {tuple(logp_ref.shape)} != logp_new shape {tuple(shape)}"
-            )
+            raise ValueError(f"logp_ref shape {tuple(logp_ref.shape)} != logp_new shape {tuple(shape)}")
     return use_kl
 
 
@@ -232,8 +222,9 @@ class MaskedTokens:
         return torch.where(m, estimator(new_s, ref_s), zero)
 
 
-def clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
-                      select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float, select: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's ``min(ratio * adv, clip(ratio, 1 - clip_low, 1 + clip_high) * adv)`` and where,
     among ``select``, the clipped branch is strictly smaller (so it is chosen, with no gradient)."""
     unclipped = ratio * adv
@@ -286,8 +277,9 @@ def policy_loss(
     """
     if logp_new.dim() != 2:
         raise ValueError(f"logp_new must be [B, T], got shape {tuple(logp_new.shape)}")
-    use_kl = check_loss_inputs(logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                               beta=beta, logp_ref=logp_ref)
+    use_kl = check_loss_inputs(
+        logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high, beta=beta, logp_ref=logp_ref
+    )
 
     mt = MaskedTokens(logp_new, logp_behavior, mask)
     m = mt.m

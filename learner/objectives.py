@@ -101,9 +101,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     return group_advantages(rewards, group_ids, normalize_std=False)
 
 
-def compute_advantages(
-    kind: Kind, rewards: torch.Tensor, group_ids: torch.Tensor
-) -> torch.Tensor:
+def compute_advantages(kind: Kind, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """The advantage each objective's paper uses.
 
     ``dr_grpo`` -> :func:`dr_grpo_advantages` (no std); ``grpo``, ``dapo``
@@ -119,9 +117,7 @@ def compute_advantages(
 # ------------------------------------------------------------ dynamic sampling
 
 
-def dynamic_sampling_mask(
-    rewards: torch.Tensor, group_ids: torch.Tensor
-) -> tuple[torch.Tensor, int]:
+def dynamic_sampling_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """DAPO dynamic sampling: keep only groups whose rewards are not all equal.
 
     Source: Yu et al. 2025, arXiv:2503.14476, sec. 3.2 and the constraint of
@@ -155,12 +151,12 @@ def dynamic_sampling_mask(
         r = r.to(torch.get_default_dtype())
     _, inv = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inv.max().item()) + 1
-    gmax = torch.full(
-        (n_groups,), float("-inf"), dtype=r.dtype, device=r.device
-    ).scatter_reduce(0, inv, r, reduce="amax", include_self=True)
-    gmin = torch.full(
-        (n_groups,), float("inf"), dtype=r.dtype, device=r.device
-    ).scatter_reduce(0, inv, r, reduce="amin", include_self=True)
+    gmax = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, inv, r, reduce="amax", include_self=True
+    )
+    gmin = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, inv, r, reduce="amin", include_self=True
+    )
     keep_group = gmax != gmin
     return keep_group[inv], int((~keep_group).sum().item())
 
@@ -168,9 +164,7 @@ def dynamic_sampling_mask(
 # ------------------------------------------------------------ overlong shaping
 
 
-def overlong_penalty(
-    lengths: torch.Tensor, max_len: int, cache_len: int
-) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
     """DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13).
 
     With ``L_max = max_len`` and ``L_cache = cache_len``::
@@ -184,9 +178,7 @@ def overlong_penalty(
     floating).
     """
     if cache_len <= 0 or cache_len > max_len:
-        raise ValueError(
-            f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
-        )
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
     n = lengths.detach()
     if not n.is_floating_point():
         n = n.to(torch.get_default_dtype())
@@ -278,9 +270,7 @@ def objective_loss(
     """
     _check_kind(kind)
     if kl not in KL_ESTIMATORS:
-        raise ValueError(
-            f"unknown KL estimator {kl!r}; expected one of {KL_ESTIMATORS}"
-        )
+        raise ValueError(f"unknown KL estimator {kl!r}; expected one of {KL_ESTIMATORS}")
     if kind == "grpo" and kl == "k3":
         return policy_loss(
             logp_new,
@@ -297,8 +287,9 @@ def objective_loss(
     if logp_new.dim() != 2:
         raise ValueError(f"logp_new must be [B, T], got shape {tuple(logp_new.shape)}")
     shape = logp_new.shape
-    use_kl = check_loss_inputs(logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                               beta=beta, logp_ref=logp_ref)
+    use_kl = check_loss_inputs(
+        logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high, beta=beta, logp_ref=logp_ref
+    )
     if kind == "dr_grpo":
         if max_len is None:
             max_len = int(shape[1])

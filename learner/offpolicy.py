@@ -47,8 +47,9 @@ __all__ = ["MODES", "importance_weights", "offpolicy_loss"]
 MODES: tuple[str, ...] = ("none", "tis", "decoupled")
 
 
-def importance_weights(logp_prox: torch.Tensor, logp_behavior: torch.Tensor, mask: torch.Tensor,
-                       cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def importance_weights(
+    logp_prox: torch.Tensor, logp_behavior: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w, rho, truncated)``: ``rho = exp(logp_prox - logp_behavior)`` on masked tokens
     (1 elsewhere), ``w = min(rho, cap)``, ``truncated = rho > cap`` on masked tokens. Detached."""
     if cap <= 0:
@@ -60,11 +61,23 @@ def importance_weights(logp_prox: torch.Tensor, logp_behavior: torch.Tensor, mas
         return rho.clamp(max=cap), rho, (rho > cap) & m
 
 
-def offpolicy_loss(mode: Literal["tis", "decoupled"], kind: str, logp_new: torch.Tensor,
-                   logp_behavior: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                   cap: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2, beta: float = 0.0,
-                   kl: str = "k3", logp_ref: torch.Tensor | None = None, logp_prox: torch.Tensor | None = None,
-                   max_len: int | None = None) -> tuple[torch.Tensor, LossStats]:
+def offpolicy_loss(
+    mode: Literal["tis", "decoupled"],
+    kind: str,
+    logp_new: torch.Tensor,
+    logp_behavior: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    beta: float = 0.0,
+    kl: str = "k3",
+    logp_ref: torch.Tensor | None = None,
+    logp_prox: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, LossStats]:
     """Off-policy-corrected loss of a token-level GRPO-family objective (see module docstring).
 
     ``logp_prox`` defaults to ``logp_new.detach()``: with one optimizer step per batch
@@ -81,14 +94,16 @@ def offpolicy_loss(mode: Literal["tis", "decoupled"], kind: str, logp_new: torch
         raise ValueError("off_policy tis/decoupled needs a token-level objective (grpo, dr_grpo, dapo), not gspo")
     if logp_new.dim() != 2:
         raise ValueError(f"logp_new must be [B, T], got shape {tuple(logp_new.shape)}")
-    use_kl = check_loss_inputs(logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                               beta=beta, logp_ref=logp_ref)
+    use_kl = check_loss_inputs(
+        logp_new, logp_behavior, advantages, mask, clip_low=clip_low, clip_high=clip_high, beta=beta, logp_ref=logp_ref
+    )
     m = mask != 0
     dtype = logp_new.dtype
     zero = torch.zeros((), dtype=dtype, device=logp_new.device)
     prox = (logp_new if logp_prox is None else logp_prox).detach().to(dtype)
-    w, rho, truncated = importance_weights(torch.where(m, prox, zero), torch.where(m, logp_behavior.to(dtype), zero),
-                                           m, cap)
+    w, rho, truncated = importance_weights(
+        torch.where(m, prox, zero), torch.where(m, logp_behavior.to(dtype), zero), m, cap
+    )
     ratio = torch.exp(torch.where(m, logp_new - prox, zero))  # pi_theta / pi_prox
     adv = advantages.detach().to(dtype).unsqueeze(1)
     if mode == "tis":
@@ -103,8 +118,9 @@ def offpolicy_loss(mode: Literal["tis", "decoupled"], kind: str, logp_new: torch
     loss, kl_val = pg_loss, 0.0
     if use_kl:
         est = kl_k3 if kl == "k3" else kl_k1
-        kl_tok = torch.where(m, est(torch.where(m, logp_new, zero), torch.where(m, logp_ref.detach().to(dtype), zero)),
-                             zero)
+        kl_tok = torch.where(
+            m, est(torch.where(m, logp_new, zero), torch.where(m, logp_ref.detach().to(dtype), zero)), zero
+        )
         kl_term = aggregate_tokens(kind, kl_tok, m, max_len)
         loss, kl_val = pg_loss + beta * kl_term, float(kl_term.detach())
     stats = LossStats.collect(loss, pg_loss, kl_val, ratio, m, is_clipped, tokens=int(m.sum().item()))

@@ -91,15 +91,11 @@ def pcgrad(grads: Sequence[GradLike]) -> tuple[GradLike, int]:
             shape = grads[0].shape
             for g in grads:
                 if g.shape != shape:
-                    raise ValueError(
-                        f"task gradients differ in shape: {tuple(g.shape)} vs {tuple(shape)}"
-                    )
+                    raise ValueError(f"task gradients differ in shape: {tuple(g.shape)} vs {tuple(shape)}")
             combined, n = _project([g.detach().reshape(-1) for g in grads])
             return combined.reshape(shape), n
         if any(isinstance(g, torch.Tensor) for g in grads):
-            raise ValueError(
-                "mix of tensors and per-parameter lists; use one form for all tasks"
-            )
+            raise ValueError("mix of tensors and per-parameter lists; use one form for all tasks")
 
         n_params = len(grads[0])
         if any(len(g) != n_params for g in grads):
@@ -110,8 +106,7 @@ def pcgrad(grads: Sequence[GradLike]) -> tuple[GradLike, int]:
             for x in present[1:]:
                 if x.shape != present[0].shape:
                     raise ValueError(
-                        f"parameter {p}: shapes differ across tasks: "
-                        f"{tuple(x.shape)} vs {tuple(present[0].shape)}"
+                        f"parameter {p}: shapes differ across tasks: {tuple(x.shape)} vs {tuple(present[0].shape)}"
                     )
             templates.append(present[0] if present else None)
         live = [p for p in range(n_params) if templates[p] is not None]
@@ -124,9 +119,7 @@ def pcgrad(grads: Sequence[GradLike]) -> tuple[GradLike, int]:
                 x = g[p]
                 t = templates[p]
                 assert t is not None
-                parts.append(
-                    (x if x is not None else torch.zeros_like(t)).detach().reshape(-1)
-                )
+                parts.append((x if x is not None else torch.zeros_like(t)).detach().reshape(-1))
             flat.append(torch.cat(parts))
         combined, n = _project(flat)
         out: list[torch.Tensor | None] = [None] * n_params

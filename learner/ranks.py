@@ -46,8 +46,9 @@ RANKS_FILE = "learner_ranks.json"
 def _store(host: str, port: int, world: int, is_master: bool, timeout_s: float):
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, world, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                    wait_for_workers=False)
+    return TCPStore(
+        host, port, world, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def join_group(store, rank: int, world: int, backend: str, timeout_s: float) -> None:
@@ -84,9 +85,25 @@ class RankGroup:
         a child's death signal follows the thread that started it)."""
         self.store = _store("127.0.0.1", 0, self.world, True, self.lc.dist_timeout_s)
         for rank in range(1, self.world):
-            cmd = [sys.executable, "-m", "learner.ranks", "--rank", str(rank), "--world", str(self.world),
-                   "--port", str(self.store.port), "--backend", self.backend, "--model", str(self.model_path),
-                   "--parent", str(os.getpid()), "--run-path", str(self.run_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "learner.ranks",
+                "--rank",
+                str(rank),
+                "--world",
+                str(self.world),
+                "--port",
+                str(self.store.port),
+                "--backend",
+                self.backend,
+                "--model",
+                str(self.model_path),
+                "--parent",
+                str(os.getpid()),
+                "--run-path",
+                str(self.run_path),
+            ]
             env = dict(os.environ, RLBUS_LEARNER_SECTION=self.lc.model_dump_json())
             self.children[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         self.write_pids()
@@ -111,8 +128,13 @@ class RankGroup:
 
     def rank_died(self, rank: int, proc: subprocess.Popen) -> None:
         self.dead = f"learner rank {rank} (pid {proc.pid}) exited with {proc.returncode}"
-        log.error("learner.rank_died", rank=rank, pid=proc.pid, code=proc.returncode,
-                  why="a rank died: stopping every rank; the learner restarts from its last checkpoint")
+        log.error(
+            "learner.rank_died",
+            rank=rank,
+            pid=proc.pid,
+            code=proc.returncode,
+            why="a rank died: stopping every rank; the learner restarts from its last checkpoint",
+        )
         self.kill_children()
         if self.exit_on_rank_death:
             sys.stdout.flush()
@@ -146,8 +168,12 @@ class RankGroup:
         self.spawn()
         await self.call(self._join)
         self._keepalive = asyncio.create_task(self.keepalive())
-        log.info("learner.ranks_started", world_size=self.world, backend=self.backend,
-                 pids={r: p.pid for r, p in self.children.items()})
+        log.info(
+            "learner.ranks_started",
+            world_size=self.world,
+            backend=self.backend,
+            pids={r: p.pid for r, p in self.children.items()},
+        )
 
     def _join(self) -> None:
         from learner.sharded import RankTrainer
@@ -164,9 +190,11 @@ class RankGroup:
 
     async def step(self, batch: dict, lc, loss_scale: float = 1.0) -> dict[str, float]:
         """One sharded update on the packed `batch`; the step's metrics."""
+
         def run():
             self.command("step", (batch, lc, loss_scale))
             return self.trainer.step(batch, lc, loss_scale)
+
         return await self.call(run)
 
     async def train(self, samples: list, lc, loss_scale: float = 1.0) -> dict[str, float]:
@@ -177,9 +205,11 @@ class RankGroup:
 
     async def full_state(self) -> dict:
         """Full weights on rank 0's CPU (for `learner.weights.publish_version`)."""
+
         def run():
             self.command("gather")
             return self.trainer.full_state()
+
         return await self.call(run)
 
     async def save(self, root: Path, state: dict) -> None:
@@ -189,6 +219,7 @@ class RankGroup:
         def run():
             self.command("save", (str(root), name, state))
             self.trainer.save(Path(root), name, state)
+
         await self.call(run)
 
     async def load(self, root: Path) -> dict | None:
@@ -202,6 +233,7 @@ class RankGroup:
         def run():
             self.command("load", str(path))
             return self.trainer.load(path)
+
         return await self.call(run)
 
     async def close(self) -> None:
@@ -227,8 +259,13 @@ class RankGroup:
             for rank, proc in self.children.items():
                 if proc.poll() is not None and self.dead is None:
                     self.dead = f"learner rank {rank} (pid {proc.pid}) exited with {proc.returncode}"
-                    log.error("learner.rank_died", rank=rank, pid=proc.pid, code=proc.returncode,
-                              why="a rank died: stopping every rank; the learner restarts from its last checkpoint")
+                    log.error(
+                        "learner.rank_died",
+                        rank=rank,
+                        pid=proc.pid,
+                        code=proc.returncode,
+                        why="a rank died: stopping every rank; the learner restarts from its last checkpoint",
+                    )
         self.closing = True
         self.kill_children()
         (self.run_path / RANKS_FILE).unlink(missing_ok=True)
@@ -259,6 +296,7 @@ def die_with_parent(parent: int) -> None:
             if os.getppid() != parent:
                 os._exit(RANK_DIED_EXIT)
             time.sleep(1.0)
+
     if os.getppid() != parent:
         os._exit(RANK_DIED_EXIT)
     threading.Thread(target=watch, daemon=True).start()

@@ -137,9 +137,12 @@ def sft_step_loss(model, batch: dict[str, torch.Tensor], max_tokens: int) -> flo
     loss_sum = 0.0
     for mb in micro_batches(batch, max_tokens):
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        part = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                                 mb["labels"][:, 1:].reshape(-1), ignore_index=-100,
-                                                 reduction="sum")
+        part = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            mb["labels"][:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
         (part / max(1, total)).backward()
         loss_sum += part.item()
     return loss_sum / max(1, total)
@@ -179,9 +182,7 @@ def run_sft(
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
     )
     warmup = max(1, min(50, max_steps // 10))
 

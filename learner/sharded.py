@@ -100,13 +100,14 @@ class RankTrainer:
         if len(chunks) >= self.world or len(lengths) < self.world:
             return chunks
         rows = math.ceil(len(lengths) / self.world)
-        return plan_micro_batches(lengths, lc.micro_batch_tokens, min(rows, lc.micro_batch_size or rows),
-                                  lc.micro_batch_max_padding)
+        return plan_micro_batches(
+            lengths, lc.micro_batch_tokens, min(rows, lc.micro_batch_size or rows), lc.micro_batch_max_padding
+        )
 
     def my_micro_batches(self, chunks: list[list[int]]) -> list[tuple[list[int], bool]]:
         """(rows, real) of this rank: every N-th micro-batch, padded with zero-weighted
         copies of the shortest one up to ceil(len / N) so all ranks run as many."""
-        mine = [(c, True) for c in chunks[self.rank::self.world]]
+        mine = [(c, True) for c in chunks[self.rank :: self.world]]
         n = math.ceil(len(chunks) / self.world)
         return mine + [(chunks[-1], False)] * (n - len(mine))
 
@@ -152,9 +153,16 @@ class RankTrainer:
         parts = [p for rank_parts in gathered for p in rank_parts]
         if lc.off_policy.mode != "none":
             extra.update(offpolicy_stats(parts))
-        return {**merge_stats(parts), "grad_norm": float(grad_norm), "reward_mean": float(batch["rewards"].mean()),
-                "adv_abs_mean": float(adv.abs().mean()), "samples": len(lengths), "micro_batches": len(chunks),
-                "padding_frac": padding_fraction(lengths, chunks), **extra}
+        return {
+            **merge_stats(parts),
+            "grad_norm": float(grad_norm),
+            "reward_mean": float(batch["rewards"].mean()),
+            "adv_abs_mean": float(adv.abs().mean()),
+            "samples": len(lengths),
+            "micro_batches": len(chunks),
+            "padding_frac": padding_fraction(lengths, chunks),
+            **extra,
+        }
 
     def full_state(self) -> dict:
         """The full model state on rank 0's CPU, tied aliases dropped ({} on other ranks)."""

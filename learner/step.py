@@ -52,8 +52,13 @@ def load_models(model_path: Path, lc):
     if lc.lora.rank > 0:
         from learner.lora import wrap_lora
 
-        policy = wrap_lora(policy, rank=lc.lora.rank, alpha=lc.lora.alpha, dropout=lc.lora.dropout,
-                           target_modules=lc.lora.target_modules)
+        policy = wrap_lora(
+            policy,
+            rank=lc.lora.rank,
+            alpha=lc.lora.alpha,
+            dropout=lc.lora.dropout,
+            target_modules=lc.lora.target_modules,
+        )
     elif lc.beta > 0:
         ref = AutoModelForCausalLM.from_pretrained(model_path).eval()
         ref.requires_grad_(False)
@@ -80,8 +85,10 @@ def compute_context(dtype: str, device):
     if dtype != "bf16":
         raise ValueError(f"learner.dtype must be 'fp32' or 'bf16', got {dtype!r}")
     if not torch.amp.is_autocast_available(device.type):
-        raise RuntimeError(f"learner.dtype = 'bf16' needs torch.autocast on {device.type!r}, which this torch "
-                           f"({torch.__version__}) does not support; use dtype = 'fp32'")
+        raise RuntimeError(
+            f"learner.dtype = 'bf16' needs torch.autocast on {device.type!r}, which this torch "
+            f"({torch.__version__}) does not support; use dtype = 'fp32'"
+        )
     problem = bf16_problem(device.type)
     if problem:
         raise RuntimeError(problem)
@@ -107,16 +114,19 @@ def bf16_problem(device_type: str) -> str | None:
     if cpuinfo.exists():
         flags = set(cpuinfo.read_text().split())
         if not flags & {"avx512_bf16", "amx_bf16"}:
-            return (f"learner.dtype = 'bf16': this CPU ({torch.backends.cpu.get_cpu_capability()}) lacks AVX-512 BF16 "
-                    f"and AMX-BF16, so bf16 would only be emulated; {fix}")
+            return (
+                f"learner.dtype = 'bf16': this CPU ({torch.backends.cpu.get_cpu_capability()}) lacks AVX-512 BF16 "
+                f"and AMX-BF16, so bf16 would only be emulated; {fix}"
+            )
     return None
 
 
 # ------------------------------------------------------------------ micro-batches
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int = 0, max_rows: int = 0,
-                       max_padding: float = 0.0) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: list[int], max_tokens: int = 0, max_rows: int = 0, max_padding: float = 0.0
+) -> list[list[int]]:
     """Split sample indices into micro-batches of length-sorted samples.
 
     A micro-batch holds at most `max_rows` samples (0 = no limit) and at most
@@ -131,9 +141,12 @@ def plan_micro_batches(lengths: list[int], max_tokens: int = 0, max_rows: int = 
     for i in order:
         cur = chunks[-1] if chunks else None
         width = lengths[cur[0]] if cur else 0
-        fits = cur is not None and (not max_rows or len(cur) < max_rows) and \
-            (not max_tokens or (len(cur) + 1) * width <= max_tokens) and \
-            (not max_padding or 1.0 - (real + lengths[i]) / ((len(cur) + 1) * max(1, width)) <= max_padding)
+        fits = (
+            cur is not None
+            and (not max_rows or len(cur) < max_rows)
+            and (not max_tokens or (len(cur) + 1) * width <= max_tokens)
+            and (not max_padding or 1.0 - (real + lengths[i]) / ((len(cur) + 1) * max(1, width)) <= max_padding)
+        )
         if fits:
             cur.append(i)
             real += lengths[i]
@@ -155,9 +168,13 @@ def take_rows(batch: dict, rows: list[int]) -> dict:
 
     idx = torch.tensor(rows)
     width = int(batch["attention_mask"][idx].sum(dim=1).max())
-    return {"input_ids": batch["input_ids"][idx, :width], "attention_mask": batch["attention_mask"][idx, :width],
-            "loss_mask": batch["loss_mask"][idx, : width - 1], "behavior_logp": batch["behavior_logp"][idx, : width - 1],
-            "rows": idx}
+    return {
+        "input_ids": batch["input_ids"][idx, :width],
+        "attention_mask": batch["attention_mask"][idx, :width],
+        "loss_mask": batch["loss_mask"][idx, : width - 1],
+        "behavior_logp": batch["behavior_logp"][idx, : width - 1],
+        "rows": idx,
+    }
 
 
 def loss_share(kind: str, mask_part, mask_full) -> float:
@@ -208,12 +225,26 @@ def micro_loss(policy, ref, mb: dict, adv, lc, max_len: int):
 
     logp = token_logprobs(policy, mb["input_ids"], mb["attention_mask"])
     logp_ref = reference_logprobs(policy, ref, mb) if lc.beta > 0 else None
-    common = dict(clip_low=lc.clip_low, clip_high=lc.clip_high, beta=lc.beta, kl=lc.kl_estimator,
-                  logp_ref=logp_ref, max_len=max_len)
+    common = dict(
+        clip_low=lc.clip_low,
+        clip_high=lc.clip_high,
+        beta=lc.beta,
+        kl=lc.kl_estimator,
+        logp_ref=logp_ref,
+        max_len=max_len,
+    )
     if lc.off_policy.mode == "none":
         return objective_loss(lc.objective, logp, mb["behavior_logp"], adv, mb["loss_mask"], **common)
-    return offpolicy_loss(lc.off_policy.mode, lc.objective, logp, mb["behavior_logp"], adv, mb["loss_mask"],
-                          cap=lc.off_policy.tis_cap, **common)
+    return offpolicy_loss(
+        lc.off_policy.mode,
+        lc.objective,
+        logp,
+        mb["behavior_logp"],
+        adv,
+        mb["loss_mask"],
+        cap=lc.off_policy.tis_cap,
+        **common,
+    )
 
 
 def accumulate(policy, ref, batch: dict, adv, chunks: list[list[int]], lc) -> list[tuple[float, object]]:
@@ -247,8 +278,12 @@ def merge_stats(parts: list[tuple[float, object]]) -> dict[str, float]:
         return max(vals) if vals else float("nan")
 
     out = {k: sum(share * getattr(s, k) for share, s in parts) for k in ("loss", "pg_loss", "kl")}
-    out.update(clip_frac=tok_mean("clip_frac"), ratio_mean=tok_mean("ratio_mean"), ratio_max=nan_max("ratio_max"),
-               tokens=tokens)
+    out.update(
+        clip_frac=tok_mean("clip_frac"),
+        ratio_mean=tok_mean("ratio_mean"),
+        ratio_max=nan_max("ratio_max"),
+        tokens=tokens,
+    )
     return out
 
 
@@ -258,9 +293,11 @@ def offpolicy_stats(parts) -> dict[str, float]:
 
     vals = [(s.tokens, s) for _, s in parts if s.tokens and not math.isnan(s.is_weight_mean)]
     n = sum(t for t, _ in vals) or 1
-    return {"is_weight_mean": sum(t * s.is_weight_mean for t, s in vals) / n,
-            "is_weight_max": max((s.is_weight_max for _, s in vals), default=float("nan")),
-            "is_truncated_frac": sum(t * s.is_truncated_frac for t, s in vals) / n}
+    return {
+        "is_weight_mean": sum(t * s.is_weight_mean for t, s in vals) / n,
+        "is_weight_max": max((s.is_weight_max for _, s in vals), default=float("nan")),
+        "is_truncated_frac": sum(t * s.is_truncated_frac for t, s in vals) / n,
+    }
 
 
 # ------------------------------------------------------------------ PCGrad and replay
@@ -278,8 +315,12 @@ def pcgrad_accumulate(policy, ref, batch: dict, adv, lengths, domains: list[str]
     grads, parts, chunks = [], [], []
     for d in sorted(set(domains)):
         idx = [i for i, x in enumerate(domains) if x == d]
-        dchunks = [[idx[j] for j in c] for c in plan_micro_batches([lengths[i] for i in idx], lc.micro_batch_tokens,
-                                                                   lc.micro_batch_size, lc.micro_batch_max_padding)]
+        dchunks = [
+            [idx[j] for j in c]
+            for c in plan_micro_batches(
+                [lengths[i] for i in idx], lc.micro_batch_tokens, lc.micro_batch_size, lc.micro_batch_max_padding
+            )
+        ]
         for p in params:
             p.grad = None
         parts += accumulate(policy, ref, batch, adv, dchunks, lc)
@@ -289,8 +330,11 @@ def pcgrad_accumulate(policy, ref, batch: dict, adv, lengths, domains: list[str]
     for p, g in zip(params, combined):
         p.grad = g
     k = len(grads)
-    return parts, chunks, {"pcgrad_conflicts": float(n_conflicts),
-                           "pcgrad_conflict_frac": n_conflicts / (k * (k - 1)) if k > 1 else 0.0}
+    return (
+        parts,
+        chunks,
+        {"pcgrad_conflicts": float(n_conflicts), "pcgrad_conflict_frac": n_conflicts / (k * (k - 1)) if k > 1 else 0.0},
+    )
 
 
 def replay_stream(policy, lc):
@@ -336,12 +380,14 @@ def skipped_loss_scale(kind: str, trained: list, skipped: list) -> float:
 
         def tokens(rs) -> int:  # the tokens the loss mask counts: those of trainable turns
             return sum(len(unpack_i32(t.token_ids)) for r in rs for t in r.trajectory.turns if t.trainable)
+
         return tokens(trained) / max(1, tokens(trained) + tokens(skipped))
     return len(trained) / (len(trained) + len(skipped))
 
 
-def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int, lc, replay=None,
-               loss_scale: float = 1.0) -> dict[str, float]:
+def train_step(
+    policy, ref, optimizer, samples: list[PooledSample], pad_id: int, lc, replay=None, loss_scale: float = 1.0
+) -> dict[str, float]:
     """One update on the given samples (runs in a worker thread); returns step metrics.
     `loss_scale` multiplies the policy loss's gradient (not the replay NLL's): see
     `skipped_loss_scale`."""
@@ -374,6 +420,13 @@ def train_step(policy, ref, optimizer, samples: list[PooledSample], pad_id: int,
         extra["replay_nll"] = replay_backward(policy, lc, replay)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], lc.grad_clip)
     optimizer.step()
-    return {**merge_stats(parts), "grad_norm": float(grad_norm), "reward_mean": float(batch["rewards"].mean()),
-            "adv_abs_mean": float(adv.abs().mean()), "samples": len(samples), "micro_batches": len(chunks),
-            "padding_frac": padding_fraction(lengths, chunks), **extra}
+    return {
+        **merge_stats(parts),
+        "grad_norm": float(grad_norm),
+        "reward_mean": float(batch["rewards"].mean()),
+        "adv_abs_mean": float(adv.abs().mean()),
+        "samples": len(samples),
+        "micro_batches": len(chunks),
+        "padding_frac": padding_fraction(lengths, chunks),
+        **extra,
+    }

@@ -55,8 +55,9 @@ def weights_dtype(model) -> str:
     return str(first.dtype).replace("torch.", "")
 
 
-async def publish_version(js, reg: Registry, model, version: int, step: int, metrics: dict[str, float],
-                          store=None, nc=None) -> WeightVersion:
+async def publish_version(
+    js, reg: Registry, model, version: int, step: int, metrics: dict[str, float], store=None, nc=None
+) -> WeightVersion:
     """Store the model's weights (in `store`, default the run's object store) and announce them as `version`.
 
     With a `FileStore` and a core connection `nc`, a `WeightPrefetch` goes out on
@@ -72,14 +73,26 @@ async def publish_version(js, reg: Registry, model, version: int, step: int, met
     if model is None:
         uri, sha, size = await store.put(name, b"null-policy")
     elif isinstance(store, FileStore):
-        uri, sha, size = await store.put_segments(name, await asyncio.to_thread(model_segments, model),
-                                                  on_written=prefetch if nc is not None else None)
+        uri, sha, size = await store.put_segments(
+            name, await asyncio.to_thread(model_segments, model), on_written=prefetch if nc is not None else None
+        )
     else:
         uri, sha, size = await store.put_segments(name, await asyncio.to_thread(model_segments, model))
-    wv = WeightVersion(run_id=reg.run_id, version=version, step=step, uri=uri, sha256=sha, bytes=size,
-                       dtype=weights_dtype(model),
-                       metrics=metrics)
+    wv = WeightVersion(
+        run_id=reg.run_id,
+        version=version,
+        step=step,
+        uri=uri,
+        sha256=sha,
+        bytes=size,
+        dtype=weights_dtype(model),
+        metrics=metrics,
+    )
     await publish(js, reg.weights, wv)
-    await put_json(js, reg, WEIGHTS_LATEST, {"version": version, "msg_id": wv.msg_id, "uri": uri,
-                                             "sha256": sha, "step": step, "published_at": time.time()})
+    await put_json(
+        js,
+        reg,
+        WEIGHTS_LATEST,
+        {"version": version, "msg_id": wv.msg_id, "uri": uri, "sha256": sha, "step": step, "published_at": time.time()},
+    )
     return wv

@@ -84,9 +84,16 @@ class Learner:
     def state(self, rewards_ack_floor: int = 0) -> dict:
         """What a checkpoint records besides model/optimizer: counters, the trained set,
         and the position in the REWARDS log (the learner consumer's ack floor)."""
-        return {"step": self.step, "version": self.version, "tasks_done": self.tasks_done,
-                "tasks_done_by_pool": self.tasks_done_by_pool, "samples_trained": self.samples_trained, "trained": sorted(self.trained),
-                "rewards_ack_floor": rewards_ack_floor, "ledger_seq": self.ledger_seq}
+        return {
+            "step": self.step,
+            "version": self.version,
+            "tasks_done": self.tasks_done,
+            "tasks_done_by_pool": self.tasks_done_by_pool,
+            "samples_trained": self.samples_trained,
+            "trained": sorted(self.trained),
+            "rewards_ack_floor": rewards_ack_floor,
+            "ledger_seq": self.ledger_seq,
+        }
 
     async def rewards_position(self) -> int:
         """Stream sequence below which every reward is acked (0 if the consumer is missing)."""
@@ -114,7 +121,9 @@ class Learner:
         if self.group:
             await self.group.save(self.dcp_root, state)
             return
-        await asyncio.to_thread(checkpoint.save, self.ckpt_path, model=self.policy, optimizer=self.optimizer, state=state)
+        await asyncio.to_thread(
+            checkpoint.save, self.ckpt_path, model=self.policy, optimizer=self.optimizer, state=state
+        )
 
     async def load_checkpoint(self) -> dict | None:
         """Restore the last checkpoint into the model(s); its state, or None."""
@@ -127,9 +136,17 @@ class Learner:
     async def record(self, fates: list[TaskFate], rollback_after_seq: int | None = None) -> None:
         """Publish task fates (or a rollback marker) to the ledger; remember its sequence."""
         if fates or rollback_after_seq is not None:
-            ack = await publish(self.s.js, self.s.reg.ledger("learner"), TaskFates(
-                run_id=self.s.reg.run_id, stage="learner", step=self.step, fates=fates,
-                rollback_after_seq=rollback_after_seq))
+            ack = await publish(
+                self.s.js,
+                self.s.reg.ledger("learner"),
+                TaskFates(
+                    run_id=self.s.reg.run_id,
+                    stage="learner",
+                    step=self.step,
+                    fates=fates,
+                    rollback_after_seq=rollback_after_seq,
+                ),
+            )
             self.ledger_seq = ack.seq
 
     async def restore(self, saved: dict | None) -> None:
@@ -141,7 +158,9 @@ class Learner:
             info = await js.consumer_info(spec.stream, spec.durable)
         except NotFoundError:  # a fresh run; a transient error must not pass for one (it propagates)
             info = None
-        progressed = info is not None and (info.delivered.stream_seq > 0 or (info.ack_floor and info.ack_floor.stream_seq > 0))
+        progressed = info is not None and (
+            info.delivered.stream_seq > 0 or (info.ack_floor and info.ack_floor.stream_seq > 0)
+        )
         latest = await get_json(js, reg, WEIGHTS_LATEST) or {}
         if saved:
             self.step, self.tasks_done = saved["step"], saved["tasks_done"]
@@ -156,8 +175,14 @@ class Learner:
         await js.delete_consumer(spec.stream, spec.durable)
         await ensure_consumer_from(js, spec, floor + 1)
         self.s.counters["resumed_from_step"] = self.step
-        log.info("learner.resumed", step=self.step, version=self.version, replay_from_seq=floor + 1,
-                 trained_in_checkpoint=len(self.trained), ledger_rollback_after=after)
+        log.info(
+            "learner.resumed",
+            step=self.step,
+            version=self.version,
+            replay_from_seq=floor + 1,
+            trained_in_checkpoint=len(self.trained),
+            ledger_rollback_after=after,
+        )
 
     async def take(self, raws) -> None:
         """Decode fetched rewards and pool them (duplicates acked and counted)."""
@@ -192,17 +217,27 @@ class Learner:
         if self.short_window_at != self.last_step_at:
             self.short_window_at = self.last_step_at
             self.s.counters["short_windows"] = self.s.counters.get("short_windows", 0) + 1
-            log.info("learner.window_short", ready=ready, needed=self.lc.min_groups_per_step,
-                     incomplete=len(self.pool.pending()), window_s=self.lc.step_window_s,
-                     reason="fewer complete groups than min_groups_per_step; waiting for more")
+            log.info(
+                "learner.window_short",
+                ready=ready,
+                needed=self.lc.min_groups_per_step,
+                incomplete=len(self.pool.pending()),
+                window_s=self.lc.step_window_s,
+                reason="fewer complete groups than min_groups_per_step; waiting for more",
+            )
         return False
 
     async def step_once(self) -> None:
         """One window: collect the ready groups -> partition them -> train -> record, ack,
         report (acks come after the step, so a crash in it redelivers the window)."""
         ready, expired = self.pool.pop_ready(time.monotonic(), self.lc.groups_per_step, informative_only=self.refill)
-        part = partition(ready, expired, self.version, max_staleness=self.lc.max_staleness,
-                         skip_zero_variance=self.lc.skip_zero_variance)
+        part = partition(
+            ready,
+            expired,
+            self.version,
+            max_staleness=self.lc.max_staleness,
+            skip_zero_variance=self.lc.skip_zero_variance,
+        )
         self.s.counters["stale_samples"] = self.s.counters.get("stale_samples", 0) + part.stale_samples
         samples = [s for g in part.train for s in g.samples.values()]
         metrics = await self.train(samples, part.skipped) if samples else {}
@@ -218,13 +253,17 @@ class Learner:
 
     async def train(self, samples: list[PooledSample], skipped: list[Reward]) -> dict[str, float]:
         """One optimizer step on `samples`; returns its metrics (staleness included)."""
-        scale = (skipped_loss_scale(self.lc.objective, [s.reward for s in samples], skipped)
-                 if self.lc.skipped_keep_scale else 1.0)
+        scale = (
+            skipped_loss_scale(self.lc.objective, [s.reward for s in samples], skipped)
+            if self.lc.skipped_keep_scale
+            else 1.0
+        )
         if self.group:
             metrics = await self.group.train(samples, self.lc, loss_scale=scale)
         else:
-            metrics = await asyncio.to_thread(train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id,
-                                              self.lc, loss_scale=scale)
+            metrics = await asyncio.to_thread(
+                train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id, self.lc, loss_scale=scale
+            )
         lags = [self.version - s.reward.trajectory.policy_version for s in samples]
         metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
         self.step += 1
@@ -248,9 +287,16 @@ class Learner:
         log.info("learner.step", step=self.step, version=self.version, **{k: round(v, 4) for k, v in metrics.items()})
         if self.step % self.lc.publish_every == 0:
             self.version += 1
-            await publish_version(self.s.js, self.s.reg, await self.weights(), self.version, self.step,
-                                  {**metrics, "samples_trained": float(self.samples_trained)}, store=self.store,
-                                  nc=self.s.nc)
+            await publish_version(
+                self.s.js,
+                self.s.reg,
+                await self.weights(),
+                self.version,
+                self.step,
+                {**metrics, "samples_trained": float(self.samples_trained)},
+                store=self.store,
+                nc=self.s.nc,
+            )
             c["version"] = self.version
             c["weights_deleted"] = c.get("weights_deleted", 0) + await self.retention.after_publish(self.version)
         if self.step % self.lc.checkpoint_every == 0 and self.has_model:
@@ -281,11 +327,20 @@ class Learner:
 
     async def progress(self) -> None:
         """KV learner.progress: what the sampler's gate and the live view read."""
-        await put_json(self.s.js, self.s.reg, LEARNER_PROGRESS, {
-            "step": self.step, "version": self.version, "tasks_done": self.tasks_done,
-            "tasks_done_by_pool": self.tasks_done_by_pool,
-            "samples_trained": self.samples_trained, "reward_mean": self.s.counters.get("reward_mean"),
-            "updated_at": time.time()})
+        await put_json(
+            self.s.js,
+            self.s.reg,
+            LEARNER_PROGRESS,
+            {
+                "step": self.step,
+                "version": self.version,
+                "tasks_done": self.tasks_done,
+                "tasks_done_by_pool": self.tasks_done_by_pool,
+                "samples_trained": self.samples_trained,
+                "reward_mean": self.s.counters.get("reward_mean"),
+                "updated_at": time.time(),
+            },
+        )
 
 
 async def bind_learner_consumer(js, reg):

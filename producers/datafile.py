@@ -132,6 +132,7 @@ class DataSplit:
 
 # ---------------------------------------------------------------- reading tables
 
+
 @dataclass
 class Table:
     """Rows of one split: (place, row or RowError) pairs, and the column names."""
@@ -177,8 +178,9 @@ def _arrow(desc: str, ds) -> Table:
 
 
 def _parquet(files: list[Path], desc: str) -> Table:
-    ds = _datasets().load_dataset("parquet", data_files={"train": [str(f) for f in files]}, split="train",
-                                  streaming=True)
+    ds = _datasets().load_dataset(
+        "parquet", data_files={"train": [str(f) for f in files]}, split="train", streaming=True
+    )
     return _arrow(desc, ds)
 
 
@@ -199,19 +201,25 @@ def _directory(d: Path, split: str) -> Table:
                 raise ValueError(f"{d}: no split {split!r}; splits present: {sorted(ds)}")
             return _arrow(f"{d}[{split}]", ds[split])
         if split != "train":
-            raise ValueError(f"{d} holds one dataset (split 'train'), not split {split!r}; "
-                             "save a DatasetDict, or name the split 'train'")
+            raise ValueError(
+                f"{d} holds one dataset (split 'train'), not split {split!r}; "
+                "save a DatasetDict, or name the split 'train'"
+            )
         return _arrow(str(d), ds)
     files = _split_files(d).get(split)
     if not files:
-        raise ValueError(f"{d}: no data for split {split!r} (a save_to_disk dir, or files named "
-                         f"{split}.jsonl / {split}-*.parquet); splits present: {sorted(_split_files(d))}")
+        raise ValueError(
+            f"{d}: no data for split {split!r} (a save_to_disk dir, or files named "
+            f"{split}.jsonl / {split}-*.parquet); splits present: {sorted(_split_files(d))}"
+        )
     if all(f.suffix == ".parquet" for f in files):
         return _parquet(files, f"{d}[{split}]")
     if len(files) == 1 and files[0].suffix in JSON_SUFFIXES:
         return _json_lines(files[0])
-    raise ValueError(f"{d}: split {split!r} mixes formats or JSONL shards ({[f.name for f in files]}); "
-                     "use one JSONL file or Parquet shards per split")
+    raise ValueError(
+        f"{d}: split {split!r} mixes formats or JSONL shards ({[f.name for f in files]}); "
+        "use one JSONL file or Parquet shards per split"
+    )
 
 
 def open_table(path: Path, split: str = "train") -> Table:
@@ -221,17 +229,21 @@ def open_table(path: Path, split: str = "train") -> Table:
     if not path.is_file():
         raise ValueError(f"task file {path} not found")
     if split != "train":
-        raise ValueError(f"{path} is one file (split 'train'), not split {split!r}; point data at a "
-                         "directory of split files or a save_to_disk dir")
+        raise ValueError(
+            f"{path} is one file (split 'train'), not split {split!r}; point data at a "
+            "directory of split files or a save_to_disk dir"
+        )
     if path.suffix == ".parquet":
         return _parquet([path], str(path))
     if path.suffix in JSON_SUFFIXES:
         return _json_lines(path)
-    raise ValueError(f"task file {path}: unknown format {path.suffix!r}; use .jsonl, .parquet, or a "
-                     "datasets save_to_disk directory")
+    raise ValueError(
+        f"task file {path}: unknown format {path.suffix!r}; use .jsonl, .parquet, or a datasets save_to_disk directory"
+    )
 
 
 # ---------------------------------------------------------------- rows -> task lines
+
 
 def chat_prompt(raw: Any) -> tuple[ChatMessage, ...]:
     """A prompt column's value as chat messages: text (one user message) or [{role, content}, ...]."""
@@ -241,7 +253,9 @@ def chat_prompt(raw: Any) -> tuple[ChatMessage, ...]:
         try:
             return tuple(ChatMessage(**m) for m in raw)
         except ValueError as exc:
-            raise RowError("bad prompt", f"messages need role (system/user/assistant/tool) and content: {exc}") from None
+            raise RowError(
+                "bad prompt", f"messages need role (system/user/assistant/tool) and content: {exc}"
+            ) from None
     raise RowError("bad prompt", f"a non-empty string or list of {{role, content}}, not {type(raw).__name__}")
 
 
@@ -295,8 +309,9 @@ def _check_columns(label: str, table: Table, mapping: dict[str, str], asked: set
         if target in asked or target in spec.required:
             how = f"field_map.{target}" if target in asked else f"{target}, the {spec.name} default"
             hint = f"; set {label}.field_map.{target} to one of them" if label.startswith("sampler.") else ""
-            raise ValueError(f"{label}: column {col!r} ({how}) not in {table.desc}; columns present: "
-                             f"{table.columns}{hint}")
+            raise ValueError(
+                f"{label}: column {col!r} ({how}) not in {table.desc}; columns present: {table.columns}{hint}"
+            )
 
 
 def _line(spec: Spec, rec: dict[str, Any], id_col: bool) -> TaskLine:
@@ -344,12 +359,15 @@ def read_lines(label: str, table: Table, spec: Spec, field_map: dict[str, str]) 
         raise ValueError(f"{label}: {table.desc} has no rows (columns present: {table.columns})")
     if not out:
         hint = "; JSONL needs one JSON object per line" if set(skipped) == {"invalid JSON"} else ""
-        raise ValueError(f"{label}: {table.desc} has no usable row: {n_rows} skipped {dict(skipped)}; columns "
-                         f"present: {table.columns}; needed: {[mapping[f] for f in spec.required]}{hint}")
+        raise ValueError(
+            f"{label}: {table.desc} has no usable row: {n_rows} skipped {dict(skipped)}; columns "
+            f"present: {table.columns}; needed: {[mapping[f] for f in spec.required]}{hint}"
+        )
     return out, skipped
 
 
 # ---------------------------------------------------------------- splits
+
 
 def resolve(data: str, default: Path | None = None) -> Path:
     """The data path (relative paths from the cwd, else from the repository root)."""
@@ -368,8 +386,9 @@ def _stamp(p: Path) -> tuple[int, int]:
     return max([0, *(s.st_mtime_ns for s in stats)]), sum(s.st_size for s in stats)
 
 
-def split_rows(source: str, lines: list[TaskLine], heldout: list[TaskLine], fraction: float,
-               skipped: Counter) -> DataSplit:
+def split_rows(
+    source: str, lines: list[TaskLine], heldout: list[TaskLine], fraction: float, skipped: Counter
+) -> DataSplit:
     """Training and held-out rows: `heldout` plus the `fraction` of `lines` whose prompt hash
     falls in it; a training row whose prompt is held out is dropped (counted in `skipped`)."""
     held = list(heldout)
@@ -391,8 +410,16 @@ def split_rows(source: str, lines: list[TaskLine], heldout: list[TaskLine], frac
 
 
 @lru_cache(maxsize=32)
-def _load(label: str, path: Path, stamp: tuple[int, int], split: str, heldout_split: str, fraction: float,
-          fmap: tuple[tuple[str, str], ...], spec: Spec) -> DataSplit:
+def _load(
+    label: str,
+    path: Path,
+    stamp: tuple[int, int],
+    split: str,
+    heldout_split: str,
+    fraction: float,
+    fmap: tuple[tuple[str, str], ...],
+    spec: Spec,
+) -> DataSplit:
     table = open_table(path, split)
     lines, skipped = read_lines(label, table, spec, dict(fmap))
     heldout: list[TaskLine] = []
@@ -402,13 +429,28 @@ def _load(label: str, path: Path, stamp: tuple[int, int], split: str, heldout_sp
     out = split_rows(f"{label}: {table.desc}", lines, heldout, fraction, skipped)
     if skipped:
         log.warning("sampler.data_rows_skipped", domain=label, source=table.desc, skipped=dict(skipped))
-    log.info("sampler.data_loaded", domain=label, source=table.desc, train=len(out.train), heldout=len(out.heldout),
-             heldout_sha256=out.heldout_sha256, skipped=sum(skipped.values()))
+    log.info(
+        "sampler.data_loaded",
+        domain=label,
+        source=table.desc,
+        train=len(out.train),
+        heldout=len(out.heldout),
+        heldout_sha256=out.heldout_sha256,
+        skipped=sum(skipped.values()),
+    )
     return out
 
 
-def load_split(label: str, path: Path, spec: Spec, *, split: str = "train", heldout_split: str = "",
-               heldout_fraction: float = 0.0, field_map: dict[str, str] | None = None) -> DataSplit:
+def load_split(
+    label: str,
+    path: Path,
+    spec: Spec,
+    *,
+    split: str = "train",
+    heldout_split: str = "",
+    heldout_fraction: float = 0.0,
+    field_map: dict[str, str] | None = None,
+) -> DataSplit:
     """The rows of a local dataset, split into training and held-out (cached; see the module guarantees)."""
     fmap = tuple(sorted((field_map or {}).items()))
     return _load(label, path, _stamp(path), split, heldout_split, heldout_fraction, fmap, spec)
@@ -417,5 +459,12 @@ def load_split(label: str, path: Path, spec: Spec, *, split: str = "train", held
 def domain_split(ctx, spec: Spec, default: Path | None = None) -> DataSplit:
     """The rows of a config domain's `data` (`default` when empty), by its split settings."""
     dc = ctx.dc
-    return load_split(f"sampler.domains.{ctx.name}", resolve(dc.data, default), spec, split=dc.split,
-                      heldout_split=dc.heldout_split, heldout_fraction=dc.heldout_fraction, field_map=dc.field_map)
+    return load_split(
+        f"sampler.domains.{ctx.name}",
+        resolve(dc.data, default),
+        spec,
+        split=dc.split,
+        heldout_split=dc.heldout_split,
+        heldout_fraction=dc.heldout_fraction,
+        field_map=dc.field_map,
+    )

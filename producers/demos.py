@@ -43,8 +43,9 @@ class DomainDemos:
         rng, weights = random.Random(seed), list(self.weights)
         while True:
             if not any(weights):
-                raise ValueError("no configured domain could demonstrate itself (see the warnings); "
-                                 "set sft.enabled=false")
+                raise ValueError(
+                    "no configured domain could demonstrate itself (see the warnings); set sft.enabled=false"
+                )
             k = rng.choices(range(len(self.sources)), weights=weights)[0]
             try:
                 yield [self.sources[k].demonstration(rng, self.levels[k]) for _ in range(batch_size)]

@@ -56,13 +56,18 @@ def parse_row(task_id: str, rec: dict[str, Any]) -> TaskLine:
     params = rec["params"]
     leaked = [k for k in PUBLIC_FORBIDDEN if k in params]
     if leaked:
-        raise RowError("gold in public params", f"params {leaked} are public (the policy sees them); "
-                                                "put them under 'hidden'")
+        raise RowError(
+            "gold in public params", f"params {leaked} are public (the policy sees them); put them under 'hidden'"
+        )
     return TaskLine(task_id, chat_prompt(rec["prompt"]), rec["hidden"] or None, params, level_of(rec.get("level")))
 
 
-JSONL = Spec("jsonl", (("id", "id"), ("prompt", "prompt"), ("hidden", "hidden"), ("params", "params"),
-                       ("level", "level")), ("prompt",), parse_row)
+JSONL = Spec(
+    "jsonl",
+    (("id", "id"), ("prompt", "prompt"), ("hidden", "hidden"), ("params", "params"), ("level", "level")),
+    ("prompt",),
+    parse_row,
+)
 """The task format of the `jsonl`, `extract`, `judge` (and `files`) kinds."""
 
 
@@ -71,14 +76,16 @@ def load(path: str) -> tuple[TaskLine, ...]:
     return load_split(str(path), Path(path), JSONL).train
 
 
-def items(ctx: DomainContext, tasks: tuple[TaskLine, ...], verifier: str,
-          extra: dict[str, Any] | None = None) -> list[tuple[dict[str, Any], dict[str, Any] | None, int | None]]:
+def items(
+    ctx: DomainContext, tasks: tuple[TaskLine, ...], verifier: str, extra: dict[str, Any] | None = None
+) -> list[tuple[dict[str, Any], dict[str, Any] | None, int | None]]:
     """StaticSource items: (task fields, hidden, level) per line."""
     defaults = {**(ctx.dc.params.get("verifier_params") or {}), **(extra or {})}
     out = []
     for t in tasks:
-        fields: dict[str, Any] = dict(prompt=list(t.prompt), verifier=verifier,
-                                      verifier_params={**defaults, "problem_id": t.id, **t.params})
+        fields: dict[str, Any] = dict(
+            prompt=list(t.prompt), verifier=verifier, verifier_params={**defaults, "problem_id": t.id, **t.params}
+        )
         if t.hidden:
             fields["hidden_ref"] = hidden_ref_for(ctx.name, t.id)
         out.append((fields, t.hidden, t.level))
@@ -92,8 +99,9 @@ class FileSource(StaticSource):
     data: DataSplit | None = None
 
 
-def file_source(ctx: DomainContext, default_data: Path | None, verifier: str,
-                extra: dict[str, Any] | None = None) -> FileSource:
+def file_source(
+    ctx: DomainContext, default_data: Path | None, verifier: str, extra: dict[str, Any] | None = None
+) -> FileSource:
     """A source over the training rows of the domain's data."""
     split = domain_split(ctx, JSONL, default_data)
     return FileSource(ctx, items(ctx, split.train, verifier, extra), data=split)

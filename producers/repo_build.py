@@ -52,8 +52,13 @@ from producers.repo_mutate import Site, apply_site, apply_unified_diff, find_sit
 from producers.repo_pytest import SandboxedSuite
 from schemas.repo_task import RepoTask
 
-PERMISSIVE = ((r"\bmit\b", "MIT"), (r"\bbsd\b", "BSD"), (r"\bapache\b", "Apache-2.0"), (r"\bisc\b", "ISC"),
-              (r"python software foundation", "PSF"))
+PERMISSIVE = (
+    (r"\bmit\b", "MIT"),
+    (r"\bbsd\b", "BSD"),
+    (r"\bapache\b", "Apache-2.0"),
+    (r"\bisc\b", "ISC"),
+    (r"python software foundation", "PSF"),
+)
 KEEP_NAMES = re.compile(r"^(LICEN[CS]E|COPYING|NOTICE|AUTHORS|README)", re.I)
 KEEP_SUFFIXES = (".py", ".cfg", ".toml", ".ini")
 SKIP_PARTS = {"docs", "doc", "examples", "benchmarks", "__pycache__", ".github"}
@@ -97,8 +102,20 @@ def fetch(spec: str, dest: Path) -> Path:
     if Path(spec).exists():
         return Path(spec)
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        spec,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise PackageSkipped(f"pip download failed: {proc.stderr.strip()[-500:]}")
@@ -127,8 +144,9 @@ def select_files(root: Path) -> dict[str, str]:
     files: dict[str, str] = {}
     for path in sorted(root.rglob("*")):
         rel = PurePosixPath(path.relative_to(root).as_posix())
-        if not path.is_file() or any(p in SKIP_PARTS or p.startswith(".") or p.endswith(".egg-info")
-                                     for p in rel.parts[:-1]):
+        if not path.is_file() or any(
+            p in SKIP_PARTS or p.startswith(".") or p.endswith(".egg-info") for p in rel.parts[:-1]
+        ):
             continue
         if not (rel.suffix in KEEP_SUFFIXES or KEEP_NAMES.match(rel.name)) or path.stat().st_size > MAX_FILE_BYTES:
             continue
@@ -165,9 +183,14 @@ def is_test_file(path: str) -> bool:
 
 def mutable_sources(files: dict[str, str]) -> list[str]:
     """Source modules mutants are made in: not tests, not packaging or test-config code."""
-    return sorted(p for p in files if p.endswith(".py") and not is_test_file(p)
-                  and PurePosixPath(p).name not in NOT_MUTATED
-                  and not any(part in ("tests", "test", "testing") for part in PurePosixPath(p).parts[:-1]))
+    return sorted(
+        p
+        for p in files
+        if p.endswith(".py")
+        and not is_test_file(p)
+        and PurePosixPath(p).name not in NOT_MUTATED
+        and not any(part in ("tests", "test", "testing") for part in PurePosixPath(p).parts[:-1])
+    )
 
 
 def ordered_sites(files: dict[str, str], sources: list[str], seed: int, spec: str) -> list[tuple[str, Site]]:
@@ -205,8 +228,14 @@ def issue_text(name: str, version: str, failing: dict[str, dict]) -> str:
     first = failing[ids[0]]
     context = first.get("context") or first.get("call") or ids[0].split("::")[-1]
     context_lines = [ln for ln in context.splitlines() if ln.strip(" ^~")]  # no 3.11 caret lines
-    lines = [f"Regression in {name} {version}", "", "This check, which used to pass, now fails:", "",
-             *[f"    {ln}" for ln in context_lines], ""]
+    lines = [
+        f"Regression in {name} {version}",
+        "",
+        "This check, which used to pass, now fails:",
+        "",
+        *[f"    {ln}" for ln in context_lines],
+        "",
+    ]
     if _params(ids[0]):
         lines += [f"(with the test parameters `{_params(ids[0])}`)", ""]
     lines += ["It fails with:", "", *[f"    {ln}" for ln in _message(first)], ""]
@@ -223,8 +252,15 @@ def issue_text(name: str, version: str, failing: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_task(spec: str, files: dict[str, str], path: str, site: Site, mutant: str,
-              baseline_pass: list[str], failing: dict[str, dict]) -> RepoTask:
+def make_task(
+    spec: str,
+    files: dict[str, str],
+    path: str,
+    site: Site,
+    mutant: str,
+    baseline_pass: list[str],
+    failing: dict[str, dict],
+) -> RepoTask:
     """The `RepoTask` of one kept mutant (see the module docstring)."""
     name, _, version = spec.partition("==")
     targets = sorted(failing)
@@ -238,9 +274,15 @@ def make_task(spec: str, files: dict[str, str], path: str, site: Site, mutant: s
     slug = re.sub(r"[^a-z0-9.]+", "-", name.lower())
     return RepoTask(
         task_id=f"{slug}-{version or 'local'}-m{hashlib.sha256(key.encode()).hexdigest()[:8]}",
-        source=f"sdist:{spec}", issue=issue_text(name, version, failing), files=public,
-        hidden_files={p: files[p] for p in hidden_paths}, target_tests=targets,
-        regression_tests=[t for t in baseline_pass if t not in failing], deps=[], gold_patch=gold)
+        source=f"sdist:{spec}",
+        issue=issue_text(name, version, failing),
+        files=public,
+        hidden_files={p: files[p] for p in hidden_paths},
+        target_tests=targets,
+        regression_tests=[t for t in baseline_pass if t not in failing],
+        deps=[],
+        gold_patch=gold,
+    )
 
 
 def _baseline(suite: SandboxedSuite, tests: list[str], limits: BuildLimits) -> list[str]:
@@ -248,8 +290,9 @@ def _baseline(suite: SandboxedSuite, tests: list[str], limits: BuildLimits) -> l
     if run.timed_out:
         raise PackageSkipped(f"its test suite timed out after {limits.timeout:.0f} s")
     if run.failing() or not run.passing():
-        raise PackageSkipped(f"its test suite does not pass here: {run.failing()[:5] or 'no test passed'} "
-                             f"{run.log_tail[-300:]!r}")
+        raise PackageSkipped(
+            f"its test suite does not pass here: {run.failing()[:5] or 'no test passed'} {run.log_tail[-300:]!r}"
+        )
     return run.passing()
 
 
@@ -274,8 +317,12 @@ def _try_mutants(spec, files, suite, tests, passing, limits, report, per_run) ->
             report.survived += 1
             continue
         key = tuple(sorted(failing))
-        if (run.timed_out or len(failing) > limits.max_targets or key in seen
-                or any("::" not in n or n not in passing for n in failing)):
+        if (
+            run.timed_out
+            or len(failing) > limits.max_targets
+            or key in seen
+            or any("::" not in n or n not in passing for n in failing)
+        ):
             report.rejected += 1
             continue
         seen.add(key)
@@ -324,8 +371,9 @@ def _local_spec(root: Path) -> str:
     return f"{root.name}==local"
 
 
-def build(specs: list[str], out: Path | None, limits: BuildLimits,
-          progress: Callable[[PackageReport], None] | None = None) -> list[PackageReport]:
+def build(
+    specs: list[str], out: Path | None, limits: BuildLimits, progress: Callable[[PackageReport], None] | None = None
+) -> list[PackageReport]:
     """Build every package's tasks into the cache `out` (default: the default cache);
     `progress` is called with each package's report as soon as it is done."""
     reports = []
@@ -335,8 +383,16 @@ def build(specs: list[str], out: Path | None, limits: BuildLimits,
         for task in tasks:
             repo_cache.save_task(task, out)
         if tasks:
-            repo_cache.record_package(report.spec, {"licence": report.licence, "tasks": len(tasks),
-                                                    "sdist_sha256": report.sdist_sha256, "tried": report.tried}, out)
+            repo_cache.record_package(
+                report.spec,
+                {
+                    "licence": report.licence,
+                    "tasks": len(tasks),
+                    "sdist_sha256": report.sdist_sha256,
+                    "tried": report.tried,
+                },
+                out,
+            )
         reports.append(report)
         if progress is not None:
             progress(report)

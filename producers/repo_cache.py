@@ -35,8 +35,10 @@ from schemas.repo_task import RepoTask
 
 ENV = "RLBUS_REPO_TASKS"
 INDEX = "index.json"
-BUILD_HINT = ("rlbus tasks build repo --from-sdist inflection==0.5.1 toolz==1.0.0 "
-              "[--out DIR] (the default cache is producers/repo_tasks/, or $RLBUS_REPO_TASKS)")
+BUILD_HINT = (
+    "rlbus tasks build repo --from-sdist inflection==0.5.1 toolz==1.0.0 "
+    "[--out DIR] (the default cache is producers/repo_tasks/, or $RLBUS_REPO_TASKS)"
+)
 
 
 class TaskNotCached(KeyError):
@@ -115,8 +117,9 @@ def record_package(spec: str, info: dict, cache_dir: str | Path | None = None) -
 def _read(root: Path, task_id: str, entry: dict) -> RepoTask:
     task = RepoTask.from_json(lzma.decompress((root / entry["file"]).read_bytes()).decode())
     if task.content_hash() != entry["content_hash"] or task.task_id != task_id:
-        raise CacheCorrupt(f"cached repo task {task_id!r} in {root} does not match its index hash; "
-                           f"rebuild it: {BUILD_HINT}")
+        raise CacheCorrupt(
+            f"cached repo task {task_id!r} in {root} does not match its index hash; rebuild it: {BUILD_HINT}"
+        )
     return task
 
 
@@ -132,8 +135,10 @@ def load_task(task_id: str, cache_dir: str | Path | None = None) -> RepoTask:
         fixture = repo_fixtures.fixture_tasks().get(task_id)
         if fixture is not None:
             return fixture
-    raise TaskNotCached(f"no repo task {task_id!r} in the task cache {root}; list them with "
-                        f"`rlbus tasks list --domain repo`, build them with: {BUILD_HINT}")
+    raise TaskNotCached(
+        f"no repo task {task_id!r} in the task cache {root}; list them with "
+        f"`rlbus tasks list --domain repo`, build them with: {BUILD_HINT}"
+    )
 
 
 def list_tasks(cache_dir: str | Path | None = None) -> list[RepoTask]:

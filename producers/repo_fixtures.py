@@ -30,16 +30,28 @@ from schemas.repo_task import RepoTask
 SETUP = 'from setuptools import setup\n\nsetup(name="{name}", version="0.1", packages=["{name}"])\n'
 
 
-def _task(name: str, issue: str, broken: dict[str, str], fixed: dict[str, str], public_tests: str,
-          hidden_tests: str, targets: list[str], regressions: list[str]) -> RepoTask:
+def _task(
+    name: str,
+    issue: str,
+    broken: dict[str, str],
+    fixed: dict[str, str],
+    public_tests: str,
+    hidden_tests: str,
+    targets: list[str],
+    regressions: list[str],
+) -> RepoTask:
     package = next(iter(broken)).split("/")[0]
     files = {"setup.py": SETUP.format(name=package), "tests/test_public.py": public_tests, **broken}
     return RepoTask(
-        task_id=f"fixture-{name}", source=f"fixture:{name}", issue=issue, files=files,
+        task_id=f"fixture-{name}",
+        source=f"fixture:{name}",
+        issue=issue,
+        files=files,
         hidden_files={"tests/test_hidden.py": hidden_tests},
         target_tests=[f"tests/test_hidden.py::{t}" for t in targets],
         regression_tests=[f"tests/test_public.py::{t}" for t in regressions],
-        gold_patch=unified_diff(broken, fixed))
+        gold_patch=unified_diff(broken, fixed),
+    )
 
 
 CLAMP_BROKEN = '''def clamp(x, lo, hi):
@@ -77,12 +89,14 @@ class Stack:
     def peek(self):
         return self.items[-1]
 '''
-STACK_FIXED = STACK_BROKEN.replace("    def peek(self):\n        return self.items[-1]",
-                                   "    def peek(self):\n        if not self.items:\n"
-                                   "            raise EmptyStack(\"peek at an empty stack\")\n"
-                                   "        return self.items[-1]")
+STACK_FIXED = STACK_BROKEN.replace(
+    "    def peek(self):\n        return self.items[-1]",
+    "    def peek(self):\n        if not self.items:\n"
+    '            raise EmptyStack("peek at an empty stack")\n'
+    "        return self.items[-1]",
+)
 
-CALC_BROKEN = '''def add(a, b):
+CALC_BROKEN = """def add(a, b):
     return a - b
 
 
@@ -92,7 +106,7 @@ def mul(a, b):
 
 def neg(a):
     return -a
-'''
+"""
 CALC_ADD_FIXED = CALC_BROKEN.replace("return a - b", "return a + b")
 CALC_FIXED = CALC_ADD_FIXED.replace("    return a + b\n\n\ndef neg", "    return a * b\n\n\ndef neg")
 
@@ -100,42 +114,65 @@ CALC_FIXED = CALC_ADD_FIXED.replace("    return a + b\n\n\ndef neg", "    return
 def fixture_tasks() -> dict[str, RepoTask]:
     """{task_id: task} of every fixture (see the module guarantees)."""
     tasks = [
-        _task("clamp", "`clamp(15, 0, 10)` returns 0; it should return 10 (values above the range "
-              "should be limited to `hi`).\n",
-              {"clamp/__init__.py": CLAMP_BROKEN}, {"clamp/__init__.py": CLAMP_FIXED},
-              "from clamp import clamp\n\n\ndef test_inside():\n    assert clamp(5, 0, 10) == 5\n\n\n"
-              "def test_below():\n    assert clamp(-3, 0, 10) == 0\n",
-              "from clamp import clamp\n\n\ndef test_above():\n    assert clamp(15, 0, 10) == 10\n",
-              ["test_above"], ["test_inside", "test_below"]),
-        _task("wordcount", "`count_words('a  b')` (two spaces) returns 3; it should return 2. "
-              "Leading or repeated whitespace must not count as words.\n",
-              {"wordcount/__init__.py": WORDS_BROKEN}, {"wordcount/__init__.py": WORDS_FIXED},
-              "from wordcount import count_words\n\n\ndef test_simple():\n    assert count_words('a b c') == 3\n\n\n"
-              "def test_empty():\n    assert count_words('') == 0\n",
-              "from wordcount import count_words\n\n\ndef test_spaces():\n    assert count_words('a  b') == 2\n\n\n"
-              "def test_newlines():\n    assert count_words(' a\\nb ') == 2\n",
-              ["test_spaces", "test_newlines"], ["test_simple", "test_empty"]),
-        _task("stack", "`Stack().peek()` raises `IndexError: list index out of range`; the docs say "
-              "peek and pop on an empty stack raise `EmptyStack`.\n",
-              {"stack/__init__.py": STACK_BROKEN}, {"stack/__init__.py": STACK_FIXED},
-              "from stack import Stack\n\n\ndef test_push_pop():\n    s = Stack()\n    s.push(1)\n"
-              "    assert s.pop() == 1\n",
-              "import pytest\n\nfrom stack import EmptyStack, Stack\n\n\ndef test_peek_empty():\n"
-              "    with pytest.raises(EmptyStack):\n        Stack().peek()\n",
-              ["test_peek_empty"], ["test_push_pop"]),
-        _task("partial", "`calc.add(2, 3)` returns -1 (expected 5) and `calc.mul(2, 3)` returns 5 "
-              "(expected 6).\n",
-              {"calc/__init__.py": CALC_BROKEN}, {"calc/__init__.py": CALC_FIXED},
-              "from calc import neg\n\n\ndef test_neg():\n    assert neg(2) == -2\n",
-              "from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-              "def test_mul():\n    assert mul(2, 3) == 6\n",
-              ["test_add", "test_mul"], ["test_neg"]),
+        _task(
+            "clamp",
+            "`clamp(15, 0, 10)` returns 0; it should return 10 (values above the range should be limited to `hi`).\n",
+            {"clamp/__init__.py": CLAMP_BROKEN},
+            {"clamp/__init__.py": CLAMP_FIXED},
+            "from clamp import clamp\n\n\ndef test_inside():\n    assert clamp(5, 0, 10) == 5\n\n\n"
+            "def test_below():\n    assert clamp(-3, 0, 10) == 0\n",
+            "from clamp import clamp\n\n\ndef test_above():\n    assert clamp(15, 0, 10) == 10\n",
+            ["test_above"],
+            ["test_inside", "test_below"],
+        ),
+        _task(
+            "wordcount",
+            "`count_words('a  b')` (two spaces) returns 3; it should return 2. "
+            "Leading or repeated whitespace must not count as words.\n",
+            {"wordcount/__init__.py": WORDS_BROKEN},
+            {"wordcount/__init__.py": WORDS_FIXED},
+            "from wordcount import count_words\n\n\ndef test_simple():\n    assert count_words('a b c') == 3\n\n\n"
+            "def test_empty():\n    assert count_words('') == 0\n",
+            "from wordcount import count_words\n\n\ndef test_spaces():\n    assert count_words('a  b') == 2\n\n\n"
+            "def test_newlines():\n    assert count_words(' a\\nb ') == 2\n",
+            ["test_spaces", "test_newlines"],
+            ["test_simple", "test_empty"],
+        ),
+        _task(
+            "stack",
+            "`Stack().peek()` raises `IndexError: list index out of range`; the docs say "
+            "peek and pop on an empty stack raise `EmptyStack`.\n",
+            {"stack/__init__.py": STACK_BROKEN},
+            {"stack/__init__.py": STACK_FIXED},
+            "from stack import Stack\n\n\ndef test_push_pop():\n    s = Stack()\n    s.push(1)\n"
+            "    assert s.pop() == 1\n",
+            "import pytest\n\nfrom stack import EmptyStack, Stack\n\n\ndef test_peek_empty():\n"
+            "    with pytest.raises(EmptyStack):\n        Stack().peek()\n",
+            ["test_peek_empty"],
+            ["test_push_pop"],
+        ),
+        _task(
+            "partial",
+            "`calc.add(2, 3)` returns -1 (expected 5) and `calc.mul(2, 3)` returns 5 (expected 6).\n",
+            {"calc/__init__.py": CALC_BROKEN},
+            {"calc/__init__.py": CALC_FIXED},
+            "from calc import neg\n\n\ndef test_neg():\n    assert neg(2) == -2\n",
+            "from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+            "def test_mul():\n    assert mul(2, 3) == 6\n",
+            ["test_add", "test_mul"],
+            ["test_neg"],
+        ),
     ]
     return {t.task_id: t for t in tasks}
 
 
-PARTIAL = {"fixture-partial": ({"calc/__init__.py": CALC_BROKEN}, {"calc/__init__.py": CALC_ADD_FIXED},
-                               ["tests/test_hidden.py::test_add"])}
+PARTIAL = {
+    "fixture-partial": (
+        {"calc/__init__.py": CALC_BROKEN},
+        {"calc/__init__.py": CALC_ADD_FIXED},
+        ["tests/test_hidden.py::test_add"],
+    )
+}
 
 
 def partial_patch(task_id: str) -> str:

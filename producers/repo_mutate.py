@@ -33,8 +33,18 @@ from dataclasses import dataclass
 from schemas.repo_task import unified_diff  # noqa: F401 - re-exported: the diff format lives in schemas
 
 OPERATORS = ("flip_comparison", "off_by_one", "drop_branch", "swap_args")
-NEGATED = {ast.Lt: ">=", ast.GtE: "<", ast.LtE: ">", ast.Gt: "<=", ast.Eq: "!=", ast.NotEq: "==",
-           ast.In: "not in", ast.NotIn: "in", ast.Is: "is not", ast.IsNot: "is"}
+NEGATED = {
+    ast.Lt: ">=",
+    ast.GtE: "<",
+    ast.LtE: ">",
+    ast.Gt: "<=",
+    ast.Eq: "!=",
+    ast.NotEq: "==",
+    ast.In: "not in",
+    ast.NotIn: "in",
+    ast.Is: "is not",
+    ast.IsNot: "is",
+}
 OP_TEXT = re.compile(r"not\s+in|is\s+not|<=|>=|==|!=|<|>|\bin\b|\bis\b")
 
 
@@ -131,8 +141,17 @@ def find_sites(source: str) -> list[Site]:
             a, b = node.args[:2]
             if not any(isinstance(x, ast.Starred) for x in (a, b)) and ast.dump(a) != ast.dump(b):
                 span_b = (b.lineno, b.col_offset, b.end_lineno, b.end_col_offset)
-                sites.append(Site("swap_args", a.lineno, a.col_offset, a.end_lineno, a.end_col_offset,
-                                  "first two arguments swapped", span_b))
+                sites.append(
+                    Site(
+                        "swap_args",
+                        a.lineno,
+                        a.col_offset,
+                        a.end_lineno,
+                        a.end_col_offset,
+                        "first two arguments swapped",
+                        span_b,
+                    )
+                )
         sites.extend(_off_by_one_sites(node))
     unique = {(s.op, s.lineno, s.col, s.end_lineno, s.end_col, s.extra): s for s in sites}
     return list(unique.values())
@@ -141,7 +160,11 @@ def find_sites(source: str) -> list[Site]:
 def _node_at(source: str, kind: type, site: Site) -> ast.AST:
     for n in ast.walk(ast.parse(source)):
         if isinstance(n, kind) and (n.lineno, n.col_offset, n.end_lineno, n.end_col_offset) == (
-                site.lineno, site.col, site.end_lineno, site.end_col):
+            site.lineno,
+            site.col,
+            site.end_lineno,
+            site.end_col,
+        ):
             return n
     raise ValueError(f"no {kind.__name__} at line {site.lineno}")
 
@@ -153,7 +176,7 @@ def _flip(text: _Lines, site: Site) -> str:
     m = OP_TEXT.search(text.source, lo, hi)
     if m is None:
         raise ValueError("comparison operator not found")
-    return text.source[:m.start()] + NEGATED[type(node.ops[0])] + text.source[m.end():]
+    return text.source[: m.start()] + NEGATED[type(node.ops[0])] + text.source[m.end() :]
 
 
 def _drop(text: _Lines, site: Site) -> str:
@@ -162,9 +185,9 @@ def _drop(text: _Lines, site: Site) -> str:
     if site.extra == ("body",):
         first, last = node.body[0].lineno, node.body[-1].end_lineno
         indent = re.match(r"\s*", lines[first - 1]).group(0)
-        lines[first - 1:last] = [f"{indent}pass\n"]
+        lines[first - 1 : last] = [f"{indent}pass\n"]
     else:
-        del lines[node.lineno - 1:node.end_lineno]
+        del lines[node.lineno - 1 : node.end_lineno]
     return "".join(lines)
 
 
@@ -211,11 +234,12 @@ def _file_diffs(diff: str):
         if lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
             old, new = (lines[i][4:].strip().split("\t")[0], lines[i + 1][4:].strip().split("\t")[0])
             j = i + 2
-            while j < len(lines) and not (lines[j].startswith("--- ") and j + 1 < len(lines)
-                                          and lines[j + 1].startswith("+++ ")):
+            while j < len(lines) and not (
+                lines[j].startswith("--- ") and j + 1 < len(lines) and lines[j + 1].startswith("+++ ")
+            ):
                 j += 1
-            strip = (lambda p: None if p == "/dev/null" else p.split("/", 1)[1] if "/" in p else p)
-            yield strip(old), strip(new), lines[i + 2:j]
+            strip = lambda p: None if p == "/dev/null" else p.split("/", 1)[1] if "/" in p else p
+            yield strip(old), strip(new), lines[i + 2 : j]
             i = j
         else:
             i += 1

@@ -39,7 +39,7 @@ HARNESS = "_rlbus"
 REPO = "repo"
 REPORT = f"{HARNESS}/report.json"
 
-PLUGIN = r'''
+PLUGIN = r"""
 import json, os
 _results = {}
 
@@ -88,7 +88,7 @@ def pytest_collectreport(report):
 def pytest_sessionfinish(session):
     with open(os.environ["RLBUS_REPORT"], "w") as f:
         json.dump(_results, f)
-'''
+"""
 
 INI = "[pytest]\npython_files = test_*.py *_test.py\n"
 
@@ -129,18 +129,22 @@ def _pytest_files() -> list[tuple[str, bytes]]:
 class SandboxedSuite:
     """A repository in a process sandbox, ready to run its tests (see the module guarantees)."""
 
-    def __init__(self, files: dict[str, str], *, timeout: float = 120.0, memory_mb: int = 1024,
-                 allow_degraded: bool = False) -> None:
+    def __init__(
+        self, files: dict[str, str], *, timeout: float = 120.0, memory_mb: int = 1024, allow_degraded: bool = False
+    ) -> None:
         from sandbox_workers.base import Limits
         from sandbox_workers.process import ProcessSandbox
 
         self.timeout = timeout
         self.sandbox = ProcessSandbox(allow_degraded=allow_degraded)
-        self.sandbox.start(limits=Limits(memory_mb=memory_mb, pids=64, cpu_seconds=int(timeout) + 5,
-                                         file_size_mb=16, tmp_mb=64), timeout=timeout)
+        self.sandbox.start(
+            limits=Limits(memory_mb=memory_mb, pids=64, cpu_seconds=int(timeout) + 5, file_size_mb=16, tmp_mb=64),
+            timeout=timeout,
+        )
         self.isolation = self.sandbox.isolation
-        self.sandbox.write_files([*_pytest_files(), (f"{HARNESS}/rlbus_report.py", PLUGIN.encode()),
-                                  (f"{HARNESS}/pytest.ini", INI.encode())])
+        self.sandbox.write_files(
+            [*_pytest_files(), (f"{HARNESS}/rlbus_report.py", PLUGIN.encode()), (f"{HARNESS}/pytest.ini", INI.encode())]
+        )
         self.files: dict[str, str] = {}
         self.write(files)
 
@@ -152,11 +156,29 @@ class SandboxedSuite:
     def run(self, targets: list[str], *, exitfirst: bool = False, timeout: float | None = None) -> SuiteRun:
         """Run pytest on `targets` (paths or node ids relative to the repository root)."""
         work = "/work"
-        env = (f"RLBUS_REPORT={work}/{REPORT} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONHASHSEED=0 "
-               f"PYTHONPATH={work}/{HARNESS}/lib:{work}/{HARNESS}:{work}/{REPO}")
-        args = ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "rlbus_report",
-                "-c", f"{work}/{HARNESS}/pytest.ini", "--rootdir", f"{work}/{REPO}", "-o", "console_output_style=classic",
-                *(["-x"] if exitfirst else []), "--", *targets]
+        env = (
+            f"RLBUS_REPORT={work}/{REPORT} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONHASHSEED=0 "
+            f"PYTHONPATH={work}/{HARNESS}/lib:{work}/{HARNESS}:{work}/{REPO}"
+        )
+        args = [
+            "python3",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "rlbus_report",
+            "-c",
+            f"{work}/{HARNESS}/pytest.ini",
+            "--rootdir",
+            f"{work}/{REPO}",
+            "-o",
+            "console_output_style=classic",
+            *(["-x"] if exitfirst else []),
+            "--",
+            *targets,
+        ]
         self.sandbox.write_file(REPORT, b"{}")
         cmd = f"cd {work}/{REPO} && {env} {shlex.join(args)}"
         res = self.sandbox.execute(cmd, timeout=timeout or self.timeout)
@@ -178,8 +200,9 @@ class SandboxedSuite:
         self.close()
 
 
-def check_patch(task, patch: str, suite: SandboxedSuite | None = None, *, regression: bool = False,
-                allow_degraded: bool = False) -> tuple[SuiteRun, SuiteRun]:
+def check_patch(
+    task, patch: str, suite: SandboxedSuite | None = None, *, regression: bool = False, allow_degraded: bool = False
+) -> tuple[SuiteRun, SuiteRun]:
     """(unpatched, patched) runs of `task`'s target tests (and, with `regression`, its regression
     tests) on its files plus hidden files; `patch` is applied with `apply_unified_diff`.
 

@@ -113,8 +113,16 @@ async def inflight_by_pool(js, reg, published: dict[str, int]) -> dict[str, int]
     return {p: max(0, n - int(done.get(p, 0)) - (dead if p == "short" else 0)) for p, n in published.items()}
 
 
-def make_tasks(sources: dict, rng: random.Random, start: int, room: dict[str, int], limit: int,
-               weights: dict[str, float], levels: dict[str, int], pools_of: dict[str, str]) -> list[Drawn]:
+def make_tasks(
+    sources: dict,
+    rng: random.Random,
+    start: int,
+    room: dict[str, int],
+    limit: int,
+    weights: dict[str, float],
+    levels: dict[str, int],
+    pools_of: dict[str, str],
+) -> list[Drawn]:
     """Up to `limit` training tasks, each of a domain drawn by `weights` among the domains
     whose pool still has room, at that domain's level, tagged with its pool; a task the
     source skips (`TaskSkipped`) is left out (after `limit` skips the round ends short)."""
@@ -184,8 +192,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             durations = await get_json(s.js, s.reg, DURATIONS)
             pools_of = {d: pool_for(d, levels[d], domains[d], durations, sc.inflight_caps) for d in domains}
             limit = sc.publish_batch if max_tasks is None else min(sc.publish_batch, max_tasks - published)
-            drawn = await asyncio.to_thread(make_tasks, sources, rng, published, room, limit, weights, levels,
-                                            pools_of)
+            drawn = await asyncio.to_thread(make_tasks, sources, rng, published, room, limit, weights, levels, pools_of)
             s.counters.update(skip_counts(sources))
             if not drawn:
                 s.counters["gate_waits"] = s.counters.get("gate_waits", 0) + 1
@@ -200,13 +207,21 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             tasks = [d.task for d in drawn]
             await put_checks(s.js, s.reg, tasks, checks_stored)  # the verifier scores by these, never the trajectory's
             await publish_many(s.js, [(s.reg.tasks(t.domain, t.pool), t) for t in tasks])
-            await publish(s.js, s.reg.ledger("sampler"), TaskFates(
-                run_id=s.reg.run_id, stage="sampler", fates=[TaskFate(task_msg_id=t.msg_id, fate="published") for t in tasks]))
+            await publish(
+                s.js,
+                s.reg.ledger("sampler"),
+                TaskFates(
+                    run_id=s.reg.run_id,
+                    stage="sampler",
+                    fates=[TaskFate(task_msg_id=t.msg_id, fate="published") for t in tasks],
+                ),
+            )
             published += n
             for t in tasks:
                 by_pool[t.pool] = by_pool.get(t.pool, 0) + 1
                 by_domain[t.domain] = by_domain.get(t.domain, 0) + 1
             s.counters["published"] = published
-            await put_json(s.js, s.reg, SAMPLER_PROGRESS, {"published": published, "by_pool": by_pool,
-                                                           "by_domain": by_domain})
+            await put_json(
+                s.js, s.reg, SAMPLER_PROGRESS, {"published": published, "by_pool": by_pool, "by_domain": by_domain}
+            )
         return s.counters

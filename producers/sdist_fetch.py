@@ -57,8 +57,9 @@ def normalize(name: str) -> str:
 
 def index_urls() -> list[str]:
     """pip's index URLs: `index-url` (else pip's default), then every `extra-index-url`."""
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                         timeout=60, check=False).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
     main, extra = None, []
     for line in out.splitlines():
         key, _, value = line.partition("=")
@@ -108,14 +109,16 @@ def project_files(index: str, name: str) -> list[tuple[str, str, str | None]]:
     body, ctype, base = _get(page, f"{JSON_TYPE}, text/html;q=0.1")
     if JSON_TYPE in ctype:
         data = json.loads(body)
-        return [(f["filename"], urljoin(base, f["url"]), (f.get("hashes") or {}).get("sha256"))
-                for f in data.get("files", [])]
+        return [
+            (f["filename"], urljoin(base, f["url"]), (f.get("hashes") or {}).get("sha256"))
+            for f in data.get("files", [])
+        ]
     parser = _Links()
     parser.feed(body.decode("utf-8", errors="replace"))
     out = []
     for href in parser.links:
         url, _, frag = href.partition("#")
-        sha = frag[len("sha256="):] if frag.startswith("sha256=") else None
+        sha = frag[len("sha256=") :] if frag.startswith("sha256=") else None
         out.append((unquote(url.rsplit("/", 1)[-1]), urljoin(base, url), sha))
     return out
 
@@ -144,8 +147,9 @@ def find_sdist(spec: str) -> tuple[str, str, str]:
         for filename, url, sha in files:
             if _is_sdist_of(filename, name, version):
                 if not sha:
-                    raise SdistFetchError(f"{spec}: the index lists {filename} without a sha256; refusing an "
-                                          "unverifiable download")
+                    raise SdistFetchError(
+                        f"{spec}: the index lists {filename} without a sha256; refusing an unverifiable download"
+                    )
                 return filename, url, sha.lower()
         tried.append(f"{index}: no sdist of {name} {version}")
     raise SdistFetchError(f"{spec}: no sdist found ({'; '.join(tried)[:800]})")

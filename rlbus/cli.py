@@ -46,8 +46,26 @@ from rlbus.commands import (
 )
 from sandbox_workers import cli as sandbox_cli
 
-COMMANDS = (up, worker, init_model, sft, generate, status, top, tail, dlq, export, report, samples, rescore,
-            tasks, verify, init, config_help, sandbox_cli)
+COMMANDS = (
+    up,
+    worker,
+    init_model,
+    sft,
+    generate,
+    status,
+    top,
+    tail,
+    dlq,
+    export,
+    report,
+    samples,
+    rescore,
+    tasks,
+    verify,
+    init,
+    config_help,
+    sandbox_cli,
+)
 """Every command module, in the order `rlbus --help` lists them (`sandbox_workers.cli`:
 `rlbus sandbox`, which lives with its subsystem)."""
 
@@ -62,12 +80,19 @@ EPILOG = """examples:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlbus", description="RLVR post-training where every role is a process on NATS JetStream.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nats-creds", metavar="FILE",
-                   help="log in to NATS with this .creds file (user JWT + nkey seed, as `nsc` writes it; needs the "
-                        "nkeys package); sets RLBUS_NATS_CREDS for every connection of the command. Without it, "
-                        "RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (or RLBUS_NATS_PASSWORD_FILE) are used, if set")
+    p = argparse.ArgumentParser(
+        prog="rlbus",
+        description="RLVR post-training where every role is a process on NATS JetStream.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--nats-creds",
+        metavar="FILE",
+        help="log in to NATS with this .creds file (user JWT + nkey seed, as `nsc` writes it; needs the "
+        "nkeys package); sets RLBUS_NATS_CREDS for every connection of the command. Without it, "
+        "RLBUS_NATS_USER and RLBUS_NATS_PASSWORD (or RLBUS_NATS_PASSWORD_FILE) are used, if set",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.register(sub)

@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         from rlbus.log import configure_logging
 
         configure_logging("init", settings["run_id"], level="WARNING")
-        init_run(settings["config"], settings["overrides"], settings["run_id"], settings["run_dir"],
-                 settings["nats_url"])
+        init_run(
+            settings["config"], settings["overrides"], settings["run_id"], settings["run_dir"], settings["nats_url"]
+        )
         return 0
     if what == "health":
         if len(rest) != 1 or rest[0] not in ROLES:

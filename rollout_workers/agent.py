@@ -109,13 +109,21 @@ class Episode:
 
     def trajectory(self) -> Trajectory:
         """The Trajectory of the finished episode (`Trajectory.from_task`: ids derived from the task's)."""
-        return Trajectory.from_task(self.task, self.sample_index, self.turns, finish_reason=self.finish_reason,
-                                    generate_seconds=self.generate_seconds, tool_calls=self.tool_calls,
-                                    artifacts=self.artifacts, artifact_refs=self.artifact_refs)
+        return Trajectory.from_task(
+            self.task,
+            self.sample_index,
+            self.turns,
+            finish_reason=self.finish_reason,
+            generate_seconds=self.generate_seconds,
+            tool_calls=self.tool_calls,
+            artifacts=self.artifacts,
+            artifact_refs=self.artifact_refs,
+        )
 
 
-def cut_at_call(engine, sample, tool_format: str = "tags",
-                tools: list[str] | None = None) -> tuple[np.ndarray, np.ndarray, str, bool]:
+def cut_at_call(
+    engine, sample, tool_format: str = "tags", tools: list[str] | None = None
+) -> tuple[np.ndarray, np.ndarray, str, bool]:
     """(ids, logprobs, text, has_call): the turn cut just after its first complete tool call."""
     tools = list(tools or [])
     call = parse_call(sample.text, tool_format, tools)
@@ -139,21 +147,42 @@ def new_episodes(engine, tasks: list[Task], groups) -> list[Episode]:
     out = []
     for task, samples in zip(tasks, groups, strict=True):
         for i, s in enumerate(samples):
-            out.append(Episode(task=task, sample_index=i, context=[int(x) for x in s.prompt_ids],
-                               turns=[Turn(role="prompt", text=prompt_text(tokenizer_of(engine), task.prompt,
-                                                                           declared_tools(task.tool_format, task.tools)),
-                                           token_ids=pack_i32(s.prompt_ids))]))
+            out.append(
+                Episode(
+                    task=task,
+                    sample_index=i,
+                    context=[int(x) for x in s.prompt_ids],
+                    turns=[
+                        Turn(
+                            role="prompt",
+                            text=prompt_text(
+                                tokenizer_of(engine), task.prompt, declared_tools(task.tool_format, task.tools)
+                            ),
+                            token_ids=pack_i32(s.prompt_ids),
+                        )
+                    ],
+                )
+            )
     return out
 
 
-def add_model_turn(engine, ep: Episode, sample, version: int, seconds: float,
-                   limit: int = MAX_CONTEXT_TOKENS) -> Call | None:
+def add_model_turn(
+    engine, ep: Episode, sample, version: int, seconds: float, limit: int = MAX_CONTEXT_TOKENS
+) -> Call | None:
     """Append a generated turn; returns its tool call (`schemas.tool_protocol.Call`, maybe a
     refused one), or None when the episode ended (`submit()` included: it runs nothing, the
     episode ends with `stop`). `limit`: the context budget in tokens."""
     ids, logprobs, text, has_call = cut_at_call(engine, sample, ep.task.tool_format, ep.task.tools)
-    ep.turns.append(Turn(role="assistant", text=text, token_ids=pack_i32(ids), logprobs=pack_f32(logprobs),
-                         trainable=True, policy_version=version))
+    ep.turns.append(
+        Turn(
+            role="assistant",
+            text=text,
+            token_ids=pack_i32(ids),
+            logprobs=pack_f32(logprobs),
+            trainable=True,
+            policy_version=version,
+        )
+    )
     ep.context.extend(int(x) for x in ids)
     ep.tokens += len(ids)
     ep.generate_seconds += seconds
@@ -197,14 +226,24 @@ async def _open(ep: Episode, open_sandbox) -> None:
         await setup_workspace(ep.sandbox, ep.task.workspace)
 
 
-async def run_call(engine, ep: Episode, call: Call, open_sandbox, slots: asyncio.Semaphore,
-                   timeout: float | None, caps: tuple[int, int] | None = None) -> None:
+async def run_call(
+    engine,
+    ep: Episode,
+    call: Call,
+    open_sandbox,
+    slots: asyncio.Semaphore,
+    timeout: float | None,
+    caps: tuple[int, int] | None = None,
+) -> None:
     """Run one tool call in the episode's sandbox and append the observation turn (a refused
     call runs nothing: its turn is the structured error observation); `caps`: observation
     clip (stdout, stderr chars) of repository tools."""
     if call.error:
-        ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool=call.tool or "unparsed", code=call.raw,
-                                      exit_code=-1, error=call.error))
+        ep.tool_calls.append(
+            ToolCall(
+                turn=len(ep.turns) - 1, tool=call.tool or "unparsed", code=call.raw, exit_code=-1, error=call.error
+            )
+        )
         add_tool_turn(engine, ep, error_observation(call))
         return
     program = call.code
@@ -223,9 +262,19 @@ async def run_call(engine, ep: Episode, call: Call, open_sandbox, slots: asyncio
         except Exception as exc:  # the sandbox edge: infrastructure, never a policy outcome
             raise SandboxUnavailable(f"sandbox failed for task {ep.task.task_id}: {type(exc).__name__}: {exc}") from exc
     r = obs.result
-    ep.tool_calls.append(ToolCall(turn=len(ep.turns) - 1, tool=tool, code=program, exec_id=obs.exec_id or "",
-                                  exit_code=r.exit_code, timed_out=r.timed_out, oom=r.oom, truncated=r.truncated,
-                                  duration_ms=r.duration_ms))
+    ep.tool_calls.append(
+        ToolCall(
+            turn=len(ep.turns) - 1,
+            tool=tool,
+            code=program,
+            exec_id=obs.exec_id or "",
+            exit_code=r.exit_code,
+            timed_out=r.timed_out,
+            oom=r.oom,
+            truncated=r.truncated,
+            duration_ms=r.duration_ms,
+        )
+    )
     add_tool_turn(engine, ep, obs.text)
 
 
@@ -254,19 +303,29 @@ async def finish(ep: Episode) -> None:
         await sb.close()
 
 
-async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
-                       open_sandbox: Callable[[], Awaitable[object]], before_turn: Callable[[], Awaitable] | None = None,
-                       slots: int = 8, tool_timeout: float | None = None,
-                       deadline: float | None = None, context_budget: int | None = None,
-                       obs_caps: tuple[int, int] | None = None) -> list[Episode]:
+async def run_episodes(
+    engine,
+    tasks: list[Task],
+    *,
+    version: Callable[[], int],
+    open_sandbox: Callable[[], Awaitable[object]],
+    before_turn: Callable[[], Awaitable] | None = None,
+    slots: int = 8,
+    tool_timeout: float | None = None,
+    deadline: float | None = None,
+    context_budget: int | None = None,
+    obs_caps: tuple[int, int] | None = None,
+) -> list[Episode]:
     """Every sample of `tasks` (which share group size, max_tokens and temperature) to the end;
     past `deadline` (time.monotonic) no new turn starts: live episodes end with `length`.
     `context_budget`: most tokens of an episode's context (default MAX_CONTEXT_TOKENS), never
     more than the engine's `max_context`; `obs_caps`: repository tools' observation clip."""
     unresolved = [x.task_id for x in tasks if x.workspace_ref is not None and not x.workspace]
     if unresolved:
-        raise ValueError(f"tasks {unresolved} name their repository by reference: resolve it first "
-                         "(rollout_workers.repo_payloads.resolve_workspaces)")
+        raise ValueError(
+            f"tasks {unresolved} name their repository by reference: resolve it first "
+            "(rollout_workers.repo_payloads.resolve_workspaces)"
+        )
     t = tasks[0]
     n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
     sem = asyncio.Semaphore(slots)
@@ -288,8 +347,9 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
             v = version()
             calls = [(ep, add_model_turn(engine, ep, s, v, each, budget)) for ep, s in zip(live, samples, strict=True)]
             calls = [(ep, prog) for ep, prog in calls if prog is not None]
-            await asyncio.gather(*(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout, obs_caps)
-                                   for ep, prog in calls))
+            await asyncio.gather(
+                *(run_call(engine, ep, prog, open_sandbox, sem, tool_timeout, obs_caps) for ep, prog in calls)
+            )
             live = [ep for ep, _ in calls]
             for ep in live:  # the next turn must fit the engine's context: else the episode ends here
                 if len(ep.context) + max_tokens > limit:
@@ -311,7 +371,7 @@ async def run_episodes(engine, tasks: list[Task], *, version: Callable[[], int],
         await asyncio.gather(*(finish(ep) for ep in episodes), return_exceptions=True)
     failed = [ep for ep in episodes if ep.export_error]
     if failed:
-        raise SandboxUnavailable(f"final repository state of task {failed[0].task.task_id} could not be exported: "
-                                 f"{failed[0].export_error}")
+        raise SandboxUnavailable(
+            f"final repository state of task {failed[0].task.task_id} could not be exported: {failed[0].export_error}"
+        )
     return episodes
-

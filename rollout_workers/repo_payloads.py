@@ -58,8 +58,9 @@ async def offload_artifacts(js, reg, episodes: list[Episode], inline_max: int) -
                 if ref is None:
                     ref = stored[key] = await put_payload(js, reg, key, "artifact")
             except Exception as exc:
-                raise PayloadMissing(f"artifact {name!r} of task {ep.task.task_id} could not be stored: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                raise PayloadMissing(
+                    f"artifact {name!r} of task {ep.task.task_id} could not be stored: {type(exc).__name__}: {exc}"
+                ) from exc
             ep.artifact_refs[name] = ref
             del ep.artifacts[name]
             moved += 1

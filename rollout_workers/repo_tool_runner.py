@@ -54,8 +54,11 @@ def safe(path):
 def walk(top):
     out = []
     for root, dirs, files in os.walk(top):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")
-                         and not os.path.islink(os.path.join(root, d)))
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in SKIP_DIRS and not d.endswith(".egg-info") and not os.path.islink(os.path.join(root, d))
+        )
         for name in files:
             full = os.path.normpath(os.path.join(root, name))
             if full != INPUT and not name.endswith(".pyc") and os.path.isfile(full) and not os.path.islink(full):
@@ -162,7 +165,7 @@ def apply_hunks(text, hunks, path):
         found = None
         for delta in range(0, len(src) + 1):
             for at in (want - delta, want + delta) if delta else (want,):
-                if pos <= at <= len(src) - len(old) and src[at:at + len(old)] == old:
+                if pos <= at <= len(src) - len(old) and src[at : at + len(old)] == old:
                     found = at
                     break
             if found is not None:
@@ -217,8 +220,11 @@ def op_state():
             state[path] = "unreadable"
         size += len(json.dumps(path)) + len(state[path]) + 6
         if size > STATE_BUDGET:
-            print(json.dumps({"": "the repository's state listing is over %d bytes (%d+ files)"
-                              % (STATE_BUDGET, len(state))}))
+            print(
+                json.dumps(
+                    {"": "the repository's state listing is over %d bytes (%d+ files)" % (STATE_BUDGET, len(state))}
+                )
+            )
             return
     print(json.dumps(state, sort_keys=True))
 

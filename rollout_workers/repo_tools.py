@@ -99,8 +99,10 @@ async def export_diff(sandbox, original: dict[str, str]) -> tuple[str, list[str]
     if res.truncated and res.exit_code == 0 and not res.timed_out:
         return EXPORT_REFUSED + "the repository's state listing outgrew the sandbox's output cap\n", []
     if res.exit_code != 0 or res.truncated or res.timed_out:
-        raise ExportFailed(f"repository state listing failed (exit {res.exit_code}, truncated={res.truncated}, "
-                           f"timed_out={res.timed_out}): {res.stderr[-300:]}")
+        raise ExportFailed(
+            f"repository state listing failed (exit {res.exit_code}, truncated={res.truncated}, "
+            f"timed_out={res.timed_out}): {res.stderr[-300:]}"
+        )
     try:
         state = json.loads(res.stdout)
     except json.JSONDecodeError as exc:

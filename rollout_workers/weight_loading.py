@@ -69,8 +69,12 @@ def _file_plan(model, header: dict, data_len: int):
         if target is None:
             return None
         t = target.data
-        if (_st_dtype(t) != spec.get("dtype") or list(t.shape) != spec.get("shape") or t.device.type != "cpu"
-                or not t.is_contiguous()):
+        if (
+            _st_dtype(t) != spec.get("dtype")
+            or list(t.shape) != spec.get("shape")
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+        ):
             return None
         begin, end = spec["data_offsets"]
         if end - begin != t.numel() * t.element_size():
@@ -183,8 +187,9 @@ class SpeculativeLoad:
     the bytes that serve (header, then each tensor in file order), from the tensors now
     serving; nothing may write them meanwhile (inference only reads its weights)."""
 
-    def __init__(self, path: str, prefix: bytes, plan: list, new: dict, previous: dict, staging: dict,
-                 mapped: bool = False):
+    def __init__(
+        self, path: str, prefix: bytes, plan: list, new: dict, previous: dict, staging: dict, mapped: bool = False
+    ):
         self.path, self._prefix, self._plan = path, prefix, plan
         self._new, self._previous, self._staging = new, previous, staging
         self.mapped, self.settled = mapped, False
@@ -236,14 +241,13 @@ def _map_plan(path, prefix: bytes, plan: list) -> dict | None:
         t = target.data
         if (start + begin) % t.element_size():
             return None
-        views[name] = base[start + begin:start + end].view(t.dtype).view(t.shape)
+        views[name] = base[start + begin : start + end].view(t.dtype).view(t.shape)
     if size:
         int(base[::PAGE].sum())  # fault every page in now, not in the first forward pass
     return views
 
 
-def load_state_file_speculative(model, path: str | Path, staging: dict, mapped: bool = True
-                                ) -> SpeculativeLoad | None:
+def load_state_file_speculative(model, path: str | Path, staging: dict, mapped: bool = True) -> SpeculativeLoad | None:
     """Swap a safetensors file's tensors into `model` at once, before any hashing; the
     returned `SpeculativeLoad` verifies (`digest`) and settles it (`commit` or `rollback`).
 

@@ -88,8 +88,9 @@ class WeightWatcher:
 
     async def start(self) -> None:
         """Subscribe to weight announcements (latest first)."""
-        self._sub = await self.js.subscribe(self.reg.weights, cb=self._on_msg, ordered_consumer=True,
-                                            deliver_policy=DeliverPolicy.LAST)
+        self._sub = await self.js.subscribe(
+            self.reg.weights, cb=self._on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+        )
         if self.speculative and self.nc is not None:
             self._prefetch_sub = await self.nc.subscribe(self.reg.weights_prefetch, cb=self._on_prefetch)
 
@@ -236,8 +237,9 @@ class WeightWatcher:
                     return False
                 if isinstance(pending, ChecksumMismatch) or pending is None:
                     if isinstance(wv, WeightPrefetch):  # the WeightVersion will decide, on its own path
-                        self._drop_prefetch(wv, str(pending or "no speculative path for this file"),
-                                            failed=pending is not None)
+                        self._drop_prefetch(
+                            wv, str(pending or "no speculative path for this file"), failed=pending is not None
+                        )
                         return False
                     if pending is not None:
                         self._reject(wv, str(pending))
@@ -307,8 +309,9 @@ class WeightWatcher:
                 pass
         return wv
 
-    async def _verify(self, index: int, wv: WeightVersion | WeightPrefetch, previous: WeightVersion | None,
-                      pending) -> bool:
+    async def _verify(
+        self, index: int, wv: WeightVersion | WeightPrefetch, previous: WeightVersion | None, pending
+    ) -> bool:
         """Check a speculatively served version (or prefetch hint, against its WeightVersion);
         commit it, or roll back to `previous` and reject it (drop the hint)."""
         try:
@@ -331,13 +334,21 @@ class WeightWatcher:
             self._now_serving(previous, "ok")
             self.counters["weights_rolled_back"] = self.counters.get("weights_rolled_back", 0) + 1
             if isinstance(wv, WeightPrefetch):
-                reason = ("no WeightVersion within the wait" if announced is None else
-                          f"announced at {announced.uri}" if announced.uri != wv.uri else
-                          f"sha256 {actual} != announced {announced.sha256}")
+                reason = (
+                    "no WeightVersion within the wait"
+                    if announced is None
+                    else f"announced at {announced.uri}"
+                    if announced.uri != wv.uri
+                    else f"sha256 {actual} != announced {announced.sha256}"
+                )
                 self._drop_prefetch(wv, reason)
             else:
-                self._reject(wv, f"{wv.uri}: sha256 {actual} != announced {wv.sha256}", speculative=True,
-                             restored_version=self.version)
+                self._reject(
+                    wv,
+                    f"{wv.uri}: sha256 {actual} != announced {wv.sha256}",
+                    speculative=True,
+                    restored_version=self.version,
+                )
             return False
         finally:
             self._checks.pop(index, None)

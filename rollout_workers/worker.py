@@ -63,17 +63,33 @@ from schemas.config import PoolConfig, RunConfig
 log = structlog.get_logger()
 
 
-def single_turn_trajectories(task: Task, samples: list[Sample], version: int, seconds_each: float,
-                             tokenizer=None) -> list[Trajectory]:
+def single_turn_trajectories(
+    task: Task, samples: list[Sample], version: int, seconds_each: float, tokenizer=None
+) -> list[Trajectory]:
     """One Trajectory (prompt turn, answer turn) per engine sample of `task`, generated with
     weights `version`; built by `Trajectory.from_task` (ids derived from the task's). The
     prompt turn's text is what `schemas.chat` rendered for `tokenizer`; its ids, the engine's."""
     prompt = prompt_text(tokenizer, task.prompt)
-    return [Trajectory.from_task(task, i, [Turn(role="prompt", text=prompt, token_ids=pack_i32(s.prompt_ids)),
-                                           Turn(role="assistant", text=s.text, token_ids=pack_i32(s.token_ids),
-                                                logprobs=pack_f32(s.logprobs), trainable=True, policy_version=version)],
-                                 finish_reason=s.finish_reason, generate_seconds=seconds_each)
-            for i, s in enumerate(samples)]
+    return [
+        Trajectory.from_task(
+            task,
+            i,
+            [
+                Turn(role="prompt", text=prompt, token_ids=pack_i32(s.prompt_ids)),
+                Turn(
+                    role="assistant",
+                    text=s.text,
+                    token_ids=pack_i32(s.token_ids),
+                    logprobs=pack_f32(s.logprobs),
+                    trainable=True,
+                    policy_version=version,
+                ),
+            ],
+            finish_reason=s.finish_reason,
+            generate_seconds=seconds_each,
+        )
+        for i, s in enumerate(samples)
+    ]
 
 
 def count_tool_errors(counters: dict[str, float], episodes) -> None:
@@ -103,14 +119,24 @@ async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
     async def open_one(repo: bool = False):
         """One sandbox; `repo`: for a repository task (image `sandbox.repo_image`, asked of the
         service when remote)."""
-        return await open_async_sandbox(cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder,
-                                        image=cfg.sandbox.repo_image if repo else None)
+        return await open_async_sandbox(
+            cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder, image=cfg.sandbox.repo_image if repo else None
+        )
 
     return open_one
 
 
-async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: WeightWatcher,
-                         counters: dict[str, float], budget_s: float, run_tool_tasks=None) -> None:
+async def roll_out_batch(
+    batch: list[Delivery],
+    *,
+    js,
+    reg,
+    engine,
+    watcher: WeightWatcher,
+    counters: dict[str, float],
+    budget_s: float,
+    run_tool_tasks=None,
+) -> None:
     """Generate a batch's trajectories and publish them once every weight version they may
     come from is verified (else raise Retry for the whole batch: nothing is published).
     Returning acks the batch (`bus.pull.run_pull_loop`)."""
@@ -133,16 +159,22 @@ async def roll_out_batch(batch: list[Delivery], *, js, reg, engine, watcher: Wei
             continue
         t0 = time.perf_counter()
         tok = tokenizer_of(engine)  # chat template when it has one (schemas.chat), plain text otherwise
-        groups = await asyncio.to_thread(engine.generate, [prompt_input(tok, t.prompt) for t in tasks], n,
-                                         max_tokens, temperature)
+        groups = await asyncio.to_thread(
+            engine.generate, [prompt_input(tok, t.prompt) for t in tasks], n, max_tokens, temperature
+        )
         each = (time.perf_counter() - t0) / max(1, n * len(tasks))
         for task, samples in zip(tasks, groups, strict=True):
             for traj in single_turn_trajectories(task, samples, watcher.version, each, tok):
                 items.append((reg.traj(task.domain), traj))
     if not await watcher.verified_since(mark):  # the publish gate (see the module guarantees)
         counters["batches_discarded_unverified"] = counters.get("batches_discarded_unverified", 0) + 1
-        log.warning("rollout.batch_discarded", reason="weights failed sha256 verification", tasks=len(batch),
-                    trajectories=len(items), serving_version=watcher.version)
+        log.warning(
+            "rollout.batch_discarded",
+            reason="weights failed sha256 verification",
+            tasks=len(batch),
+            trajectories=len(items),
+            serving_version=watcher.version,
+        )
         raise Retry(delay=1.0, reason="generated with weights that failed sha256 verification")
     await publish_many(js, items)
     counters["tasks"] = counters.get("tasks", 0) + len(batch)
@@ -173,27 +205,52 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
 
         async def run_tool_tasks(tasks: list[Task], deadline: float) -> list:
             tasks = await resolve_workspaces(tasks, workspaces)
-            episodes = await run_episodes(engine, tasks, version=lambda: watcher.version, open_sandbox=open_sandbox,
-                                          before_turn=lambda: watcher.maybe_load(engine), slots=rc.sandbox_slots,
-                                          tool_timeout=cfg.sandbox.timeout_s, deadline=deadline,
-                                          context_budget=rc.max_context_tokens,
-                                          obs_caps=(rc.observation_chars, rc.observation_chars // 2))
+            episodes = await run_episodes(
+                engine,
+                tasks,
+                version=lambda: watcher.version,
+                open_sandbox=open_sandbox,
+                before_turn=lambda: watcher.maybe_load(engine),
+                slots=rc.sandbox_slots,
+                tool_timeout=cfg.sandbox.timeout_s,
+                deadline=deadline,
+                context_budget=rc.max_context_tokens,
+                obs_caps=(rc.observation_chars, rc.observation_chars // 2),
+            )
             count_tool_errors(s.counters, episodes)
             moved = await offload_artifacts(s.js, s.reg, episodes, rc.artifact_inline_bytes)
             s.counters["artifacts_by_ref"] = s.counters.get("artifacts_by_ref", 0) + moved
             return [(s.reg.traj(ep.task.domain), ep.trajectory()) for ep in episodes]
 
         async def handle(batch: list[Delivery], budget_s: float):
-            return await roll_out_batch(batch, js=s.js, reg=s.reg, engine=engine, watcher=watcher,
-                                        counters=s.counters, budget_s=budget_s, run_tool_tasks=run_tool_tasks)
+            return await roll_out_batch(
+                batch,
+                js=s.js,
+                reg=s.reg,
+                engine=engine,
+                watcher=watcher,
+                counters=s.counters,
+                budget_s=budget_s,
+                run_tool_tasks=run_tool_tasks,
+            )
 
         async def serve(pool: str, pc: PoolConfig) -> None:
             ack_wait = pc.ack_wait_s or rc.ack_wait_s
             sub = await pull_subscription(s.js, s.reg.rollout_consumer(ack_wait, pool=pool))
-            await run_pull_loop(s.js, s.reg, "rollout", sub, Task, lambda b: handle(b, pc.budget_s),
-                                batch=pc.batch_tasks or rc.batch_tasks, ack_wait_s=ack_wait,
-                                max_messages=tasks_per_pool, until_idle=ctx.until_idle, stop=s.stop,
-                                counters=s.counters)
+            await run_pull_loop(
+                s.js,
+                s.reg,
+                "rollout",
+                sub,
+                Task,
+                lambda b: handle(b, pc.budget_s),
+                batch=pc.batch_tasks or rc.batch_tasks,
+                ack_wait_s=ack_wait,
+                max_messages=tasks_per_pool,
+                until_idle=ctx.until_idle,
+                stop=s.stop,
+                counters=s.counters,
+            )
             if tasks_per_pool is not None:
                 s.stop.set()
 

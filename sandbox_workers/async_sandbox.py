@@ -54,8 +54,9 @@ class AsyncSandbox(abc.ABC):
     isolation: str = "degraded"
 
     @abc.abstractmethod
-    async def observe(self, cmd: list[str] | str, timeout: float | None = None,
-                      caps: tuple[int, int] | None = None) -> Observation:
+    async def observe(
+        self, cmd: list[str] | str, timeout: float | None = None, caps: tuple[int, int] | None = None
+    ) -> Observation:
         """Run `cmd`; the result plus its observation text (and exec_id when recorded), stdout and
         stderr clipped to `caps` chars (`integrity.obs_caps`: the defaults when None)."""
 
@@ -94,8 +95,13 @@ class AsyncSandbox(abc.ABC):
 class LocalAsyncSandbox(AsyncSandbox):
     """A blocking backend driven from one dedicated thread."""
 
-    def __init__(self, sandbox: Sandbox, executor: ThreadPoolExecutor,
-                 recorder: ExecRecorder | None = None, session: str | None = None) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        executor: ThreadPoolExecutor,
+        recorder: ExecRecorder | None = None,
+        session: str | None = None,
+    ) -> None:
         self._sandbox = sandbox
         self._executor = executor
         self._recorder = recorder
@@ -104,18 +110,34 @@ class LocalAsyncSandbox(AsyncSandbox):
         self.isolation = getattr(sandbox, "isolation", "degraded")
 
     @classmethod
-    async def open(cls, backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
-                   timeout: float = 30.0, recorder: ExecRecorder | None = None,
-                   session: str | None = None, warm_pool: int | None = None,
-                   allow_degraded: bool = False) -> LocalAsyncSandbox:
+    async def open(
+        cls,
+        backend: str = "process",
+        *,
+        image: str | None = None,
+        limits: Limits | None = None,
+        timeout: float = 30.0,
+        recorder: ExecRecorder | None = None,
+        session: str | None = None,
+        warm_pool: int | None = None,
+        allow_degraded: bool = False,
+    ) -> LocalAsyncSandbox:
         """Start a backend sandbox on a fresh dedicated thread (`warm_pool`: docker's ready containers;
         `allow_degraded`: see `open_sandbox`, else a process sandbox without bwrap raises `SandboxRefused`)."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox")
         loop = asyncio.get_running_loop()
         try:
             sandbox = await loop.run_in_executor(
-                executor, lambda: open_sandbox(backend, image=image, limits=limits, timeout=timeout, warm_pool=warm_pool,
-                                               allow_degraded=allow_degraded))
+                executor,
+                lambda: open_sandbox(
+                    backend,
+                    image=image,
+                    limits=limits,
+                    timeout=timeout,
+                    warm_pool=warm_pool,
+                    allow_degraded=allow_degraded,
+                ),
+            )
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -134,8 +156,9 @@ class LocalAsyncSandbox(AsyncSandbox):
             raise SandboxClosed(f"sandbox session {self.session} is closed; open a new one")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def observe(self, cmd: list[str] | str, timeout: float | None = None,
-                      caps: tuple[int, int] | None = None) -> Observation:
+    async def observe(
+        self, cmd: list[str] | str, timeout: float | None = None, caps: tuple[int, int] | None = None
+    ) -> Observation:
         result = await self._call(self._sandbox.execute, cmd, timeout)
         if self._recorder is None:
             from sandbox_workers.integrity import obs_caps, render_observation
@@ -172,8 +195,14 @@ def limits_from(sc: SandboxSection) -> Limits:
     return Limits(memory_mb=sc.memory_mb, pids=sc.pids)
 
 
-async def open_async_sandbox(sc: SandboxSection, nc=None, run_id: str | None = None, *,
-                             recorder: ExecRecorder | None = None, image: str | None = None) -> AsyncSandbox:
+async def open_async_sandbox(
+    sc: SandboxSection,
+    nc=None,
+    run_id: str | None = None,
+    *,
+    recorder: ExecRecorder | None = None,
+    image: str | None = None,
+) -> AsyncSandbox:
     """A local sandbox from `sc.backend`, or a sandbox-service session when `sc.remote`.
 
     Remote needs `nc` (a NATS connection) and `run_id` (exec records go to its bucket);
@@ -182,12 +211,19 @@ async def open_async_sandbox(sc: SandboxSection, nc=None, run_id: str | None = N
     """
     if sc.remote:
         if nc is None or not run_id:
-            raise ValueError("sandbox.remote=true needs a NATS connection and a run id: "
-                             "open_async_sandbox(sc, nc=nc, run_id=run_id)")
+            raise ValueError(
+                "sandbox.remote=true needs a NATS connection and a run id: open_async_sandbox(sc, nc=nc, run_id=run_id)"
+            )
         from bus.subjects import Registry
         from sandbox_workers.remote import RemoteSandbox
 
         return await RemoteSandbox.open(nc, Registry(run_id), sc.pool, image=image)
-    return await LocalAsyncSandbox.open(sc.backend, image=image or sc.image, limits=limits_from(sc),
-                                        timeout=sc.timeout_s, recorder=recorder, warm_pool=sc.warm_pool,
-                                        allow_degraded=sc.allow_degraded)
+    return await LocalAsyncSandbox.open(
+        sc.backend,
+        image=image or sc.image,
+        limits=limits_from(sc),
+        timeout=sc.timeout_s,
+        recorder=recorder,
+        warm_pool=sc.warm_pool,
+        allow_degraded=sc.allow_degraded,
+    )

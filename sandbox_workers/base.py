@@ -80,8 +80,7 @@ class Sandbox(abc.ABC):
     """One isolated place to run commands, with a persistent work dir at `/work`."""
 
     @abc.abstractmethod
-    def start(self, image: str | None = None, limits: Limits | None = None,
-              timeout: float = 30.0) -> None:
+    def start(self, image: str | None = None, limits: Limits | None = None, timeout: float = 30.0) -> None:
         """Prepare the sandbox (image: backend-specific; timeout: default per exec)."""
 
     @abc.abstractmethod
@@ -126,7 +125,7 @@ def sandbox_path_parts(path: str) -> list[str]:
     symlinks are the backend's business).
     """
     if path.startswith(WORK_DIR + "/"):
-        path = path[len(WORK_DIR) + 1:]
+        path = path[len(WORK_DIR) + 1 :]
     elif path.startswith("/"):
         raise ValueError(f"path outside {WORK_DIR}: {path!r}")
     parts = [p for p in path.split("/") if p not in ("", ".")]
@@ -163,7 +162,7 @@ class HeadTailBuffer:
         if not chunk or self.tail_cap == 0:
             return
         if len(chunk) >= self.tail_cap:
-            self.tail = bytearray(chunk[-self.tail_cap:])
+            self.tail = bytearray(chunk[-self.tail_cap :])
         else:
             self.tail += chunk
             extra = len(self.tail) - self.tail_cap

@@ -44,34 +44,61 @@ RESULT_FIELDS = ("exit_code", "stdout", "stderr", "timed_out", "oom", "truncated
 
 def register(sub) -> None:
     """Add `rlbus sandbox` and its subcommands to the `rlbus` parser."""
-    p = sub.add_parser("sandbox", help="build the sandbox image, run one command in a sandbox, reap containers",
-                       description="Sandboxes run untrusted commands (tool calls, tests of generated code).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "sandbox",
+        help="build the sandbox image, run one command in a sandbox, reap containers",
+        description="Sandboxes run untrusted commands (tool calls, tests of generated code).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     actions = p.add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
 
-    b = actions.add_parser("build-image", help="build the docker backend's image from compose/sandbox.Dockerfile",
-                           description="Build offline (no pull, no network in RUN steps) from a base image "
-                                       "already on the engine.")
+    b = actions.add_parser(
+        "build-image",
+        help="build the docker backend's image from compose/sandbox.Dockerfile",
+        description="Build offline (no pull, no network in RUN steps) from a base image already on the engine.",
+    )
     b.add_argument("--tag", help="image tag (default: rlbus-sandbox:latest, or rlbus-repo-sandbox:latest with --repo)")
-    b.add_argument("--repo", action="store_true",
-                   help="build the repository-task image (pytest inside, from a wheelhouse fetched on the host) "
-                        "from compose/repo-sandbox.Dockerfile")
-    b.add_argument("--with", dest="extra", action="append", default=[], metavar="REQ",
-                   help="--repo: also put REQ's wheels in the image's wheelhouse (task deps); repeatable")
+    b.add_argument(
+        "--repo",
+        action="store_true",
+        help="build the repository-task image (pytest inside, from a wheelhouse fetched on the host) "
+        "from compose/repo-sandbox.Dockerfile",
+    )
+    b.add_argument(
+        "--with",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="--repo: also put REQ's wheels in the image's wheelhouse (task deps); repeatable",
+    )
     b.set_defaults(func=_build_image)
 
-    e = actions.add_parser("exec", help="run one command in a fresh sandbox; print the result as one JSON line",
-                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("--backend", choices=("process", "docker", "auto"), default="process",
-                   help="process: bubblewrap + rlimits; docker: a container; auto: docker if an engine answers")
+    e = actions.add_parser(
+        "exec",
+        help="run one command in a fresh sandbox; print the result as one JSON line",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument(
+        "--backend",
+        choices=("process", "docker", "auto"),
+        default="process",
+        help="process: bubblewrap + rlimits; docker: a container; auto: docker if an engine answers",
+    )
     e.add_argument("--image", help="docker image (default: rlbus-sandbox:latest)")
     e.add_argument("--timeout", type=float, default=10.0, help="wall-clock limit in seconds (default 10)")
     e.add_argument("--memory-mb", type=int, default=Limits.memory_mb, help=f"memory limit (default {Limits.memory_mb})")
-    e.add_argument("--allow-degraded-sandbox", action="store_true",
-                   help="process backend: run WITHOUT isolation (rlimits only) where bubblewrap is missing; "
-                        "else it refuses and exits 1")
-    e.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
-                   help="the command and its arguments, after `--`")
+    e.add_argument(
+        "--allow-degraded-sandbox",
+        action="store_true",
+        help="process backend: run WITHOUT isolation (rlimits only) where bubblewrap is missing; "
+        "else it refuses and exits 1",
+    )
+    e.add_argument(
+        "cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command and its arguments, after `--`"
+    )
     e.set_defaults(func=_exec)
 
     r = actions.add_parser("reap", help="remove orphaned sandbox containers (label rlbus.sandbox=1)")
@@ -103,14 +130,21 @@ def _exec(args) -> int:
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        print("rlbus sandbox exec: give the command after `--`, e.g. rlbus sandbox exec -- python3 -c 'print(1)'",
-              file=sys.stderr)
+        print(
+            "rlbus sandbox exec: give the command after `--`, e.g. rlbus sandbox exec -- python3 -c 'print(1)'",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("RLBUS_SANDBOX_WARM_POOL", "0")  # one command: no containers kept warm
     limits = Limits(memory_mb=args.memory_mb)
     try:
-        sandbox = open_sandbox(args.backend, image=args.image, limits=limits, timeout=args.timeout,
-                               allow_degraded=args.allow_degraded_sandbox)
+        sandbox = open_sandbox(
+            args.backend,
+            image=args.image,
+            limits=limits,
+            timeout=args.timeout,
+            allow_degraded=args.allow_degraded_sandbox,
+        )
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"rlbus sandbox exec: {exc}", file=sys.stderr)
         return 1

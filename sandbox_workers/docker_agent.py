@@ -143,11 +143,15 @@ def run_python(path):
     for name in set(sys.modules) - BASE_MODULES:
         del sys.modules[name]
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-                                                   encoding="utf-8")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-                                                   encoding="utf-8", errors="backslashreplace",
-                                                   line_buffering=True)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8"
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
+    )
     sys.argv = [path]
     main = type(sys)("__main__")
     main.__file__ = path
@@ -191,8 +195,12 @@ def zygote(go_fd, out_fd, err_fd):
     import resource
 
     lim = req["limits"]
-    for res, value in ((resource.RLIMIT_CPU, lim["cpu"]), (resource.RLIMIT_FSIZE, lim["fsize"]),
-                       (resource.RLIMIT_NOFILE, lim["nofile"]), (resource.RLIMIT_CORE, 0)):
+    for res, value in (
+        (resource.RLIMIT_CPU, lim["cpu"]),
+        (resource.RLIMIT_FSIZE, lim["fsize"]),
+        (resource.RLIMIT_NOFILE, lim["nofile"]),
+        (resource.RLIMIT_CORE, 0),
+    ):
         hard = resource.getrlimit(res)[1]
         value = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
         # cpu: SIGXCPU at the soft limit, SIGKILL a second later
@@ -361,15 +369,19 @@ def run(req, z):
     code = exit_code(z, timed_out)
     out_b, out_t = out.value()
     err_b, err_t = err.value()
-    flags = (TIMED_OUT if timed_out else 0) | (TRUNC_OUT if out_t else 0) | (TRUNC_ERR if err_t else 0) \
+    flags = (
+        (TIMED_OUT if timed_out else 0)
+        | (TRUNC_OUT if out_t else 0)
+        | (TRUNC_ERR if err_t else 0)
         | (0 if problems else CLEAN)
+    )
     send(RESULT, code, flags, oom, time.monotonic() - t0, exists, out_b, err_b, "; ".join(problems).encode())
     return not problems
 
 
 def main():
     os.chdir("/")
-    problems = ([] if os.getuid() == 0 else ["agent is not root"])
+    problems = [] if os.getuid() == 0 else ["agent is not root"]
     if not kill_all(None, 1.0):
         problems.append("foreign processes")
     problems += wipe_and_prove()

@@ -30,8 +30,13 @@ USER = 65534
 WORK = "/work"
 WIPE_DIRS = ("/work", "/tmp", "/dev/mqueue")
 OOM_FILES = ("/sys/fs/cgroup/memory/memory.oom_control", "/sys/fs/cgroup/memory.events")
-CHILD_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": WORK,
-             "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+CHILD_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": WORK,
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
 
 
 class AsUser:
@@ -48,7 +53,7 @@ class AsUser:
 
 def safe_path(path):
     if path.startswith(WORK + "/"):
-        path = path[len(WORK) + 1:]
+        path = path[len(WORK) + 1 :]
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if not parts or ".." in parts or path.startswith("/"):
         raise ValueError("bad path %r" % path)

@@ -33,7 +33,7 @@ TIMED_OUT, TRUNC_OUT, TRUNC_ERR, CLEAN = 1, 2, 4, 8
 def write_all(fd, data):
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def read_exact(fd, n):
@@ -72,7 +72,7 @@ class HeadTail:
         if chunk and self.tail_cap:
             self.tail += chunk
             if len(self.tail) > self.tail_cap:
-                del self.tail[:len(self.tail) - self.tail_cap]
+                del self.tail[: len(self.tail) - self.tail_cap]
 
     def value(self):
         dropped = self.total - len(self.head) - len(self.tail)

@@ -78,26 +78,9 @@ import threading
 import time
 import uuid
 
-from sandbox_workers.base import (
-    MIB,
-    WORK_DIR,
-    ExecResult,
-    HeadTailBuffer,
-    Limits,
-    Sandbox,
-    decode_output,
-)
+from sandbox_workers.base import MIB, WORK_DIR, ExecResult, HeadTailBuffer, Limits, Sandbox, decode_output
 from sandbox_workers.docker_engine import env_int, import_docker, log
-from sandbox_workers.docker_pool import (
-    DEFAULT_IMAGE,
-    OOM_HINTS,
-    RUN_USER,
-    Box,
-    Exec,
-    WarmPool,
-    get_pool,
-    sandbox_path,
-)
+from sandbox_workers.docker_pool import DEFAULT_IMAGE, OOM_HINTS, RUN_USER, Box, Exec, WarmPool, get_pool, sandbox_path
 
 KILL_GRACE_S = 1.5
 MAX_READ_FILE = 256 * MIB
@@ -175,7 +158,7 @@ class _StderrHold:
         at = self.hold.rfind(EXIT_MARK)
         if at >= 0 and self.hold.endswith(b"\n"):
             try:
-                rc, oom = self.hold[at + len(EXIT_MARK):].split()
+                rc, oom = self.hold[at + len(EXIT_MARK) :].split()
                 found = (int(rc), int(oom))
                 del self.hold[at:]
             except ValueError:
@@ -183,6 +166,7 @@ class _StderrHold:
         self.buf.feed(bytes(self.hold))
         self.hold.clear()
         return found
+
 
 class _Bytes:
     """An uncapped sink (file reads), refusing more than `limit` bytes."""
@@ -197,14 +181,13 @@ class _Bytes:
         self.data += chunk
 
 
-
 # -- the sandbox ------------------------------------------------------------------------
+
 
 class DockerSandbox(Sandbox):
     """A sandbox backed by one container from the process's warm pool."""
 
-    def __init__(self, warm_pool: int | None = None, concurrency: int | None = None,
-                 cpus: float = 1.0) -> None:
+    def __init__(self, warm_pool: int | None = None, concurrency: int | None = None, cpus: float = 1.0) -> None:
         """warm_pool: containers kept ready (None: env RLBUS_SANDBOX_WARM_POOL, else 2);
         concurrency: sandboxes used at once by this process (sizes the HTTP pool);
         cpus: CPU quota per container."""
@@ -221,8 +204,7 @@ class DockerSandbox(Sandbox):
         self._lock = threading.RLock()
 
     # -- lifecycle -------------------------------------------------------------------
-    def start(self, image: str | None = None, limits: Limits | None = None,
-              timeout: float = 30.0) -> None:
+    def start(self, image: str | None = None, limits: Limits | None = None, timeout: float = 30.0) -> None:
         """Take a fresh container (image default `rlbus-sandbox:latest`)."""
         self.image = image or DEFAULT_IMAGE
         self.limits = limits or Limits()
@@ -294,9 +276,15 @@ class DockerSandbox(Sandbox):
         timed_out = not finished or (rc == 137 and elapsed >= timeout)
         oom = oom_kills > 0 or any(h in err.head or h in err.tail for h in OOM_HINTS)
         return ExecResult(
-            exit_code=rc, stdout=decode_output(out.getvalue()), stderr=decode_output(err.getvalue()),
-            timed_out=timed_out, oom=oom, truncated=out.truncated or err.truncated,
-            duration_ms=round(elapsed * 1000, 3), isolation="docker")
+            exit_code=rc,
+            stdout=decode_output(out.getvalue()),
+            stderr=decode_output(err.getvalue()),
+            timed_out=timed_out,
+            oom=oom,
+            truncated=out.truncated or err.truncated,
+            duration_ms=round(elapsed * 1000, 3),
+            isolation="docker",
+        )
 
     def _start_exec(self, argv: list[str]) -> Exec:
         """Start the wrapper exec; a container that cannot run one is replaced, once."""
@@ -337,14 +325,17 @@ class DockerSandbox(Sandbox):
 
     def processes(self) -> list[tuple[int, str]]:
         """(pid, command name) of every process in the container, the listing one excluded."""
-        script = ('for p in /proc/[0-9]*; do [ "${p#/proc/}" = "$$" ] && continue; '
-                  'c=?; read -r c < "$p/comm" 2>/dev/null; echo "${p#/proc/} $c"; done')
+        script = (
+            'for p in /proc/[0-9]*; do [ "${p#/proc/}" = "$$" ] && continue; '
+            'c=?; read -r c < "$p/comm" 2>/dev/null; echo "${p#/proc/} $c"; done'
+        )
         out = self._run_simple(["/bin/sh", "-c", script], b"", 10.0)[1]
         return [(int(pid), name) for pid, name in (line.split(maxsplit=1) for line in out.decode().splitlines())]
 
     # -- files -----------------------------------------------------------------------
-    def _run_simple(self, argv: list[str], stdin: bytes | None, timeout: float,
-                    limit: int = 16 * MIB) -> tuple[int, bytes, bytes]:
+    def _run_simple(
+        self, argv: list[str], stdin: bytes | None, timeout: float, limit: int = 16 * MIB
+    ) -> tuple[int, bytes, bytes]:
         """Run a helper exec as the sandbox user: (exit code, stdout, stderr)."""
         with self._lock:
             box = self._require()
@@ -364,8 +355,9 @@ class DockerSandbox(Sandbox):
         """Bytes of a regular file under /work (no symlink anywhere on the path)."""
         parent, name = sandbox_path(path)
         full = posixpath.join(parent, name)
-        rc, data, err = self._run_simple(["/bin/sh", "-c", _READ_SCRIPT, "rlbus-read", full, str(MAX_READ_FILE)],
-                                         None, 60.0, limit=MAX_READ_FILE)
+        rc, data, err = self._run_simple(
+            ["/bin/sh", "-c", _READ_SCRIPT, "rlbus-read", full, str(MAX_READ_FILE)], None, 60.0, limit=MAX_READ_FILE
+        )
         _raise_file_error(rc, path, err)
         return data
 
@@ -383,15 +375,17 @@ class DockerSandbox(Sandbox):
                 info = tarfile.TarInfo(posixpath.relpath(posixpath.join(parent, name), WORK_DIR))
                 info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
                 tar.addfile(info, io.BytesIO(bytes(data)))
-        rc, _, err = self._run_simple(["/bin/sh", "-c", "cd /work && exec tar -x -f - --no-same-owner --unlink-first",
-                                       "rlbus-untar"], buf.getvalue(), 60.0)
+        rc, _, err = self._run_simple(
+            ["/bin/sh", "-c", "cd /work && exec tar -x -f - --no-same-owner --unlink-first", "rlbus-untar"],
+            buf.getvalue(),
+            60.0,
+        )
         _raise_file_error(rc, ",".join(p for p, _ in files), err)
 
     def write_file(self, path: str, data: bytes) -> None:
         """Create or replace a file under /work (parents created; no symlinks followed)."""
         parent, name = sandbox_path(path)
-        rc, _, err = self._run_simple(["/bin/sh", "-c", _WRITE_SCRIPT, "rlbus-write", parent, name],
-                                      bytes(data), 60.0)
+        rc, _, err = self._run_simple(["/bin/sh", "-c", _WRITE_SCRIPT, "rlbus-write", parent, name], bytes(data), 60.0)
         _raise_file_error(rc, path, err)
 
 

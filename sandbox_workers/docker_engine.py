@@ -72,7 +72,8 @@ def get_client(concurrency: int | None = None) -> docker.DockerClient:
             except Exception as exc:
                 raise RuntimeError(
                     f"no Docker engine answers ({exc}); start one, set DOCKER_HOST, "
-                    "or use the process backend (--backend process)") from exc
+                    "or use the process backend (--backend process)"
+                ) from exc
             _client, _client_pool_size = client, want
         return _client
 
@@ -93,6 +94,7 @@ def _concurrency(value: int | None) -> int:
 
 
 # -- owners and the reaper ------------------------------------------------------------
+
 
 def process_start_time(pid: int) -> str | None:
     """The start time (clock ticks since boot, field 22 of /proc/<pid>/stat) of `pid`; None if gone.

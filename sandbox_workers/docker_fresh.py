@@ -26,13 +26,7 @@ import time
 from dataclasses import dataclass
 
 from sandbox_workers.base import WORK_DIR, HeadTailBuffer, Limits
-from sandbox_workers.docker_pool import (
-    ContainerUnusable,
-    Exec,
-    WarmPool,
-    container_kwargs,
-    shared_pool,
-)
+from sandbox_workers.docker_pool import ContainerUnusable, Exec, WarmPool, container_kwargs, shared_pool
 
 FRESH_LABEL = "rlbus.sandbox.fresh"
 FRESH_CAPS = ["SETUID", "SETGID", "KILL"]
@@ -74,14 +68,16 @@ class FreshPool(WarmPool):
             self._submit(self.remove, box)
 
 
-def get_fresh_pool(image: str, limits: Limits, cpus: float = 1.0, warm: int = 1,
-                   concurrency: int | None = None) -> FreshPool:
+def get_fresh_pool(
+    image: str, limits: Limits, cpus: float = 1.0, warm: int = 1, concurrency: int | None = None
+) -> FreshPool:
     """The process's fresh pool for (image, limits, cpus)."""
     return shared_pool(FreshPool, ("fresh", image, limits, cpus), image, limits, cpus, warm, concurrency)
 
 
-def _exec(pool: FreshPool, cid: str, argv: list[str], stdin: bytes | None, deadline: float,
-          cap: int) -> tuple[int | None, bytes, bytes, bool]:
+def _exec(
+    pool: FreshPool, cid: str, argv: list[str], stdin: bytes | None, deadline: float, cap: int
+) -> tuple[int | None, bytes, bytes, bool]:
     ex = Exec(pool.api, cid, argv, user=ROOT_USER, stdin=stdin is not None)
     out, err = HeadTailBuffer(cap), HeadTailBuffer(64 * 1024)
     try:
@@ -94,8 +90,17 @@ def _exec(pool: FreshPool, cid: str, argv: list[str], stdin: bytes | None, deadl
     return code, out.getvalue(), err.getvalue(), not finished
 
 
-def run_fresh(argv: list[str], stdin: bytes, read_back: str, *, image: str, limits: Limits, timeout: float,
-              cpus: float = 1.0, warm: int = 1) -> FreshRun:
+def run_fresh(
+    argv: list[str],
+    stdin: bytes,
+    read_back: str,
+    *,
+    image: str,
+    limits: Limits,
+    timeout: float,
+    cpus: float = 1.0,
+    warm: int = 1,
+) -> FreshRun:
     """Run `argv` as uid 0 in a fresh container, then read `read_back` (see the module guarantees)."""
     pool = get_fresh_pool(image, limits, cpus, warm)
     box = pool.acquire()
@@ -103,12 +108,18 @@ def run_fresh(argv: list[str], stdin: bytes, read_back: str, *, image: str, limi
         code, out, err, timed_out = _exec(pool, box.id, argv, stdin, time.monotonic() + timeout, 1 << 20)
         if timed_out:
             raise ContainerUnusable(f"the verifier's program ran past {timeout:.0f} s")
-        rc, data, rerr, late = _exec(pool, box.id, ["/bin/sh", "-c", f"[ -f {read_back} ] || exit 3; "
-                                                    f"exec cat {read_back}"], None, time.monotonic() + 30,
-                                     8 << 20)
+        rc, data, rerr, late = _exec(
+            pool,
+            box.id,
+            ["/bin/sh", "-c", f"[ -f {read_back} ] || exit 3; exec cat {read_back}"],
+            None,
+            time.monotonic() + 30,
+            8 << 20,
+        )
         if late or rc not in (0, 3):
             raise ContainerUnusable(f"reading {read_back} back failed (exit {rc}): {rerr[-300:]!r}")
-        return FreshRun(code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                        data if rc == 0 else None, timed_out)
+        return FreshRun(
+            code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), data if rc == 0 else None, timed_out
+        )
     finally:
         pool.release(box)

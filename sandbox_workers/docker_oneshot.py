@@ -60,8 +60,10 @@ AGENT_MEMORY_MB = 48  # the agent and its zygote, on top of the command's memory
 AGENT_MAX_USES = 1000
 AGENT_GRACE_S = 5.0
 AGENT_START_S = 30.0
-AGENT_PARTS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                    for name in ("docker_agent_protocol.py", "docker_agent_clean.py", "docker_agent.py"))
+AGENT_PARTS = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    for name in ("docker_agent_protocol.py", "docker_agent_clean.py", "docker_agent.py")
+)
 """The files of the agent program, in the order they are joined (each imports only earlier ones)."""
 
 
@@ -87,8 +89,13 @@ def agent_container_kwargs(image: str, limits: Limits, cpus: float) -> dict:
     hc["ulimits"] = [u for u in hc["ulimits"] if u["Name"] != "cpu"]
     hc["pids_limit"] = limits.pids + AGENT_PID_HEADROOM
     hc["mem_limit"] = hc["memswap_limit"] = (limits.memory_mb + AGENT_MEMORY_MB) * MIB
-    kw.update(command=["python3", "-I", "-S", "-c", agent_source(), "rlbus-agent"], user=AGENT_USER,
-              stdin_open=True, tty=False, labels={**kw["labels"], AGENT_LABEL: "1"})
+    kw.update(
+        command=["python3", "-I", "-S", "-c", agent_source(), "rlbus-agent"],
+        user=AGENT_USER,
+        stdin_open=True,
+        tty=False,
+        labels={**kw["labels"], AGENT_LABEL: "1"},
+    )
     return kw
 
 
@@ -115,8 +122,8 @@ class _AgentStream(FrameReader):
             if len(self.out) >= 4:
                 n = _AGENT.HEADER.unpack_from(self.out)[0]
                 if len(self.out) >= 4 + n:
-                    payload = bytes(self.out[4:4 + n])
-                    del self.out[:4 + n]
+                    payload = bytes(self.out[4 : 4 + n])
+                    del self.out[: 4 + n]
                     return payload
             left = deadline - time.monotonic()
             if left <= 0:
@@ -142,14 +149,15 @@ class _Reply:
         reply = _AGENT.REPLY
         if len(payload) < reply.size:
             raise AgentGone(f"short reply from the sandbox agent ({len(payload)} bytes)")
-        (self.kind, self.code, self.flags, self.oom, self.duration, self.exists,
-         n_out, n_err, n_msg) = reply.unpack_from(payload)
+        (self.kind, self.code, self.flags, self.oom, self.duration, self.exists, n_out, n_err, n_msg) = (
+            reply.unpack_from(payload)
+        )
         if reply.size + n_out + n_err + n_msg != len(payload):
             raise AgentGone("malformed reply from the sandbox agent")
         at = reply.size
-        self.stdout, at = payload[at:at + n_out], at + n_out
-        self.stderr, at = payload[at:at + n_err], at + n_err
-        self.message = payload[at:at + n_msg].decode(errors="replace")
+        self.stdout, at = payload[at : at + n_out], at + n_out
+        self.stderr, at = payload[at : at + n_err], at + n_err
+        self.message = payload[at : at + n_msg].decode(errors="replace")
 
     @property
     def clean(self) -> bool:
@@ -198,8 +206,7 @@ class AgentPool(WarmPool):
         self.api.start(box.id)
         hello = _Reply(box.stream.recv(time.monotonic() + AGENT_START_S))
         if hello.kind != _AGENT.HELLO or hello.code != _AGENT.VERSION or not hello.clean:
-            raise AgentGone(f"the sandbox agent refused to start: {hello.message} "
-                            f"{box.stream.diagnostics()}")
+            raise AgentGone(f"the sandbox agent refused to start: {hello.message} {box.stream.diagnostics()}")
 
     def remove(self, box: Box) -> None:
         stream = getattr(box, "stream", None)
@@ -211,8 +218,7 @@ class AgentPool(WarmPool):
         """Take back a container after a run: kept when its agent proved it clean, else removed."""
         with self.cond:
             self.in_use -= 1
-            keep = (clean and not self.closed and box.uses < AGENT_MAX_USES
-                    and self._room_locked() - self.pending > 0)
+            keep = clean and not self.closed and box.uses < AGENT_MAX_USES and self._room_locked() - self.pending > 0
             if keep:
                 self.idle.append(box)
             self._refill_locked()
@@ -241,10 +247,19 @@ class IsolatedRun:
         self.result, self.exists, self.container, self.clean = result, exists, container, clean
 
 
-def run_isolated(files: list[tuple[str, bytes]], *, argv: list[str] | None = None, python: str | None = None,
-                 timeout: float = 30.0, limits: Limits | None = None, image: str | None = None,
-                 cpus: float = 1.0, warm_pool: int | None = None, concurrency: int | None = None,
-                 report: tuple[str, ...] = ()) -> IsolatedRun:
+def run_isolated(
+    files: list[tuple[str, bytes]],
+    *,
+    argv: list[str] | None = None,
+    python: str | None = None,
+    timeout: float = 30.0,
+    limits: Limits | None = None,
+    image: str | None = None,
+    cpus: float = 1.0,
+    warm_pool: int | None = None,
+    concurrency: int | None = None,
+    report: tuple[str, ...] = (),
+) -> IsolatedRun:
     """Run one command in a clean agent container: `files` written in order into an empty /work,
     then `argv` (or the file `python` as `python3 -I -S <file>` in the agent's pre-imported
     interpreter), as the sandbox user, with the limits and `timeout`; then everything is
@@ -262,9 +277,14 @@ def run_isolated(files: list[tuple[str, bytes]], *, argv: list[str] | None = Non
         sandbox_path(path)
     size = warm_pool if warm_pool is not None else env_int("RLBUS_SANDBOX_WARM_POOL", 2)
     pool = get_agent_pool(image or DEFAULT_IMAGE, limits, cpus, size, concurrency)
-    req = {"op": "run", "files": [(str(p), bytes(d)) for p, d in files], "timeout": max(float(timeout), 0.001),
-           "cap": limits.output_cap_bytes, "report": list(report),
-           "limits": {"cpu": limits.cpu_seconds, "fsize": limits.file_size_mb * MIB, "nofile": limits.nofile}}
+    req = {
+        "op": "run",
+        "files": [(str(p), bytes(d)) for p, d in files],
+        "timeout": max(float(timeout), 0.001),
+        "cap": limits.output_cap_bytes,
+        "report": list(report),
+        "limits": {"cpu": limits.cpu_seconds, "fsize": limits.file_size_mb * MIB, "nofile": limits.nofile},
+    }
     if argv is not None:
         req["argv"] = [str(a) for a in argv]
     else:
@@ -274,8 +294,9 @@ def run_isolated(files: list[tuple[str, bytes]], *, argv: list[str] | None = Non
         box.stream.send(req)
         reply = _Reply(box.stream.recv(time.monotonic() + req["timeout"] + AGENT_GRACE_S))
     except (OSError, TimeoutError, ContainerUnusable) as exc:
-        log.warning("sandbox.agent_failed", container=box.id[:12], error=str(exc),
-                    agent_stderr=box.stream.diagnostics())
+        log.warning(
+            "sandbox.agent_failed", container=box.id[:12], error=str(exc), agent_stderr=box.stream.diagnostics()
+        )
         pool.kill(box)
         raise ContainerUnusable(f"sandbox agent failed: {type(exc).__name__}: {exc}") from exc
     except BaseException:
@@ -291,10 +312,14 @@ def run_isolated(files: list[tuple[str, bytes]], *, argv: list[str] | None = Non
     oom = reply.oom > 0 or any(h in err for h in OOM_HINTS)
     flags = reply.flags
     result = ExecResult(
-        exit_code=reply.code, stdout=decode_output(reply.stdout), stderr=decode_output(err),
-        timed_out=bool(flags & _AGENT.TIMED_OUT), oom=oom,
+        exit_code=reply.code,
+        stdout=decode_output(reply.stdout),
+        stderr=decode_output(err),
+        timed_out=bool(flags & _AGENT.TIMED_OUT),
+        oom=oom,
         truncated=bool(flags & (_AGENT.TRUNC_OUT | _AGENT.TRUNC_ERR)),
-        duration_ms=round(reply.duration * 1000, 3), isolation="docker")
+        duration_ms=round(reply.duration * 1000, 3),
+        isolation="docker",
+    )
     exists = frozenset(p for i, p in enumerate(report[:32]) if reply.exists >> i & 1)
     return IsolatedRun(result, exists, box.id, clean)
-

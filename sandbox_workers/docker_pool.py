@@ -27,13 +27,7 @@ import threading
 import time
 from typing import Any
 
-from sandbox_workers.base import (
-    MIB,
-    WORK_DIR,
-    HeadTailBuffer,
-    Limits,
-    sandbox_path_parts,
-)
+from sandbox_workers.base import MIB, WORK_DIR, HeadTailBuffer, Limits, sandbox_path_parts
 from sandbox_workers.docker_engine import (
     LABEL,
     OWNER,
@@ -85,6 +79,7 @@ done
 echo clean-done
 """
 
+
 class SandboxImageMissing(RuntimeError):
     """The sandbox image is not on the engine; the message says how to build it."""
 
@@ -93,8 +88,8 @@ class ContainerUnusable(RuntimeError):
     """A container could not be proven clean or could not run an exec."""
 
 
-
 # -- exec over the multiplexed socket ---------------------------------------------------
+
 
 class FrameReader:
     """Docker's multiplexed stream on a hijacked socket: 8-byte headers (stream id, length), then
@@ -189,6 +184,7 @@ class Exec(FrameReader):
 
 # -- containers and the warm pool --------------------------------------------------------
 
+
 class Box:
     """A container the pool owns."""
 
@@ -209,25 +205,39 @@ def container_kwargs(image: str, limits: Limits, cpus: float) -> dict:
         "network_mode": "none",
         "read_only": True,
         "ipc_mode": "none",
-        "tmpfs": {WORK_DIR: f"{tmpfs_opts},exec,uid=65534,gid=65534,mode=0700",
-                  "/tmp": f"{tmpfs_opts},noexec,mode=1777"},
+        "tmpfs": {
+            WORK_DIR: f"{tmpfs_opts},exec,uid=65534,gid=65534,mode=0700",
+            "/tmp": f"{tmpfs_opts},noexec,mode=1777",
+        },
         "mem_limit": limits.memory_mb * MIB,
         "memswap_limit": limits.memory_mb * MIB,
         "pids_limit": limits.pids + PID_HEADROOM,
         "nano_cpus": int(cpus * 1e9),
-        "ulimits": [Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
-                    Ulimit(name="fsize", soft=limits.file_size_mb * MIB, hard=limits.file_size_mb * MIB),
-                    Ulimit(name="cpu", soft=limits.cpu_seconds, hard=limits.cpu_seconds + 1),
-                    Ulimit(name="core", soft=0, hard=0)],
+        "ulimits": [
+            Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
+            Ulimit(name="fsize", soft=limits.file_size_mb * MIB, hard=limits.file_size_mb * MIB),
+            Ulimit(name="cpu", soft=limits.cpu_seconds, hard=limits.cpu_seconds + 1),
+            Ulimit(name="core", soft=0, hard=0),
+        ],
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
         "log_config": LogConfig(type="none"),
     }
     return {
-        "image": image, "command": ["sleep", "infinity"], "user": HOLDER_USER, "working_dir": WORK_DIR,
-        "hostname": "sandbox", "network_disabled": True, "labels": {LABEL: "1", OWNER_LABEL: OWNER},
-        "environment": {"PATH": SANDBOX_PATH, "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                        "PYTHONDONTWRITEBYTECODE": "1"},
+        "image": image,
+        "command": ["sleep", "infinity"],
+        "user": HOLDER_USER,
+        "working_dir": WORK_DIR,
+        "hostname": "sandbox",
+        "network_disabled": True,
+        "labels": {LABEL: "1", OWNER_LABEL: OWNER},
+        "environment": {
+            "PATH": SANDBOX_PATH,
+            "HOME": WORK_DIR,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
         "host_config": host_config,
     }
 

@@ -41,9 +41,16 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def open_sandbox(backend: str = "process", *, image: str | None = None, limits: Limits | None = None,
-                 timeout: float = 30.0, warm_pool: int | None = None, concurrency: int | None = None,
-                 allow_degraded: bool = False) -> Sandbox:
+def open_sandbox(
+    backend: str = "process",
+    *,
+    image: str | None = None,
+    limits: Limits | None = None,
+    timeout: float = 30.0,
+    warm_pool: int | None = None,
+    concurrency: int | None = None,
+    allow_degraded: bool = False,
+) -> Sandbox:
     """A started, fresh sandbox of the given backend (close it, or use it as a context manager).
 
     `warm_pool`/`concurrency` size the docker backend's pool of ready containers and its
@@ -88,8 +95,10 @@ def _require_image(image: str) -> None:
     try:
         client = docker.from_env()
     except docker.errors.DockerException as exc:
-        raise SandboxRefused(f"sandbox.backend is docker but no Docker engine answers ({exc}); start one "
-                             "(`docker info` must work) or use backend = \"process\"") from None
+        raise SandboxRefused(
+            f"sandbox.backend is docker but no Docker engine answers ({exc}); start one "
+            '(`docker info` must work) or use backend = "process"'
+        ) from None
     try:
         client.images.get(image)
     except docker.errors.ImageNotFound:

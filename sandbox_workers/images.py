@@ -74,8 +74,9 @@ def image_labels(tag: str = DEFAULT_TAG, client=None) -> dict[str, str] | None:
     return (attrs.get("Config") or {}).get("Labels") or {}
 
 
-def build_image(tag: str = DEFAULT_TAG, *, dockerfile: Path = DOCKERFILE, client=None,
-                on_line: Callable[[str], None] | None = None) -> str:
+def build_image(
+    tag: str = DEFAULT_TAG, *, dockerfile: Path = DOCKERFILE, client=None, on_line: Callable[[str], None] | None = None
+) -> str:
     """Build the sandbox image offline; returns its id. `on_line` gets each log line."""
     client = client_or_default(client)
     if not dockerfile.is_file():
@@ -91,8 +92,17 @@ def run_build(client, context, tag: str, labels: dict[str, str], on_line: Callab
     lines: list[str] = []
     image_id = None
     try:
-        for chunk in client.api.build(fileobj=context, custom_context=True, tag=tag, pull=False, rm=True,
-                                      forcerm=True, network_mode="none", labels=labels, decode=True):
+        for chunk in client.api.build(
+            fileobj=context,
+            custom_context=True,
+            tag=tag,
+            pull=False,
+            rm=True,
+            forcerm=True,
+            network_mode="none",
+            labels=labels,
+            decode=True,
+        ):
             if "error" in chunk:
                 raise ImageBuildError(_failure(tag, chunk["error"], lines))
             text = (chunk.get("stream") or chunk.get("status") or "").rstrip()
@@ -109,14 +119,15 @@ def run_build(client, context, tag: str, labels: dict[str, str], on_line: Callab
 def _failure(tag: str, error: str, lines: list[str]) -> str:
     hint = ""
     if BASE_IMAGE in error or "pull access denied" in error or "not found" in error.lower():
-        hint = (f"\nthe base image {BASE_IMAGE} must already be on this engine (builds never pull); "
-                f"load it with `docker load` or build on a machine that has it")
+        hint = (
+            f"\nthe base image {BASE_IMAGE} must already be on this engine (builds never pull); "
+            f"load it with `docker load` or build on a machine that has it"
+        )
     tail = "\n".join(lines[-10:])
     return f"building {tag} failed: {error.strip()}{hint}" + (f"\nlast build output:\n{tail}" if tail else "")
 
 
-def ensure_image(tag: str = DEFAULT_TAG, *, client=None,
-                 on_line: Callable[[str], None] | None = None) -> bool:
+def ensure_image(tag: str = DEFAULT_TAG, *, client=None, on_line: Callable[[str], None] | None = None) -> bool:
     """Build `tag` unless it exists and was built from this Dockerfile; True if it built."""
     labels = image_labels(tag, client)
     if labels is not None and labels.get(SHA_LABEL) == dockerfile_sha():

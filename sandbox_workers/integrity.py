@@ -112,8 +112,9 @@ def render_observation(result: ExecResult, max_stdout: int = MAX_STDOUT, max_std
     set when the sandbox capped the output, or this rendering clipped stdout or stderr."""
     stdout, stderr = result.stdout.rstrip("\n"), result.stderr.rstrip("\n")
     clipped = result.truncated or len(stdout) > max_stdout or len(stderr) > max_stderr
-    flags = "".join(f" {name}" for name, on in
-                    (("timeout", result.timed_out), ("oom", result.oom), ("trunc", clipped)) if on)
+    flags = "".join(
+        f" {name}" for name, on in (("timeout", result.timed_out), ("oom", result.oom), ("trunc", clipped)) if on
+    )
     lines = [f"<obs exit={int(result.exit_code)}{flags}>"]
     out = _escape(_clip_middle(stdout, max_stdout))
     if out:
@@ -190,12 +191,22 @@ class ExecRecorder:
         self.js, self.reg, self._secret, self.worker = js, reg, secret, worker
         self._kv = None
 
-    async def record(self, session: str, cmd: list[str] | str, result: ExecResult,
-                     caps: tuple[int, int] | None = None) -> tuple[str, str]:
+    async def record(
+        self, session: str, cmd: list[str] | str, result: ExecResult, caps: tuple[int, int] | None = None
+    ) -> tuple[str, str]:
         """Store the record of `result` rendered with `caps` (`obs_caps`); returns (exec_id, observation text)."""
         exec_id, text = new_exec_id(), render_observation(result, *obs_caps(caps))
-        rec = ExecRecord(exec_id, session, _cmd_text(cmd), observation_digest(self._secret, exec_id, text),
-                         result.exit_code, result.timed_out, result.oom, self.worker, time.time())
+        rec = ExecRecord(
+            exec_id,
+            session,
+            _cmd_text(cmd),
+            observation_digest(self._secret, exec_id, text),
+            result.exit_code,
+            result.timed_out,
+            result.oom,
+            self.worker,
+            time.time(),
+        )
         await self._put(exec_id, rec.to_bytes())
         return exec_id, text
 
@@ -209,8 +220,10 @@ class ExecRecorder:
             except Exception as exc:  # the bus edge: bounded retry, then the caller's infra error
                 log.warning("sandbox.record.put_failed", attempt=attempt, error=repr(exc))
                 if attempt == self.PUT_ATTEMPTS:
-                    raise RecordFailed(f"exec {key} ran but its record could not be stored in "
-                                       f"{self.reg.toolrec_bucket!r}: {exc!r}; is JetStream up?") from exc
+                    raise RecordFailed(
+                        f"exec {key} ran but its record could not be stored in "
+                        f"{self.reg.toolrec_bucket!r}: {exc!r}; is JetStream up?"
+                    ) from exc
                 await asyncio.sleep(0.2 * attempt)
 
 
@@ -291,8 +304,9 @@ def _judge(secret: bytes, turn: ToolTurn, block: str, record: ExecRecord | None,
     return ""
 
 
-async def verify_observations(js, reg: Registry, secret: bytes,
-                              tool_turns: Iterable[ToolTurn | tuple | str]) -> tuple[list[Finding], list[Finding]]:
+async def verify_observations(
+    js, reg: Registry, secret: bytes, tool_turns: Iterable[ToolTurn | tuple | str]
+) -> tuple[list[Finding], list[Finding]]:
     """(ok, forged) over every observation block found in `tool_turns`.
 
     Pass every text of a trajectory the policy could have written into: tool turns as
@@ -319,8 +333,10 @@ async def verify_observations(js, reg: Registry, secret: bytes,
 def check_secret(secret: bytes) -> bytes:
     """`secret` if long enough, else ValueError saying how to make one."""
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"tool-result secret must be at least {MIN_SECRET_BYTES} bytes; make one with "
-                         "`python -c 'import secrets; print(secrets.token_hex(32))'`")
+        raise ValueError(
+            f"tool-result secret must be at least {MIN_SECRET_BYTES} bytes; make one with "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`"
+        )
     return secret
 
 

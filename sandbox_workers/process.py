@@ -97,11 +97,13 @@ def degraded_allowed_by_env() -> bool:
 
 def refusal_message(why: str) -> str:
     """Why the process backend refuses to run, and the ways out."""
-    return (f"the process sandbox cannot isolate here ({why}), so it refuses to run commands: "
-            "without bubblewrap it would have no network or filesystem isolation. Fix: "
-            "apt-get install -y bubblewrap (and allow unprivileged user namespaces), or use the docker "
-            "backend (sandbox.backend=docker). To run unisolated on purpose: --allow-degraded-sandbox, "
-            "or --set sandbox.allow_degraded=true")
+    return (
+        f"the process sandbox cannot isolate here ({why}), so it refuses to run commands: "
+        "without bubblewrap it would have no network or filesystem isolation. Fix: "
+        "apt-get install -y bubblewrap (and allow unprivileged user namespaces), or use the docker "
+        "backend (sandbox.backend=docker). To run unisolated on purpose: --allow-degraded-sandbox, "
+        "or --set sandbox.allow_degraded=true"
+    )
 
 
 class ProcessSandbox(Sandbox):
@@ -113,8 +115,11 @@ class ProcessSandbox(Sandbox):
         (also allowed by env `RLBUS_SANDBOX_ALLOW_DEGRADED=1`); else `start` raises `SandboxRefused`."""
         self.requested = isolation
         self.allow_degraded = allow_degraded or degraded_allowed_by_env()
-        self.degraded_source = ("sandbox.allow_degraded (or --allow-degraded-sandbox)" if allow_degraded
-                                else f"env {ALLOW_DEGRADED_ENV}={os.environ.get(ALLOW_DEGRADED_ENV, '')}")
+        self.degraded_source = (
+            "sandbox.allow_degraded (or --allow-degraded-sandbox)"
+            if allow_degraded
+            else f"env {ALLOW_DEGRADED_ENV}={os.environ.get(ALLOW_DEGRADED_ENV, '')}"
+        )
         self.base_dir = base_dir
         self.id = uuid.uuid4().hex[:12]
         self.marker = f"rlbus-sbx-{self.id}"
@@ -129,8 +134,7 @@ class ProcessSandbox(Sandbox):
         self._bwrap: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------
-    def start(self, image: str | None = None, limits: Limits | None = None,
-              timeout: float = 30.0) -> None:
+    def start(self, image: str | None = None, limits: Limits | None = None, timeout: float = 30.0) -> None:
         """Create the work dir and pick the isolation; `image` is ignored (host system)."""
         self.limits = limits or Limits()
         self.default_timeout = timeout
@@ -147,8 +151,13 @@ class ProcessSandbox(Sandbox):
         except BaseException:
             self.close()
             raise
-        log.debug("sandbox.started", sandbox=self.id, isolation=self.isolation,
-                  uid=self.uid, cgroup=str(self.cgroup) if self.cgroup else None)
+        log.debug(
+            "sandbox.started",
+            sandbox=self.id,
+            isolation=self.isolation,
+            uid=self.uid,
+            cgroup=str(self.cgroup) if self.cgroup else None,
+        )
 
     def _prepare_workdir(self) -> None:
         os.chmod(self.workdir, 0o700)
@@ -167,8 +176,13 @@ class ProcessSandbox(Sandbox):
                 raise SandboxRefused(f"bwrap required but unusable: {why}")
         if not self.allow_degraded:
             raise SandboxRefused(refusal_message(why))
-        log.warning("sandbox.degraded", sandbox=self.id, reason=why, allowed_by=self.degraded_source,
-                    fix="apt-get install -y bubblewrap (and allow user namespaces)")
+        log.warning(
+            "sandbox.degraded",
+            sandbox=self.id,
+            reason=why,
+            allowed_by=self.degraded_source,
+            fix="apt-get install -y bubblewrap (and allow user namespaces)",
+        )
         warn_degraded(self.degraded_source, why)  # on the console too, however it was allowed
         return "degraded"
 
@@ -176,12 +190,10 @@ class ProcessSandbox(Sandbox):
         if self._bwrap is None:
             return False, "bwrap not found on PATH"
         if self.is_root not in _bwrap_probe:
-            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker,
-                               ["/usr/bin/true"], INNER_UID)
+            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, ["/usr/bin/true"], INNER_UID)
             p = None
             try:
-                p = self._spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                env={})
+                p = self._spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={})
                 _, err = p.communicate(timeout=10)
                 ok, why = p.returncode == 0, err.decode(errors="replace").strip()
             except (OSError, subprocess.TimeoutExpired) as exc:
@@ -262,10 +274,8 @@ class ProcessSandbox(Sandbox):
         if self.cgroup is None and _PRLIMIT and (_SETPRIV or not self.is_root):
             prefix = []
             if self.is_root:
-                prefix = [_SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}",
-                          "--clear-groups", "--no-new-privs"]
-            prefix += [_PRLIMIT, *(f"{opt}={soft}:{hard}" for _, soft, hard, opt in rlimits),
-                       "--"]
+                prefix = [_SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--no-new-privs"]
+            prefix += [_PRLIMIT, *(f"{opt}={soft}:{hard}" for _, soft, hard, opt in rlimits), "--"]
             return subprocess.Popen(prefix + argv, start_new_session=True, **kw)
 
         def preexec() -> None:
@@ -293,8 +303,7 @@ class ProcessSandbox(Sandbox):
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", MARKER_ENV: self.marker}
         if self.isolation == "bwrap":
-            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv,
-                               INNER_UID)
+            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv, INNER_UID)
             cwd = "/"
         else:
             env.update(HOME=self.workdir, TMPDIR=self.workdir, PYTHONDONTWRITEBYTECODE="1")
@@ -302,8 +311,9 @@ class ProcessSandbox(Sandbox):
         oom_before = self._oom_kills()
         t0 = time.monotonic()
         try:
-            proc = self._spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, cwd=cwd, env=env)
+            proc = self._spawn(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env
+            )
         except OSError as exc:  # e.g. command not found in degraded mode
             return ExecResult(127, "", f"{exc}\n", duration_ms=0.0, isolation=self.isolation)
         out, err, timed_out = self._drain(proc, t0 + timeout)
@@ -311,18 +321,19 @@ class ProcessSandbox(Sandbox):
         rc = proc.wait()
         duration_ms = (time.monotonic() - t0) * 1000
         exit_code = 128 - rc if rc < 0 else rc
-        oom = self._oom_kills() > oom_before or any(
-            h in err.head or h in err.tail for h in OOM_HINTS
-        )
+        oom = self._oom_kills() > oom_before or any(h in err.head or h in err.tail for h in OOM_HINTS)
         return ExecResult(
-            exit_code=exit_code, stdout=decode_output(out.getvalue()),
-            stderr=decode_output(err.getvalue()), timed_out=timed_out, oom=oom,
-            truncated=out.truncated or err.truncated, duration_ms=round(duration_ms, 3),
+            exit_code=exit_code,
+            stdout=decode_output(out.getvalue()),
+            stderr=decode_output(err.getvalue()),
+            timed_out=timed_out,
+            oom=oom,
+            truncated=out.truncated or err.truncated,
+            duration_ms=round(duration_ms, 3),
             isolation=self.isolation,
         )
 
-    def _drain(self, proc: subprocess.Popen, deadline: float
-               ) -> tuple[HeadTailBuffer, HeadTailBuffer, bool]:
+    def _drain(self, proc: subprocess.Popen, deadline: float) -> tuple[HeadTailBuffer, HeadTailBuffer, bool]:
         """Read both pipes until EOF, the deadline, or a short grace after exit."""
         cap = self.limits.output_cap_bytes
         bufs = {proc.stdout.fileno(): HeadTailBuffer(cap), proc.stderr.fileno(): HeadTailBuffer(cap)}

@@ -59,8 +59,9 @@ def find_cgroup_parent() -> Path | None:
         if explicit:
             parent = Path(explicit)
         elif (root / "cgroup.controllers").exists():
-            rel = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                       if line.startswith("0::"))
+            rel = next(
+                line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")
+            )
             parent = root / rel.strip().lstrip("/")
         else:
             return None

@@ -38,8 +38,13 @@ def _part_imports_dropped(name: str, source: str, earlier: set[str], package: st
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.lineno - 1 in drop:
             continue
-        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        modules = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         if (isinstance(node, ast.ImportFrom) and node.level) or any(_in_package(m, package) for m in modules):
             raise ValueError(f"program part {name} imports project code at line {node.lineno}")
     return "".join(line for i, line in enumerate(source.splitlines(keepends=True)) if i not in drop)

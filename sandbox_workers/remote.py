@@ -41,8 +41,17 @@ log = structlog.get_logger()
 EXEC_MARGIN_S = 10.0
 OP_TIMEOUT_S = 30.0
 OPEN_TIMEOUT_S = 30.0
-ERROR_CODES = ("bad_request", "unknown_session", "capacity", "not_found", "too_large", "sandbox_error",
-               "infra_error", "internal", "image_not_allowed")
+ERROR_CODES = (
+    "bad_request",
+    "unknown_session",
+    "capacity",
+    "not_found",
+    "too_large",
+    "sandbox_error",
+    "infra_error",
+    "internal",
+    "image_not_allowed",
+)
 START_HINT = "start one: rlbus worker sandbox --config CONFIG --run-id RUN (sandbox.pool={pool})"
 
 
@@ -100,8 +109,12 @@ def raise_for(reply: dict) -> dict:
     code, message = err.get("code", "internal"), err.get("message", "sandbox service error")
     if code == "not_found":
         raise FileNotFoundError(message)
-    cls = {"unknown_session": UnknownSession, "capacity": CapacityExceeded,
-           "bad_request": BadRequest, "image_not_allowed": ImageNotAllowed}.get(code, SandboxError)
+    cls = {
+        "unknown_session": UnknownSession,
+        "capacity": CapacityExceeded,
+        "bad_request": BadRequest,
+        "image_not_allowed": ImageNotAllowed,
+    }.get(code, SandboxError)
     raise cls(code, message)
 
 
@@ -120,8 +133,16 @@ class RemoteSandbox(AsyncSandbox):
         self._keepalive = asyncio.create_task(self._ping_forever())
 
     @classmethod
-    async def open(cls, nc, reg: Registry, pool: str = "default", *, timeout: float = OPEN_TIMEOUT_S,
-                   attempts: int = 3, image: str | None = None) -> RemoteSandbox:
+    async def open(
+        cls,
+        nc,
+        reg: Registry,
+        pool: str = "default",
+        *,
+        timeout: float = OPEN_TIMEOUT_S,
+        attempts: int = 3,
+        image: str | None = None,
+    ) -> RemoteSandbox:
         """Open a session on any worker of `pool` (full workers are retried `attempts` times);
         `image`: the docker image to start (None: the worker's default)."""
         subject = reg.sandbox_open(pool)
@@ -131,16 +152,22 @@ class RemoteSandbox(AsyncSandbox):
                 msg = await nc.request(subject, pack(body), timeout=timeout)
                 return cls(nc, reg, pool, raise_for(unpack(msg.data)))
             except nats.errors.NoRespondersError:
-                raise SandboxUnavailable("infra_error", f"no sandbox worker serves pool {pool!r}: "
-                                         + START_HINT.format(pool=pool)) from None
+                raise SandboxUnavailable(
+                    "infra_error", f"no sandbox worker serves pool {pool!r}: " + START_HINT.format(pool=pool)
+                ) from None
             except nats.errors.TimeoutError:
-                raise SandboxUnavailable("infra_error", f"no sandbox worker of pool {pool!r} answered within "
-                                         f"{timeout}s; is one running? " + START_HINT.format(pool=pool)) from None
+                raise SandboxUnavailable(
+                    "infra_error",
+                    f"no sandbox worker of pool {pool!r} answered within "
+                    f"{timeout}s; is one running? " + START_HINT.format(pool=pool),
+                ) from None
             except CapacityExceeded as exc:
                 if attempt == attempts:
-                    raise CapacityExceeded("capacity", f"{exc} (after {attempts} attempts): raise "
-                                           "sandbox.max_sessions or start more workers: "
-                                           + START_HINT.format(pool=pool)) from None
+                    raise CapacityExceeded(
+                        "capacity",
+                        f"{exc} (after {attempts} attempts): raise "
+                        "sandbox.max_sessions or start more workers: " + START_HINT.format(pool=pool),
+                    ) from None
                 await asyncio.sleep(0.05 * attempt + random.random() * 0.05)
         raise AssertionError("unreachable")
 
@@ -151,15 +178,20 @@ class RemoteSandbox(AsyncSandbox):
         try:
             msg = await self._nc.request(subject, pack({"session": self.session, **body}), timeout=timeout)
         except nats.errors.NoRespondersError:
-            raise SandboxLost("infra_error", f"sandbox worker {self.worker} holding session {self.session} "
-                              "is gone; open a new session") from None
+            raise SandboxLost(
+                "infra_error",
+                f"sandbox worker {self.worker} holding session {self.session} is gone; open a new session",
+            ) from None
         except nats.errors.TimeoutError:
-            raise SandboxLost("infra_error", f"sandbox worker {self.worker} did not answer {op} within "
-                              f"{timeout:.1f}s; open a new session") from None
+            raise SandboxLost(
+                "infra_error",
+                f"sandbox worker {self.worker} did not answer {op} within {timeout:.1f}s; open a new session",
+            ) from None
         return raise_for(unpack(msg.data))
 
-    async def observe(self, cmd: list[str] | str, timeout: float | None = None,
-                      caps: tuple[int, int] | None = None) -> Observation:
+    async def observe(
+        self, cmd: list[str] | str, timeout: float | None = None, caps: tuple[int, int] | None = None
+    ) -> Observation:
         limit = self.default_timeout if timeout is None else float(timeout)
         if not isinstance(cmd, str):
             cmd = [str(a) for a in cmd]
@@ -175,8 +207,11 @@ class RemoteSandbox(AsyncSandbox):
     async def write_file(self, path: str, data: bytes) -> None:
         limit = getattr(self._nc, "max_payload", 1 << 20) - 4096
         if len(data) > limit:
-            raise BadRequest("too_large", f"{len(data)} bytes do not fit one NATS message (max_payload "
-                             f"{limit + 4096}); write smaller files or raise max_payload on the server")
+            raise BadRequest(
+                "too_large",
+                f"{len(data)} bytes do not fit one NATS message (max_payload "
+                f"{limit + 4096}); write smaller files or raise max_payload on the server",
+            )
         await self._request("write", {"path": path, "data": bytes(data)})
 
     async def reset(self) -> None:

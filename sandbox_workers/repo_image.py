@@ -49,12 +49,27 @@ def fetch_wheels(dest: Path, requirements: list[str]) -> list[Path]:
     wheels = sorted(dest.glob("*.whl"))
     if wheels and stamp.is_file() and stamp.read_text() == want:
         return wheels
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "-d", str(dest),
-           "--only-binary", ":all:", "--python-version", PYTHON_VERSION, *sorted(set(requirements))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        "--only-binary",
+        ":all:",
+        "--python-version",
+        PYTHON_VERSION,
+        *sorted(set(requirements)),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ImageBuildError(f"pip download {' '.join(requirements)} failed (the registry must be reachable "
-                              f"at build time, or fill {dest} with the wheels):\n{proc.stderr[-1500:]}")
+        raise ImageBuildError(
+            f"pip download {' '.join(requirements)} failed (the registry must be reachable "
+            f"at build time, or fill {dest} with the wheels):\n{proc.stderr[-1500:]}"
+        )
     stamp.write_text(want)
     return sorted(dest.glob("*.whl"))
 
@@ -70,8 +85,9 @@ def image_sha(wheels: list[Path], dockerfile: Path = DOCKERFILE) -> str:
 def _context(dockerfile: Path, wheels: list[Path]) -> io.BytesIO:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in [("Dockerfile", dockerfile.read_bytes())] + [(f"wheelhouse/{w.name}", w.read_bytes())
-                                                                       for w in wheels]:
+        for name, data in [("Dockerfile", dockerfile.read_bytes())] + [
+            (f"wheelhouse/{w.name}", w.read_bytes()) for w in wheels
+        ]:
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
@@ -79,16 +95,20 @@ def _context(dockerfile: Path, wheels: list[Path]) -> io.BytesIO:
     return buf
 
 
-def build_repo_image(tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None,
-                     on_line: Callable[[str], None] | None = None) -> str:
+def build_repo_image(
+    tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None, on_line: Callable[[str], None] | None = None
+) -> str:
     """Fetch the wheels, then build the image offline; returns its id."""
 
     wheels = fetch_wheels(wheelhouse_dir(), [*REQUIREMENTS, *(extra or [])])
-    return run_build(client_or_default(client), _context(DOCKERFILE, wheels), tag, {SHA_LABEL: image_sha(wheels)}, on_line)
+    return run_build(
+        client_or_default(client), _context(DOCKERFILE, wheels), tag, {SHA_LABEL: image_sha(wheels)}, on_line
+    )
 
 
-def ensure_repo_image(tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None,
-                      on_line: Callable[[str], None] | None = None) -> bool:
+def ensure_repo_image(
+    tag: str = REPO_TAG, *, extra: list[str] | None = None, client=None, on_line: Callable[[str], None] | None = None
+) -> bool:
     """Build `tag` unless it exists with the current Dockerfile and wheels; True if it built."""
     labels = image_labels(tag, client)
     if labels is not None:

@@ -50,13 +50,7 @@ from bus.telemetry import worker_id as make_worker_id
 from sandbox_workers.async_sandbox import LocalAsyncSandbox, SandboxClosed, limits_from
 from sandbox_workers.base import ExecResult, SandboxRefused, cap_output, decode_output
 from sandbox_workers.factory import probe_isolation
-from sandbox_workers.integrity import (
-    SECRET_FILE_ENV,
-    ExecRecorder,
-    RecordFailed,
-    load_or_create_secret,
-    load_secret,
-)
+from sandbox_workers.integrity import SECRET_FILE_ENV, ExecRecorder, RecordFailed, load_or_create_secret, load_secret
 from sandbox_workers.remote import error_reply, pack, unpack
 from schemas.config import RunConfig, SandboxSection
 
@@ -137,19 +131,35 @@ class SandboxService:
         self.subs: list = []
         self.last_activity = time.monotonic()
         self.allowed = allowed_images(sc)
-        self.ops = {"exec": self._exec, "read": self._read, "write": self._write, "reset": self._reset,
-                    "ping": self._ping, "close": self._close_op}
+        self.ops = {
+            "exec": self._exec,
+            "read": self._read,
+            "write": self._write,
+            "reset": self._reset,
+            "ping": self._ping,
+            "close": self._close_op,
+        }
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         """Subscribe: the pool's open queue group and this worker's session subjects."""
-        self.subs.append(await self.nc.subscribe(self.reg.sandbox_open(self.pool),
-                                                 queue=self.reg.sandbox_queue(self.pool), cb=self._on_open))
-        self.subs.append(await self.nc.subscribe(self.reg.sandbox_session_ops(self.pool, self.worker_id),
-                                                 cb=self._on_op))
+        self.subs.append(
+            await self.nc.subscribe(
+                self.reg.sandbox_open(self.pool), queue=self.reg.sandbox_queue(self.pool), cb=self._on_open
+            )
+        )
+        self.subs.append(
+            await self.nc.subscribe(self.reg.sandbox_session_ops(self.pool, self.worker_id), cb=self._on_op)
+        )
         await self.nc.flush()
-        log.info("sandbox.service.serving", pool=self.pool, worker=self.worker_id,
-                 max_sessions=self.sc.max_sessions, ttl_s=self.sc.session_ttl_s, images=sorted(self.allowed))
+        log.info(
+            "sandbox.service.serving",
+            pool=self.pool,
+            worker=self.worker_id,
+            max_sessions=self.sc.max_sessions,
+            ttl_s=self.sc.session_ttl_s,
+            images=sorted(self.allowed),
+        )
 
     async def stop(self) -> None:
         """Stop answering, let ops in flight finish, close every session."""
@@ -221,8 +231,11 @@ class SandboxService:
         sid = _field(req, "session", str)
         session = self.sessions.get(sid)
         if session is None:
-            raise Refused("unknown_session", f"worker {self.worker_id} holds no session {sid!r} (closed, reaped "
-                          f"after {self.sc.session_ttl_s}s idle, or never opened); open a new one")
+            raise Refused(
+                "unknown_session",
+                f"worker {self.worker_id} holds no session {sid!r} (closed, reaped "
+                f"after {self.sc.session_ttl_s}s idle, or never opened); open a new one",
+            )
         with session.busy():
             try:
                 return await handler(session, req)
@@ -247,8 +260,13 @@ class SandboxService:
         self.opening += 1
         try:
             sandbox = await LocalAsyncSandbox.open(
-                self.sc.backend, image=image, limits=limits_from(self.sc), timeout=self.sc.timeout_s,
-                recorder=self._recorder(run_id), allow_degraded=self.sc.allow_degraded)
+                self.sc.backend,
+                image=image,
+                limits=limits_from(self.sc),
+                timeout=self.sc.timeout_s,
+                recorder=self._recorder(run_id),
+                allow_degraded=self.sc.allow_degraded,
+            )
         except Exception as exc:
             log.error("sandbox.session.open_failed", error=repr(exc))
             raise Refused("sandbox_error", f"could not start a {self.sc.backend} sandbox: {exc}") from exc
@@ -259,8 +277,14 @@ class SandboxService:
         self._count("sessions_opened")
         self.counters["sessions_open"] = len(self.sessions)
         log.info("sandbox.session.opened", session=session.id, run=run_id, isolation=sandbox.isolation, image=image)
-        return {"session": session.id, "worker": self.worker_id, "timeout_s": self.sc.timeout_s,
-                "ttl_s": self.sc.session_ttl_s, "isolation": sandbox.isolation, "image": image}
+        return {
+            "session": session.id,
+            "worker": self.worker_id,
+            "timeout_s": self.sc.timeout_s,
+            "ttl_s": self.sc.session_ttl_s,
+            "isolation": sandbox.isolation,
+            "image": image,
+        }
 
     def _image(self, req: dict) -> str:
         """The image an open asks for (default `sandbox.image`); Refused unless it is allowed."""
@@ -268,8 +292,11 @@ class SandboxService:
         if image is None:
             return self.sc.image
         if not isinstance(image, str) or image not in self.allowed:
-            raise Refused("image_not_allowed", f"worker {self.worker_id} does not start image {image!r}; it "
-                          f"starts {sorted(self.allowed)} (sandbox.image, sandbox.repo_image of its config)")
+            raise Refused(
+                "image_not_allowed",
+                f"worker {self.worker_id} does not start image {image!r}; it "
+                f"starts {sorted(self.allowed)} (sandbox.image, sandbox.repo_image of its config)",
+            )
         return image
 
     def _recorder(self, run_id: str) -> ExecRecorder:
@@ -296,14 +323,17 @@ class SandboxService:
         if not (isinstance(cmd, str) or (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd))):
             raise Refused("bad_request", "cmd must be a string or a non-empty list of strings")
         timeout = req.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):  # NaN fails `> 0` too
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):  # NaN fails `> 0` too
             raise Refused("bad_request", f"timeout must be a positive number of seconds, got {timeout!r}")
         if timeout is not None and timeout > self.sc.max_exec_timeout_s:  # inf included
             self._count("exec_timeouts_clamped")
             timeout = self.sc.max_exec_timeout_s
         caps = req.get("caps")
-        if caps is not None and not (isinstance(caps, list) and len(caps) == 2 and all(isinstance(c, int) for c in caps)):
+        if caps is not None and not (
+            isinstance(caps, list) and len(caps) == 2 and all(isinstance(c, int) for c in caps)
+        ):
             raise Refused("bad_request", f"caps must be two integers (stdout, stderr chars), got {caps!r}")
         try:
             obs = await session.sandbox.observe(cmd, timeout, None if caps is None else tuple(caps))
@@ -318,8 +348,11 @@ class SandboxService:
         path = _field(req, "path", str)
         data = await _file_op(session.sandbox.read_file(path), path)
         if len(data) > self.nc.max_payload - PAYLOAD_HEADROOM:
-            raise Refused("too_large", f"{path!r} is {len(data)} bytes, more than one NATS message holds; "
-                          "read it in the sandbox (e.g. exec `head -c`) or raise the server's max_payload")
+            raise Refused(
+                "too_large",
+                f"{path!r} is {len(data)} bytes, more than one NATS message holds; "
+                "read it in the sandbox (e.g. exec `head -c`) or raise the server's max_payload",
+            )
         return {"data": data}
 
     async def _write(self, session: Session, req: dict) -> dict:
@@ -371,8 +404,11 @@ def service_secret(ctx: WorkerContext) -> bytes:
     (verifiers must read the same one, or every observation they check is flagged)."""
     secret = load_secret()
     if secret is None:
-        log.info("sandbox.secret.from_run_folder", path=str(ctx.run_path / "secrets" / "tool_key"),
-                 hint=f"set {SECRET_FILE_ENV} on sandbox and verifier workers when they do not share a run folder")
+        log.info(
+            "sandbox.secret.from_run_folder",
+            path=str(ctx.run_path / "secrets" / "tool_key"),
+            hint=f"set {SECRET_FILE_ENV} on sandbox and verifier workers when they do not share a run folder",
+        )
         secret = load_or_create_secret(ctx.run_path)
     return secret
 

@@ -40,8 +40,14 @@ async def track_costs(nc, reg, store, stop: asyncio.Event, every_s: float = 10.0
     async def write() -> dict:
         t = totals(beats)
         for role, v in t.items():
-            await asyncio.to_thread(store.set_cost, reg.run_id, role, cpu_seconds=v["cpu_seconds"],
-                                    gpu_seconds=v["gpu_seconds"], tokens=int(v["tokens"]))
+            await asyncio.to_thread(
+                store.set_cost,
+                reg.run_id,
+                role,
+                cpu_seconds=v["cpu_seconds"],
+                gpu_seconds=v["gpu_seconds"],
+                tokens=int(v["tokens"]),
+            )
         return t
 
     sub = await beats.subscribe(nc, reg)

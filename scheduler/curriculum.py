@@ -130,8 +130,9 @@ def water_fill(logits: Sequence[float], lo: Sequence[float], hi: Sequence[float]
     def at(c: float) -> list[float]:
         return [lo[i] if z[i] == -math.inf else min(max(math.exp(min(z[i] + c, 0.0)), lo[i]), hi[i]) for i in range(n)]
 
-    points = sorted({b for i in range(n) if z[i] != -math.inf
-                     for b in (log_lo[i] - z[i], log_hi[i] - z[i]) if b != -math.inf})
+    points = sorted(
+        {b for i in range(n) if z[i] != -math.inf for b in (log_lo[i] - z[i], log_hi[i] - z[i]) if b != -math.inf}
+    )
     # the last breakpoint whose total is <= 1: the solution lies between it and the next one
     k = _last_at_most_one(points, at)
     if k < 0:
@@ -187,10 +188,20 @@ class Curriculum:
     """Per-domain reward EMA and baseline, softmax-of-gap weights within floors and a cap,
     and difficulty levels."""
 
-    def __init__(self, domains: dict[str, DomainSpec], temperature: float = 0.1, ema_alpha: float = 0.1,
-                 promote_at: float = 0.8, demote_at: float = 0.2, window: int = 64,
-                 min_samples: int | None = None, success_threshold: float = 0.5, initial_reward: float = 0.0,
-                 min_share: float = 0.0, max_share: float = 1.0):
+    def __init__(
+        self,
+        domains: dict[str, DomainSpec],
+        temperature: float = 0.1,
+        ema_alpha: float = 0.1,
+        promote_at: float = 0.8,
+        demote_at: float = 0.2,
+        window: int = 64,
+        min_samples: int | None = None,
+        success_threshold: float = 0.5,
+        initial_reward: float = 0.0,
+        min_share: float = 0.0,
+        max_share: float = 1.0,
+    ):
         if not domains:
             raise ValueError("a curriculum needs at least one domain")
         if temperature <= 0:
@@ -209,8 +220,10 @@ class Curriculum:
             raise ValueError(f"every domain is held out ({sorted(self.domains)}): nothing to train on")
         self.floors = {d: max(self.domains[d].floor_share, min_share) for d in self.trained}
         if sum(self.floors.values()) > 1.0 + 1e-12:
-            raise ValueError(f"floor shares sum to {sum(self.floors.values()):.4f} > 1 "
-                             f"({len(self.trained)} trained domains, min_share {min_share})")
+            raise ValueError(
+                f"floor shares sum to {sum(self.floors.values()):.4f} > 1 "
+                f"({len(self.trained)} trained domains, min_share {min_share})"
+            )
         cap = max(max_share, 1.0 / len(self.trained))
         self.caps = {d: max(cap, f) for d, f in self.floors.items()}
         self.temperature, self.ema_alpha = temperature, ema_alpha
@@ -219,8 +232,10 @@ class Curriculum:
         self.success_threshold, self.initial_reward = success_threshold, initial_reward
         self.min_share, self.max_share = min_share, max_share
         self.updates = 0
-        self._state = {name: _DomainState(level=spec.start_level if spec.start_level is not None else spec.levels[0])
-                       for name, spec in self.domains.items()}
+        self._state = {
+            name: _DomainState(level=spec.start_level if spec.start_level is not None else spec.levels[0])
+            for name, spec in self.domains.items()
+        }
 
     # -- observations -----------------------------------------------------------
     def observe(self, domain: str, level: int, rewards: Iterable[float], version: int = 0) -> LevelChange | None:
@@ -301,8 +316,11 @@ class Curriculum:
         """Sampling share per domain: softmax(gap / temperature) water-filled into [floor, cap]
         (held-out domains 0); sums to 1."""
         names = self.trained
-        out = water_fill([self.gap(d) / self.temperature for d in names], [self.floors[d] for d in names],
-                         [self.caps[d] for d in names])
+        out = water_fill(
+            [self.gap(d) / self.temperature for d in names],
+            [self.floors[d] for d in names],
+            [self.caps[d] for d in names],
+        )
         shares = dict(zip(names, out))
         return {d: shares.get(d, 0.0) for d in self.domains}
 
@@ -321,18 +339,30 @@ class Curriculum:
         """The whole state as a plain JSON-able dict (success histories as '0'/'1' strings)."""
         return {
             "version": SNAPSHOT_VERSION,
-            "config": {"temperature": self.temperature, "ema_alpha": self.ema_alpha, "promote_at": self.promote_at,
-                       "demote_at": self.demote_at, "window": self.window, "min_samples": self.min_samples,
-                       "success_threshold": self.success_threshold, "initial_reward": self.initial_reward,
-                       "min_share": self.min_share, "max_share": self.max_share},
+            "config": {
+                "temperature": self.temperature,
+                "ema_alpha": self.ema_alpha,
+                "promote_at": self.promote_at,
+                "demote_at": self.demote_at,
+                "window": self.window,
+                "min_samples": self.min_samples,
+                "success_threshold": self.success_threshold,
+                "initial_reward": self.initial_reward,
+                "min_share": self.min_share,
+                "max_share": self.max_share,
+            },
             "updates": self.updates,
             "weights": self.weights(),
             "domains": {
                 name: {
                     "spec": {**asdict(self.domains[name]), "levels": list(self.domains[name].levels)},
-                    "ema": st.ema, "level": st.level, "observations": st.observations,
+                    "ema": st.ema,
+                    "level": st.level,
+                    "observations": st.observations,
                     "since_change": st.since_change,
-                    "history": {str(lvl): "".join("1" if x else "0" for x in h) for lvl, h in sorted(st.history.items())},
+                    "history": {
+                        str(lvl): "".join("1" if x else "0" for x in h) for lvl, h in sorted(st.history.items())
+                    },
                     "baseline": {"version": st.base_version, "n": st.base_n, "sum": st.base_sum},
                 }
                 for name, st in self._state.items()
@@ -344,16 +374,28 @@ class Curriculum:
         """Rebuild a curriculum from `snapshot()` output."""
         if snap.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"curriculum snapshot version {snap.get('version')!r} != {SNAPSHOT_VERSION}")
-        domains = {name: DomainSpec(**{**d["spec"], "levels": tuple(d["spec"]["levels"])})
-                   for name, d in snap["domains"].items()}
+        domains = {
+            name: DomainSpec(**{**d["spec"], "levels": tuple(d["spec"]["levels"])})
+            for name, d in snap["domains"].items()
+        }
         cur = cls(domains, **snap["config"])
         cur.updates = snap["updates"]
         for name, d in snap["domains"].items():
             st = cur._state[name]
-            st.ema, st.level, st.observations, st.since_change = d["ema"], d["level"], d["observations"], d["since_change"]
+            st.ema, st.level, st.observations, st.since_change = (
+                d["ema"],
+                d["level"],
+                d["observations"],
+                d["since_change"],
+            )
             # a '0'/'1' string, or a list of 0/1 (older snapshots)
-            st.history = {int(lvl): deque((bool(int(x)) for x in h), maxlen=cur.window)
-                          for lvl, h in d["history"].items()}
+            st.history = {
+                int(lvl): deque((bool(int(x)) for x in h), maxlen=cur.window) for lvl, h in d["history"].items()
+            }
             base = d.get("baseline") or {}
-            st.base_version, st.base_n, st.base_sum = base.get("version"), int(base.get("n", 0)), float(base.get("sum", 0.0))
+            st.base_version, st.base_n, st.base_sum = (
+                base.get("version"),
+                int(base.get("n", 0)),
+                float(base.get("sum", 0.0)),
+            )
         return cur

@@ -49,26 +49,52 @@ LOG_TOP = 10  # domains (largest weights) named in each `curriculum.published` l
 def build(cfg) -> Curriculum:
     """A fresh curriculum from the run config."""
     ec = cfg.scheduler.curriculum
-    domains = {name: DomainSpec(target_reward=d.target_reward, floor_share=d.floor_share,
-                                levels=(d.min_level, d.max_level), start_level=d.initial_level, heldout=d.heldout)
-               for name, d in cfg.sampler.domains.items()}
-    return Curriculum(domains, temperature=ec.temperature, ema_alpha=ec.ema_alpha,
-                      promote_at=ec.promote_at, demote_at=ec.demote_at, window=ec.window,
-                      min_share=ec.min_share, max_share=ec.max_share)
+    domains = {
+        name: DomainSpec(
+            target_reward=d.target_reward,
+            floor_share=d.floor_share,
+            levels=(d.min_level, d.max_level),
+            start_level=d.initial_level,
+            heldout=d.heldout,
+        )
+        for name, d in cfg.sampler.domains.items()
+    }
+    return Curriculum(
+        domains,
+        temperature=ec.temperature,
+        ema_alpha=ec.ema_alpha,
+        promote_at=ec.promote_at,
+        demote_at=ec.demote_at,
+        window=ec.window,
+        min_share=ec.min_share,
+        max_share=ec.max_share,
+    )
 
 
 def consumer_config(reg, *, ack_wait_s: float = 120.0, max_ack_pending: int = 16384) -> ConsumerConfig:
     """The explicit config of the `curriculum` durable."""
     return ConsumerConfig(
-        durable_name=DURABLE, name=DURABLE, filter_subject=reg.all("rewards"), ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1, max_ack_pending=max_ack_pending)
+        durable_name=DURABLE,
+        name=DURABLE,
+        filter_subject=reg.all("rewards"),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=max_ack_pending,
+    )
 
 
 def kv_value(cur: Curriculum, version: int) -> dict:
     """What goes under KV `curriculum`."""
     snap = cur.snapshot()
-    return {"version": version, "weights": snap["weights"],
-            "levels": {d: cur.level(d) for d in cur.domains}, "updates": cur.updates, "snapshot": snap}
+    return {
+        "version": version,
+        "weights": snap["weights"],
+        "levels": {d: cur.level(d) for d in cur.domains},
+        "updates": cur.updates,
+        "snapshot": snap,
+    }
 
 
 async def restore(js, reg, cfg) -> tuple[Curriculum, int]:
@@ -119,8 +145,12 @@ class _Observer:
             await self._drop(raw, "curriculum_undecodable")
             return
         t = msg.trajectory
-        if (msg.run_id != self.reg.run_id or t.purpose != "train" or t.domain not in self.cur.domains
-                or self.cur.domains[t.domain].heldout):
+        if (
+            msg.run_id != self.reg.run_id
+            or t.purpose != "train"
+            or t.domain not in self.cur.domains
+            or self.cur.domains[t.domain].heldout
+        ):
             await self._drop(raw, "curriculum_skipped")
             return
         if msg.msg_id in self.seen:
@@ -129,8 +159,18 @@ class _Observer:
         self.seen[msg.msg_id] = None
         if len(self.seen) > SEEN_MAX:
             self.seen.popitem(last=False)
-        g = self.groups.setdefault(t.group_id, {"domain": t.domain, "level": t.difficulty, "size": t.group_size,
-                                                "rewards": [], "raws": [], "first": now, "version": None})
+        g = self.groups.setdefault(
+            t.group_id,
+            {
+                "domain": t.domain,
+                "level": t.difficulty,
+                "size": t.group_size,
+                "rewards": [],
+                "raws": [],
+                "first": now,
+                "version": None,
+            },
+        )
         if t.policy_version >= 0:  # -1: an episode without a model turn records no version
             g["version"] = t.policy_version if g["version"] is None else min(g["version"], t.policy_version)
         g["rewards"].append(msg.reward)
@@ -148,8 +188,13 @@ class _Observer:
         if change is not None:
             self.count(f"curriculum_{change.kind}s")
             self.reasons.append(f"{change.kind} {change.domain} {change.old_level}->{change.new_level}")
-            log.info("curriculum.level", domain=change.domain, old=change.old_level, new=change.new_level,
-                     success_rate=round(change.success_rate, 3))
+            log.info(
+                "curriculum.level",
+                domain=change.domain,
+                old=change.old_level,
+                new=change.new_level,
+                success_rate=round(change.success_rate, 3),
+            )
 
     def expire(self, now: float, deadline: float) -> None:
         """Observe, as partial groups, the groups older than `deadline` seconds."""
@@ -170,20 +215,32 @@ class _Observer:
         await put_json(self.js, self.reg, CURRICULUM, value)
         if self.store is not None:
             run_id = self.reg.run_id
-            await asyncio.to_thread(self.store.record_curriculum_update, run_id, f"curriculum-{run_id}-{self.version}",
-                                    value["weights"], value["levels"], "; ".join(self.reasons) or "periodic")
+            await asyncio.to_thread(
+                self.store.record_curriculum_update,
+                run_id,
+                f"curriculum-{run_id}-{self.version}",
+                value["weights"],
+                value["levels"],
+                "; ".join(self.reasons) or "periodic",
+            )
         for raw in self.to_ack:
             await raw.ack()
         top = sorted(value["weights"].items(), key=lambda kv: -kv[1])[:LOG_TOP]
-        log.info("curriculum.published", version=self.version, domains=len(value["weights"]),
-                 weights={d: round(w, 3) for d, w in top}, levels={d: value["levels"][d] for d, _ in top},
-                 groups=self.observed_since)
+        log.info(
+            "curriculum.published",
+            version=self.version,
+            domains=len(value["weights"]),
+            weights={d: round(w, 3) for d, w in top},
+            levels={d: value["levels"][d] for d, _ in top},
+            groups=self.observed_since,
+        )
         self.to_ack, self.reasons, self.observed_since = [], [], 0
         self.counters["curriculum_version"] = self.version
 
 
-async def run_curriculum(js, reg, cfg, stop: asyncio.Event, store=None, *, batch: int = 256,
-                         fetch_timeout: float = 0.5) -> dict[str, float]:
+async def run_curriculum(
+    js, reg, cfg, stop: asyncio.Event, store=None, *, batch: int = 256, fetch_timeout: float = 0.5
+) -> dict[str, float]:
     """Observe rewards and publish the curriculum until `stop`; returns counters."""
     every = cfg.scheduler.curriculum.every_s
     deadline = cfg.learner.group_deadline_s

@@ -74,8 +74,15 @@ def task_msg_id_of(data: bytes) -> str | None:
     return getattr(traj, "task_msg_id", None)
 
 
-async def dead_letter_by_seq(js: JetStreamContext, reg: Registry, stream: str, seq: int, deliveries: int,
-                             max_deliver: int | None = None, consumer: str = "") -> DeadLetter | None:
+async def dead_letter_by_seq(
+    js: JetStreamContext,
+    reg: Registry,
+    stream: str,
+    seq: int,
+    deliveries: int,
+    max_deliver: int | None = None,
+    consumer: str = "",
+) -> DeadLetter | None:
     """Copy stream message `seq` into the DLQ as a max-deliveries letter, then delete it
     from a work stream. Returns the letter, or None when the message is already gone."""
     family = stream[: -len(reg.run_id) - 1] if stream.endswith(f"_{reg.run_id}") else stream
@@ -88,10 +95,16 @@ async def dead_letter_by_seq(js: JetStreamContext, reg: Registry, stream: str, s
     headers = {str(k): str(v) for k, v in (raw.headers or {}).items()}
     limit = max_deliver if max_deliver is not None else deliveries
     letter = DeadLetter(
-        run_id=reg.run_id, msg_id=f"dlq-max-{stream}-{seq}", stage=stage,
+        run_id=reg.run_id,
+        msg_id=f"dlq-max-{stream}-{seq}",
+        stage=stage,
         reason=f"exceeded max_deliver={limit}" + (f" on consumer {consumer}" if consumer else ""),
-        error_type="max_deliveries", original_subject=raw.subject or "", original_data=raw.data or b"",
-        original_headers=headers, original_msg_id=headers.get("Nats-Msg-Id"), delivery_count=deliveries,
+        error_type="max_deliveries",
+        original_subject=raw.subject or "",
+        original_data=raw.data or b"",
+        original_headers=headers,
+        original_msg_id=headers.get("Nats-Msg-Id"),
+        delivery_count=deliveries,
         task_msg_id=task_msg_id_of(raw.data or b""),
     )
     await publish(js, reg.dlq(stage), letter)
@@ -104,8 +117,9 @@ async def dead_letter_by_seq(js: JetStreamContext, reg: Registry, stream: str, s
     return letter
 
 
-async def capture_max_deliveries(js: JetStreamContext, reg: Registry, stop: asyncio.Event,
-                                 ready: asyncio.Event | None = None) -> int:
+async def capture_max_deliveries(
+    js: JetStreamContext, reg: Registry, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> int:
     """Move every max-deliveries message of the run's TASKS/TRAJ/REWARDS to the DLQ until
     `stop` is set; return how many were dead-lettered. `ready` is set once subscribed."""
     nc = js._nc
@@ -194,13 +208,23 @@ async def replay(js: JetStreamContext, reg: Registry, seqs: list[int]) -> int:
     for seq in seqs:
         letter = await show(js, reg, seq)
         original = letter.original_msg_id or letter.original_headers.get("Nats-Msg-Id") or f"dlq{seq}"
-        headers = {**letter.original_headers, "Nats-Msg-Id": f"{original}.replay-{seq}",
-                   REPLAY_OF_HEADER: str(seq), ORIGINAL_ID_HEADER: original}
+        headers = {
+            **letter.original_headers,
+            "Nats-Msg-Id": f"{original}.replay-{seq}",
+            REPLAY_OF_HEADER: str(seq),
+            ORIGINAL_ID_HEADER: original,
+        }
         ack = await js.publish(letter.original_subject, letter.original_data, headers=headers, timeout=10.0)
         stored += 0 if ack.duplicate else 1
-        record = {"seq": seq, "subject": letter.original_subject, "msg_id": headers["Nats-Msg-Id"],
-                  "stream": ack.stream, "stream_seq": ack.seq, "duplicate": bool(ack.duplicate),
-                  "replayed_at": time.time()}
+        record = {
+            "seq": seq,
+            "subject": letter.original_subject,
+            "msg_id": headers["Nats-Msg-Id"],
+            "stream": ack.stream,
+            "stream_seq": ack.seq,
+            "duplicate": bool(ack.duplicate),
+            "replayed_at": time.time(),
+        }
         await kv.put(DLQ_REPLAYED.format(seq=seq), json.dumps(record).encode())
         log.info("dlq.replayed", **record)
     return stored

@@ -24,7 +24,6 @@ from schemas import DecodeError, RewardGlance, glance_reward
 log = structlog.get_logger()
 
 
-
 def episode_seconds(reward: RewardGlance) -> float:
     """Generation time plus tool time of the rewarded episode."""
     return max(0.0, float(reward.generate_seconds) + sum(ms for _, ms in reward.tool_calls) / 1000.0)

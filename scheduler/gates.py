@@ -85,8 +85,9 @@ def regression_floors(baseline: dict[str, float], floors: dict[str, float], marg
     return {d: float(floors[d]) if d in floors else baseline[d] - margin for d in sorted(set(baseline) | set(floors))}
 
 
-def release_gate(version: int, scores: dict[str, float], baseline: dict[str, float], floors: dict[str, float],
-                 margin: float) -> GateDecision:
+def release_gate(
+    version: int, scores: dict[str, float], baseline: dict[str, float], floors: dict[str, float], margin: float
+) -> GateDecision:
     """Pass only when every floored domain was evaluated and none is below its floor."""
     limits = regression_floors(baseline, floors, margin)
     failures = {}
@@ -108,8 +109,17 @@ class Overrides:
     reason: str = ""
 
 
-def forgetting_guard(score: float, baseline: float, margin: float, current: Overrides, *, replay_step: float,
-                     replay_max: float, beta_step: float, beta_max: float) -> Overrides | None:
+def forgetting_guard(
+    score: float,
+    baseline: float,
+    margin: float,
+    current: Overrides,
+    *,
+    replay_step: float,
+    replay_max: float,
+    beta_step: float,
+    beta_max: float,
+) -> Overrides | None:
     """None while `score >= baseline - margin`; else `current` raised by one step each
     (never above the caps, never below `current`), with the reason."""
     drop = baseline - score
@@ -117,8 +127,10 @@ def forgetting_guard(score: float, baseline: float, margin: float, current: Over
         return None
     replay = max(current.replay_share, min(replay_max, current.replay_share + replay_step))
     beta = max(current.beta, min(beta_max, current.beta + beta_step))
-    why = (f"general eval {score:.4f} is {drop:.4f} below its baseline {baseline:.4f} (margin {margin:.4f}): "
-           f"replay_share {current.replay_share:g}->{replay:g}, beta {current.beta:g}->{beta:g}")
+    why = (
+        f"general eval {score:.4f} is {drop:.4f} below its baseline {baseline:.4f} (margin {margin:.4f}): "
+        f"replay_share {current.replay_share:g}->{replay:g}, beta {current.beta:g}->{beta:g}"
+    )
     return Overrides(round(replay, 12), round(beta, 12), why)
 
 
@@ -161,8 +173,9 @@ def slope_se(xs: list[float], variances: list[float]) -> float | None:
     return math.sqrt(sum(((x - mx) / sxx) ** 2 * v for x, v in zip(xs, variances, strict=True)))
 
 
-def first_plateau(points: list[tuple[int, float, float]], window: int, threshold: float, *,
-                  problems: int = 0, z: float = 0.0) -> Plateau:
+def first_plateau(
+    points: list[tuple[int, float, float]], window: int, threshold: float, *, problems: int = 0, z: float = 0.0
+) -> Plateau:
     """`points` = (version, cost in samples, capability) in version order. Scans each
     window of `window` consecutive points; the first whose slope x 1000 is below
     `threshold` is the plateau (at its last version). With `problems` > 0 (eval problems
@@ -173,7 +186,7 @@ def first_plateau(points: list[tuple[int, float, float]], window: int, threshold
     than `window` points or constant cost)."""
     gain = se = None
     for end in range(window, len(points) + 1):
-        chunk = points[end - window:end]
+        chunk = points[end - window : end]
         xs, ys = [c for _, c, _ in chunk], [s for _, _, s in chunk]
         slope = least_squares_slope(xs, ys)
         if slope is None:
@@ -229,8 +242,10 @@ def add_general_set(suite, cfg) -> str | None:
     dc = cfg.sampler.domains.get(ec.general) or DomainConfig(kind=ec.general)
     es = eval_set_for(cfg, name, ec.general_n, ec.seed, ec.general_level, kind=ec.general, dc=dc)
     if es is None or es.local is None:
-        raise ValueError(f"scheduler.eval.general={ec.general!r}: that kind has no locally scored eval set "
-                         "(e.g. 'arith', 'tool_calc'; '' turns the guard off)")
+        raise ValueError(
+            f"scheduler.eval.general={ec.general!r}: that kind has no locally scored eval set "
+            "(e.g. 'arith', 'tool_calc'; '' turns the guard off)"
+        )
     suite.sets[name] = es
     return name
 
@@ -253,11 +268,13 @@ class Gates:
 
         self.baseline = dict((await get_json(self.js, self.reg, GATES_BASELINE)) or {})
         rows = await asyncio.to_thread(self.store.rows, GateCheckRow, self.reg.run_id, "version")
-        self.points = [(r.version, r.cost_samples, r.capability) for r in rows
-                       if r.cost_samples is not None and r.capability is not None]
+        self.points = [
+            (r.version, r.cost_samples, r.capability)
+            for r in rows
+            if r.cost_samples is not None and r.capability is not None
+        ]
 
-    async def after_eval(self, version: int, step: int, scores: dict[str, float],
-                         metrics: dict | None = None) -> dict:
+    async def after_eval(self, version: int, step: int, scores: dict[str, float], metrics: dict | None = None) -> dict:
         """Run the gates on one version's scores; returns the `gate_checks` row written."""
         import asyncio
 
@@ -268,8 +285,13 @@ class Gates:
             await put_json(self.js, self.reg, GATES_BASELINE, self.baseline)
         decision = release_gate(version, scores, self.baseline, dict(ec.floors), ec.release_margin)
         released = decision.passed and await self._release(version, step, scores)
-        log.info("scheduler.release_gate", version=version, passed=decision.passed, released=released,
-                 failures=decision.failures or None)
+        log.info(
+            "scheduler.release_gate",
+            version=version,
+            passed=decision.passed,
+            released=released,
+            failures=decision.failures or None,
+        )
         trip = await self._guard(version, scores)
         progress = await get_json(self.js, self.reg, LEARNER_PROGRESS)
         cost = estimated_samples(step, metrics, progress)
@@ -278,12 +300,22 @@ class Gates:
         if cost is not None and cap is not None:
             self.points = [p for p in self.points if p[0] < version] + [(version, cost, cap)]
         await self._plateau(len(own))
-        row = {"run_id": self.reg.run_id, "version": version, "step": step, "scores": dict(scores),
-               "floors": decision.floors, "passed": decision.passed, "failures": decision.failures,
-               "released": released, "cost_samples": cost, "capability": cap, "forgetting": trip is not None,
-               "overrides": asdict(trip) if trip else {},
-               "plateau": bool(self.plateau and self.plateau.detected and self.plateau.at_version == version),
-               "gain_per_unit": self.plateau.gain_per_unit if self.plateau else None}
+        row = {
+            "run_id": self.reg.run_id,
+            "version": version,
+            "step": step,
+            "scores": dict(scores),
+            "floors": decision.floors,
+            "passed": decision.passed,
+            "failures": decision.failures,
+            "released": released,
+            "cost_samples": cost,
+            "capability": cap,
+            "forgetting": trip is not None,
+            "overrides": asdict(trip) if trip else {},
+            "plateau": bool(self.plateau and self.plateau.detected and self.plateau.at_version == version),
+            "gain_per_unit": self.plateau.gain_per_unit if self.plateau else None,
+        }
         await asyncio.to_thread(self.store.record_gate_check, row)
         return row
 
@@ -291,8 +323,12 @@ class Gates:
         current = await get_json(self.js, self.reg, RELEASE_LATEST)
         if current and current.get("version", -1) >= version:
             return current.get("version") == version
-        await put_json(self.js, self.reg, RELEASE_LATEST, {"version": version, "step": step, "scores": scores,
-                                                           "released_at": time.time()})
+        await put_json(
+            self.js,
+            self.reg,
+            RELEASE_LATEST,
+            {"version": version, "step": step, "scores": scores, "released_at": time.time()},
+        )
         log.info("scheduler.released", version=version, step=step)
         return True
 
@@ -301,28 +337,50 @@ class Gates:
         if self.general is None or self.general not in scores:
             return None
         now = await get_json(self.js, self.reg, LEARNER_OVERRIDES)
-        current = Overrides(float(now["replay_share"]), float(now["beta"])) if now else Overrides(lc.replay.share, lc.beta)
-        trip = forgetting_guard(scores[self.general], self.baseline[self.general], fc.margin, current,
-                                replay_step=fc.replay_step, replay_max=fc.replay_max,
-                                beta_step=fc.beta_step, beta_max=fc.beta_max)
+        current = (
+            Overrides(float(now["replay_share"]), float(now["beta"])) if now else Overrides(lc.replay.share, lc.beta)
+        )
+        trip = forgetting_guard(
+            scores[self.general],
+            self.baseline[self.general],
+            fc.margin,
+            current,
+            replay_step=fc.replay_step,
+            replay_max=fc.replay_max,
+            beta_step=fc.beta_step,
+            beta_max=fc.beta_max,
+        )
         if trip is not None:
-            await put_json(self.js, self.reg, LEARNER_OVERRIDES, {**asdict(trip), "version": version,
-                                                                   "updated_at": time.time()})
-            log.warning("scheduler.forgetting", version=version, replay_share=trip.replay_share, beta=trip.beta,
-                        reason=trip.reason)
+            await put_json(
+                self.js, self.reg, LEARNER_OVERRIDES, {**asdict(trip), "version": version, "updated_at": time.time()}
+            )
+            log.warning(
+                "scheduler.forgetting",
+                version=version,
+                replay_share=trip.replay_share,
+                beta=trip.beta,
+                reason=trip.reason,
+            )
         return trip
 
     async def _plateau(self, domains: int = 1) -> None:
         pc = self.cfg.scheduler.plateau
-        found = first_plateau(self.points, pc.window, pc.threshold, z=pc.z,
-                              problems=self.cfg.scheduler.eval.n * max(1, domains))
+        found = first_plateau(
+            self.points, pc.window, pc.threshold, z=pc.z, problems=self.cfg.scheduler.eval.n * max(1, domains)
+        )
         if self.plateau and self.plateau.detected:
             return  # latched at the first detection
         self.plateau = found
         value = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(found).items()}
         await put_json(self.js, self.reg, PLATEAU, value)
         if found.detected:
-            log.warning("scheduler.plateau", at_version=found.at_version, gain_per_unit=found.gain_per_unit,
-                        window=found.window, threshold=pc.threshold, stop=pc.stop)
+            log.warning(
+                "scheduler.plateau",
+                at_version=found.at_version,
+                gain_per_unit=found.gain_per_unit,
+                window=found.window,
+                threshold=pc.threshold,
+                stop=pc.stop,
+            )
             if pc.stop:
                 await put_json(self.js, self.reg, STATUS, STOP_REQUESTED)

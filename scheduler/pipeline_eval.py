@@ -61,8 +61,15 @@ def eval_tasks(suite, run_id: str, round_id: int, only: list[str] | None = None)
         if only is not None and name not in only:
             continue
         for i, item in enumerate(s.items):
-            ids = dict(run_id=run_id, msg_id=f"ev{round_id}.{name}.{i}-r{run_id}", task_id=f"eval-{name}-{i}",
-                       domain=name, purpose="eval", group_size=1, temperature=0.0)
+            ids = dict(
+                run_id=run_id,
+                msg_id=f"ev{round_id}.{name}.{i}-r{run_id}",
+                task_id=f"eval-{name}-{i}",
+                domain=name,
+                purpose="eval",
+                group_size=1,
+                temperature=0.0,
+            )
             if item.task.workspace_ref is not None:  # drawn as run `eval`: its repository is stored in this run
                 ids["workspace_ref"] = rebind(item.task.workspace_ref, Registry(run_id))
             out.append(item.task.model_copy(update=ids))
@@ -112,8 +119,9 @@ class PipelineEval:
     async def start(self) -> None:
         from nats.js.api import DeliverPolicy
 
-        self._sub = await self.js.subscribe(self.reg.all("rewards"), cb=self._on_reward, ordered_consumer=True,
-                                            deliver_policy=DeliverPolicy.NEW)
+        self._sub = await self.js.subscribe(
+            self.reg.all("rewards"), cb=self._on_reward, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW
+        )
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -147,8 +155,9 @@ class PipelineEval:
                     self.hidden_stored.add(ref)
                 await put_payloads(self.js, self.reg, item.payloads, self.payloads_stored)
 
-    async def evaluate(self, stop: asyncio.Event | None = None, only: list[str] | None = None,
-                       ) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:
+    async def evaluate(
+        self, stop: asyncio.Event | None = None, only: list[str] | None = None
+    ) -> tuple[dict[str, tuple[float, int, str]], int | None] | None:
         """One round over the suite (or the sets in `only`): {domain: (score, n, sha256)} and the
         policy version most trajectories used; None when `stop` was set before the round
         completed (the round is abandoned)."""
@@ -169,8 +178,14 @@ class PipelineEval:
             del self.rounds[round_id]
         self.last = {"round": round_id, "tasks": len(tasks), "rewards": len(rnd.got)}
         if stop is not None and stop.is_set() and not rnd.done.is_set():
-            log.warning("scheduler.eval_round_abandoned", round=round_id, tasks=len(tasks), rewards=len(rnd.got),
-                        seconds=round(time.monotonic() - t0, 1), why="stopping before the round completed")
+            log.warning(
+                "scheduler.eval_round_abandoned",
+                round=round_id,
+                tasks=len(tasks),
+                rewards=len(rnd.got),
+                seconds=round(time.monotonic() - t0, 1),
+                why="stopping before the round completed",
+            )
             return None
         versions = Counter(r.trajectory.policy_version for r in rnd.got.values())
         got, right = Counter(), Counter()  # per domain: rewards received, correct ones
@@ -183,9 +198,20 @@ class PipelineEval:
             n = len(s)
             scores[name] = (right[name] / max(1, n), n, s.sha256)
             if got[name] < n:
-                log.warning("scheduler.eval_missing", domain=name, missing=n - got[name], round=round_id,
-                            why=f"no reward within {self.timeout_s:.0f}s; counted as wrong")
+                log.warning(
+                    "scheduler.eval_missing",
+                    domain=name,
+                    missing=n - got[name],
+                    round=round_id,
+                    why=f"no reward within {self.timeout_s:.0f}s; counted as wrong",
+                )
         version = versions.most_common(1)[0][0] if versions else None
-        log.info("scheduler.eval_round", round=round_id, seconds=round(time.monotonic() - t0, 1),
-                 versions=sorted(versions), tasks=len(tasks), rewards=len(rnd.got))
+        log.info(
+            "scheduler.eval_round",
+            round=round_id,
+            seconds=round(time.monotonic() - t0, 1),
+            versions=sorted(versions),
+            tasks=len(tasks),
+            rewards=len(rnd.got),
+        )
         return scores, version

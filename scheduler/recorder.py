@@ -32,15 +32,7 @@ from sqlalchemy.exc import OperationalError
 from bus.pull import fetch
 from bus.subjects import Registry
 from scheduler.store import Store
-from schemas import (
-    DeadLetter,
-    DecodeError,
-    EvalResult,
-    Message,
-    Reward,
-    WeightVersion,
-    decode,
-)
+from schemas import DeadLetter, DecodeError, EvalResult, Message, Reward, WeightVersion, decode
 
 log = structlog.get_logger()
 
@@ -64,12 +56,19 @@ FEEDS = (
 )
 
 
-def consumer_config(reg: Registry, feed: Feed, *, ack_wait_s: float = 60.0, max_ack_pending: int = 4096) -> ConsumerConfig:
+def consumer_config(
+    reg: Registry, feed: Feed, *, ack_wait_s: float = 60.0, max_ack_pending: int = 4096
+) -> ConsumerConfig:
     """The explicit config of one recorder durable."""
     return ConsumerConfig(
-        durable_name=feed.durable, name=feed.durable, filter_subject=feed.subject(reg),
-        ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=ack_wait_s,
-        max_deliver=-1, max_ack_pending=max_ack_pending,
+        durable_name=feed.durable,
+        name=feed.durable,
+        filter_subject=feed.subject(reg),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=max_ack_pending,
     )
 
 
@@ -86,8 +85,9 @@ def _decode_all(reg: Registry, feed: Feed, raws, counters: dict[str, float]) -> 
             msg = decode(raw.data, feed.kind)
         except DecodeError as exc:
             counters["undecodable"] = counters.get("undecodable", 0) + 1
-            log.warning("recorder.undecodable", stream=feed.family, subject=raw.subject, field=exc.field,
-                        reason=exc.reason)
+            log.warning(
+                "recorder.undecodable", stream=feed.family, subject=raw.subject, field=exc.field, reason=exc.reason
+            )
             continue
         if msg.run_id != reg.run_id:
             counters["foreign"] = counters.get("foreign", 0) + 1
@@ -96,8 +96,17 @@ def _decode_all(reg: Registry, feed: Feed, raws, counters: dict[str, float]) -> 
     return msgs
 
 
-async def _copy(js: JetStreamContext, reg: Registry, store: Store, feed: Feed, stop: asyncio.Event,
-                until_idle: float | None, counters: dict[str, float], batch: int, fetch_timeout: float) -> None:
+async def _copy(
+    js: JetStreamContext,
+    reg: Registry,
+    store: Store,
+    feed: Feed,
+    stop: asyncio.Event,
+    until_idle: float | None,
+    counters: dict[str, float],
+    batch: int,
+    fetch_timeout: float,
+) -> None:
     sub = await _subscribe(js, reg, feed)
     key = feed.family.lower()
     last_work = time.monotonic()
@@ -126,15 +135,24 @@ async def _copy(js: JetStreamContext, reg: Registry, store: Store, feed: Feed, s
         await sub.unsubscribe()
 
 
-async def record(js: JetStreamContext, reg: Registry, store: Store, *, stop: asyncio.Event,
-                 until_idle: float | None = None, batch: int = 256, fetch_timeout: float = 0.5) -> dict[str, float]:
+async def record(
+    js: JetStreamContext,
+    reg: Registry,
+    store: Store,
+    *,
+    stop: asyncio.Event,
+    until_idle: float | None = None,
+    batch: int = 256,
+    fetch_timeout: float = 0.5,
+) -> dict[str, float]:
     """Copy the run's streams into `store` until `stop` (or `until_idle` seconds idle).
 
     Returns counters: new rows per stream (`rewards`, `weights`, `eval`, `dlq`), messages
     seen per stream (`<stream>_seen`), and `undecodable` / `foreign` acks."""
     await asyncio.to_thread(store.ensure_run, reg.run_id)
     counters: dict[str, float] = {}
-    await asyncio.gather(*(_copy(js, reg, store, feed, stop, until_idle, counters, batch, fetch_timeout)
-                           for feed in FEEDS))
+    await asyncio.gather(
+        *(_copy(js, reg, store, feed, stop, until_idle, counters, batch, fetch_timeout) for feed in FEEDS)
+    )
     log.info("recorder.stopped", run_id=reg.run_id, **counters)
     return counters

@@ -199,11 +199,22 @@ class GateCheckRow(SQLModel, table=True):
     created_at: float = Field(default_factory=time.time)
 
 
-TABLES: tuple[type[SQLModel], ...] = (RunRow, WeightVersionRow, EvalResultRow, DomainStatRow, DeadLetterRow,
-                                      CurriculumUpdateRow, CostRow, RewardRow, GateCheckRow)
+TABLES: tuple[type[SQLModel], ...] = (
+    RunRow,
+    WeightVersionRow,
+    EvalResultRow,
+    DomainStatRow,
+    DeadLetterRow,
+    CurriculumUpdateRow,
+    CostRow,
+    RewardRow,
+    GateCheckRow,
+)
 ADDED_COLUMNS: tuple[tuple[type[SQLModel], str, str], ...] = (
-    (EvalResultRow, "purpose", "'train'"), (EvalResultRow, "cost_sandbox_seconds", "NULL"),
-    (RewardRow, "sandbox_seconds", "0"))
+    (EvalResultRow, "purpose", "'train'"),
+    (EvalResultRow, "cost_sandbox_seconds", "NULL"),
+    (RewardRow, "sandbox_seconds", "0"),
+)
 """(table, column, SQL default) of columns added after the first release: `Store` adds them to older
 stores (NOT NULL unless the default is NULL)."""
 
@@ -221,8 +232,10 @@ def resolve_url(url: str | None, run_path: Path) -> str:
     it this raises (fail closed: never a login with the placeholder)."""
     if url and is_redacted(url):
         if not os.environ.get(DB_URL_ENV):
-            raise ValueError(f"the run store URL {url} has its password redacted (the run folder never keeps it); "
-                             f"set {DB_URL_ENV} to the full URL")
+            raise ValueError(
+                f"the run store URL {url} has its password redacted (the run folder never keeps it); "
+                f"set {DB_URL_ENV} to the full URL"
+            )
         url = None
     url = url or os.environ.get(DB_URL_ENV) or None
     if url is None:
@@ -230,7 +243,7 @@ def resolve_url(url: str | None, run_path: Path) -> str:
         return f"sqlite:///{Path(run_path).resolve() / 'run.db'}"
     for bare in ("postgresql://", "postgres://"):
         if url.startswith(bare):
-            return "postgresql+psycopg://" + url[len(bare):]
+            return "postgresql+psycopg://" + url[len(bare) :]
     return url
 
 
@@ -269,8 +282,9 @@ class Store:
                 kind = table.c[column].type.compile(dialect=self.engine.dialect)
                 null = "" if default.upper() == "NULL" else " NOT NULL"
                 with self.engine.begin() as conn:
-                    conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind}{null} "
-                                         f"DEFAULT {default}"))
+                    conn.execute(
+                        sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind}{null} DEFAULT {default}")
+                    )
 
     @property
     def dialect(self) -> str:
@@ -342,30 +356,66 @@ class Store:
     def ensure_run(self, run_id: str, config: dict | None = None, status: str = "running") -> bool:
         """Create the run's row if it does not exist (its config with URL passwords redacted); True if created."""
         # no credential in the stored config (issue 27): every URL's password is redacted
-        return self.insert_ignore(RunRow, [{"run_id": run_id, "config": redact_tree(config or {}), "started_at": time.time(),
-                                            "status": status}]) > 0
+        return (
+            self.insert_ignore(
+                RunRow,
+                [{"run_id": run_id, "config": redact_tree(config or {}), "started_at": time.time(), "status": status}],
+            )
+            > 0
+        )
 
     def set_run_status(self, run_id: str, status: str) -> None:
         """Set the run's status (`running`, `finished`, `failed`, ...)."""
+
         def write() -> None:
             with self.engine.begin() as conn:
-                conn.execute(sa.update(RunRow.__table__).where(RunRow.__table__.c.run_id == run_id).values(status=status))
+                conn.execute(
+                    sa.update(RunRow.__table__).where(RunRow.__table__.c.run_id == run_id).values(status=status)
+                )
+
         retrying(write)
 
     def record_rewards(self, rewards: Iterable) -> int:
         """Rows for `Reward` messages; returns how many were new."""
-        return self.insert_ignore(RewardRow, [{
-            "msg_id": r.msg_id, "run_id": r.run_id, "domain": r.trajectory.domain,
-            "difficulty": r.trajectory.difficulty, "purpose": r.trajectory.purpose, "reward": float(r.reward),
-            "status": r.status, "policy_version": r.trajectory.policy_version,
-            "task_msg_id": r.trajectory.task_msg_id, "created_at": r.created_at,
-            "sandbox_seconds": reward_sandbox_seconds(r)} for r in rewards])
+        return self.insert_ignore(
+            RewardRow,
+            [
+                {
+                    "msg_id": r.msg_id,
+                    "run_id": r.run_id,
+                    "domain": r.trajectory.domain,
+                    "difficulty": r.trajectory.difficulty,
+                    "purpose": r.trajectory.purpose,
+                    "reward": float(r.reward),
+                    "status": r.status,
+                    "policy_version": r.trajectory.policy_version,
+                    "task_msg_id": r.trajectory.task_msg_id,
+                    "created_at": r.created_at,
+                    "sandbox_seconds": reward_sandbox_seconds(r),
+                }
+                for r in rewards
+            ],
+        )
 
     def record_weights(self, versions: Iterable) -> int:
         """Rows for `WeightVersion` messages; returns how many were new."""
-        return self.insert_ignore(WeightVersionRow, [{
-            "msg_id": w.msg_id, "run_id": w.run_id, "version": w.version, "step": w.step, "sha256": w.sha256,
-            "uri": w.uri, "bytes": w.bytes, "created_at": w.created_at, "metrics": dict(w.metrics)} for w in versions])
+        return self.insert_ignore(
+            WeightVersionRow,
+            [
+                {
+                    "msg_id": w.msg_id,
+                    "run_id": w.run_id,
+                    "version": w.version,
+                    "step": w.step,
+                    "sha256": w.sha256,
+                    "uri": w.uri,
+                    "bytes": w.bytes,
+                    "created_at": w.created_at,
+                    "metrics": dict(w.metrics),
+                }
+                for w in versions
+            ],
+        )
 
     def record_evals(self, results: Iterable) -> int:
         """Rows for `EvalResult` messages, with the run's cumulative cost at recording
@@ -373,37 +423,99 @@ class Store:
         results = list(results)
         costs = {run_id: self.cost_totals(run_id) for run_id in {e.run_id for e in results}}
         sandbox = {run_id: self.sandbox_seconds(run_id) for run_id in costs}
-        return self.insert_ignore(EvalResultRow, [{
-            "msg_id": e.msg_id, "run_id": e.run_id, "version": e.version, "step": e.step, "domain": e.domain,
-            "score": e.score, "n": e.n, "eval_set_sha256": e.eval_set_sha256, "purpose": e.purpose,
-            "created_at": e.created_at, "cost_sandbox_seconds": sandbox[e.run_id],
-            **_cost_columns(costs[e.run_id])} for e in results])
+        return self.insert_ignore(
+            EvalResultRow,
+            [
+                {
+                    "msg_id": e.msg_id,
+                    "run_id": e.run_id,
+                    "version": e.version,
+                    "step": e.step,
+                    "domain": e.domain,
+                    "score": e.score,
+                    "n": e.n,
+                    "eval_set_sha256": e.eval_set_sha256,
+                    "purpose": e.purpose,
+                    "created_at": e.created_at,
+                    "cost_sandbox_seconds": sandbox[e.run_id],
+                    **_cost_columns(costs[e.run_id]),
+                }
+                for e in results
+            ],
+        )
 
     def record_dead_letters(self, letters: Iterable) -> int:
         """Rows for `DeadLetter` messages; returns how many were new."""
-        return self.insert_ignore(DeadLetterRow, [{
-            "msg_id": d.msg_id, "run_id": d.run_id, "stage": d.stage, "reason": d.reason, "error_type": d.error_type,
-            "original_subject": d.original_subject, "original_msg_id": d.original_msg_id,
-            "delivery_count": d.delivery_count, "task_msg_id": d.task_msg_id, "created_at": d.created_at}
-            for d in letters])
+        return self.insert_ignore(
+            DeadLetterRow,
+            [
+                {
+                    "msg_id": d.msg_id,
+                    "run_id": d.run_id,
+                    "stage": d.stage,
+                    "reason": d.reason,
+                    "error_type": d.error_type,
+                    "original_subject": d.original_subject,
+                    "original_msg_id": d.original_msg_id,
+                    "delivery_count": d.delivery_count,
+                    "task_msg_id": d.task_msg_id,
+                    "created_at": d.created_at,
+                }
+                for d in letters
+            ],
+        )
 
-    def record_curriculum_update(self, run_id: str, msg_id: str, weights: dict[str, float],
-                                 levels: dict[str, int], reason: str = "", created_at: float | None = None) -> bool:
+    def record_curriculum_update(
+        self,
+        run_id: str,
+        msg_id: str,
+        weights: dict[str, float],
+        levels: dict[str, int],
+        reason: str = "",
+        created_at: float | None = None,
+    ) -> bool:
         """One curriculum update (idempotent on `msg_id`); True if it was new."""
-        return self.insert_ignore(CurriculumUpdateRow, [{
-            "msg_id": msg_id, "run_id": run_id, "weights": dict(weights), "levels": dict(levels), "reason": reason,
-            "created_at": time.time() if created_at is None else created_at}]) > 0
+        return (
+            self.insert_ignore(
+                CurriculumUpdateRow,
+                [
+                    {
+                        "msg_id": msg_id,
+                        "run_id": run_id,
+                        "weights": dict(weights),
+                        "levels": dict(levels),
+                        "reason": reason,
+                        "created_at": time.time() if created_at is None else created_at,
+                    }
+                ],
+            )
+            > 0
+        )
 
-    def set_cost(self, run_id: str, stage: str, *, cpu_seconds: float, gpu_seconds: float = 0.0,
-                 tokens: int = 0) -> None:
+    def set_cost(
+        self, run_id: str, stage: str, *, cpu_seconds: float, gpu_seconds: float = 0.0, tokens: int = 0
+    ) -> None:
         """Set a stage's cumulative cost totals (idempotent: the totals replace the old ones)."""
-        self.upsert(CostRow, [{"run_id": run_id, "stage": stage, "cpu_seconds": float(cpu_seconds),
-                               "gpu_seconds": float(gpu_seconds), "tokens": int(tokens), "updated_at": time.time()}])
+        self.upsert(
+            CostRow,
+            [
+                {
+                    "run_id": run_id,
+                    "stage": stage,
+                    "cpu_seconds": float(cpu_seconds),
+                    "gpu_seconds": float(gpu_seconds),
+                    "tokens": int(tokens),
+                    "updated_at": time.time(),
+                }
+            ],
+        )
 
     def record_gate_check(self, row: dict[str, Any]) -> None:
         """Upsert one `GateCheckRow` (keyed on run_id + version: re-checking a version replaces it)."""
-        self.upsert(GateCheckRow, [{"scores": {}, "floors": {}, "failures": {}, "overrides": {},
-                                    "created_at": time.time(), **row}])
+        self.upsert(
+            GateCheckRow,
+            [{"scores": {}, "floors": {}, "failures": {}, "overrides": {}, "created_at": time.time(), **row}],
+        )
 
     def latest_released(self, run_id: str) -> int | None:
         """The newest version whose gate check released it, or None."""
@@ -424,6 +536,7 @@ class Store:
         def read() -> list:
             with Session(self.engine) as s:
                 return list(s.exec(q).all())
+
         return retrying(read)
 
     def count(self, model: type[SQLModel], run_id: str | None = None) -> int:
@@ -439,8 +552,10 @@ class Store:
         t = CostRow.__table__.c
         with self.engine.connect() as conn:
             n, cpu, gpu, tokens = conn.execute(
-                sa.select(func.count(), func.sum(t.cpu_seconds), func.sum(t.gpu_seconds), func.sum(t.tokens))
-                .where(t.run_id == run_id)).one()
+                sa.select(func.count(), func.sum(t.cpu_seconds), func.sum(t.gpu_seconds), func.sum(t.tokens)).where(
+                    t.run_id == run_id
+                )
+            ).one()
         if not n:
             return None
         return {"cpu_seconds": float(cpu or 0), "gpu_seconds": float(gpu or 0), "tokens": int(tokens or 0)}
@@ -449,8 +564,9 @@ class Store:
         """Sandbox wall seconds summed over a run's recorded rewards, or None if none is recorded."""
         t = RewardRow.__table__.c
         with self.engine.connect() as conn:
-            n, total = conn.execute(sa.select(func.count(), func.sum(t.sandbox_seconds))
-                                    .where(t.run_id == run_id)).one()
+            n, total = conn.execute(
+                sa.select(func.count(), func.sum(t.sandbox_seconds)).where(t.run_id == run_id)
+            ).one()
         return float(total or 0.0) if n else None
 
     def delete_run(self, run_id: str) -> None:
@@ -463,8 +579,11 @@ class Store:
 def _cost_columns(cost: dict[str, float] | None) -> dict[str, Any]:
     if cost is None:
         return {"cost_cpu_seconds": None, "cost_gpu_seconds": None, "cost_tokens": None}
-    return {"cost_cpu_seconds": cost["cpu_seconds"], "cost_gpu_seconds": cost["gpu_seconds"],
-            "cost_tokens": cost["tokens"]}
+    return {
+        "cost_cpu_seconds": cost["cpu_seconds"],
+        "cost_gpu_seconds": cost["gpu_seconds"],
+        "cost_tokens": cost["tokens"],
+    }
 
 
 def open_store(url: str | None, run_path: Path) -> Store:
@@ -472,8 +591,9 @@ def open_store(url: str | None, run_path: Path) -> Store:
     return Store(_make_engine(resolve_url(url, run_path)))
 
 
-def domain_stats(store: Store, run_id: str, window_s: float, *, success_threshold: float = 0.5,
-                 since: float | None = None) -> list[DomainStatRow]:
+def domain_stats(
+    store: Store, run_id: str, window_s: float, *, success_threshold: float = 0.5, since: float | None = None
+) -> list[DomainStatRow]:
     """Per-domain statistics of training rewards (purpose `train`, status `ok`) over
     windows of `window_s` seconds aligned to the Unix epoch; a sample succeeds when its
     reward is at least `success_threshold`. The rows are upserted into `domain_stats`
@@ -485,15 +605,27 @@ def domain_stats(store: Store, run_id: str, window_s: float, *, success_threshol
     # floor() on PostgreSQL; SQLite truncates a positive REAL cast to INTEGER (= floor)
     index = func.floor(bucket) if store.dialect == "postgresql" else sa.cast(bucket, sa.Integer)
     success = sa.case((t.reward >= success_threshold, 1.0), else_=0.0)
-    q = (sa.select(t.domain, index.label("w"), func.count(), func.avg(t.reward), func.avg(success))
-         .where(t.run_id == run_id, t.purpose == "train", t.status == "ok")
-         .group_by(t.domain, index))
+    q = (
+        sa.select(t.domain, index.label("w"), func.count(), func.avg(t.reward), func.avg(success))
+        .where(t.run_id == run_id, t.purpose == "train", t.status == "ok")
+        .group_by(t.domain, index)
+    )
     if since is not None:
         q = q.where(t.created_at >= since)
     with store.engine.connect() as conn:
         found = conn.execute(q).all()
-    rows = [{"run_id": run_id, "domain": d, "window_start": math.floor(w) * window_s, "window_s": float(window_s),
-             "n": int(n), "reward_mean": float(mean), "success_rate": float(rate)} for d, w, n, mean, rate in found]
+    rows = [
+        {
+            "run_id": run_id,
+            "domain": d,
+            "window_start": math.floor(w) * window_s,
+            "window_s": float(window_s),
+            "n": int(n),
+            "reward_mean": float(mean),
+            "success_rate": float(rate),
+        }
+        for d, w, n, mean, rate in found
+    ]
     rows.sort(key=lambda r: (r["window_start"], r["domain"]))
     store.upsert(DomainStatRow, rows)
     return [DomainStatRow(**r) for r in rows]

@@ -114,7 +114,8 @@ class SchedulerWorker:
         self.side_tasks["costs"] = asyncio.create_task(track_costs(s.nc, s.reg, self.store, s.stop))
         if ec.curriculum.enabled:
             self.side_tasks["curriculum"] = asyncio.create_task(
-                run_curriculum(s.js, s.reg, cfg, self.curriculum_stop, self.store))
+                run_curriculum(s.js, s.reg, cfg, self.curriculum_stop, self.store)
+            )
         # off the loop: drawing eval sets can take seconds (reasoning-gym countdown: ~7 s for 142 entries),
         # and the heartbeats must go on meanwhile (the launcher kills a worker silent for heartbeat_timeout_s)
         self.suite = await asyncio.to_thread(EvalSuite.from_config, cfg)
@@ -216,23 +217,46 @@ class SchedulerWorker:
         from sandbox_workers.async_sandbox import LocalAsyncSandbox, limits_from
 
         sc = self.cfg.sandbox
-        return await LocalAsyncSandbox.open("process" if sc.remote else sc.backend, image=sc.image,
-                                            limits=limits_from(sc), timeout=sc.timeout_s,
-                                            allow_degraded=sc.allow_degraded)
+        return await LocalAsyncSandbox.open(
+            "process" if sc.remote else sc.backend,
+            image=sc.image,
+            limits=limits_from(sc),
+            timeout=sc.timeout_s,
+            allow_degraded=sc.allow_degraded,
+        )
 
-    async def _record_scores(self, scores: dict, version: int, step: int, metrics: dict | None,
-                             gated: bool = True) -> None:
+    async def _record_scores(
+        self, scores: dict, version: int, step: int, metrics: dict | None, gated: bool = True
+    ) -> None:
         """Publish one `EvalResult` per domain (with its purpose); when `gated`, run the gates
         on the gated sets' scores and count the evaluation."""
         s, suite = self.s, self.suite
         for domain, (score, n, digest) in scores.items():
             purpose = suite.purpose(domain)
-            await publish(s.js, s.reg.eval(domain), EvalResult(
-                run_id=s.reg.run_id, version=version, step=step, domain=domain, score=score,
-                n=n, eval_set_sha256=digest, purpose=purpose))
+            await publish(
+                s.js,
+                s.reg.eval(domain),
+                EvalResult(
+                    run_id=s.reg.run_id,
+                    version=version,
+                    step=step,
+                    domain=domain,
+                    score=score,
+                    n=n,
+                    eval_set_sha256=digest,
+                    purpose=purpose,
+                ),
+            )
             s.counters[f"eval_{domain}"] = score
-            log.info("scheduler.eval", version=version, domain=domain, score=score, n=n, mode=self.ec.eval.mode,
-                     purpose=purpose)
+            log.info(
+                "scheduler.eval",
+                version=version,
+                domain=domain,
+                score=score,
+                n=n,
+                mode=self.ec.eval.mode,
+                purpose=purpose,
+            )
         if not gated:
             return
         judged = {d: v[0] for d, v in scores.items() if suite.purpose(d) == "train"}
@@ -255,8 +279,12 @@ class SchedulerWorker:
         forever. Intake stops first now, setting `stop`, on every path.)
         """
         first_error: BaseException | None = None
-        for name, phase in (("stop_intake", self._stop_intake), ("stop_side_tasks", self._stop_side_tasks),
-                            ("stop_recorder", self._stop_recorder), ("close_store", self._close_store)):
+        for name, phase in (
+            ("stop_intake", self._stop_intake),
+            ("stop_side_tasks", self._stop_side_tasks),
+            ("stop_recorder", self._stop_recorder),
+            ("close_store", self._close_store),
+        ):
             try:
                 await phase()
             except Exception as exc:  # noqa: BLE001 - every phase runs; the first failure is raised below

@@ -97,7 +97,7 @@ def tagged_answer(text: str) -> str | None:
     if closed:
         found = closed[-1].strip()
     elif ANSWER_OPEN in text:
-        found = text[text.rfind(ANSWER_OPEN) + len(ANSWER_OPEN):].strip()
+        found = text[text.rfind(ANSWER_OPEN) + len(ANSWER_OPEN) :].strip()
     else:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         found = lines[-1] if lines else ""

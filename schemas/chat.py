@@ -55,8 +55,9 @@ def prompt_text(tokenizer, prompt: list[ChatMessage], tools: list[dict] | None =
     prompt) when `tokenizer` has one, else `render_prompt`."""
     if not has_template(tokenizer):
         return render_prompt(prompt)
-    return tokenizer.apply_chat_template(_messages(prompt), tools=tools or None, tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        _messages(prompt), tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
 
 
 def prompt_ids(tokenizer, prompt: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
@@ -82,10 +83,13 @@ def tool_turn_text_for(tokenizer, text: str) -> str:
         return text
     content = text[1:] if text.startswith("\n") else text
     content = content[:-1] if content.endswith("\n") else content
-    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK},
-            {"role": "tool", "content": content}]
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": _MARK},
+        {"role": "tool", "content": content},
+    ]
     full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return full[full.index(_MARK) + len(_MARK):]
+    return full[full.index(_MARK) + len(_MARK) :]
 
 
 def tool_turn(tokenizer, text: str) -> tuple[str, list[int]]:

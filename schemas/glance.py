@@ -49,15 +49,26 @@ def glance_reward(data: bytes) -> RewardGlance:
     try:
         traj = body["trajectory"]
         glance = RewardGlance(
-            body["run_id"], float(body["reward"]), body.get("status", "ok"), traj["domain"],
-            traj.get("difficulty", 1), traj.get("purpose", "train"), float(traj.get("generate_seconds", 0.0)),
+            body["run_id"],
+            float(body["reward"]),
+            body.get("status", "ok"),
+            traj["domain"],
+            traj.get("difficulty", 1),
+            traj.get("purpose", "train"),
+            float(traj.get("generate_seconds", 0.0)),
             tuple((c["tool"], float(c.get("duration_ms", 0.0))) for c in traj.get("tool_calls") or ()),
-            tuple(c["error"] for c in traj.get("tool_calls") or () if c.get("error")))
+            tuple(c["error"] for c in traj.get("tool_calls") or () if c.get("error")),
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DecodeError("<payload>", f"not a Reward: {type(exc).__name__}: {exc}") from None
-    if not (isinstance(glance.run_id, str) and isinstance(glance.status, str) and isinstance(glance.domain, str)
-            and isinstance(glance.purpose, str) and type(glance.difficulty) is int
-            and all(isinstance(tool, str) for tool, _ in glance.tool_calls)
-            and all(isinstance(kind, str) for kind in glance.tool_errors)):
+    if not (
+        isinstance(glance.run_id, str)
+        and isinstance(glance.status, str)
+        and isinstance(glance.domain, str)
+        and isinstance(glance.purpose, str)
+        and type(glance.difficulty) is int
+        and all(isinstance(tool, str) for tool, _ in glance.tool_calls)
+        and all(isinstance(kind, str) for kind in glance.tool_errors)
+    ):
         raise DecodeError("<payload>", "a Reward field has the wrong type")
     return glance

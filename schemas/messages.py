@@ -70,6 +70,7 @@ def _packed(multiple: int):
         if len(v) % multiple:
             raise ValueError(f"packed array length {len(v)} is not a multiple of {multiple}")
         return v
+
     return AfterValidator(check)
 
 
@@ -281,21 +282,47 @@ class Trajectory(Message):
         return self
 
     @classmethod
-    def from_task(cls, task: Task, sample_index: int, turns: list[Turn], *, finish_reason: FinishReason = "stop",
-                  generate_seconds: float = 0.0, tool_calls: list[ToolCall] | None = None,
-                  artifacts: dict[str, bytes] | None = None,
-                  artifact_refs: dict[str, BlobRef] | None = None) -> Trajectory:
+    def from_task(
+        cls,
+        task: Task,
+        sample_index: int,
+        turns: list[Turn],
+        *,
+        finish_reason: FinishReason = "stop",
+        generate_seconds: float = 0.0,
+        tool_calls: list[ToolCall] | None = None,
+        artifacts: dict[str, bytes] | None = None,
+        artifact_refs: dict[str, BlobRef] | None = None,
+    ) -> Trajectory:
         """Sample `sample_index` of `task`, fields copied; final_text, version (-1: none), tokens from the answers."""
         model = [t for t in turns if t.role == "assistant"] or [Turn(role="assistant", text="")]
-        return cls(run_id=task.run_id, msg_id=f"{task.msg_id}-{sample_index}", task_id=task.task_id,
-                   task_msg_id=task.msg_id, domain=task.domain, difficulty=task.difficulty, purpose=task.purpose,
-                   group_id=task.msg_id, group_size=task.group_size, sample_index=sample_index, turns=turns,
-                   verifier=task.verifier, verifier_params=task.verifier_params, reward_weights=task.reward_weights,
-                   hidden_ref=task.hidden_ref, pool=task.pool, tool_format=task.tool_format,
-                   finish_reason=finish_reason, final_text=model[-1].text,
-                   policy_version=model[-1].policy_version, generate_seconds=generate_seconds,
-                   tokens=sum(len(t.token_ids) // 4 for t in model), tool_calls=tool_calls or [],
-                   artifacts=artifacts or {}, artifact_refs=artifact_refs or {})
+        return cls(
+            run_id=task.run_id,
+            msg_id=f"{task.msg_id}-{sample_index}",
+            task_id=task.task_id,
+            task_msg_id=task.msg_id,
+            domain=task.domain,
+            difficulty=task.difficulty,
+            purpose=task.purpose,
+            group_id=task.msg_id,
+            group_size=task.group_size,
+            sample_index=sample_index,
+            turns=turns,
+            verifier=task.verifier,
+            verifier_params=task.verifier_params,
+            reward_weights=task.reward_weights,
+            hidden_ref=task.hidden_ref,
+            pool=task.pool,
+            tool_format=task.tool_format,
+            finish_reason=finish_reason,
+            final_text=model[-1].text,
+            policy_version=model[-1].policy_version,
+            generate_seconds=generate_seconds,
+            tokens=sum(len(t.token_ids) // 4 for t in model),
+            tool_calls=tool_calls or [],
+            artifacts=artifacts or {},
+            artifact_refs=artifact_refs or {},
+        )
 
 
 class Reward(Message):

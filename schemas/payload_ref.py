@@ -33,6 +33,8 @@ class BlobRef(BaseModel):
     def _uri_names_the_content(self):
         m = PAYLOAD_URI.match(self.uri)
         if m is None or m.group(1) != self.sha256:
-            raise ValueError(f"payload uri {self.uri!r} must be nats-object://workspaces-<run>/sha256-<sha256 of the "
-                             "payload> (or artifacts-<run>)")
+            raise ValueError(
+                f"payload uri {self.uri!r} must be nats-object://workspaces-<run>/sha256-<sha256 of the "
+                "payload> (or artifacts-<run>)"
+            )
         return self

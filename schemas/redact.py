@@ -47,8 +47,10 @@ def redact_url(url: str) -> str:
 
 def is_redacted(url: str) -> bool:
     """Whether `url` carries a redacted (`***`) password and so cannot log in as it is."""
-    return isinstance(url, str) and (any(m["pw"] == REDACTED for m in _USERINFO.finditer(url))
-                                     or any(m["tok"] == REDACTED for m in _TOKEN.finditer(url)))
+    return isinstance(url, str) and (
+        any(m["pw"] == REDACTED for m in _USERINFO.finditer(url))
+        or any(m["tok"] == REDACTED for m in _TOKEN.finditer(url))
+    )
 
 
 def strip_credentials(url: str) -> str:

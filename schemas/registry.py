@@ -44,9 +44,15 @@ def import_ref(ref: str) -> Any:
 class Registry:
     """Named plugins of one kind: `builtins` (name -> `module:attr`), then entry points of `group`."""
 
-    def __init__(self, group: str, builtins: dict[str, str], *, what: str = "plugin",
-                 error: type[Exception] = ValueError,
-                 prepare: Callable[[str, str, Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        group: str,
+        builtins: dict[str, str],
+        *,
+        what: str = "plugin",
+        error: type[Exception] = ValueError,
+        prepare: Callable[[str, str, Any], Any] | None = None,
+    ) -> None:
         self.group = group
         self.builtins = builtins
         """The built-in table itself (not a copy): an entry added to it is a built-in at once."""
@@ -64,11 +70,17 @@ class Registry:
                 found: dict[str, EntryPoint] = {}
                 for ep in entry_points(group=self.group):
                     if ep.name in self.builtins:
-                        log.warning("plugin ignored: shadows a built-in", group=self.group, name=ep.name,
-                                    value=ep.value)
+                        log.warning(
+                            "plugin ignored: shadows a built-in", group=self.group, name=ep.name, value=ep.value
+                        )
                     elif ep.name in found and found[ep.name].value != ep.value:
-                        log.warning("plugin ignored: name taken", group=self.group, name=ep.name, value=ep.value,
-                                    kept=found[ep.name].value)
+                        log.warning(
+                            "plugin ignored: name taken",
+                            group=self.group,
+                            name=ep.name,
+                            value=ep.value,
+                            kept=found[ep.name].value,
+                        )
                     else:
                         found.setdefault(ep.name, ep)
                 self._eps = found

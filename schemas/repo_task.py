@@ -45,8 +45,18 @@ PROMPT_FORMAT_LINE = "Tool call format: "
 """... and `PROMPT_FORMAT_LINE + tool_format` (`tags` or `json`)."""
 PROMPT_TASK_RE = re.compile(r"^" + re.escape(PROMPT_TASK_LINE) + r"(\S+)\s*$", re.MULTILINE)
 PROMPT_FORMAT_RE = re.compile(r"^" + re.escape(PROMPT_FORMAT_LINE) + r"(tags|json)\s*$", re.MULTILINE)
-PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-                             "sitecustomize.py", "usercustomize.py"})
+PROTECTED_NAMES = frozenset(
+    {
+        "conftest.py",
+        "pytest.ini",
+        ".pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "pyproject.toml",
+        "sitecustomize.py",
+        "usercustomize.py",
+    }
+)
 DEFAULT_TEST_DIRS = ("tests", "test", "testing")
 
 
@@ -64,8 +74,10 @@ def check_path(path: str) -> str:
     such a path does not apply: the candidate's 0, never an infrastructure failure)."""
     p = PurePosixPath(path)
     if not path or "\\" in path or p.is_absolute() or any(part in ("..", ".", "") for part in path.split("/")):
-        raise ValueError(f"repo task path {path!r} must be a relative POSIX path inside the repository "
-                         "(no '..', '.' or empty component)")
+        raise ValueError(
+            f"repo task path {path!r} must be a relative POSIX path inside the repository "
+            "(no '..', '.' or empty component)"
+        )
     if any(ord(c) < 32 or ord(c) == 127 for c in path):
         raise ValueError(f"repo task path {path!r} has a control character (NUL, newline, ...): rename the file")
     try:
@@ -73,13 +85,17 @@ def check_path(path: str) -> str:
     except UnicodeEncodeError:
         raise ValueError(f"repo task path {path!r} is not valid UTF-8") from None
     if len(raw) > MAX_PATH_BYTES or any(len(part.encode("utf-8")) > MAX_NAME_BYTES for part in path.split("/")):
-        raise ValueError(f"repo task path {path[:80]!r}... is too long (at most {MAX_NAME_BYTES} bytes a name, "
-                         f"{MAX_PATH_BYTES} in all)")
+        raise ValueError(
+            f"repo task path {path[:80]!r}... is too long (at most {MAX_NAME_BYTES} bytes a name, "
+            f"{MAX_PATH_BYTES} in all)"
+        )
     return path
 
 
-_HELPER_NAME = re.compile(r"^(test(s|ing|_?utils?|_?helpers?|_?support|_?tools?)?|\w+_(testing|test_?utils?|"
-                          r"test_?helpers?))$")
+_HELPER_NAME = re.compile(
+    r"^(test(s|ing|_?utils?|_?helpers?|_?support|_?tools?)?|\w+_(testing|test_?utils?|"
+    r"test_?helpers?))$"
+)
 
 
 def is_helper_name(dotted: str) -> bool:
@@ -118,7 +134,7 @@ def helper_paths(files: dict[str, str], hidden_files: dict[str, str]) -> set[str
         for root in ("", "src/"):
             if not path.startswith(root) or not path.endswith(".py"):
                 continue
-            mod = path[len(root):-3].replace("/", ".")
+            mod = path[len(root) : -3].replace("/", ".")
             if mod.endswith(".__init__"):
                 pkg = mod[:-9]
                 by_module.setdefault(pkg, []).extend(f for f in files if f.startswith(path[:-11]))
@@ -206,6 +222,12 @@ def unified_diff(old: dict[str, str], new: dict[str, str]) -> str:
         for seq in (a_lines, b_lines):
             if seq and not seq[-1].endswith("\n"):
                 seq[-1] += "\n\\ No newline at end of file\n"
-        out.extend(difflib.unified_diff(a_lines, b_lines, f"a/{path}" if path in old else "/dev/null",
-                                        f"b/{path}" if path in new else "/dev/null"))
+        out.extend(
+            difflib.unified_diff(
+                a_lines,
+                b_lines,
+                f"a/{path}" if path in old else "/dev/null",
+                f"b/{path}" if path in new else "/dev/null",
+            )
+        )
     return "".join(out)

@@ -63,22 +63,22 @@ NEEDS_CARE: dict[str, str] = {
     "graph_color": "no single gold answer (any valid colouring scores): RL only, no SFT demonstrations",
     "propositional_logic": "no single gold answer (any valid conclusion scores): RL only, no SFT demonstrations",
     "rubiks_cube": "no single gold answer (any solving sequence scores): RL only, no SFT demonstrations; "
-                   "its top curriculum level fails its own config check and is skipped",
+    "its top curriculum level fails its own config check and is skipped",
     "rush_hour": "no single gold answer (any solving sequence scores): RL only, no SFT demonstrations",
     "knight_swap": "no curriculum level validates in range_mode inclusive (4-square boards < its minimum 6), "
-                   "and in upper_bound its generator fails to find a puzzle (the domain is disabled at start)",
+    "and in upper_bound its generator fails to find a puzzle (the domain is disabled at start)",
     "caesar_cipher": "curriculum levels 3-4 fail its own config check (rotation > 25) and are skipped",
     "modulo_grid": "curriculum level 2 fails its own config check (max_target 0) and is skipped",
     "survo": "curriculum levels 3-4 fail its own config check in range_mode inclusive and are skipped",
     "codeio": "generation depends on str hash order: reproducible across processes only with a fixed PYTHONHASHSEED",
     "isomorphic_strings": "generation depends on str hash order: reproducible across processes only with a "
-                          "fixed PYTHONHASHSEED",
+    "fixed PYTHONHASHSEED",
     "polynomial_multiplication": "generation depends on str hash order: reproducible across processes only with "
-                                 "a fixed PYTHONHASHSEED",
+    "a fixed PYTHONHASHSEED",
     "ransom_note": "generation depends on str hash order: reproducible across processes only with a fixed "
-                   "PYTHONHASHSEED",
+    "PYTHONHASHSEED",
     "word_ladder": "generation depends on str hash order: reproducible across processes only with a fixed "
-                   "PYTHONHASHSEED",
+    "PYTHONHASHSEED",
 }
 """Dataset -> why it needs care (the family still serves it unless it is EXPLICIT_ONLY)."""
 
@@ -103,8 +103,7 @@ def _names() -> tuple[dict[str, str], dict[str, str]]:
     taken: dict[str, int] = {}
     for d in plain.values():
         taken[d] = taken.get(d, 0) + 1
-    forward = {n: d if taken[d] == 1 else f"{d}-{hashlib.sha256(n.encode()).hexdigest()[:8]}"
-               for n, d in plain.items()}
+    forward = {n: d if taken[d] == 1 else f"{d}-{hashlib.sha256(n.encode()).hexdigest()[:8]}" for n, d in plain.items()}
     return forward, {d: n for n, d in forward.items()}
 
 
@@ -189,25 +188,28 @@ def level_problem(dataset: str, range_mode: str = "inclusive", extra: dict | Non
     return _levels(dataset, range_mode, _extra_key(extra))[1]
 
 
-def curriculum_level(dataset: str, level: int, range_mode: str = "inclusive",
-                     extra: dict | None = None) -> int | None:
+def curriculum_level(dataset: str, level: int, range_mode: str = "inclusive", extra: dict | None = None) -> int | None:
     """The curriculum level of domain level `level` (ValueError outside 1..len(levels))."""
     valid = levels(dataset, range_mode, extra)
     if not 1 <= level <= len(valid):
-        raise ValueError(f"reasoning-gym dataset {dataset!r} has levels 1..{len(valid)} in range_mode "
-                         f"{range_mode!r}, not {level}")
+        raise ValueError(
+            f"reasoning-gym dataset {dataset!r} has levels 1..{len(valid)} in range_mode {range_mode!r}, not {level}"
+        )
     return valid[level - 1]
 
 
-def dataset_config(dataset: str, level: int, range_mode: str = "inclusive", extra: dict | None = None,
-                   seed: int = 0, size: int = 1):
+def dataset_config(
+    dataset: str, level: int, range_mode: str = "inclusive", extra: dict | None = None, seed: int = 0, size: int = 1
+):
     """The dataset's config at domain `level` (see the module guarantees)."""
-    return _raw_config(dataset, curriculum_level(dataset, level, range_mode, extra), range_mode,
-                       dict(extra or {}), seed, size)
+    return _raw_config(
+        dataset, curriculum_level(dataset, level, range_mode, extra), range_mode, dict(extra or {}), seed, size
+    )
 
 
-def build(dataset: str, level: int, range_mode: str = "inclusive", extra: dict | None = None,
-          seed: int = 0, size: int = 1):
+def build(
+    dataset: str, level: int, range_mode: str = "inclusive", extra: dict | None = None, seed: int = 0, size: int = 1
+):
     """The dataset object at domain `level`, seeded (what generator and scorer both use)."""
     cls, _ = _factory().DATASETS[dataset]
     return cls(config=dataset_config(dataset, level, range_mode, extra, seed, size))

@@ -71,53 +71,98 @@ ERROR_KINDS = ("malformed_json", "unknown_tool", "bad_arguments")
 
 _CODE = {"type": "string", "minLength": 1}
 TOOL_SPECS: dict[str, dict] = {
-    "python": {"type": "function", "function": {
-        "name": "python",
-        "description": "Run a Python program in a fresh sandbox; its output is returned. The value of a final "
-                       "bare expression is printed, as in a REPL.",
-        "parameters": {"type": "object", "properties": {"code": {**_CODE, "description": "The Python program."}},
-                       "required": ["code"], "additionalProperties": False}}},
-    "run_tests": {"type": "function", "function": {
-        "name": "run_tests",
-        "description": "Save the program as candidate.py and run its docstring examples (the public tests) "
-                       "with doctest; the report is returned.",
-        "parameters": {"type": "object",
-                       "properties": {"code": {**_CODE, "description": "The whole candidate module."}},
-                       "required": ["code"], "additionalProperties": False}}},
+    "python": {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run a Python program in a fresh sandbox; its output is returned. The value of a final "
+            "bare expression is printed, as in a REPL.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {**_CODE, "description": "The Python program."}},
+                "required": ["code"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "run_tests": {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Save the program as candidate.py and run its docstring examples (the public tests) "
+            "with doctest; the report is returned.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {**_CODE, "description": "The whole candidate module."}},
+                "required": ["code"],
+                "additionalProperties": False,
+            },
+        },
+    },
 }
 """Tool name -> its spec (name, description, JSON-schema parameters): the only copy."""
 
 
 def _fn(name: str, description: str, props: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": props, "required": required, "additionalProperties": False}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": props, "required": required, "additionalProperties": False},
+        },
+    }
 
 
 _PATH = {"type": "string", "minLength": 1, "maxLength": 4096, "description": "Path relative to the repository root."}
-TOOL_SPECS.update({
-    "list_files": _fn("list_files", "List the files under a directory of the repository (recursively).",
-                      {"path": {**_PATH, "description": "Directory relative to the repository root ('.': all)."}},
-                      ["path"]),
-    "read_file": _fn("read_file", "Show a file of the repository with line numbers (optionally only lines "
-                     "start..end, 1-based, inclusive).",
-                     {"path": _PATH, "start": {"type": "integer", "minimum": 1},
-                      "end": {"type": "integer", "minimum": 1}}, ["path"]),
-    "write_file": _fn("write_file", "Create or replace a file of the repository with the given content.",
-                      {"path": _PATH, "content": {"type": "string", "description": "The whole new file."}},
-                      ["path", "content"]),
-    "apply_patch": _fn("apply_patch", "Apply a unified diff (paths a/FILE b/FILE, relative to the repository "
-                       "root) to the repository; all of it applies or nothing does.",
-                       {"unified_diff": {**_CODE, "description": "The unified diff."}}, ["unified_diff"]),
-    "run": _fn("run", "Run a shell command in the repository root (e.g. python -m pytest -x -q tests); its "
-               "exit code and output are returned.",
-               {"command": {**_CODE, "maxLength": 8192, "description": "The shell command."}}, ["command"]),
-    "submit": _fn("submit", "Submit the repository as it is now; the episode ends.", {}, []),
-})
+TOOL_SPECS.update(
+    {
+        "list_files": _fn(
+            "list_files",
+            "List the files under a directory of the repository (recursively).",
+            {"path": {**_PATH, "description": "Directory relative to the repository root ('.': all)."}},
+            ["path"],
+        ),
+        "read_file": _fn(
+            "read_file",
+            "Show a file of the repository with line numbers (optionally only lines start..end, 1-based, inclusive).",
+            {"path": _PATH, "start": {"type": "integer", "minimum": 1}, "end": {"type": "integer", "minimum": 1}},
+            ["path"],
+        ),
+        "write_file": _fn(
+            "write_file",
+            "Create or replace a file of the repository with the given content.",
+            {"path": _PATH, "content": {"type": "string", "description": "The whole new file."}},
+            ["path", "content"],
+        ),
+        "apply_patch": _fn(
+            "apply_patch",
+            "Apply a unified diff (paths a/FILE b/FILE, relative to the repository "
+            "root) to the repository; all of it applies or nothing does.",
+            {"unified_diff": {**_CODE, "description": "The unified diff."}},
+            ["unified_diff"],
+        ),
+        "run": _fn(
+            "run",
+            "Run a shell command in the repository root (e.g. python -m pytest -x -q tests); its "
+            "exit code and output are returned.",
+            {"command": {**_CODE, "maxLength": 8192, "description": "The shell command."}},
+            ["command"],
+        ),
+        "submit": _fn("submit", "Submit the repository as it is now; the episode ends.", {}, []),
+    }
+)
 TOOL_NAMES = set(TOOL_SPECS)
 REPO_TOOLS = ("list_files", "read_file", "write_file", "apply_patch", "run", "submit")
 """The repository tools, in the order a repo task offers them."""
-_REPO_BODY = {"list_files": "path", "read_file": "path", "write_file": "content", "apply_patch": "unified_diff",
-              "run": "command", "submit": None}
+_REPO_BODY = {
+    "list_files": "path",
+    "read_file": "path",
+    "write_file": "content",
+    "apply_patch": "unified_diff",
+    "run": "command",
+    "submit": None,
+}
 """Tags format: the argument a repository tool's tag body holds (None: no body)."""
 _VERBATIM = frozenset({"content", "unified_diff"})
 REPO_STOP_STRINGS = tuple(f"</{t}>" for t in REPO_TOOLS) + ("<submit/>",)
@@ -153,7 +198,7 @@ def _between(text: str, open_tag: str, close_tag: str) -> tuple[str, int] | None
     end = text.find(close_tag, start + len(open_tag))
     if end < 0:
         return None
-    return text[start + len(open_tag):end], end + len(close_tag)
+    return text[start + len(open_tag) : end], end + len(close_tag)
 
 
 def find_call(text: str) -> tuple[str, int] | None:
@@ -218,13 +263,14 @@ def _json_call(raw: str, end: int, tools: list[str]) -> Call:
     except json.JSONDecodeError as exc:
         return Call("", "", raw, end, "malformed_json", f"not valid JSON: {exc}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return Call("", "", raw, end, "malformed_json",
-                    'expected a JSON object {"name": <tool name>, "arguments": {...}}')
+        return Call(
+            "", "", raw, end, "malformed_json", 'expected a JSON object {"name": <tool name>, "arguments": {...}}'
+        )
     name, args = obj["name"], obj.get("arguments")
     if name not in tools or name not in TOOL_SPECS:
         return Call(name, "", raw, end, "unknown_tool", f"no tool named {name!r}; available: {sorted(tools)}")
     if args is None:
-        return Call(name, "", raw, end, "bad_arguments", "missing \"arguments\" (an object)")
+        return Call(name, "", raw, end, "bad_arguments", 'missing "arguments" (an object)')
     return _checked(name, args, raw, end)
 
 
@@ -289,7 +335,7 @@ def _repo_tag_call(text: str, tools: list[str]) -> Call | None:
             close = text.find(f"</{tool}>", m.end())
             if close < 0:
                 continue
-            body, end = text[m.end():close], close + len(f"</{tool}>")
+            body, end = text[m.end() : close], close + len(f"</{tool}>")
         best = (m, tool, body, end)
     if best is None:
         return None
@@ -303,7 +349,7 @@ def _repo_tag_call(text: str, tools: list[str]) -> Call | None:
         args[field_name] = body[1:] if body.startswith("\n") and field_name in _VERBATIM else body
         if field_name not in _VERBATIM:
             args[field_name] = args[field_name].strip()
-    return _checked(tool, args, text[m.start():end], end)
+    return _checked(tool, args, text[m.start() : end], end)
 
 
 def _checked(name: str, args: dict, raw: str, end: int) -> Call:

@@ -11,8 +11,10 @@ def env_peek(traj, hidden=None) -> Verdict:
     """Scores 1.0 when it can see the planted credential or the gold is in its memory as asked; reports its pid."""
     seen = os.environ.get("NATS_PASSWORD", "")
     gold = (hidden or {}).get("gold")
-    return Verdict({"correct": float(traj.final_text == gold), "saw_secret": float(seen == "planted")},
-                   details=f"pid={os.getpid()}")
+    return Verdict(
+        {"correct": float(traj.final_text == gold), "saw_secret": float(seen == "planted")},
+        details=f"pid={os.getpid()}",
+    )
 
 
 env_peek.untrusted = True

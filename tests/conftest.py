@@ -68,10 +68,29 @@ def spawn_worker(tmp_path, nats_url):
 
     def start(role: str, run_id: str, config: Path, *extra: str, log_name: str | None = None) -> subprocess.Popen:
         log = open(tmp_path / f"{log_name or role}-{len(procs)}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(config),
-                              "--nats-url", nats_url, "--run-id", run_id, "--run-dir", str(tmp_path / "runs"), *extra],
-                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                             start_new_session=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlbus.cli",
+                "worker",
+                role,
+                "--config",
+                str(config),
+                "--nats-url",
+                nats_url,
+                "--run-id",
+                run_id,
+                "--run-dir",
+                str(tmp_path / "runs"),
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
         procs.append(p)
         return p
 

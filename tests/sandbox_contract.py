@@ -54,8 +54,10 @@ def fork_bomb_contained(sbx) -> None:
 
 def stdout_flood_is_capped(sbx) -> None:
     """200 MiB on stdout: the command still succeeds, stdout is capped and marked, stderr intact."""
-    code = ("import sys\nb = b'x' * (1 << 20)\nfor _ in range(200): sys.stdout.buffer.write(b)\n"
-            "sys.stdout.flush(); sys.stderr.write('done')")
+    code = (
+        "import sys\nb = b'x' * (1 << 20)\nfor _ in range(200): sys.stdout.buffer.write(b)\n"
+        "sys.stdout.flush(); sys.stderr.write('done')"
+    )
     r = sbx.execute(py(code), timeout=30)
     assert r.exit_code == 0 and r.truncated and not r.timed_out, r.stderr
     assert len(r.stdout) <= Limits().output_cap_bytes + 100
@@ -64,9 +66,11 @@ def stdout_flood_is_capped(sbx) -> None:
 
 def child_ignoring_sigterm_killed(sbx) -> None:
     """A command and a setsid child that both ignore SIGTERM are killed at the timeout (137)."""
-    code = ("import os, signal, time\n"
-            "if os.fork() == 0:\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "    os.setsid()\n    time.sleep(300)\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)\n")
+    code = (
+        "import os, signal, time\n"
+        "if os.fork() == 0:\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    os.setsid()\n    time.sleep(300)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)\n"
+    )
     r = sbx.execute(py(code), timeout=1)
     assert r.timed_out and r.exit_code == 137, r

@@ -76,7 +76,9 @@ class SmokeRun:
 
 def worker_pids(run_id: str, role: str) -> list[int]:
     """PIDs of `rlbus worker ROLE` processes of this run (by command line)."""
-    out = subprocess.run(["pgrep", "-f", f"rlbus.cli worker {role} .*--run-id {run_id}"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["pgrep", "-f", f"rlbus.cli worker {role} .*--run-id {run_id}"], capture_output=True, text=True
+    )
     return [int(p) for p in out.stdout.split()]
 
 
@@ -93,11 +95,31 @@ def run_smoke(tmp: Path) -> SmokeRun:
     cfg.write_text(CONFIG)
     run_id = f"smoke{os.getpid()}"
     run_path = tmp / "runs" / run_id
-    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp / "runs"),
-                             "--run-id", run_id, "--max-steps", "25",
-                             "--set", "scheduler.eval.mode=pipeline",  # evaluates through purpose=eval tasks
-                             "--set", f"learner.weight_store=file://{tmp}/weights", "--set", "learner.keep_versions=4"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(cfg),
+            "--run-dir",
+            str(tmp / "runs"),
+            "--run-id",
+            run_id,
+            "--max-steps",
+            "25",
+            "--set",
+            "scheduler.eval.mode=pipeline",  # evaluates through purpose=eval tasks
+            "--set",
+            f"learner.weight_store=file://{tmp}/weights",
+            "--set",
+            "learner.keep_versions=4",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     killed, out = False, b""
     try:
         deadline = time.monotonic() + 240

@@ -29,19 +29,40 @@ pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams aft
 DOMAIN = "arith"
 
 
-
-
 def _task(run_id: str) -> Task:
-    return Task(run_id=run_id, task_id=new_msg_id()[:8], domain=DOMAIN, group_size=2, verifier="arith",
-                prompt=[ChatMessage(role="user", content="1+1=")])
+    return Task(
+        run_id=run_id,
+        task_id=new_msg_id()[:8],
+        domain=DOMAIN,
+        group_size=2,
+        verifier="arith",
+        prompt=[ChatMessage(role="user", content="1+1=")],
+    )
 
 
 def _traj(run_id: str, task_msg_id: str) -> Trajectory:
-    return Trajectory(run_id=run_id, task_id="t", task_msg_id=task_msg_id, domain=DOMAIN, group_id=task_msg_id,
-                      group_size=2, sample_index=0, verifier="arith", policy_version=0,
-                      turns=[Turn(role="prompt", text="1+1=", token_ids=pack_i32([1, 2])),
-                             Turn(role="assistant", text="2", token_ids=pack_i32([3]), logprobs=pack_f32([-0.1]),
-                                  trainable=True, policy_version=0)])
+    return Trajectory(
+        run_id=run_id,
+        task_id="t",
+        task_msg_id=task_msg_id,
+        domain=DOMAIN,
+        group_id=task_msg_id,
+        group_size=2,
+        sample_index=0,
+        verifier="arith",
+        policy_version=0,
+        turns=[
+            Turn(role="prompt", text="1+1=", token_ids=pack_i32([1, 2])),
+            Turn(
+                role="assistant",
+                text="2",
+                token_ids=pack_i32([3]),
+                logprobs=pack_f32([-0.1]),
+                trainable=True,
+                policy_version=0,
+            ),
+        ],
+    )
 
 
 async def _ledger(js, reg: Registry, stage: str, *fates: TaskFate, step: int = -1) -> None:
@@ -60,10 +81,23 @@ async def test_every_task_gets_one_fate_and_lost_is_evidence_based(js, run_id):
     await _published(js, reg, [trained, filtered, dead, queued.msg_id, lost])
 
     r1, r2 = new_msg_id(), new_msg_id()
-    await _ledger(js, reg, "learner", TaskFate(task_msg_id=trained, fate="trained", reward_msg_ids=[r1, r2]),
-                  TaskFate(task_msg_id=filtered, fate="filtered", reason="stale"), step=1)
-    letter = DeadLetter(run_id=run_id, stage="verifier", reason="verifier crashed", error_type="max_deliveries",
-                        original_subject=reg.traj(DOMAIN), original_data=b"x", task_msg_id=dead)
+    await _ledger(
+        js,
+        reg,
+        "learner",
+        TaskFate(task_msg_id=trained, fate="trained", reward_msg_ids=[r1, r2]),
+        TaskFate(task_msg_id=filtered, fate="filtered", reason="stale"),
+        step=1,
+    )
+    letter = DeadLetter(
+        run_id=run_id,
+        stage="verifier",
+        reason="verifier crashed",
+        error_type="max_deliveries",
+        original_subject=reg.traj(DOMAIN),
+        original_data=b"x",
+        task_msg_id=dead,
+    )
     await publish(js, reg.dlq("verifier"), letter)
     await publish(js, reg.tasks(DOMAIN), queued)
 
@@ -93,11 +127,25 @@ async def test_fate_precedence_and_other_in_flight_evidence(js, run_id):
     await _published(js, reg, [both, pending, in_traj, in_rewards, acked])
 
     # filtered AND dead-lettered: filtered wins (learner evidence first)
-    await _ledger(js, reg, "learner", TaskFate(task_msg_id=both, fate="filtered", reason="zero reward variance"),
-                  TaskFate(task_msg_id=pending, fate="pending"))
-    await publish(js, reg.dlq("rollout"), DeadLetter(run_id=run_id, stage="rollout", reason="r",
-                                                     original_subject=reg.tasks(DOMAIN), original_data=b"",
-                                                     task_msg_id=both))
+    await _ledger(
+        js,
+        reg,
+        "learner",
+        TaskFate(task_msg_id=both, fate="filtered", reason="zero reward variance"),
+        TaskFate(task_msg_id=pending, fate="pending"),
+    )
+    await publish(
+        js,
+        reg.dlq("rollout"),
+        DeadLetter(
+            run_id=run_id,
+            stage="rollout",
+            reason="r",
+            original_subject=reg.tasks(DOMAIN),
+            original_data=b"",
+            task_msg_id=both,
+        ),
+    )
     await js.publish(reg.dlq("rollout"), b"\xc1 not a message")  # counted, not decodable
     await publish(js, reg.traj(DOMAIN), _traj(run_id, in_traj))
     # a reward the learner acked is no longer evidence; one it has not acked is

@@ -60,9 +60,18 @@ def task(run_id: str, a: int, b: int, max_turns: int = 3, export=None) -> Task:
     params = {"expression": f"{a}*{b}"}
     if export:
         params["export"] = export
-    return Task(run_id=run_id, task_id=f"t{a}", domain="tool_calc", group_size=2, max_turns=max_turns, max_tokens=64,
-                prompt=[ChatMessage(role="user", content=f"{a}*{b}=?")], tools=["python"], verifier="tool_calc",
-                verifier_params=params)
+    return Task(
+        run_id=run_id,
+        task_id=f"t{a}",
+        domain="tool_calc",
+        group_size=2,
+        max_turns=max_turns,
+        max_tokens=64,
+        prompt=[ChatMessage(role="user", content=f"{a}*{b}=?")],
+        tools=["python"],
+        verifier="tool_calc",
+        verifier_params=params,
+    )
 
 
 def copy_answer(context: str) -> str:
@@ -103,8 +112,9 @@ async def test_tool_episode_end_to_end(js, run_id, drop_run):
     verdict = verify_tool_calc(traj)
     assert verdict.reward == 1.0 and verdict.components["used_tool"] == 1.0
     # the observation the model saw is exactly the one the sandbox side recorded
-    ok, forged = await verify_observations(js, reg, SECRET, [ToolTurn(c.exec_id, traj.turns[c.turn + 1].text)
-                                                             for c in traj.tool_calls])
+    ok, forged = await verify_observations(
+        js, reg, SECRET, [ToolTurn(c.exec_id, traj.turns[c.turn + 1].text) for c in traj.tool_calls]
+    )
     assert len(ok) == 1 and not forged
 
 
@@ -128,8 +138,12 @@ async def test_max_turns_and_artifacts(js, run_id, drop_run):
     await ensure_topology(js, reg)
     engine = ScriptedEngine(["<py>open('out.json','w').write('{\"x\": 1}')</py>", "<py>print(2)</py>"])
     open_one, _ = await sandboxes(js, reg)
-    eps = await run_episodes(engine, [task(run_id, 111, 222, max_turns=2, export=["out.json", "missing.txt"])],
-                             version=lambda: 0, open_sandbox=open_one)
+    eps = await run_episodes(
+        engine,
+        [task(run_id, 111, 222, max_turns=2, export=["out.json", "missing.txt"])],
+        version=lambda: 0,
+        open_sandbox=open_one,
+    )
     ep = eps[0]
     assert ep.finish_reason == "max_turns" and len(ep.tool_calls) == 1
     assert ep.artifacts == {"out.json": b'{"x": 1}'}
@@ -197,9 +211,13 @@ async def test_an_episode_ends_before_the_engines_context_is_exceeded(js, run_id
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     engine = ScriptedEngine(["<py>print('x' * 40)</py>", "=1"])
-    first = await run_episodes(engine, [task(run_id, 3, 4)], version=lambda: 0, open_sandbox=(await sandboxes(js, reg))[0])
+    first = await run_episodes(
+        engine, [task(run_id, 3, 4)], version=lambda: 0, open_sandbox=(await sandboxes(js, reg))[0]
+    )
     engine = ScriptedEngine(["<py>print('x' * 40)</py>", "=1"])
     engine.max_context = len(first[0].context) - 10  # the observation pushes the context past it
-    eps = await run_episodes(engine, [task(run_id, 3, 4)], version=lambda: 0, open_sandbox=(await sandboxes(js, reg))[0])
+    eps = await run_episodes(
+        engine, [task(run_id, 3, 4)], version=lambda: 0, open_sandbox=(await sandboxes(js, reg))[0]
+    )
     assert engine.calls == 1 and all(ep.finish_reason == "length" and len(ep.tool_calls) == 1 for ep in eps)
     assert first[0].finish_reason != "length" and len(first[0].tool_calls) == 1

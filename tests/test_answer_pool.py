@@ -27,8 +27,17 @@ from verifier_workers import answer_pool, registry
 from verifier_workers.verifiers.math import verify_math
 from verifier_workers.verifiers.reasoning_gym import verify_reasoning_gym
 
-NINE = ["string_insertion", "spiral_matrix", "binary_matrix", "n_queens", "countdown", "puzzle24",
-        "polynomial_multiplication", "simple_integration", "intermediate_integration"]
+NINE = [
+    "string_insertion",
+    "spiral_matrix",
+    "binary_matrix",
+    "n_queens",
+    "countdown",
+    "puzzle24",
+    "polynomial_multiplication",
+    "simple_integration",
+    "intermediate_integration",
+]
 LIMITS = answer_pool.Limits(cpu_s=2.0, memory_mb=512, wall_s=4.0)
 
 
@@ -60,10 +69,22 @@ def verify(d, text: str):
 
 
 def plain_traj(text: str, verifier: str, params: dict) -> Trajectory:
-    return Trajectory(run_id="r", msg_id="m", task_id="t", task_msg_id="tm", domain="x", purpose="train",
-                      group_id="g", group_size=1, sample_index=0, policy_version=0,
-                      turns=[Turn(role="assistant", text=text)], final_text=text, verifier=verifier,
-                      verifier_params=params)
+    return Trajectory(
+        run_id="r",
+        msg_id="m",
+        task_id="t",
+        task_msg_id="tm",
+        domain="x",
+        purpose="train",
+        group_id="g",
+        group_size=1,
+        sample_index=0,
+        policy_version=0,
+        turns=[Turn(role="assistant", text=text)],
+        final_text=text,
+        verifier=verifier,
+        verifier_params=params,
+    )
 
 
 def test_gold_still_scores_one_for_each_of_the_nine(drawn):
@@ -93,8 +114,10 @@ def test_an_answer_cannot_see_the_credential_or_write_files(drawn, name, tmp_pat
 def test_rebinding_the_scorer_does_not_carry_to_the_next_answer(drawn, name):
     d = drawn[name]
     cls = "type(__import__('sys')._getframe(1).f_locals['self'])"
-    for attack in (f"setattr({cls}, 'score_answer', lambda s, a, e: 1.0)",
-                   "setattr(__import__('builtins'), 'float', lambda *a: 1.0)"):
+    for attack in (
+        f"setattr({cls}, 'score_answer', lambda s, a, e: 1.0)",
+        "setattr(__import__('builtins'), 'float', lambda *a: 1.0)",
+    ):
         verify(d, f"<answer>{attack}</answer>")
         wrong = verify(d, "<answer>surely not it 97531</answer>")
         assert wrong.reward < 0.1, (name, attack, wrong)
@@ -104,15 +127,24 @@ def test_rebinding_the_scorer_does_not_carry_to_the_next_answer(drawn, name):
 def test_reading_the_gold_through_frames_gains_nothing(drawn, name):
     d = drawn[name]
     gold = str(d.hidden["answer"])
-    for attack in ("__import__('sys')._getframe(1).f_locals['oracle_answer']",
-                   "__import__('sys')._getframe(1).f_locals['entry']['answer']",
-                   "[g for g in __import__('gc').get_objects() if isinstance(g, dict) and 'answer' in g][0]['answer']"):
+    for attack in (
+        "__import__('sys')._getframe(1).f_locals['oracle_answer']",
+        "__import__('sys')._getframe(1).f_locals['entry']['answer']",
+        "[g for g in __import__('gc').get_objects() if isinstance(g, dict) and 'answer' in g][0]['answer']",
+    ):
         v = verify(d, f"<answer>{attack}</answer>")
         assert v.reward < 0.1 and gold not in v.details, (name, attack, v)
 
 
-@pytest.mark.parametrize("name,bomb", [("countdown", "9**9**9"), ("polynomial_multiplication", "9**9**9"),
-                                       ("spiral_matrix", "'x' * 10**10"), ("puzzle24", "[0] * 10**10")])
+@pytest.mark.parametrize(
+    "name,bomb",
+    [
+        ("countdown", "9**9**9"),
+        ("polynomial_multiplication", "9**9**9"),
+        ("spiral_matrix", "'x' * 10**10"),
+        ("puzzle24", "[0] * 10**10"),
+    ],
+)
 def test_limits_end_a_hostile_answer_and_the_next_one_scores(drawn, name, bomb):
     d = drawn[name]
     t0 = time.monotonic()
@@ -133,6 +165,7 @@ def test_a_power_that_holds_the_gil_is_an_answer_limit_not_a_freeze(drawn):
 def test_math_answers_are_parsed_in_the_pool():
     def traj(text):
         return plain_traj(text, "math", {"gold": "\\frac{1}{2}"})
+
     assert verify_math(traj("The answer is \\boxed{0.5}")).reward == 1.0
     assert verify_math(traj("\\boxed{1/3}")).reward == 0.0
     marker = "/tmp/rlbus-answer-pool-math-marker"
@@ -158,8 +191,17 @@ def test_untrusted_plugins_run_in_the_pool():
 
 
 def test_child_env_keeps_no_secret_named_variable():
-    env = answer_pool.child_env({"PATH": "/bin", "RLBUS_NATS_PASSWORD": "x", "MY_API_KEY": "k", "LC_ALL": "C",
-                                 "RLBUS_TOOL_SECRET": "s", "AWS_SESSION_TOKEN": "t", "PYTHONHASHSEED": "0"})
+    env = answer_pool.child_env(
+        {
+            "PATH": "/bin",
+            "RLBUS_NATS_PASSWORD": "x",
+            "MY_API_KEY": "k",
+            "LC_ALL": "C",
+            "RLBUS_TOOL_SECRET": "s",
+            "AWS_SESSION_TOKEN": "t",
+            "PYTHONHASHSEED": "0",
+        }
+    )
     assert not any(w in k for k in env for w in answer_pool.SECRET_WORDS)
     assert env["LC_ALL"] == "C" and env["PYTHONHASHSEED"] == "0" and env["HOME"] == "/tmp"
 
@@ -170,8 +212,22 @@ def test_rlbus_verify_scores_a_stored_answer_through_the_pool(tmp_path):
     marker = tmp_path / "pwned"
     reply = tmp_path / "reply.txt"
     reply.write_text(f"<answer>open({str(marker)!r}, 'w').write('x')</answer>")
-    out = subprocess.run([str(Path(sys.executable).with_name("rlbus")), "verify", "--domain", "rg-string_insertion",
-                          "--seed", "0", "--index", "0", "--answer-file", str(reply)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("rlbus")),
+            "verify",
+            "--domain",
+            "rg-string_insertion",
+            "--seed",
+            "0",
+            "--index",
+            "0",
+            "--answer-file",
+            str(reply),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["reward"] == 0.0 and not marker.exists()

@@ -66,14 +66,32 @@ async def as_user(auth_server):
 
 
 def task(reg: Registry, n: int = 0) -> Task:
-    return Task(run_id=reg.run_id, task_id=f"t{n}", domain="arith", group_size=1, verifier="exact",
-                prompt=[ChatMessage(role="user", content="1+1=")], hidden_ref=f"arith.t{n}")
+    return Task(
+        run_id=reg.run_id,
+        task_id=f"t{n}",
+        domain="arith",
+        group_size=1,
+        verifier="exact",
+        prompt=[ChatMessage(role="user", content="1+1=")],
+        hidden_ref=f"arith.t{n}",
+    )
 
 
 def trajectory(t: Task) -> Trajectory:
-    return Trajectory(run_id=t.run_id, task_id=t.task_id, task_msg_id=t.msg_id, domain=t.domain, group_id="g",
-                      group_size=1, sample_index=0, turns=[], verifier=t.verifier, hidden_ref=t.hidden_ref,
-                      final_text="2", policy_version=0)
+    return Trajectory(
+        run_id=t.run_id,
+        task_id=t.task_id,
+        task_msg_id=t.msg_id,
+        domain=t.domain,
+        group_id="g",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier=t.verifier,
+        hidden_ref=t.hidden_ref,
+        final_text="2",
+        policy_version=0,
+    )
 
 
 async def denied(coro) -> bool:
@@ -112,10 +130,13 @@ def test_config_renders_every_user_and_no_secret_by_default():
         assert f'user: "{user}"' in conf and f"$RLBUS_NATS_PASSWORD_{user.upper()}" in conf
     rollout = role_permissions("rollout", [RUN])
     flat = " ".join(rollout["publish"]["allow"] + rollout["subscribe"]["allow"])
-    assert f"hidden-{RUN}" not in flat and "rewards." not in flat and f"weights.{RUN}" not in rollout["publish"]["allow"]
+    assert (
+        f"hidden-{RUN}" not in flat and "rewards." not in flat and f"weights.{RUN}" not in rollout["publish"]["allow"]
+    )
     # its inbox, the weights announcements and prefetch hints, and its own role's heartbeats (healthcheck)
-    assert rollout["subscribe"]["allow"] == sorted(["_INBOX_rollout.>", f"weights.{RUN}", f"weights.{RUN}.prefetch",
-                                                    f"metrics.{RUN}.rollout.*"])
+    assert rollout["subscribe"]["allow"] == sorted(
+        ["_INBOX_rollout.>", f"weights.{RUN}", f"weights.{RUN}.prefetch", f"metrics.{RUN}.rollout.*"]
+    )
     assert f"weights.{RUN}.prefetch" in role_permissions("learner", [RUN])["publish"]["allow"]
     with pytest.raises(ValueError, match="run id"):
         server_auth_config([])
@@ -125,13 +146,13 @@ async def test_rollout_does_its_job_and_nothing_more(as_user):
     reg = Registry(RUN)
     admin, sampler, rollout, learner = [await as_user(u) for u in ("admin", "sampler", "rollout", "learner")]
     ajs, sjs, rjs, ljs = (nc.jetstream(timeout=5) for nc in (admin, sampler, rollout, learner))
-    await ensure_topology(rjs, reg, role="rollout")      # creates what it uses, missing ones only
+    await ensure_topology(rjs, reg, role="rollout")  # creates what it uses, missing ones only
     await ensure_topology(sjs, reg, role="sampler")
     await ensure_topology(ljs, reg, role="learner")
     t = task(reg)
     await put_hidden(sjs, reg, t.hidden_ref, {"gold": "2"})  # sampler: write-only hidden
     await publish(sjs, reg.tasks("arith"), t)
-    wv = await publish_version(ljs, reg, None, 0, 0, {})    # learner: object store + weights + KV
+    wv = await publish_version(ljs, reg, None, 0, 0, {})  # learner: object store + weights + KV
 
     # rollout: consume the task, read weights (KV + object store + WEIGHTS stream), publish a trajectory
     sub = await pull_subscription(rjs, reg.rollout_consumer())
@@ -187,8 +208,11 @@ async def test_verifier_scores_with_hidden_data_and_monitor_tails_rewards(as_use
     for m in msgs:
         traj = decode(m.data, Trajectory)
         gold = await get_hidden(vjs, reg, traj.hidden_ref)
-        await publish(vjs, reg.rewards("arith"), Reward(run_id=RUN, trajectory=traj,
-                                                         reward=float(traj.final_text == gold["gold"])))
+        await publish(
+            vjs,
+            reg.rewards("arith"),
+            Reward(run_id=RUN, trajectory=traj, reward=float(traj.final_text == gold["gold"])),
+        )
         await m.ack()
     for _ in range(50):
         if tailed:
@@ -265,8 +289,13 @@ async def test_generated_env_and_rendered_conf_work_together(tmp_path):
     conf = render_conf([RUN])
     assert all(pw not in conf for k, pw in env.items() if k.startswith("RLBUS_NATS_PASSWORD"))
     (tmp_path / "rendered.conf").write_text(conf)
-    check = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "rendered.conf")], env=env,
-                           capture_output=True, text=True, timeout=30)
+    check = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(tmp_path / "rendered.conf")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert check.returncode == 0, check.stderr + check.stdout
     with EmbeddedNats(tmp_path / "srv", config=server_auth_config([RUN]), env=env) as server:
         nc = await connect(server.url, name="env-pw", user="rollout", password=env["RLBUS_NATS_PASSWORD_ROLLOUT"])
@@ -279,8 +308,9 @@ async def test_generated_env_and_rendered_conf_work_together(tmp_path):
 async def connect_once(url: str, user: str, password: str):
     import nats
 
-    return await nats.connect(url, user=user, password=password, connect_timeout=2, allow_reconnect=False,
-                              max_reconnect_attempts=0)
+    return await nats.connect(
+        url, user=user, password=password, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0
+    )
 
 
 async def test_denied_publish_and_subscribe_raise_a_clear_permission_error_and_are_logged(as_user, auth_server):
@@ -327,15 +357,30 @@ def test_cli_exits_with_the_reason_on_a_refused_login_and_a_denied_subject(auth_
     server, passwords = auth_server
     rlbus = str(Path(sys.executable).parent / "rlbus")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_NATS_")}
-    r = subprocess.run([rlbus, "status", "--nats-url", server.url, "--run-id", RUN, "--json"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [rlbus, "status", "--nats-url", server.url, "--run-id", RUN, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "refused the login without credentials" in r.stderr, r.stderr
     env.update(RLBUS_NATS_USER="monitor", RLBUS_NATS_PASSWORD=passwords["monitor"])
-    r = subprocess.run([rlbus, "tail", f"$KV.hidden-{RUN}.>", "--nats-url", server.url, "--timeout", "20"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [rlbus, "tail", f"$KV.hidden-{RUN}.>", "--nats-url", server.url, "--timeout", "20"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "not allowed" in r.stderr and "subscription" in r.stderr.lower(), r.stderr
-    r = subprocess.run([rlbus, "--nats-creds", str(tmp_path / "missing.creds"), "status", "--nats-url", server.url],
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [rlbus, "--nats-creds", str(tmp_path / "missing.creds"), "status", "--nats-url", server.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "missing.creds" in r.stderr and "does not exist" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
 

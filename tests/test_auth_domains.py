@@ -24,8 +24,10 @@ DOMAINS = [f"d{i:03d}" for i in range(100)]
 
 def test_wildcards_cover_every_domain_subject():
     reg = Registry(RUN)
-    allowed = {role: role_permissions(role, [RUN])["publish"]["allow"] for role in ("sampler", "rollout", "verifier",
-                                                                                  "scheduler")}
+    allowed = {
+        role: role_permissions(role, [RUN])["publish"]["allow"]
+        for role in ("sampler", "rollout", "verifier", "scheduler")
+    }
     for d in DOMAINS:  # one wildcard per role and family, never one per domain
         assert reg.tasks(d).startswith(f"tasks.{RUN}.") and f"tasks.{RUN}.>" in allowed["sampler"]
         assert reg.traj(d).startswith(f"traj.{RUN}.") and f"traj.{RUN}.>" in allowed["rollout"]
@@ -41,6 +43,7 @@ async def test_scheduler_publishes_eval_tasks_and_puts_hidden_but_cannot_read_it
     server = EmbeddedNats(tmp_path / "nats", config=server_auth_config([RUN], passwords)).start()
     conns = []
     try:
+
         async def as_user(user):
             nc = await connect(server.url, name=f"test-{user}", user=user, password=passwords[user])
             conns.append(nc)
@@ -50,9 +53,20 @@ async def test_scheduler_publishes_eval_tasks_and_puts_hidden_but_cannot_read_it
         sjs = await as_user("scheduler")
         await ensure_topology(await as_user("admin"), reg)
         await put_hidden(sjs, reg, "zs.e0.abc", {"gold": "0"})
-        tasks = [Task(run_id=RUN, task_id=f"eval-{d}-0", domain=d, purpose="eval", group_size=1, temperature=0.0,
-                      verifier="math", prompt=[ChatMessage(role="user", content="q")], hidden_ref="zs.e0.abc")
-                 for d in DOMAINS]
+        tasks = [
+            Task(
+                run_id=RUN,
+                task_id=f"eval-{d}-0",
+                domain=d,
+                purpose="eval",
+                group_size=1,
+                temperature=0.0,
+                verifier="math",
+                prompt=[ChatMessage(role="user", content="q")],
+                hidden_ref="zs.e0.abc",
+            )
+            for d in DOMAINS
+        ]
         await publish_many(sjs, [(reg.tasks(t.domain), t) for t in tasks])
         info = await sjs.stream_info(reg.stream("TASKS"))
         assert info.state.messages == 100

@@ -13,16 +13,33 @@ import pytest
 pytest.importorskip("trl", reason="TRL is in the bench extra: pip install -e '.[bench]'")
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_KEYS = {"params", "world_size", "ours_tok_s", "trl_tok_s", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb",
-            "mem_ratio", "padding_fraction", "steps_timed_per_side", "completion_lengths", "threads",
-            "load_avg_start"}
+ROW_KEYS = {
+    "params",
+    "world_size",
+    "ours_tok_s",
+    "trl_tok_s",
+    "ratio",
+    "ours_peak_rss_mb",
+    "trl_peak_rss_mb",
+    "mem_ratio",
+    "padding_fraction",
+    "steps_timed_per_side",
+    "completion_lengths",
+    "threads",
+    "load_avg_start",
+}
 
 
 @pytest.mark.e2e
 def test_quick_tiny_writes_rows(tmp_path):
     out = tmp_path / "scale.json"
-    r = subprocess.run([sys.executable, "bench/learner_scale.py", "--quick", "--sizes", "tiny", "--out", str(out)],
-                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "bench/learner_scale.py", "--quick", "--sizes", "tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = result["rows"]

@@ -25,8 +25,13 @@ def _engine() -> bool:
 @pytest.mark.skipif(not _engine(), reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)")
 def test_quick_bench_resolves_gold_and_not_mutants(tmp_path):
     out = tmp_path / "repo_tasks.json"
-    r = subprocess.run([sys.executable, "bench/repo_tasks.py", "--quick", "--out", str(out)], capture_output=True,
-                       text=True, timeout=240, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "bench/repo_tasks.py", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert (res["resolved_gold"], res["unresolved_mutants"], res["n_tasks"], res["n_jobs"]) == ("2/2", "2/2", 2, 4)

@@ -19,8 +19,9 @@ def test_vllm_bench_skips_without_vllm():
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 1, r.stdout
-    assert lines[0].startswith("SKIP bench/vllm_tiers.py: needs vLLM (make vllm-env; "
-                               "run with .venv-vllm/bin/python bench/vllm_tiers.py)"), lines[0]
+    assert lines[0].startswith(
+        "SKIP bench/vllm_tiers.py: needs vLLM (make vllm-env; run with .venv-vllm/bin/python bench/vllm_tiers.py)"
+    ), lines[0]
     assert "Traceback" not in r.stderr
 
 
@@ -30,9 +31,12 @@ def test_skip_unless_returns_when_all_is_there(capsys):
     skip_unless(__file__, modules=("json",))  # nothing missing: returns, prints nothing
     assert capsys.readouterr().out == ""
     assert missing(__file__, modules=("rlbus_no_such_module",)) == [
-        f"the Python module 'rlbus_no_such_module' (not importable in {sys.executable})"]
+        f"the Python module 'rlbus_no_such_module' (not importable in {sys.executable})"
+    ]
     with pytest.raises(SystemExit) as exc:
         skip_unless(str(ROOT / "bench" / "x.py"), modules=("rlbus_no_such_module",), hint="try y")
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("SKIP bench/x.py: needs the Python module 'rlbus_no_such_module'") and out.endswith("; try y\n")
+    assert out.startswith("SKIP bench/x.py: needs the Python module 'rlbus_no_such_module'") and out.endswith(
+        "; try y\n"
+    )

@@ -23,17 +23,7 @@ from bus.publish import publish, publish_many
 from bus.pull import Delivery, Reject, Retry, run_pull_loop, run_pull_stream
 from bus.streams import iter_stream
 from bus.subjects import DAY, ConsumerSpec, Registry
-from schemas import (
-    DeadLetter,
-    EvalResult,
-    Reward,
-    Task,
-    TaskFate,
-    TaskFates,
-    WeightVersion,
-    decode,
-    encode,
-)
+from schemas import DeadLetter, EvalResult, Reward, Task, TaskFate, TaskFates, WeightVersion, decode, encode
 from tests.conftest import settled_consumer
 from tests.messages import make_task, make_trajectory
 
@@ -63,23 +53,47 @@ async def dead_letters(js, reg: Registry, stage: str) -> list[DeadLetter]:
 
 # -- round trips, stream settings, topology --------------------------------------------
 
+
 async def test_round_trip_through_every_stream(js, run_id):
     reg = await topology(js, run_id)
     task = make_task(run_id)
     traj = make_trajectory(run_id, task)
-    reward = Reward(run_id=run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=1.0,
-                    components={"correct": 1.0, "format": 1.0}, details="answer=5", verify_seconds=0.01)
-    weights = WeightVersion(run_id=run_id, version=2, step=7, uri=f"nats-object://{reg.object_bucket}/v000002",
-                            sha256="ab" * 32, bytes=123, metrics={"loss": 0.5})
+    reward = Reward(
+        run_id=run_id,
+        msg_id=f"rw-{traj.msg_id}",
+        trajectory=traj,
+        reward=1.0,
+        components={"correct": 1.0, "format": 1.0},
+        details="answer=5",
+        verify_seconds=0.01,
+    )
+    weights = WeightVersion(
+        run_id=run_id,
+        version=2,
+        step=7,
+        uri=f"nats-object://{reg.object_bucket}/v000002",
+        sha256="ab" * 32,
+        bytes=123,
+        metrics={"loss": 0.5},
+    )
     result = EvalResult(run_id=run_id, version=2, step=7, domain="arith", score=0.25, n=8, eval_set_sha256="cd" * 32)
-    letter = DeadLetter(run_id=run_id, stage="rollout", reason="why not", original_subject=reg.tasks("arith"),
-                        original_data=b"\x00\x01raw", original_headers={"Nats-Msg-Id": "x"}, original_msg_id="x")
+    letter = DeadLetter(
+        run_id=run_id,
+        stage="rollout",
+        reason="why not",
+        original_subject=reg.tasks("arith"),
+        original_data=b"\x00\x01raw",
+        original_headers={"Nats-Msg-Id": "x"},
+        original_msg_id="x",
+    )
     fates = TaskFates(run_id=run_id, stage="sampler", fates=[TaskFate(task_msg_id=task.msg_id, fate="published")])
 
     # work streams and the REWARDS log: through the registry's own durable consumers
-    for subject, msg, spec in [(reg.tasks("arith"), task, reg.rollout_consumer(ack_wait_s=5)),
-                               (reg.traj("arith"), traj, reg.verifier_consumer(ack_wait_s=5)),
-                               (reg.rewards("arith"), reward, reg.learner_consumer(ack_wait_s=5))]:
+    for subject, msg, spec in [
+        (reg.tasks("arith"), task, reg.rollout_consumer(ack_wait_s=5)),
+        (reg.traj("arith"), traj, reg.verifier_consumer(ack_wait_s=5)),
+        (reg.rewards("arith"), reward, reg.learner_consumer(ack_wait_s=5)),
+    ]:
         ack = await publish(js, subject, msg)
         assert ack.stream == spec.stream
         sub = await pull_subscription(js, spec)
@@ -93,8 +107,12 @@ async def test_round_trip_through_every_stream(js, run_id):
         await sub.unsubscribe()
 
     # the other streams: read back without consumers
-    for family, subject, msg in [("WEIGHTS", reg.weights, weights), ("EVAL", reg.eval("arith"), result),
-                                 ("DLQ", reg.dlq("rollout"), letter), ("LEDGER", reg.ledger("sampler"), fates)]:
+    for family, subject, msg in [
+        ("WEIGHTS", reg.weights, weights),
+        ("EVAL", reg.eval("arith"), result),
+        ("DLQ", reg.dlq("rollout"), letter),
+        ("LEDGER", reg.ledger("sampler"), fates),
+    ]:
         ack = await publish(js, subject, msg)
         assert ack.stream == reg.stream(family)
         stored = [data async for _, data in iter_stream(js, reg.stream(family), subject)]
@@ -110,11 +128,15 @@ async def test_round_trip_through_every_stream(js, run_id):
 async def test_stream_configs_are_explicit(js, run_id):
     reg = await topology(js, run_id)
     lim = reg.limits
-    cfg = {f: (await js.stream_info(reg.stream(f))).config
-           for f in ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER")}
+    cfg = {
+        f: (await js.stream_info(reg.stream(f))).config
+        for f in ("TASKS", "TRAJ", "REWARDS", "WEIGHTS", "EVAL", "DLQ", "LEDGER")
+    }
 
-    for family, subject, cap in [("TASKS", f"tasks.{run_id}.>", lim.tasks_max_msgs),
-                                 ("TRAJ", f"traj.{run_id}.>", lim.traj_max_msgs)]:
+    for family, subject, cap in [
+        ("TASKS", f"tasks.{run_id}.>", lim.tasks_max_msgs),
+        ("TRAJ", f"traj.{run_id}.>", lim.traj_max_msgs),
+    ]:
         c = cfg[family]
         assert c.subjects == [subject]
         assert c.retention == RetentionPolicy.WORK_QUEUE, family
@@ -168,6 +190,7 @@ async def test_same_msg_id_is_stored_once(js, run_id):
 
 # -- run_pull_loop outcomes -------------------------------------------------------------
 
+
 async def test_pull_loop_outcomes(js, run_id):
     reg = await topology(js, run_id)
     tasks = {name: make_task(run_id, task_id=name) for name in ("ack", "retry", "reject")}
@@ -186,8 +209,9 @@ async def test_pull_loop_outcomes(js, run_id):
 
     # ack_wait 2 s and 3.5 s of idleness: anything not acked/termed would come back
     sub = await pull_subscription(js, loop_spec(reg, "loop", ack_wait_s=2.0))
-    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=1,
-                                   fetch_timeout=0.3, ack_wait_s=2.0, until_idle=3.5)
+    counters = await run_pull_loop(
+        js, reg, "rollout", sub, Task, handler, batch=1, fetch_timeout=0.3, ack_wait_s=2.0, until_idle=3.5
+    )
 
     by_name = {n: [(c, t) for m, c, t in seen if m == n] for n in tasks}
     assert [c for c, _ in by_name["ack"]] == [1]
@@ -227,8 +251,9 @@ async def test_pull_loop_outcome_applies_to_the_whole_batch(js, run_id):
         raise Reject("batch unusable")
 
     sub = await pull_subscription(js, loop_spec(reg, "whole", ack_wait_s=2.0))
-    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=3, fetch_timeout=0.3,
-                                   ack_wait_s=2.0, until_idle=2.5)
+    counters = await run_pull_loop(
+        js, reg, "rollout", sub, Task, handler, batch=3, fetch_timeout=0.3, ack_wait_s=2.0, until_idle=2.5
+    )
     assert calls[0] == [1, 1, 1], calls
     assert all(c == 2 for call in calls[1:] for c in call) and sum(map(len, calls[1:])) == 3, calls
     assert counters.get("retry") == 3 and counters.get("reject") == 3 and "ack" not in counters, counters
@@ -254,11 +279,13 @@ async def test_a_returned_outcome_is_a_handler_bug(js, run_id):
 
     sub = await pull_subscription(js, loop_spec(reg, "returned", ack_wait_s=30))
     with pytest.raises(TypeError, match="raise Retry or Reject"):
-        await run_pull_loop(js, reg, "rollout", sub, Task, returns_list, batch=1, fetch_timeout=0.3,
-                            ack_wait_s=30, until_idle=5)
+        await run_pull_loop(
+            js, reg, "rollout", sub, Task, returns_list, batch=1, fetch_timeout=0.3, ack_wait_s=30, until_idle=5
+        )
     with pytest.raises(TypeError, match="raise Retry or Reject"):
-        await run_pull_stream(js, reg, "rollout", sub, Task, returns_retry, inflight=1, fetch_timeout=0.3,
-                              ack_wait_s=30, until_idle=5)
+        await run_pull_stream(
+            js, reg, "rollout", sub, Task, returns_retry, inflight=1, fetch_timeout=0.3, ack_wait_s=30, until_idle=5
+        )
     info = await js.consumer_info(reg.stream("TASKS"), "returned")
     assert info.num_ack_pending == 2 and info.num_redelivered == 0, "neither message may be acked or nak'd"
     assert await dead_letters(js, reg, "rollout") == []
@@ -293,8 +320,19 @@ async def test_pull_stream_acks_each_message_as_it_finishes(js, run_id):
 
     sub = await pull_subscription(js, loop_spec(reg, "stream", ack_wait_s=1.2))
     t0 = time.monotonic()
-    counters = await run_pull_stream(js, reg, "rollout", sub, Task, handler, inflight=4, fetch_batch=8,
-                                     fetch_timeout=0.2, ack_wait_s=1.2, until_idle=1.0)
+    counters = await run_pull_stream(
+        js,
+        reg,
+        "rollout",
+        sub,
+        Task,
+        handler,
+        inflight=4,
+        fetch_batch=8,
+        fetch_timeout=0.2,
+        ack_wait_s=1.2,
+        until_idle=1.0,
+    )
     assert peak == 4, f"at most `inflight` handlers at once, and that many when work waits (peak {peak})"
     fast_done = max(acked_at[f"fast{i}"] for i in range(5)) - t0
     assert fast_done < 1.5, f"fast messages waited for the slow one ({fast_done:.2f}s)"
@@ -321,8 +359,9 @@ async def test_pull_stream_propagates_a_handler_bug_without_acking(js, run_id):
 
     sub = await pull_subscription(js, loop_spec(reg, "bug", ack_wait_s=30))
     with pytest.raises(ZeroDivisionError):
-        await run_pull_stream(js, reg, "rollout", sub, Task, handler, inflight=4, fetch_timeout=0.2,
-                              ack_wait_s=30, until_idle=10)
+        await run_pull_stream(
+            js, reg, "rollout", sub, Task, handler, inflight=4, fetch_timeout=0.2, ack_wait_s=30, until_idle=10
+        )
     info = await js.consumer_info(reg.stream("TASKS"), "bug")
     assert info.num_ack_pending == 2, "neither the buggy nor the cancelled message may be acked"
 
@@ -346,8 +385,9 @@ async def test_undecodable_and_foreign_messages_are_dead_lettered(js, run_id):
         handled.extend(d.msg.task_id for d in batch)
 
     sub = await pull_subscription(js, loop_spec(reg, "decode", ack_wait_s=1.0))
-    counters = await run_pull_loop(js, reg, "rollout", sub, Task, handler, batch=2, fetch_timeout=0.3,
-                                   ack_wait_s=1.0, until_idle=2.0)
+    counters = await run_pull_loop(
+        js, reg, "rollout", sub, Task, handler, batch=2, fetch_timeout=0.3, ack_wait_s=1.0, until_idle=2.0
+    )
 
     assert handled == ["good"]
     assert counters.get("dead_lettered") == 3 and counters.get("ack") == 1, counters

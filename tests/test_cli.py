@@ -36,7 +36,9 @@ def test_every_command_module_registers_a_command_with_a_handler():
         added = _registered(module)
         assert added, f"{module.__name__}.register added no command"
         for name, parser in added.items():
-            assert not _without_handler(parser, name), f"{module.__name__}: no func for {_without_handler(parser, name)}"
+            assert not _without_handler(parser, name), (
+                f"{module.__name__}: no func for {_without_handler(parser, name)}"
+            )
         names += added
     assert len(names) == len(set(names)), f"a command is registered twice: {sorted(names)}"
     parsed = cli._parser()._subparsers._group_actions[0].choices
@@ -56,7 +58,9 @@ def test_help_lists_every_command():
     `rlbus = "rlbus.cli:main"`), when it is installed next to this Python."""
     names = [n for m in cli.COMMANDS for n in _registered(m)]
     script = Path(sys.executable).with_name("rlbus")
-    for argv in [[sys.executable, "-m", "rlbus.cli", "--help"]] + ([[str(script), "--help"]] if script.exists() else []):
+    for argv in [[sys.executable, "-m", "rlbus.cli", "--help"]] + (
+        [[str(script), "--help"]] if script.exists() else []
+    ):
         res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         listed = {line.split()[0] for line in res.stdout.splitlines() if line.startswith("    ") and line.split()}

@@ -37,8 +37,14 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 def registry_honours_replicas() -> bool:
     """True when bus.subjects.Registry builds streams with $RLBUS_STREAM_REPLICAS replicas."""
     code = "from bus.subjects import Registry; print({c.num_replicas for c in Registry('x').streams()})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False, capture_output=True, text=True,
-                       env=dict(os.environ, RLBUS_STREAM_REPLICAS="3"))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, RLBUS_STREAM_REPLICAS="3"),
+    )
     return r.returncode == 0 and r.stdout.strip() == "{3}"
 
 
@@ -60,12 +66,21 @@ def replicas_of(url: str, run_id: str) -> dict[str, int]:
 def test_cluster_node_loss(images):
     """Stop nats-1 mid-run: rollout/verifier/learner go on through nats-2/3, lost = 0."""
     if not registry_honours_replicas():
-        pytest.skip("bus/subjects.py does not read RLBUS_STREAM_REPLICAS yet (streams would be R1, "
-                    "and losing a node would lose their data); see docs/deploy.md")
+        pytest.skip(
+            "bus/subjects.py does not read RLBUS_STREAM_REPLICAS yet (streams would be R1, "
+            "and losing a node would lose their data); see docs/deploy.md"
+        )
     port2, port3 = free_port(), free_port()
-    stack = Stack([COMPOSE, CLUSTER], run_id="clustertest",
-                  extra_env={"NATS_HOST_PORT_2": str(port2), "NATS_HOST_PORT_3": str(port3),
-                             "NATS_MONITOR_HOST_PORT_2": str(free_port()), "NATS_MONITOR_HOST_PORT_3": str(free_port())})
+    stack = Stack(
+        [COMPOSE, CLUSTER],
+        run_id="clustertest",
+        extra_env={
+            "NATS_HOST_PORT_2": str(port2),
+            "NATS_HOST_PORT_3": str(port3),
+            "NATS_MONITOR_HOST_PORT_2": str(free_port()),
+            "NATS_MONITOR_HOST_PORT_3": str(free_port()),
+        },
+    )
     url2 = f"nats://127.0.0.1:{port2}"
     figures = {}
     try:

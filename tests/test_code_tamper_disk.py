@@ -46,8 +46,10 @@ def add(a, b):
 @pytest.mark.parametrize("how", ["mknod", "mkfifo"])
 def test_a_file_put_at_tests_py_unseen_by_the_audit_hook_is_tamper(how):
     """os.mknod / os.mkfifo raise no audit event: only the check of the sandbox's files after the run sees them."""
-    v = score(f"import os\ndef add(a, b):\n    if not os.path.exists('tests.py'):\n        os.{how}('tests.py')\n"
-              "    return a + b\n")
+    v = score(
+        f"import os\ndef add(a, b):\n    if not os.path.exists('tests.py'):\n        os.{how}('tests.py')\n"
+        "    return a + b\n"
+    )
     assert (v.reward, v.status) == (0.0, "tamper"), v.details
     assert "backend=process/bwrap" in v.details and "wrote tests.py" in v.details, v.details
 
@@ -62,8 +64,14 @@ def _run_harness(program: str, rewrite: bool):
     sb = open_sandbox("process", limits=Limits(memory_mb=256, cpu_seconds=12, pids=32), timeout=15)
     try:
         assert sb.isolation == "bwrap"
-        sb.write_files([("candidate.py", program.encode()), ("tests.py", tests), ("job.marshal", job),
-                        ("harness.py", code_harness())])
+        sb.write_files(
+            [
+                ("candidate.py", program.encode()),
+                ("tests.py", tests),
+                ("job.marshal", job),
+                ("harness.py", code_harness()),
+            ]
+        )
         work = Path(sb.workdir)
         os.link(work / "tests.py", work / ".keep")
 
@@ -84,15 +92,17 @@ def _run_harness(program: str, rewrite: bool):
         sb.close()
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(RESULT)]
     assert len(lines) == 1, res
-    report = ast.literal_eval(lines[0][len(RESULT):])
+    report = ast.literal_eval(lines[0][len(RESULT) :])
     return res, report, nonce, hashlib.sha256(tests).hexdigest(), hashlib.sha256(program.encode()).hexdigest()
 
 
 def test_test_file_rewritten_on_disk_during_the_run_is_tamper():
     res, report, nonce, tests_sha, cand_sha = _run_harness(WAITS_FOR_THE_REWRITE, rewrite=True)
     assert report["tests_sha256_before"] == tests_sha, report
-    assert report["tests_sha256_after"] == hashlib.sha256(REWRITTEN + counted_tests(ADD).encode()[len(REWRITTEN):]
-                                                          ).hexdigest(), report
+    assert (
+        report["tests_sha256_after"]
+        == hashlib.sha256(REWRITTEN + counted_tests(ADD).encode()[len(REWRITTEN) :]).hexdigest()
+    ), report
     assert report["result"] == "tamper" and "changed on disk" in report["detail"], report
     assert "RLBUS-PASS " not in res.stdout  # every assertion passed, yet no proof
     v = _judge(res, nonce, tests_sha, cand_sha, False)

@@ -26,14 +26,26 @@ def check(candidate):
     assert candidate(-1, 1) == 0
     assert candidate(10, 5) == 15
 """
-HIDDEN_ADD = {"test": ADD, "entry_point": "add", "prompt": "def add(a: int, b: int) -> int:\n    \"\"\"Sum.\"\"\"\n"}
+HIDDEN_ADD = {"test": ADD, "entry_point": "add", "prompt": 'def add(a: int, b: int) -> int:\n    """Sum."""\n'}
 GOOD_ADD = "def add(a, b):\n    return a + b\n"
 
 
 def traj(final_text: str, entry_point: str = "add", **params) -> Trajectory:
-    return Trajectory(run_id="r1", task_id="t1", task_msg_id="m1", domain="code", group_id="g1", group_size=1,
-                      sample_index=0, turns=[], verifier="code", hidden_ref="code.t1.x",
-                      verifier_params={"entry_point": entry_point, **params}, policy_version=0, final_text=final_text)
+    return Trajectory(
+        run_id="r1",
+        task_id="t1",
+        task_msg_id="m1",
+        domain="code",
+        group_id="g1",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier="code",
+        hidden_ref="code.t1.x",
+        verifier_params={"entry_point": entry_point, **params},
+        policy_version=0,
+        final_text=final_text,
+    )
 
 
 def score(text: str, hidden: dict = HIDDEN_ADD, **params):
@@ -92,13 +104,15 @@ def test_infinite_loop_scores_zero_within_the_timeout():
 
 
 def test_always_equal_object_cannot_pass():
-    v = score(textwrap.dedent("""
+    v = score(
+        textwrap.dedent("""
         class Eq:
             def __eq__(self, other):
                 return True
         def add(a, b):
             return Eq()
-    """))
+    """)
+    )
     assert (v.reward, v.status) == (0.0, "tamper"), v.details
 
 
@@ -110,9 +124,9 @@ TAMPER = {
     "fake_passed_lines": "print('PASSED')\nprint('All tests passed')\ndef add(a, b):\n    return 0\n",
     "fake_result_line": "print('RLBUS-PASS ' + '0' * 64)\ndef add(a, b):\n    return 0\n",
     "patch_builtins_import": "import builtins\n_imp = builtins.__import__\n"
-                             "builtins.__import__ = lambda *a, **k: _imp(*a, **k)\ndef add(a, b):\n    return 0\n",
+    "builtins.__import__ = lambda *a, **k: _imp(*a, **k)\ndef add(a, b):\n    return 0\n",
     "patch_assertion_error": "import builtins\nbuiltins.AssertionError = type('X', (Exception,), {})\n"
-                             "def add(a, b):\n    return 0\n",
+    "def add(a, b):\n    return 0\n",
     "patch_exit": "import sys\nsys.exit = lambda *a: None\ndef add(a, b):\n    return 0\n",
     "override_check": "def check(candidate):\n    pass\ndef add(a, b):\n    return 0\n",
     "write_test_file": "open('tests.py', 'w').write('def check(c):\\n    pass\\n')\ndef add(a, b):\n    return 0\n",
@@ -122,7 +136,8 @@ TAMPER = {
     "ctypes": "import ctypes\ndef add(a, b):\n    return 0\n",
     "gc_walk": "import gc\ngc.get_objects()\ndef add(a, b):\n    return 0\n",
     # sqlite writes files without an `open` audit event: importing it is refused
-    "write_test_file_via_sqlite": "import sqlite3\nsqlite3.connect('tests.py').execute('create table t(x)')\n" + GOOD_ADD,
+    "write_test_file_via_sqlite": "import sqlite3\nsqlite3.connect('tests.py').execute('create table t(x)')\n"
+    + GOOD_ADD,
     # a relative path (after chdir) into /proc: the hook resolves paths before checking
     "read_proc_relative": "import os\nos.chdir('/')\nopen('proc/self/status').read()\n" + GOOD_ADD,
     # rebinding the harness's own globals (here the plain-data check the runner uses)
@@ -196,8 +211,19 @@ def test_domain_task_never_carries_the_tests():
 def test_domain_task_verifies_with_its_hidden_payload():
     drawn = he.CodeDomain(_ctx()).make_task(random.Random(1), 1, 0)
     p = he.get(drawn.task.verifier_params["problem_id"])
-    t = Trajectory(run_id="r1", task_id=drawn.task.task_id, task_msg_id="m", domain="code", group_id="g",
-                   group_size=1, sample_index=0, turns=[], verifier="code", verifier_params=drawn.task.verifier_params,
-                   hidden_ref=drawn.task.hidden_ref, policy_version=0,
-                   final_text=f"```python\n{p.prompt}{p.canonical_solution}```")
+    t = Trajectory(
+        run_id="r1",
+        task_id=drawn.task.task_id,
+        task_msg_id="m",
+        domain="code",
+        group_id="g",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier="code",
+        verifier_params=drawn.task.verifier_params,
+        hidden_ref=drawn.task.hidden_ref,
+        policy_version=0,
+        final_text=f"```python\n{p.prompt}{p.canonical_solution}```",
+    )
     assert verify_code(t, drawn.hidden, backend="process").reward == 1.0

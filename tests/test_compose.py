@@ -66,7 +66,10 @@ def engine_problem() -> str | None:
         return "no Docker engine answers (docker info failed); run ../shared/tools/docker-engine or start dockerd"
     if subprocess.run(["docker", "compose", "version"], check=False, capture_output=True, timeout=30).returncode != 0:
         return "the docker compose v2 plugin is missing"
-    if subprocess.run(["docker", "image", "inspect", "python:3.11-slim"], check=False, capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["docker", "image", "inspect", "python:3.11-slim"], check=False, capture_output=True).returncode
+        != 0
+    ):
         return "base image python:3.11-slim is not on the engine (images build offline, nothing is pulled)"
     return None
 
@@ -81,7 +84,9 @@ def image_sizes() -> dict[str, float]:
     """MB of each image `make images` builds."""
     out = {}
     for tag in ("rlbus:latest", "rlbus-nats:latest", "rlbus-sandbox:latest"):
-        r = subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", tag], check=False, capture_output=True, text=True)
+        r = subprocess.run(
+            ["docker", "image", "inspect", "-f", "{{.Size}}", tag], check=False, capture_output=True, text=True
+        )
         if r.returncode == 0:
             out[tag] = round(int(r.stdout.strip()) / 1e6, 1)
     return out
@@ -114,9 +119,15 @@ class Stack:
         self.project = f"rlbustest{uuid.uuid4().hex[:8]}"
         self.files, self.run_id = files, run_id
         self.port, self.monitor = free_port(), free_port()
-        self.env = dict(os.environ, NATS_HOST_PORT=str(self.port), NATS_MONITOR_HOST_PORT=str(self.monitor),
-                        RLBUS_RUN_ID=run_id, RLBUS_CONFIG="/app/examples/smoke.toml", RLBUS_SET=FAST_SET,
-                        **(extra_env or {}))
+        self.env = dict(
+            os.environ,
+            NATS_HOST_PORT=str(self.port),
+            NATS_MONITOR_HOST_PORT=str(self.monitor),
+            RLBUS_RUN_ID=run_id,
+            RLBUS_CONFIG="/app/examples/smoke.toml",
+            RLBUS_SET=FAST_SET,
+            **(extra_env or {}),
+        )
         self.url = f"nats://127.0.0.1:{self.port}"
         self.login = monitor_login()
         # the host CLI's environment after `set -a; . compose/.env; set +a`: the monitor user
@@ -140,9 +151,24 @@ class Stack:
         return subprocess.run(cmd, check=False, capture_output=True, text=True).stdout.split()
 
     def status(self, url: str | None = None, listen: float = 2.5) -> dict | None:
-        r = subprocess.run([RLBUS, "status", "--nats-url", url or self.url, "--run-id", self.run_id, "--json",
-                            "--listen", str(listen)], check=False, capture_output=True, text=True, timeout=120,
-                           env=self.cli_env)
+        r = subprocess.run(
+            [
+                RLBUS,
+                "status",
+                "--nats-url",
+                url or self.url,
+                "--run-id",
+                self.run_id,
+                "--json",
+                "--listen",
+                str(listen),
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.cli_env,
+        )
         return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
 
     def wait_step(self, step: int, timeout: float, url: str | None = None) -> dict:
@@ -190,8 +216,9 @@ def monitor_login() -> dict[str, str]:
     from rlbus.natsauth import read_env
 
     env = read_env(ENV_FILE)
-    assert env.get("RLBUS_NATS_USER") == "monitor" and env.get("RLBUS_NATS_PASSWORD"), \
+    assert env.get("RLBUS_NATS_USER") == "monitor" and env.get("RLBUS_NATS_PASSWORD"), (
         "compose/.env lacks the monitor login (make images writes it)"
+    )
     return {"RLBUS_NATS_USER": env["RLBUS_NATS_USER"], "RLBUS_NATS_PASSWORD": env["RLBUS_NATS_PASSWORD"]}
 
 
@@ -201,8 +228,14 @@ def check_auth(stack: Stack) -> dict:
 
     anon_env = {k: v for k, v in stack.cli_env.items() if not k.startswith("RLBUS_NATS_")}
     t0 = time.monotonic()
-    r = subprocess.run([RLBUS, "status", "--nats-url", stack.url, "--run-id", stack.run_id, "--json"],
-                       check=False, capture_output=True, text=True, timeout=60, env=anon_env)
+    r = subprocess.run(
+        [RLBUS, "status", "--nats-url", stack.url, "--run-id", stack.run_id, "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=anon_env,
+    )
     assert r.returncode != 0 and "refused the login without credentials" in r.stderr, (r.returncode, r.stderr[-2000:])
     out = {"anonymous_status_refused_in_s": round(time.monotonic() - t0, 2)}
 
@@ -222,7 +255,9 @@ def check_auth(stack: Stack) -> dict:
     assert "publish" in out["monitor_publish_denied"].lower()
     # the server logs the refusal too
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any(f"rewards.{stack.run_id}.x" in ln for ln in stack.permission_violations()):
+    while time.monotonic() < deadline and not any(
+        f"rewards.{stack.run_id}.x" in ln for ln in stack.permission_violations()
+    ):
         time.sleep(0.5)
     assert any("user:monitor" in ln and f"rewards.{stack.run_id}.x" in ln for ln in stack.permission_violations())
     return out
@@ -247,9 +282,12 @@ def consumer_state(url: str, run_id: str) -> dict:
                 ci = await js.consumer_info(reg.stream(fam), durable)
                 # every delivery, redeliveries included, takes a consumer sequence; the stream
                 # sequence only grows with new messages: the difference counts redeliveries so far
-                out[durable] = {"redeliveries_total": ci.delivered.consumer_seq - ci.delivered.stream_seq,
-                                "redelivered_now": ci.num_redelivered, "ack_pending": ci.num_ack_pending,
-                                "pending": ci.num_pending}
+                out[durable] = {
+                    "redeliveries_total": ci.delivered.consumer_seq - ci.delivered.stream_seq,
+                    "redelivered_now": ci.num_redelivered,
+                    "ack_pending": ci.num_ack_pending,
+                    "pending": ci.num_pending,
+                }
             return out
         finally:
             await nc.close()
@@ -374,9 +412,14 @@ def test_compose_stack(images):
         assert len({w["host"] for w in st["workers"] if w["role"] == "rollout"}) == 2  # two containers
 
         figures["auth"] = check_auth(stack)
-        tail = subprocess.run([RLBUS, "tail", "rewards.>", "--nats-url", stack.url, "--json", "--max", "3",
-                               "--timeout", "120"], check=False, capture_output=True, text=True, timeout=180,
-                              env=stack.cli_env)
+        tail = subprocess.run(
+            [RLBUS, "tail", "rewards.>", "--nats-url", stack.url, "--json", "--max", "3", "--timeout", "120"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=stack.cli_env,
+        )
         lines = [ln for ln in tail.stdout.splitlines() if ln.strip()]
         figures["tail_max_3_lines"] = len(lines)
         # bus/tail.py keeps printing the messages already in flight when --max is reached
@@ -443,6 +486,10 @@ def test_compose_stack(images):
         (out / "compose_figures.json").write_text(json.dumps(figures, indent=1))
         stack.down()
     assert stack.containers(all_states=True) == [], "containers left after docker compose down"
-    vols = subprocess.run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={stack.project}"],
-                          check=False, capture_output=True, text=True).stdout.split()
+    vols = subprocess.run(
+        ["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={stack.project}"],
+        check=False,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert vols == [], vols

@@ -37,8 +37,9 @@ def _assert_applied(model, raw: dict, where: str = "") -> None:
             _assert_applied(got, value, f"{where}{key}.")
         elif isinstance(value, dict) and isinstance(got, dict):  # a table of sections, e.g. sampler.domains
             extra = set(got) - set(value)  # sampler.domains also holds what a domain set expands to (rg-<dataset>)
-            assert set(value) <= set(got) and all(k.startswith("rg-") for k in extra), \
+            assert set(value) <= set(got) and all(k.startswith("rg-") for k in extra), (
                 f"{where}{key}: file has {sorted(value)}, config has {sorted(got)}"
+            )
             for name, sub in value.items():
                 if isinstance(got[name], BaseModel):
                     _assert_applied(got[name], sub, f"{where}{key}.{name}.")
@@ -72,16 +73,19 @@ def test_unknown_key_via_override_rejected():
 
 def test_set_overrides_typed_values(tmp_path):
     p = tmp_path / "base.toml"
-    p.write_text("[learner]\nlr = 0.5\n[run]\nrun_id = \"fromfile\"\n")
-    cfg = load_config(p, [
-        "learner.lr=0.01",                 # float
-        "sampler.group_size=3",            # int
-        "learner.normalize_std=false",     # bool
-        "rollout.hf.device=cuda:1",        # bare string (not a TOML literal), into a nested section
-        'run.run_id="quoted"',             # TOML string literal
-        "model.arch=llama",                # literal choice from a bare string
-        "run.max_minutes=2",               # int literal into a float field
-    ])
+    p.write_text('[learner]\nlr = 0.5\n[run]\nrun_id = "fromfile"\n')
+    cfg = load_config(
+        p,
+        [
+            "learner.lr=0.01",  # float
+            "sampler.group_size=3",  # int
+            "learner.normalize_std=false",  # bool
+            "rollout.hf.device=cuda:1",  # bare string (not a TOML literal), into a nested section
+            'run.run_id="quoted"',  # TOML string literal
+            "model.arch=llama",  # literal choice from a bare string
+            "run.max_minutes=2",  # int literal into a float field
+        ],
+    )
     assert cfg.learner.lr == 0.01 and isinstance(cfg.learner.lr, float)
     assert cfg.sampler.group_size == 3 and isinstance(cfg.sampler.group_size, int)
     assert cfg.learner.normalize_std is False
@@ -160,14 +164,17 @@ def test_every_section_subclass_is_reachable_from_run_config():
     assert not missing, f"Section subclasses not in RunConfig: {missing}"
 
 
-
 # -- renamed keys: every old spelling fails, naming the new one -----------------------------
 RENAMED = {  # old --set, the new key the error must name, the same value under the new key
     "learner": [
         ("learner.lora_rank=8", "learner.lora.rank", "learner.lora.rank=8"),
         ("learner.lora_alpha=32.0", "learner.lora.alpha", "learner.lora.alpha=32.0"),
         ("learner.lora_dropout=0.1", "learner.lora.dropout", "learner.lora.dropout=0.1"),
-        ('learner.lora_target_modules=["q_proj"]', "learner.lora.target_modules", 'learner.lora.target_modules=["q_proj"]'),
+        (
+            'learner.lora_target_modules=["q_proj"]',
+            "learner.lora.target_modules",
+            'learner.lora.target_modules=["q_proj"]',
+        ),
         ("learner.replay_share=0.5", "learner.replay.share", "learner.replay.share=0.5"),
         ("learner.replay_data=x.jsonl", "learner.replay.data", "learner.replay.data=x.jsonl"),
         ("learner.replay_batch_size=4", "learner.replay.batch_size", "learner.replay.batch_size=4"),
@@ -194,20 +201,38 @@ RENAMED = {  # old --set, the new key the error must name, the same value under 
     ],
     "scheduler.curriculum": [
         ("scheduler.curriculum=false", "scheduler.curriculum.enabled", "scheduler.curriculum.enabled=false"),
-        ("scheduler.curriculum_temperature=0.3", "scheduler.curriculum.temperature",
-         "scheduler.curriculum.temperature=0.3"),
+        (
+            "scheduler.curriculum_temperature=0.3",
+            "scheduler.curriculum.temperature",
+            "scheduler.curriculum.temperature=0.3",
+        ),
         ("scheduler.curriculum_every_s=2", "scheduler.curriculum.every_s", "scheduler.curriculum.every_s=2"),
         ("scheduler.curriculum_ema_alpha=0.5", "scheduler.curriculum.ema_alpha", "scheduler.curriculum.ema_alpha=0.5"),
-        ("scheduler.curriculum_promote_at=0.9", "scheduler.curriculum.promote_at", "scheduler.curriculum.promote_at=0.9"),
+        (
+            "scheduler.curriculum_promote_at=0.9",
+            "scheduler.curriculum.promote_at",
+            "scheduler.curriculum.promote_at=0.9",
+        ),
         ("scheduler.curriculum_demote_at=0.1", "scheduler.curriculum.demote_at", "scheduler.curriculum.demote_at=0.1"),
         ("scheduler.curriculum_window=16", "scheduler.curriculum.window", "scheduler.curriculum.window=16"),
     ],
     "scheduler.forgetting": [
         ("scheduler.forgetting_margin=0.1", "scheduler.forgetting.margin", "scheduler.forgetting.margin=0.1"),
-        ("scheduler.forgetting_replay_step=0.2", "scheduler.forgetting.replay_step",
-         "scheduler.forgetting.replay_step=0.2"),
-        ("scheduler.forgetting_replay_max=0.5", "scheduler.forgetting.replay_max", "scheduler.forgetting.replay_max=0.5"),
-        ("scheduler.forgetting_beta_step=0.02", "scheduler.forgetting.beta_step", "scheduler.forgetting.beta_step=0.02"),
+        (
+            "scheduler.forgetting_replay_step=0.2",
+            "scheduler.forgetting.replay_step",
+            "scheduler.forgetting.replay_step=0.2",
+        ),
+        (
+            "scheduler.forgetting_replay_max=0.5",
+            "scheduler.forgetting.replay_max",
+            "scheduler.forgetting.replay_max=0.5",
+        ),
+        (
+            "scheduler.forgetting_beta_step=0.02",
+            "scheduler.forgetting.beta_step",
+            "scheduler.forgetting.beta_step=0.02",
+        ),
         ("scheduler.forgetting_beta_max=0.3", "scheduler.forgetting.beta_max", "scheduler.forgetting.beta_max=0.3"),
     ],
     "scheduler.plateau": [
@@ -284,13 +309,23 @@ def test_resolved_config_round_trips_through_the_launcher_json(tmp_path):
 
 # -- derived values ---------------------------------------------------------------------------
 def test_inflight_caps_derived_from_learner_rollout_and_sampler():
-    cfg = load_config(None, ["learner.groups_per_step=4", "learner.publish_every=2", "learner.max_staleness=3",
-                             "sampler.max_inflight_tasks=100", "rollout.pools.long.max_inflight=5"])
+    cfg = load_config(
+        None,
+        [
+            "learner.groups_per_step=4",
+            "learner.publish_every=2",
+            "learner.max_staleness=3",
+            "sampler.max_inflight_tasks=100",
+            "rollout.pools.long.max_inflight=5",
+        ],
+    )
     assert cfg.sampler.inflight_caps == {"short": 4 * 2 * 3, "long": 5}
     # the sampler's own bound wins when it is the smaller one; max_staleness 0 still lets one version through
     cfg = load_config(None, ["learner.groups_per_step=4", "learner.max_staleness=0", "sampler.max_inflight_tasks=3"])
     assert cfg.sampler.inflight_caps["short"] == 3
-    assert load_config(None, ["learner.groups_per_step=4", "learner.max_staleness=0"]).sampler.inflight_caps["short"] == 4
+    assert (
+        load_config(None, ["learner.groups_per_step=4", "learner.max_staleness=0"]).sampler.inflight_caps["short"] == 4
+    )
     # every pool gets a cap, the configured extra ones included
     cfg = load_config(None, ["rollout.pools.huge.max_inflight=1"])
     assert cfg.sampler.inflight_caps["huge"] == 1 and set(cfg.sampler.inflight_caps) == set(cfg.rollout.pools)
@@ -308,7 +343,9 @@ def test_inflight_caps_follow_a_replaced_section_and_cannot_be_set():
 def test_sampler_reads_the_derived_caps():
     from producers.sampler import pool_caps
 
-    cfg = load_config(None, ["learner.groups_per_step=5", "learner.max_staleness=2", "rollout.pools.long.max_inflight=3"])
+    cfg = load_config(
+        None, ["learner.groups_per_step=5", "learner.max_staleness=2", "rollout.pools.long.max_inflight=3"]
+    )
     assert pool_caps(cfg) == cfg.sampler.inflight_caps == {"short": 10, "long": 3}
 
 
@@ -317,6 +354,7 @@ def test_every_renamed_key_is_tested():
     tested = {old.split("=")[0] for _, old, _, _ in RENAMED_CASES}
     declared = {f"{place}.{old}" for place, table in tables.items() for old in table}
     assert declared == tested
+
 
 LOG_SNIPPET = """
 import structlog
@@ -331,8 +369,14 @@ log.info("rollout.idle")
 
 
 def test_structlog_json_when_not_a_tty():
-    proc = subprocess.run([sys.executable, "-c", LOG_SNIPPET], cwd=ROOT, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOG_SNIPPET],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 2, proc.stderr

@@ -33,18 +33,38 @@ def test_bind_replaces_every_forged_field_with_the_tasks_own():
     honest = make_trajectory("r1", task, 0, "5")
     check = TaskCheck.of(task)
     assert bind(honest, check) == (honest, [])
-    forged = honest.model_copy(update={"verifier": "constant", "verifier_params": {"expression": "3+4"},
-                                       "reward_weights": {"format": 1.0}, "hidden_ref": "math.x.000000000000"})
+    forged = honest.model_copy(
+        update={
+            "verifier": "constant",
+            "verifier_params": {"expression": "3+4"},
+            "reward_weights": {"format": 1.0},
+            "hidden_ref": "math.x.000000000000",
+        }
+    )
     bound, fields = bind(forged, check)
     assert fields == ["verifier", "verifier_params", "reward_weights", "hidden_ref"]
     assert (bound.verifier, bound.verifier_params, dict(bound.reward_weights), bound.hidden_ref) == (
-        "arith", {"expression": "2+3"}, {}, None)
+        "arith",
+        {"expression": "2+3"},
+        {},
+        None,
+    )
     assert check_key("arith", "a.b/c d") == check_key("arith", "a.b/c d") and " " not in check_key("arith", "a b")
 
 
 def test_resource_params_are_clamped_to_the_operators_maxima():
-    task = make_task("r1").model_copy(update={"verifier_params": {
-        "expression": "2+3", "memory_mb": 10**9, "cpus": 512.0, "timeout_s": float("inf"), "pids": 5, "other": 10**9}})
+    task = make_task("r1").model_copy(
+        update={
+            "verifier_params": {
+                "expression": "2+3",
+                "memory_mb": 10**9,
+                "cpus": 512.0,
+                "timeout_s": float("inf"),
+                "pids": 5,
+                "other": 10**9,
+            }
+        }
+    )
     traj = clamp_resources(make_trajectory("r1", task), VerifierSection(max_memory_mb=2048, max_cpus=2.0))
     vp = traj.verifier_params
     assert (vp["memory_mb"], vp["cpus"], vp["timeout_s"], vp["pids"], vp["other"]) == (2048, 2.0, 600.0, 5, 10**9)
@@ -73,18 +93,25 @@ async def test_a_rollout_that_forges_each_check_field_gets_the_tasks_real_check(
     }
     orphan = make_trajectory(run_id, make_task(run_id, task_id="never-published"), 0, "5")
     await publish_many(js, [(reg.traj("arith"), t) for t in [*forged.values(), honest_right, orphan]])
-    cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=8, retry_base_s=0.05, retry_max_s=0.1,
-                                             concurrency=1))
-    counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
-                                            run_path=tmp_path, until_idle=5.0))
-    rewards = {decode(d, Reward).trajectory.msg_id: decode(d, Reward)
-               async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))}
+    cfg = RunConfig(
+        verifier=VerifierSection(ack_wait_s=1.0, batch=8, retry_base_s=0.05, retry_max_s=0.1, concurrency=1)
+    )
+    counters = await run(
+        cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(), run_path=tmp_path, until_idle=5.0)
+    )
+    rewards = {
+        decode(d, Reward).trajectory.msg_id: decode(d, Reward)
+        async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))
+    }
     assert rewards[honest_right.msg_id].reward == 1.0
     for field, traj in forged.items():
         r = rewards[traj.msg_id]
         assert r.reward == 0.0 and r.components["correct"] == 0.0, field
         assert (r.trajectory.verifier, r.trajectory.verifier_params, r.trajectory.hidden_ref) == (
-            "arith", {"expression": "2+3"}, None), field  # the Reward records the check it was scored by
+            "arith",
+            {"expression": "2+3"},
+            None,
+        ), field  # the Reward records the check it was scored by
     assert counters["check_forged"] == 4
     assert orphan.msg_id not in rewards
     letters = [decode(d, DeadLetter) async for _, d in iter_stream(js, reg.stream("DLQ"), reg.all("dlq"))]

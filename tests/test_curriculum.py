@@ -12,8 +12,9 @@ from scheduler.curriculum import Curriculum, DomainSpec, apply_floors, softmax
 
 
 def test_softmax_of_gap_hand_computed():
-    cur = Curriculum({"a": DomainSpec(target_reward=0.8), "b": DomainSpec(target_reward=0.8)},
-                     temperature=0.2, ema_alpha=1.0)
+    cur = Curriculum(
+        {"a": DomainSpec(target_reward=0.8), "b": DomainSpec(target_reward=0.8)}, temperature=0.2, ema_alpha=1.0
+    )
     cur.observe("a", 1, [0.2])  # gap 0.6 -> logit 3
     cur.observe("b", 1, [0.6])  # gap 0.2 -> logit 1
     w = cur.weights()
@@ -41,8 +42,10 @@ def test_floor_water_filling_three_domains():
 
 def test_floors_respected_under_random_rewards():
     rng = random.Random(0)
-    specs = {f"d{i}": DomainSpec(target_reward=rng.uniform(0.3, 1.0), floor_share=f)
-             for i, f in enumerate([0.05, 0.1, 0.0, 0.3])}
+    specs = {
+        f"d{i}": DomainSpec(target_reward=rng.uniform(0.3, 1.0), floor_share=f)
+        for i, f in enumerate([0.05, 0.1, 0.0, 0.3])
+    }
     cur = Curriculum(specs, temperature=0.05, ema_alpha=0.3)
     for _ in range(300):
         d = rng.choice(list(specs))
@@ -60,8 +63,11 @@ def test_floors_over_one_rejected():
 
 def test_weights_shift_toward_hard_domain():
     rng = random.Random(1)
-    cur = Curriculum({"easy": DomainSpec(0.8, floor_share=0.05), "hard": DomainSpec(0.8, floor_share=0.05)},
-                     temperature=0.5, ema_alpha=0.1)
+    cur = Curriculum(
+        {"easy": DomainSpec(0.8, floor_share=0.05), "hard": DomainSpec(0.8, floor_share=0.05)},
+        temperature=0.5,
+        ema_alpha=0.1,
+    )
     trajectory = [cur.weights()["hard"]]
     assert trajectory[0] == pytest.approx(0.5)
     for _ in range(40):
@@ -114,8 +120,13 @@ def test_middling_success_rate_holds_level():
 
 
 def test_snapshot_round_trip():
-    cur = Curriculum({"a": DomainSpec(0.7, 0.1, (1, 4), 2), "b": DomainSpec(0.9, 0.0, (0, 2))},
-                     temperature=0.3, ema_alpha=0.25, window=4, min_samples=4)
+    cur = Curriculum(
+        {"a": DomainSpec(0.7, 0.1, (1, 4), 2), "b": DomainSpec(0.9, 0.0, (0, 2))},
+        temperature=0.3,
+        ema_alpha=0.25,
+        window=4,
+        min_samples=4,
+    )
     cur.observe("a", 2, [1.0, 1.0, 1.0, 1.0])
     cur.observe("a", 3, [0.0, 1.0])
     cur.observe("b", 0, [0.25])

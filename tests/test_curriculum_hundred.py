@@ -67,8 +67,12 @@ def test_hundred_domains_hand_computed():
 def test_floors_and_cap_hold_under_random_rewards_at_150_domains():
     rng = random.Random(7)
     names = [f"x{i}" for i in range(150)]
-    specs = {d: DomainSpec(target_reward=rng.choice([None, rng.uniform(0.2, 0.9)]),
-                           floor_share=rng.choice([0.0, 0.0, 0.003, 0.01])) for d in names}
+    specs = {
+        d: DomainSpec(
+            target_reward=rng.choice([None, rng.uniform(0.2, 0.9)]), floor_share=rng.choice([0.0, 0.0, 0.003, 0.01])
+        )
+        for d in names
+    }
     cur = Curriculum(specs, temperature=0.05, ema_alpha=0.3, window=4, min_share=0.001, max_share=0.03)
     for step in range(600):
         d = rng.choice(names)
@@ -160,10 +164,27 @@ def test_one_small_kv_value_for_a_hundred_domains_round_trips():
 
 
 def hundred_config(tmp_path: Path, *, heldout: tuple[str, ...] = (), every_s: float = 0.5) -> Path:
-    lines = ["[sampler]", "group_size = 4", "max_inflight_tasks = 500", "", "[rollout]", 'engine = "null"', "",
-             "[learner]", 'policy = "null"', "max_staleness = 100", "",
-             "[scheduler.curriculum]", f"every_s = {every_s}", "window = 4", "ema_alpha = 1.0", "temperature = 0.1",
-             "min_share = 0.002", "max_share = 0.05", ""]
+    lines = [
+        "[sampler]",
+        "group_size = 4",
+        "max_inflight_tasks = 500",
+        "",
+        "[rollout]",
+        'engine = "null"',
+        "",
+        "[learner]",
+        'policy = "null"',
+        "max_staleness = 100",
+        "",
+        "[scheduler.curriculum]",
+        f"every_s = {every_s}",
+        "window = 4",
+        "ema_alpha = 1.0",
+        "temperature = 0.1",
+        "min_share = 0.002",
+        "max_share = 0.05",
+        "",
+    ]
     for d in NAMES + list(heldout):
         lines += [f"[sampler.domains.{d}]", 'kind = "arith"', *(["heldout = true"] if d in heldout else []), ""]
     path = tmp_path / "hundred.toml"
@@ -183,9 +204,19 @@ def test_config_sampler_and_heldout_plan(tmp_path):
     from producers.domains import make_source
 
     sources = {d: make_source("r", d, cfg) for d in cfg.sampler.domains}
-    drawn = make_tasks(sources, random.Random(0), 0, {"short": 2000}, 2000, plan(cfg.sampler.domains, None)[0],
-                       {d: 1 for d in sources}, {d: "short" for d in sources})
-    assert len(drawn) == 2000 and "zs" not in {x.task.domain for x in drawn} and len({x.task.domain for x in drawn}) == 100
+    drawn = make_tasks(
+        sources,
+        random.Random(0),
+        0,
+        {"short": 2000},
+        2000,
+        plan(cfg.sampler.domains, None)[0],
+        {d: 1 for d in sources},
+        {d: "short" for d in sources},
+    )
+    assert (
+        len(drawn) == 2000 and "zs" not in {x.task.domain for x in drawn} and len({x.task.domain for x in drawn}) == 100
+    )
     with pytest.raises(ValueError, match="heldout"):
         load_config(None, ["sampler.domains.arith.heldout=true"])
 
@@ -193,9 +224,19 @@ def test_config_sampler_and_heldout_plan(tmp_path):
 def rewards_of(run_id: str, domain: str, group: str, version: int, values: list[float]) -> list[Reward]:
     out = []
     for i, v in enumerate(values):
-        traj = Trajectory(run_id=run_id, task_id=f"{domain}-{group}", task_msg_id=f"tm-{group}", domain=domain,
-                          difficulty=1, group_id=group, group_size=len(values), sample_index=i, verifier="arith",
-                          policy_version=version, turns=[Turn(role="prompt", text="p")])
+        traj = Trajectory(
+            run_id=run_id,
+            task_id=f"{domain}-{group}",
+            task_msg_id=f"tm-{group}",
+            domain=domain,
+            difficulty=1,
+            group_id=group,
+            group_size=len(values),
+            sample_index=i,
+            verifier="arith",
+            policy_version=version,
+            turns=[Turn(role="prompt", text="p")],
+        )
         out.append(Reward(run_id=run_id, trajectory=traj, reward=v))
     return out
 
@@ -223,6 +264,7 @@ async def test_live_service_moves_weight_to_lagging_domains_at_most_every_s(js, 
     async def observed():
         value = await get_json(js, reg, CURRICULUM)
         return value if value and value["updates"] == 200 else None
+
     value = await eventually(observed, 30, "the curriculum to observe all 200 groups", tmp_path)
     stop.set()
     await asyncio.wait_for(task, 10)

@@ -70,9 +70,19 @@ def config(tmp_path: Path) -> Path:
 def group_rewards(run_id: str, domain: str, level: int, group: str, values: list[float]) -> list[Reward]:
     out = []
     for i, v in enumerate(values):
-        traj = Trajectory(run_id=run_id, task_id=f"{domain}-{group}", task_msg_id=f"tm-{group}", domain=domain,
-                          difficulty=level, group_id=group, group_size=len(values), sample_index=i,
-                          verifier=domain, policy_version=0, turns=[Turn(role="prompt", text="p")])
+        traj = Trajectory(
+            run_id=run_id,
+            task_id=f"{domain}-{group}",
+            task_msg_id=f"tm-{group}",
+            domain=domain,
+            difficulty=level,
+            group_id=group,
+            group_size=len(values),
+            sample_index=i,
+            verifier=domain,
+            policy_version=0,
+            turns=[Turn(role="prompt", text="p")],
+        )
         out.append(Reward(run_id=run_id, trajectory=traj, reward=v))
     return out
 
@@ -97,6 +107,7 @@ async def run_until_updates(js, reg: Registry, cfg, store, updates: int, what: s
     async def observed():
         value = await get_json(js, reg, CURRICULUM)
         return value if value and value["updates"] == updates else None
+
     value = await eventually(observed, 20, what, tmp_path)
     stop.set()
     return value, await asyncio.wait_for(task, 10)
@@ -110,14 +121,16 @@ async def test_curriculum_service_shifts_weights_and_promotes(js, run_id, tmp_pa
     await asyncio.to_thread(store.ensure_run, run_id)
     await publish_groups(js, reg, "r1", 8)  # 32 samples per domain
 
-    value, counters = await run_until_updates(js, reg, cfg, store, 16, "the curriculum to observe every group",
-                                              tmp_path)
+    value, counters = await run_until_updates(
+        js, reg, cfg, store, 16, "the curriculum to observe every group", tmp_path
+    )
 
     w = value["weights"]
     assert set(w) == {"arith", "math"} and abs(sum(w.values()) - 1) < 1e-9
     assert w["math"] > 0.9 > w["arith"], w
     assert value["levels"] == {"arith": 2, "math": 1}, value
     assert counters["curriculum_groups"] == 16 and counters.get("curriculum_promotes") == 1
+
     async def all_acked():  # the server applies acks asynchronously: poll briefly
         info = await js.consumer_info(reg.stream("REWARDS"), DURABLE)
         return info.num_ack_pending == 0 and info.num_pending == 0
@@ -130,19 +143,23 @@ async def test_curriculum_service_shifts_weights_and_promotes(js, run_id, tmp_pa
 
     # restart: the state comes back from KV; more of the same keeps the shares, counts on
     await publish_groups(js, reg, "r2", 2)
-    new, _ = await run_until_updates(js, reg, cfg, store, 20, "the restarted curriculum to observe the new groups",
-                                     tmp_path)
+    new, _ = await run_until_updates(
+        js, reg, cfg, store, 20, "the restarted curriculum to observe the new groups", tmp_path
+    )
     assert new["version"] > value["version"] and new["levels"] == {"arith": 2, "math": 1}
     assert new["weights"]["math"] > 0.9
 
 
 def test_plan_static_until_curriculum_then_clamped():
-    cfg = load_config(None, ["sampler.domains.arith.weight=3.0", "sampler.domains.math.weight=1.0",
-                             "sampler.domains.math.max_level=2"])
+    cfg = load_config(
+        None,
+        ["sampler.domains.arith.weight=3.0", "sampler.domains.math.weight=1.0", "sampler.domains.math.max_level=2"],
+    )
     domains = cfg.sampler.domains
     assert plan(domains, None) == ({"arith": 3.0, "math": 1.0}, {"arith": 1, "math": 1})
-    weights, levels = plan(domains, {"weights": {"math": 1.0, "code": 5.0}, "levels": {"arith": 9, "math": 2},
-                                     "version": 3})
+    weights, levels = plan(
+        domains, {"weights": {"math": 1.0, "code": 5.0}, "levels": {"arith": 9, "math": 2}, "version": 3}
+    )
     assert weights == {"arith": 0.0, "math": 1.0} and levels == {"arith": 1, "math": 2}
     # the legacy single-domain fields still describe the default domain
     legacy = load_config(None, ["sampler.difficulty=4"]).sampler.domains
@@ -152,13 +169,15 @@ def test_plan_static_until_curriculum_then_clamped():
 async def test_sampler_follows_kv_curriculum(js, run_id, tmp_path, spawn_worker):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    await put_json(js, reg, CURRICULUM, {"weights": {"arith": 0.2, "math": 0.8},
-                                             "levels": {"arith": 3, "math": 2}, "version": 1})
+    await put_json(
+        js, reg, CURRICULUM, {"weights": {"arith": 0.2, "math": 0.8}, "levels": {"arith": 3, "math": 2}, "version": 1}
+    )
     n = 200
     proc = spawn_worker("sampler", run_id, config(tmp_path), "--max-messages", str(n))
 
     async def exited():
         return proc.poll() is not None
+
     await eventually(exited, 30, "the sampler to publish its tasks and exit", tmp_path)
     assert proc.returncode == 0, logs(tmp_path)
 
@@ -169,8 +188,10 @@ async def test_sampler_follows_kv_curriculum(js, run_id, tmp_path, spawn_worker)
     assert {t.difficulty for t in tasks if t.domain == "arith"} == {3}
     math_tasks = [t for t in tasks if t.domain == "math"]
     assert {t.difficulty for t in math_tasks} == {2}
-    assert all(t.verifier == "math" and "gold" not in t.verifier_params and "\\boxed{}" in t.prompt[0].content
-               for t in math_tasks)
+    assert all(
+        t.verifier == "math" and "gold" not in t.verifier_params and "\\boxed{}" in t.prompt[0].content
+        for t in math_tasks
+    )
     # gold lives only in the hidden bucket, under each task's hidden_ref
     from bus.hidden import get_hidden
     from producers.domains.math import load, resolve_path
@@ -178,6 +199,9 @@ async def test_sampler_follows_kv_curriculum(js, run_id, tmp_path, spawn_worker)
     answers = {q.id: q.answer for q in load(str(resolve_path("")))}
     for t in math_tasks[:5]:
         assert (await get_hidden(js, reg, t.hidden_ref))["gold"] == answers[t.verifier_params["problem_id"]]
-    fates = [f for tf in [decode(d, TaskFates) async for _, d in iter_stream(js, reg.stream("LEDGER"), reg.ledger("sampler"))]
-             for f in tf.fates]
+    fates = [
+        f
+        for tf in [decode(d, TaskFates) async for _, d in iter_stream(js, reg.stream("LEDGER"), reg.ledger("sampler"))]
+        for f in tf.fates
+    ]
     assert sorted(f.task_msg_id for f in fates) == sorted(t.msg_id for t in tasks)

@@ -24,9 +24,13 @@ from schemas.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 ROWS = [  # the default JSONL-kind format; nested objects differ row to row (Arrow unions them)
-    {"id": f"q{i}", "prompt": f"Extract the fields of record {i}.",
-     "hidden": {"gold": {"name": f"n{i}", "year": 1900 + i} if i % 2 else {"city": f"c{i}"}},
-     "params": {"note": f"p{i}"} if i % 3 else None, "level": 1 + i % 2}
+    {
+        "id": f"q{i}",
+        "prompt": f"Extract the fields of record {i}.",
+        "hidden": {"gold": {"name": f"n{i}", "year": 1900 + i} if i % 2 else {"city": f"c{i}"}},
+        "params": {"note": f"p{i}"} if i % 3 else None,
+        "level": 1 + i % 2,
+    }
     for i in range(12)
 ]
 
@@ -46,8 +50,13 @@ def write_all_formats(tmp_path: Path, rows: list) -> dict[str, Path]:
     ds.to_parquet(str(tmp_path / "rows.parquet"))
     ds.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(tmp_path / "saved_dict"))
-    return {"jsonl": write_jsonl(tmp_path / "rows.jsonl", rows), "parquet": tmp_path / "rows.parquet",
-            "saved": tmp_path / "saved", "saved_dict": tmp_path / "saved_dict", "split_files": tmp_path / "hub_layout"}
+    return {
+        "jsonl": write_jsonl(tmp_path / "rows.jsonl", rows),
+        "parquet": tmp_path / "rows.parquet",
+        "saved": tmp_path / "saved",
+        "saved_dict": tmp_path / "saved_dict",
+        "split_files": tmp_path / "hub_layout",
+    }
 
 
 def config(tmp_path: Path, body: str):
@@ -101,12 +110,27 @@ def test_math_kind_reads_parquet_like_jsonl(tmp_path):
 
 
 def test_field_map_names_question_answer_id_and_metadata_columns(tmp_path):
-    rows = [{"uid": 100 + i, "question": f"Compute {i} * 3.", "solution": i * 3, "difficulty": 1 + i % 2,
-             "subject": "arithmetic", "source": "x"} for i in range(8)]
+    rows = [
+        {
+            "uid": 100 + i,
+            "question": f"Compute {i} * 3.",
+            "solution": i * 3,
+            "difficulty": 1 + i % 2,
+            "subject": "arithmetic",
+            "source": "x",
+        }
+        for i in range(8)
+    ]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "q.parquet"))
-    cfg, src = domain(tmp_path, tmp_path / "q.parquet", kind="math", extra=(
-        'field_map = { prompt = "question", gold = "solution", id = "uid", level = "difficulty", '
-        '"params.subject" = "subject", "hidden.origin" = "source" }\n'))
+    cfg, src = domain(
+        tmp_path,
+        tmp_path / "q.parquet",
+        kind="math",
+        extra=(
+            'field_map = { prompt = "question", gold = "solution", id = "uid", level = "difficulty", '
+            '"params.subject" = "subject", "hidden.origin" = "source" }\n'
+        ),
+    )
     tasks = drawn(cfg, src, 30)
     for d in tasks:
         uid = int(d.task.verifier_params["problem_id"])
@@ -124,14 +148,22 @@ def test_field_map_names_question_answer_id_and_metadata_columns(tmp_path):
     # no id column: ids are content hashes, the same every load, distinct per row
     ids = [t.id for t in src.data.train]
     assert len(set(ids)) == 2 and all(len(i) == 16 for i in ids)
-    assert [t.id for t in domain(tmp_path, tmp_path / "j.jsonl", extra='field_map = { prompt = "q", "hidden.reference" = "a" }\n')[1].data.train] == ids
+    assert [
+        t.id
+        for t in domain(
+            tmp_path, tmp_path / "j.jsonl", extra='field_map = { prompt = "q", "hidden.reference" = "a" }\n'
+        )[1].data.train
+    ] == ids
 
 
-@pytest.mark.parametrize("fmap,match", [
-    ('{ question = "q" }', "field_map keys \\['question'\\] unknown"),
-    ('{ prompt = "" }', "mapped to an empty column"),
-    ('{ gold = "a", "hidden.gold" = "b" }', "both gold and hidden.gold"),
-])
+@pytest.mark.parametrize(
+    "fmap,match",
+    [
+        ('{ question = "q" }', "field_map keys \\['question'\\] unknown"),
+        ('{ prompt = "" }', "mapped to an empty column"),
+        ('{ gold = "a", "hidden.gold" = "b" }', "both gold and hidden.gold"),
+    ],
+)
 def test_field_map_keys_are_checked_by_the_config(tmp_path, fmap, match):
     with pytest.raises(ValueError, match=match):
         config(tmp_path, f'[sampler.domains.d]\nkind = "jsonl"\nfield_map = {fmap}\n')
@@ -180,8 +212,12 @@ def test_identical_prompts_fall_on_one_side_and_the_check_can_fail(tmp_path):
 
 def test_heldout_split_is_held_out_whole_and_its_prompts_leave_training(tmp_path):
     train = datasets.Dataset.from_list(math_rows(10))
-    test = datasets.Dataset.from_list([{"id": "t0", "problem": "A test-only problem", "answer": "0"},
-                                       {"id": "t1", **{k: v for k, v in math_rows(4)[3].items() if k != "id"}}])
+    test = datasets.Dataset.from_list(
+        [
+            {"id": "t0", "problem": "A test-only problem", "answer": "0"},
+            {"id": "t1", **{k: v for k, v in math_rows(4)[3].items() if k != "id"}},
+        ]
+    )
     datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dd"))
     cfg, src = domain(tmp_path, tmp_path / "dd", kind="math", extra='heldout_split = "test"\n')
     assert {t.id for t in src.data.heldout} == {"t0", "t1"}
@@ -193,12 +229,14 @@ def test_heldout_split_is_held_out_whole_and_its_prompts_leave_training(tmp_path
 
 
 def test_malformed_parquet_rows_are_skipped_and_counted(tmp_path):
-    rows = [{"id": "ok1", "problem": "1+1?", "answer": "2", "level": "1"},
-            {"id": "ok2", "problem": "2+2?", "answer": "4", "level": "2"},
-            {"id": None, "problem": "no id", "answer": "0", "level": None},
-            {"id": "noans", "problem": "3+3?", "answer": None, "level": None},
-            {"id": "badlvl", "problem": "4+4?", "answer": "8", "level": "hard"},
-            {"id": "ok1", "problem": "dup", "answer": "1", "level": None}]
+    rows = [
+        {"id": "ok1", "problem": "1+1?", "answer": "2", "level": "1"},
+        {"id": "ok2", "problem": "2+2?", "answer": "4", "level": "2"},
+        {"id": None, "problem": "no id", "answer": "0", "level": None},
+        {"id": "noans", "problem": "3+3?", "answer": None, "level": None},
+        {"id": "badlvl", "problem": "4+4?", "answer": "8", "level": "hard"},
+        {"id": "ok1", "problem": "dup", "answer": "1", "level": None},
+    ]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "bad.parquet"))
     cfg, src = domain(tmp_path, tmp_path / "bad.parquet", kind="math")
     assert src.data.skipped == {"missing id": 1, "missing gold": 1, "bad level": 1, "duplicate id": 1}
@@ -214,16 +252,26 @@ def test_empty_data_and_missing_columns_are_config_errors_naming_the_columns(tmp
     with pytest.raises(ValueError, match=r"has no rows \(columns present: \['question', 'answer'\]\)"):
         domain(tmp_path, tmp_path / "empty.parquet", kind="math")
     datasets.Dataset.from_list([{"question": "q", "answer": "a"}]).to_parquet(str(tmp_path / "qa.parquet"))
-    with pytest.raises(ValueError, match=r"column 'problem' \(prompt, the math default\) not in .*qa.parquet; "
-                                         r"columns present: \['question', 'answer'\]; set sampler.domains.d."
-                                         "field_map.prompt to one of them"):
+    with pytest.raises(
+        ValueError,
+        match=r"column 'problem' \(prompt, the math default\) not in .*qa.parquet; "
+        r"columns present: \['question', 'answer'\]; set sampler.domains.d."
+        "field_map.prompt to one of them",
+    ):
         domain(tmp_path, tmp_path / "qa.parquet", kind="math")
-    with pytest.raises(ValueError, match=r"column 'uid' \(field_map.id\) not in .*columns present: \['question', 'answer'\]"):
-        domain(tmp_path, tmp_path / "qa.parquet", kind="math", extra='field_map = { prompt = "question", id = "uid" }\n')
+    with pytest.raises(
+        ValueError, match=r"column 'uid' \(field_map.id\) not in .*columns present: \['question', 'answer'\]"
+    ):
+        domain(
+            tmp_path, tmp_path / "qa.parquet", kind="math", extra='field_map = { prompt = "question", id = "uid" }\n'
+        )
     write_jsonl(tmp_path / "all_bad.jsonl", [{"id": 1, "prompt": 5}, {"id": 2, "prompt": ""}])
     (tmp_path / "all_bad.jsonl").write_text((tmp_path / "all_bad.jsonl").read_text() + "not json\n")
-    with pytest.raises(ValueError, match=r"no usable row: 3 skipped \{'bad prompt': 1, 'missing prompt': 1, "
-                                         r"'invalid JSON': 1\}; columns present: \['id', 'prompt'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"no usable row: 3 skipped \{'bad prompt': 1, 'missing prompt': 1, "
+        r"'invalid JSON': 1\}; columns present: \['id', 'prompt'\]",
+    ):
         domain(tmp_path, tmp_path / "all_bad.jsonl")
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="unknown format '.csv'"):
@@ -236,10 +284,12 @@ def test_empty_data_and_missing_columns_are_config_errors_naming_the_columns(tmp
 
 def test_loading_needs_no_hub(tmp_path):
     datasets.Dataset.from_list(math_rows(3)).to_parquet(str(tmp_path / "p.parquet"))
-    code = ("import datasets.config as c; from pathlib import Path; from producers.datafile import load_split;"
-            "from producers.domains.math import MATH;"
-            f"s = load_split('x', Path({str(tmp_path / 'p.parquet')!r}), MATH);"
-            "print(len(s.train), c.HF_HUB_OFFLINE)")  # datasets imported first: the env var alone would not do
+    code = (
+        "import datasets.config as c; from pathlib import Path; from producers.datafile import load_split;"
+        "from producers.domains.math import MATH;"
+        f"s = load_split('x', Path({str(tmp_path / 'p.parquet')!r}), MATH);"
+        "print(len(s.train), c.HF_HUB_OFFLINE)"
+    )  # datasets imported first: the env var alone would not do
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -35,21 +35,45 @@ def test_worked_answers_are_exact_and_parse_back():
         assert worked_completion(bare, arith_value(bare)) is None
 
 
-@pytest.mark.parametrize("text,value", [
-    ("72", 72), (" -30 ", -30), ("(70+2)=72", 72), ("(7)=72", 72),
-    ("()=72", None), ("(70+2)=7 2", None), ("(70*2)=140", None), ("(1)=(2)=3", None),
-    ("70+2=72", None), ("(70+2)", None), ("=72", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("72", 72),
+        (" -30 ", -30),
+        ("(70+2)=72", 72),
+        ("(7)=72", 72),
+        ("()=72", None),
+        ("(70+2)=7 2", None),
+        ("(70*2)=140", None),
+        ("(1)=(2)=3", None),
+        ("70+2=72", None),
+        ("(70+2)", None),
+        ("=72", None),
+        ("", None),
+    ],
+)
 def test_arith_answer_grammar(text, value):
     assert arith_answer(text) == value
 
 
 def test_the_verifier_scores_only_the_final_integer():
     def score(text):
-        traj = Trajectory(run_id="r", task_id="t", task_msg_id="m", domain="arith", group_id="g", group_size=1,
-                          sample_index=0, turns=[], policy_version=0, final_text=text, verifier="arith",
-                          verifier_params={"expression": "21+51"})
+        traj = Trajectory(
+            run_id="r",
+            task_id="t",
+            task_msg_id="m",
+            domain="arith",
+            group_id="g",
+            group_size=1,
+            sample_index=0,
+            turns=[],
+            policy_version=0,
+            final_text=text,
+            verifier="arith",
+            verifier_params={"expression": "21+51"},
+        )
         return verify_arith(traj).components
+
     assert score("(70+2)=72") == {"correct": 1.0, "format": 1.0}
     assert score("(70+3)=72") == {"correct": 1.0, "format": 1.0}  # work is not scored, only the answer
     assert score("(70+2)=73") == {"correct": 0.0, "format": 1.0}
@@ -111,18 +135,20 @@ def test_default_share_leaves_the_demo_stream_unchanged(tmp_path):
     assert tool_calc.demonstration(random.Random(0), 1) == tool_calc.demonstration(random.Random(0), 1, direct_share=0)
 
 
-@pytest.mark.parametrize("arith_params,tool_params,message", [
-    ("params = { worked_share = 1.5 }", "", "params.worked_share must be a number in [0, 1]"),
-    ("params = { worked_share = true }", "", "params.worked_share must be a number in [0, 1]"),
-    ("params = { workedshare = 0.3 }", "", "unknown params ['workedshare']"),
-    ("", "params = { direct_share = -0.1 }", "params.direct_share must be a number in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "arith_params,tool_params,message",
+    [
+        ("params = { worked_share = 1.5 }", "", "params.worked_share must be a number in [0, 1]"),
+        ("params = { worked_share = true }", "", "params.worked_share must be a number in [0, 1]"),
+        ("params = { workedshare = 0.3 }", "", "unknown params ['workedshare']"),
+        ("", "params = { direct_share = -0.1 }", "params.direct_share must be a number in [0, 1]"),
+    ],
+)
 def test_a_bad_share_is_a_start_up_error(tmp_path, arith_params, tool_params, message):
     cfg = _cfg(tmp_path, arith_params, tool_params)
     name = "arith" if arith_params else "tool_calc"
     with pytest.raises(ValueError, match=re.escape(message)):
         make_source("r", name, cfg)
-
 
 
 def test_rlbus_up_refuses_a_bad_share_before_anything_starts(tmp_path, capsys):

@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _task(run_id: str) -> Task:
-    return Task(run_id=run_id, task_id="t-1", domain="arith", group_size=2,
-                prompt=[ChatMessage(role="user", content="1+1=")], verifier="arith")
+    return Task(
+        run_id=run_id,
+        task_id="t-1",
+        domain="arith",
+        group_size=2,
+        prompt=[ChatMessage(role="user", content="1+1=")],
+        verifier="arith",
+    )
 
 
 async def _fetch(sub, timeout: float = 1.0):
@@ -37,8 +43,13 @@ async def _fetch(sub, timeout: float = 1.0):
 
 
 async def _consumer(js, reg: Registry, name: str, max_deliver: int = 2, ack_wait: float = 0.4):
-    cfg = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait,
-                         max_deliver=max_deliver, filter_subject=reg.all("tasks"))
+    cfg = ConsumerConfig(
+        durable_name=name,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+        filter_subject=reg.all("tasks"),
+    )
     await js.add_consumer(reg.stream("TASKS"), config=cfg)
     return await js.pull_subscribe_bind(name, stream=reg.stream("TASKS"))
 
@@ -100,7 +111,7 @@ async def test_replay_republishes_original(js, run_id):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     task, _ = await _dead_letter_one_task(js, reg)
-    (seq, letter), = await dlq.list_letters(js, reg)
+    ((seq, letter),) = await dlq.list_letters(js, reg)
     assert await dlq.replayed(js, reg, seq) is None
 
     assert await dlq.replay(js, reg, [seq]) == 1
@@ -123,11 +134,18 @@ async def test_cli_lists_and_shows_letter(js, run_id, nats_url, tmp_path):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     task, _ = await _dead_letter_one_task(js, reg)
-    (seq, _), = await dlq.list_letters(js, reg)
+    ((seq, _),) = await dlq.list_letters(js, reg)
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "rlbus.cli", "dlq", *args, "--run-id", run_id],
-                              check=False, capture_output=True, text=True, cwd=ROOT, timeout=60, env=dict(os.environ))
+        return subprocess.run(
+            [sys.executable, "-m", "rlbus.cli", "dlq", *args, "--run-id", run_id],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            env=dict(os.environ),
+        )
 
     out = await asyncio.to_thread(cli, "list", "--nats-url", nats_url)
     assert out.returncode == 0, out.stderr

@@ -24,8 +24,7 @@ from sandbox_workers.factory import docker_available
 
 pytestmark = [
     pytest.mark.docker,
-    pytest.mark.skipif(not docker_available(),
-                       reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)"),
+    pytest.mark.skipif(not docker_available(), reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)"),
 ]
 
 # every test that reuses a container has a pool of its own (the pool key includes the limits)
@@ -52,8 +51,10 @@ def py(code: str) -> list[str]:
     return ["python3", "-c", textwrap.dedent(code)]
 
 
-PROBE = ("n=0; for p in /proc/[0-9]*; do [ \"${p#/proc/}\" = \"$$\" ] || n=$((n + 1)); done; echo procs=$n; "
-         "ls -A /work /tmp /dev/mqueue | tr '\\n' ' '; echo; tail -n +2 /proc/sysvipc/shm | wc -l")
+PROBE = (
+    'n=0; for p in /proc/[0-9]*; do [ "${p#/proc/}" = "$$" ] || n=$((n + 1)); done; echo procs=$n; '
+    "ls -A /work /tmp /dev/mqueue | tr '\\n' ' '; echo; tail -n +2 /proc/sysvipc/shm | wc -l"
+)
 
 
 def probe(db, limits=LIM):
@@ -65,9 +66,12 @@ def probe(db, limits=LIM):
 
 # -- the basics ------------------------------------------------------------------------
 
+
 def test_files_user_caps_and_report(db):
-    code = ("id -u; id -g; pwd; ls -A; cat a/b.txt; grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status; "
-            "touch /x 2>/dev/null || echo ro; echo err >&2; rm a/b.txt; exit 3")
+    code = (
+        "id -u; id -g; pwd; ls -A; cat a/b.txt; grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status; "
+        "touch /x 2>/dev/null || echo ro; echo err >&2; rm a/b.txt; exit 3"
+    )
     r = run(db, code, files=[("in.txt", b"1"), ("a/b.txt", b"hello\n")], report=("a/b.txt", "in.txt", "nope"))
     out = r.result.stdout.split()
     assert r.result.exit_code == 3 and r.result.isolation == "docker" and r.clean, r.result
@@ -77,14 +81,17 @@ def test_files_user_caps_and_report(db):
 
 
 def test_python_mode_is_a_fresh_main(db):
-    code = ("import sys\nprint(__name__, sys.argv, 'resource' in sys.modules, 'docker_agent' in repr(sys.modules),"
-            " sys.flags.isolated, sys.flags.no_site)\nprint(sorted(k for k in globals() if not k.startswith('__')))"
-            "\nraise SystemExit(4)\n")
+    code = (
+        "import sys\nprint(__name__, sys.argv, 'resource' in sys.modules, 'docker_agent' in repr(sys.modules),"
+        " sys.flags.isolated, sys.flags.no_site)\nprint(sorted(k for k in globals() if not k.startswith('__')))"
+        "\nraise SystemExit(4)\n"
+    )
     r = db.run_isolated([("m.py", code.encode())], python="m.py", timeout=10, limits=LIM, warm_pool=1)
     assert r.result.exit_code == 4, r.result
     assert r.result.stdout.splitlines() == ["__main__ ['m.py'] False False 1 1", "['sys']"]
-    r = db.run_isolated([("m.py", b"import os\nprint(os.getuid())\n1/0\n")], python="m.py", timeout=10,
-                        limits=LIM, warm_pool=1)
+    r = db.run_isolated(
+        [("m.py", b"import os\nprint(os.getuid())\n1/0\n")], python="m.py", timeout=10, limits=LIM, warm_pool=1
+    )
     assert r.result.exit_code == 1 and r.result.stdout == "65534\n" and "ZeroDivisionError" in r.result.stderr
 
 
@@ -95,6 +102,7 @@ def test_bad_paths_are_refused_before_anything_runs(db):
 
 
 # -- hostile commands -----------------------------------------------------------------
+
 
 def test_timeout_kills_everything_and_the_next_run_is_clean(db):
     t0 = time.monotonic()
@@ -138,14 +146,19 @@ def test_daemon_files_and_ipc_do_not_reach_the_next_run(db):
 def test_fork_bomb_flood_oom_and_signals(db):
     r = run(db, "f() { f | f & }; f; sleep 30", timeout=2)
     assert (r.result.timed_out or r.result.exit_code != 0) and r.clean, r.result
-    code = ("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-            "            import time; time.sleep(30); os._exit(0)\n        n += 1\n"
-            "except OSError as e:\n    print(n, e.errno)\n")
+    code = (
+        "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            import time; time.sleep(30); os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print(n, e.errno)\n"
+    )
     r = run(db, py(code))
     forked, err = map(int, r.result.stdout.split())
     assert forked < LIM.pids and err == 11 and r.clean, r.result  # EAGAIN at the pids limit
-    r = run(db, py("import sys\nb = b'x' * (1 << 20)\nfor _ in range(50): sys.stdout.buffer.write(b)\n"),
-            limits=Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=24, output_cap_bytes=4096))
+    r = run(
+        db,
+        py("import sys\nb = b'x' * (1 << 20)\nfor _ in range(50): sys.stdout.buffer.write(b)\n"),
+        limits=Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=24, output_cap_bytes=4096),
+    )
     assert r.result.truncated and len(r.result.stdout) < 4200 and "truncated" in r.result.stdout
     r = run(db, py("b = b'x' * (1 << 30); print('allocated')"))
     assert r.result.oom and r.result.exit_code != 0 and "allocated" not in r.result.stdout, r.result
@@ -185,6 +198,7 @@ def test_command_cannot_reach_the_agent(db):
 
 # -- unusable containers -----------------------------------------------------------------
 
+
 def test_unclean_container_is_discarded(db):
     """A file the sandbox user cannot remove (root's, made behind the agent's back) fails the proof."""
     lim = Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=20)
@@ -213,13 +227,15 @@ def test_dead_agent_is_an_infra_error_and_replaced(db):
 
 # -- the pool: concurrency, and no API call in the steady state -------------------------
 
+
 def test_concurrent_runs_and_zero_api_calls_in_steady_state(db):
     lim = Limits(memory_mb=128, cpu_seconds=10, pids=32, tmp_mb=26)
     pool = db.get_agent_pool(DEFAULT_IMAGE, lim, 1.0, 3, None)
 
     def one(i: int) -> str:
-        r = db.run_isolated([("mine", str(i).encode())], argv=["/bin/sh", "-c", "ls -A; cat mine"], timeout=10,
-                            limits=lim, warm_pool=3)
+        r = db.run_isolated(
+            [("mine", str(i).encode())], argv=["/bin/sh", "-c", "ls -A; cat mine"], timeout=10, limits=lim, warm_pool=3
+        )
         assert r.result.stdout == f"mine\n{i}" and r.clean, r.result
         return r.container
 
@@ -251,6 +267,7 @@ def test_concurrent_runs_and_zero_api_calls_in_steady_state(db):
 
 
 # -- the code verifier through the agent ---------------------------------------------------
+
 
 def docker_score(text: str, hidden: dict | None = None, **params):
     from test_code_verifier import HIDDEN_ADD, traj
@@ -287,7 +304,10 @@ def test_code_tamper_attempts_score_zero(db, name):
 def test_code_tamper_with_a_correct_answer_and_loops(db):
     from test_code_verifier import GOOD_ADD
 
-    for pre in ("import sys\nsys.exit = lambda *a: None\n", "import atexit, os\natexit.register(lambda: os._exit(0))\n"):
+    for pre in (
+        "import sys\nsys.exit = lambda *a: None\n",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\n",
+    ):
         v = docker_score(pre + GOOD_ADD)
         assert (v.reward, v.status) == (0.0, "tamper"), v.details
     # a daemon that rewrites tests.py after the harness is gone is dead before the check
@@ -310,9 +330,18 @@ def test_harness_supervisor_is_non_dumpable_in_the_agent(db):
 
     job = marshal.dumps({"nonce": "ab" * 32, "entry_point": "add", "prompt": "", "timeout_s": 5.0}, 4)
     tests = counted_tests(ADD).encode()
-    r = db.run_isolated([("candidate.py", GOOD_ADD.encode()), ("tests.py", tests), ("job.marshal", job),
-                         ("harness.py", code_harness())], python="harness.py", timeout=10,
-                        limits=Limits(memory_mb=256, cpu_seconds=12, pids=32), report=("tests.py", "job.marshal"))
+    r = db.run_isolated(
+        [
+            ("candidate.py", GOOD_ADD.encode()),
+            ("tests.py", tests),
+            ("job.marshal", job),
+            ("harness.py", code_harness()),
+        ],
+        python="harness.py",
+        timeout=10,
+        limits=Limits(memory_mb=256, cpu_seconds=12, pids=32),
+        report=("tests.py", "job.marshal"),
+    )
     assert "'nondumpable': True" in r.result.stdout and "RLBUS-PASS " in r.result.stdout, r.result
     assert f"'tests_sha256_before': '{hashlib.sha256(tests).hexdigest()}'" in r.result.stdout
     assert r.exists == frozenset() and r.clean

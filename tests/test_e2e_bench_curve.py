@@ -20,8 +20,14 @@ def test_each_mark_gets_the_newest_version_published_by_then(tmp_path):
     log = tmp_path / "learner.log"
     weights = tmp_path / "weights"
     weights.mkdir()
-    lines = [_event(t0 + 5, 1), "not json", _event(t0 + 9, 2), _event(t0 + 9.5, 99, "learner.window_short"),
-             _event(t0 + 21, 3), _event(t0 + 40, 4)]
+    lines = [
+        _event(t0 + 5, 1),
+        "not json",
+        _event(t0 + 9, 2),
+        _event(t0 + 9.5, 99, "learner.window_short"),
+        _event(t0 + 21, 3),
+        _event(t0 + 40, 4),
+    ]
     log.write_text("\n".join(lines) + "\n")
     for v in (1, 2, 3):  # version 4 was deleted (retention) -> no blob, but the version is still reported
         (weights / version_name(v)).write_bytes(f"blob{v}".encode())
@@ -36,11 +42,14 @@ def test_each_mark_gets_the_newest_version_published_by_then(tmp_path):
 
 
 def test_plot_draws_both_sides(tmp_path):
-    result = {"start_accuracy": 0.05, "model": {"hidden_size": 128},
-              "runs": [{"ours_curve": [[60, 10, 0.07], [240, "final", 0.09]],
-                        "peer_curve": [[60, 8, 0.06], [240, "final", 0.08]]},
-                       {"ours_curve": [[60, 11, 0.08], [240, "final", 0.10]],
-                        "peer_curve": [[60, 9, 0.05], [240, "final", 0.07]]}]}
+    result = {
+        "start_accuracy": 0.05,
+        "model": {"hidden_size": 128},
+        "runs": [
+            {"ours_curve": [[60, 10, 0.07], [240, "final", 0.09]], "peer_curve": [[60, 8, 0.06], [240, "final", 0.08]]},
+            {"ours_curve": [[60, 11, 0.08], [240, "final", 0.10]], "peer_curve": [[60, 9, 0.05], [240, "final", 0.07]]},
+        ],
+    }
     out = tmp_path / "curve.png"
     plot_curves(result, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
@@ -49,11 +58,16 @@ def test_plot_draws_both_sides(tmp_path):
 def test_curve_mean_gain_averages_each_runs_points_then_the_runs():
     from bench.e2e_vs_trl import curve_gains
 
-    result = {"start_accuracy": 0.10,
-              "runs": [{"ours_curve": [[60, 5, 0.12], [120, 9, None], [240, "final", 0.14]],
-                        "peer_curve": [[60, 4, 0.10], [240, "final", 0.12]]},
-                       {"ours_curve": [[60, 5, 0.10], [240, "final", 0.12]],
-                        "peer_curve": [[60, 4, 0.11], [240, "final", 0.11]]}]}
+    result = {
+        "start_accuracy": 0.10,
+        "runs": [
+            {
+                "ours_curve": [[60, 5, 0.12], [120, 9, None], [240, "final", 0.14]],
+                "peer_curve": [[60, 4, 0.10], [240, "final", 0.12]],
+            },
+            {"ours_curve": [[60, 5, 0.10], [240, "final", 0.12]], "peer_curve": [[60, 4, 0.11], [240, "final", 0.11]]},
+        ],
+    }
     got = curve_gains(result)
     assert got["ours_per_seed"] == [0.03, 0.01] and got["peer_per_seed"] == [0.01, 0.01]
     assert got["ours"] == 0.02 and got["peer"] == 0.01 and got["ratio"] == 2.0
@@ -72,13 +86,14 @@ def test_time_to_target_is_the_first_point_at_or_above_start_plus_gain():
 def test_times_to_target_per_side_with_misses_counted_as_never():
     from bench.e2e_vs_trl import times_to_target
 
-    result = {"start_accuracy": 0.10,
-              "runs": [{"ours_curve": [[60, 5, 0.12], [240, "final", 0.14]],
-                        "peer_curve": [[60, 4, 0.10], [240, "final", 0.09]]},
-                       {"ours_curve": [[60, 5, 0.10], [240, "final", 0.12]],
-                        "peer_curve": [[60, 4, 0.13], [240, "final", 0.11]]},
-                       {"ours_curve": [[60, 5, 0.09], [240, "final", 0.10]],
-                        "peer_curve": [[60, 4, 0.08], [240, "final", 0.08]]}]}
+    result = {
+        "start_accuracy": 0.10,
+        "runs": [
+            {"ours_curve": [[60, 5, 0.12], [240, "final", 0.14]], "peer_curve": [[60, 4, 0.10], [240, "final", 0.09]]},
+            {"ours_curve": [[60, 5, 0.10], [240, "final", 0.12]], "peer_curve": [[60, 4, 0.13], [240, "final", 0.11]]},
+            {"ours_curve": [[60, 5, 0.09], [240, "final", 0.10]], "peer_curve": [[60, 4, 0.08], [240, "final", 0.08]]},
+        ],
+    }
     got = times_to_target(result, 0.02)
     assert got["target_accuracy"] == 0.12
     assert got["ours"] == {"seconds_per_seed": [60.0, 240.0, None], "reached": 2, "runs": 3, "median_s": 240.0}
@@ -91,8 +106,9 @@ def test_retarget_reads_a_recorded_result(tmp_path):
     from bench.e2e_vs_trl import retarget
 
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"start_accuracy": 0.05, "runs": [{"ours_curve": [[30, 3, 0.08]],
-                                                                   "peer_curve": [[30, 2, 0.06]]}]}))
+    path.write_text(
+        json.dumps({"start_accuracy": 0.05, "runs": [{"ours_curve": [[30, 3, 0.08]], "peer_curve": [[30, 2, 0.06]]}]})
+    )
     got = retarget(path, [0.01, 0.02])
     assert got["0.01"]["ours"]["median_s"] == 30.0 and got["0.01"]["peer"]["median_s"] == 30.0
     assert got["0.02"]["peer"]["median_s"] is None

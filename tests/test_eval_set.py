@@ -21,8 +21,16 @@ from schemas.config import load_config
 
 
 def _task(i: int, domain: str = "echo", max_tokens: int = 4) -> Task:
-    return Task(run_id="eval", task_id=f"{domain}-{i}", domain=domain, group_size=1, max_tokens=max_tokens,
-                temperature=0.0, prompt=[ChatMessage(role="user", content=f"say {i % 2}")], verifier="constant")
+    return Task(
+        run_id="eval",
+        task_id=f"{domain}-{i}",
+        domain=domain,
+        group_size=1,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        prompt=[ChatMessage(role="user", content=f"say {i % 2}")],
+        verifier="constant",
+    )
 
 
 def first_char(text: str) -> str:
@@ -50,9 +58,17 @@ def echo_kind(monkeypatch):
 
 
 def test_a_new_kind_is_evaluated_without_a_scheduler_edit(echo_kind):
-    cfg = load_config(None, ["sampler.domains.e1.kind=echo", "sampler.domains.e2.kind=echo", "scheduler.eval.n=6",
-                             "scheduler.eval.general=echo", "scheduler.eval.general_n=4",
-                             "scheduler.eval.general_level=3"])
+    cfg = load_config(
+        None,
+        [
+            "sampler.domains.e1.kind=echo",
+            "sampler.domains.e2.kind=echo",
+            "scheduler.eval.n=6",
+            "scheduler.eval.general=echo",
+            "scheduler.eval.general_n=4",
+            "scheduler.eval.general_level=3",
+        ],
+    )
     suite = EvalSuite.from_config(cfg)
     assert add_general_set(suite, cfg) == "general_echo"
     assert suite.local() == ["e1", "e2", "general_echo"] and suite.pipeline_only() == []
@@ -77,8 +93,9 @@ def test_a_new_kind_is_evaluated_without_a_scheduler_edit(echo_kind):
 
 def test_the_general_set_must_be_scored_locally(echo_kind, monkeypatch):
     kind = domain_registry.get_factory("echo")  # the class the registry imported (tests.test_eval_set's)
-    monkeypatch.setattr(kind, "eval_set", lambda self, n, seed, level=None:
-                        drawn_set(self.ctx.name, seed, level, [Drawn(_task(0))]))
+    monkeypatch.setattr(
+        kind, "eval_set", lambda self, n, seed, level=None: drawn_set(self.ctx.name, seed, level, [Drawn(_task(0))])
+    )
     cfg = load_config(None, ["scheduler.eval.general=echo"])
     with pytest.raises(ValueError, match="no locally scored eval set"):
         add_general_set(EvalSuite.from_config(cfg), cfg)
@@ -93,6 +110,12 @@ def test_eval_set_contract():
     assert es.with_purpose("heldout").purpose == "heldout" and es.purpose == "train"
     with pytest.raises(ValueError, match="needs `answer`"):
         EvalSet("d", 0, 1, items, local="generate")
-    mixed = EvalSet("d", 0, 1, (EvalItem(_task(0), gold="0"), EvalItem(_task(1, max_tokens=9), gold="1")),
-                    local="generate", answer=first_char)
+    mixed = EvalSet(
+        "d",
+        0,
+        1,
+        (EvalItem(_task(0), gold="0"), EvalItem(_task(1, max_tokens=9), gold="1")),
+        local="generate",
+        answer=first_char,
+    )
     assert len(mixed.score_key[3]) == 2  # budgets are part of what makes two sets score alike

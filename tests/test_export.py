@@ -79,8 +79,9 @@ async def _drop(nats_url: str, run_id: str) -> None:
     await nc.close()
 
 
-def test_export_numbered_latest_and_released_versions_load_with_the_published_logits(run_path, run_id, nats_url,
-                                                                                      tmp_path):
+def test_export_numbered_latest_and_released_versions_load_with_the_published_logits(
+    run_path, run_id, nats_url, tmp_path
+):
     start = run_path / "model" / "start"
     models = [AutoModelForCausalLM.from_pretrained(start).eval(), _perturbed(start, 1), _perturbed(start, 2)]
     (run_path / "run.json").write_text(json.dumps({"run_id": run_id, "nats_url": nats_url}))
@@ -102,7 +103,9 @@ def test_export_numbered_latest_and_released_versions_load_with_the_published_lo
         assert torch.allclose(_loaded_logits(tmp_path / "rel"), _logits(models[1]), atol=1e-6)
 
         out = tmp_path / "v1"
-        assert {"config.json", "model.safetensors", "tokenizer.json", "rlbus_export.json"} <= {p.name for p in out.iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "rlbus_export.json"} <= {
+            p.name for p in out.iterdir()
+        }
         tok = AutoTokenizer.from_pretrained(out)
         assert tok.decode(tok("12+7=")["input_ids"], skip_special_tokens=True) == "12+7="
         assert json.loads((out / "rlbus_export.json").read_text())["version"] == 1
@@ -110,8 +113,23 @@ def test_export_numbered_latest_and_released_versions_load_with_the_published_lo
         with pytest.raises(ExportError, match="neither in its WEIGHTS stream"):
             export(run_path, tmp_path / "v9", "9")
 
-        cli = subprocess.run([sys.executable, "-m", "rlbus.cli", "export", str(run_path), "--version", "2",
-                              "--out", str(tmp_path / "cli")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        cli = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlbus.cli",
+                "export",
+                str(run_path),
+                "--version",
+                "2",
+                "--out",
+                str(tmp_path / "cli"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert cli.returncode == 0, cli.stderr
         assert torch.allclose(_loaded_logits(tmp_path / "cli"), _logits(models[2]), atol=1e-6)
 
@@ -127,8 +145,12 @@ def test_export_without_a_server_uses_the_checkpoint_for_latest_and_refuses_othe
     start = run_path / "model" / "start"
     (run_path / "run.json").write_text(json.dumps({"run_id": run_id, "nats_url": "nats://127.0.0.1:1"}))
     trained = _perturbed(start, 3)
-    checkpoint.save(run_path / "checkpoints" / "learner.pt", model=trained,
-                    optimizer=torch.optim.AdamW(trained.parameters()), state={"step": 7, "version": 3})
+    checkpoint.save(
+        run_path / "checkpoints" / "learner.pt",
+        model=trained,
+        optimizer=torch.optim.AdamW(trained.parameters()),
+        state={"step": 7, "version": 3},
+    )
     notes = []
     src = export(run_path, tmp_path / "ck", "latest", say=notes.append)
     assert (src.kind, src.step, src.version) == ("checkpoint", 7, 3)
@@ -141,6 +163,7 @@ def test_export_without_a_server_uses_the_checkpoint_for_latest_and_refuses_othe
 
 
 def test_export_help_has_examples():
-    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "export", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "export", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert out.returncode == 0 and "examples:" in out.stdout and "--version" in out.stdout

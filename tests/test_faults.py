@@ -129,9 +129,27 @@ def test_a_store_whose_server_logged_running_out_of_space_is_a_fatal_stop(tmp_pa
 def test_an_unexpected_error_in_up_is_one_plain_line_with_the_resume_command(tmp_path):
     root = Path(__file__).resolve().parents[1]
     model = tmp_path / "model"  # a real tiny checkpoint whose weights file is then broken: SFT fails to load it
-    subprocess.run([sys.executable, "-m", "rlbus.cli", "init-model", str(model), "--tokenizer", "char",
-                    "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2"], check=True, cwd=root,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "init-model",
+            str(model),
+            "--tokenizer",
+            "char",
+            "--hidden-size",
+            "32",
+            "--num-layers",
+            "1",
+            "--num-heads",
+            "2",
+        ],
+        check=True,
+        cwd=root,
+        capture_output=True,
+        timeout=120,
+    )
     (model / "model.safetensors").write_bytes(b"not a safetensors file")
     cfg = tmp_path / "bad.toml"
     cfg.write_text(f'[model]\npath = "{model}"\n[sft]\nmax_steps = 2\n')
@@ -148,8 +166,13 @@ def test_an_unexpected_error_in_up_is_one_plain_line_with_the_resume_command(tmp
 def test_a_model_path_that_is_not_a_model_folder_is_refused_before_anything_starts(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[model]\npath = "/nonexistent/model"\n')
-    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs")],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "Traceback" not in text, text
     assert "/nonexistent/model" in text and "config.json" in text and "rlbus init-model" in text, text
@@ -163,8 +186,13 @@ def test_up_with_the_docker_backend_and_no_image_is_refused_before_anything_star
         pytest.skip("needs a Docker engine (none answers: `docker info`)")
     cfg = tmp_path / "nope.toml"
     cfg.write_text('[sandbox]\nbackend = "docker"\nimage = "rlbus-nope:1"\n')
-    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs")],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "Traceback" not in text, text
     assert "rlbus sandbox build-image --tag rlbus-nope:1" in text, text

@@ -125,8 +125,11 @@ async def test_gates_release_guard_and_plateau_through_kv_and_sql(js, run_id, dr
 
     rows = store.rows(GateCheckRow, run_id, "version")
     assert [(r.version, r.passed, r.released, r.forgetting, r.plateau) for r in rows] == [
-        (0, True, True, False, False), (1, True, True, False, False), (2, False, False, True, True),
-        (3, False, False, True, False)]  # v3: general 0.7 < 0.85 fails the gate too
+        (0, True, True, False, False),
+        (1, True, True, False, False),
+        (2, False, False, True, True),
+        (3, False, False, True, False),
+    ]  # v3: general 0.7 < 0.85 fails the gate too
     assert store.latest_released(run_id) == 1
 
     again = Gates(js, reg, store, cfg)  # a restarted scheduler: baselines from KV, curve from SQL

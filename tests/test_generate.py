@@ -45,8 +45,9 @@ def char_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gen") / "char", tokenizer="char", **TINY)
 
 
-def generate(model_dir, *args: str, exe: list[str] | None = None, env: dict | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
+def generate(
+    model_dir, *args: str, exe: list[str] | None = None, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     cmd = (exe or [sys.executable, "-m", "rlbus.cli"]) + ["generate", str(model_dir), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -60,8 +61,24 @@ def test_json_schema_one_logprob_per_token(bpe_dir):
     from transformers import AutoTokenizer
 
     prompts = ["12+34=", "hello there"]
-    r = generate(bpe_dir, "--prompt", prompts[0], "--prompt", prompts[1], "--n", "3", "--max-tokens", "6",
-                 "--temperature", "1", "--seed", "1", "--threads", "1", "--json")
+    r = generate(
+        bpe_dir,
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+        "--n",
+        "3",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "1",
+        "--seed",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+    )
     recs = json_records(r)
     tok = AutoTokenizer.from_pretrained(bpe_dir)
     assert [rec["prompt"] for rec in recs] == prompts
@@ -76,8 +93,21 @@ def test_json_schema_one_logprob_per_token(bpe_dir):
 
 
 def test_greedy_is_deterministic(bpe_dir):
-    args = ("--prompt", "7+5=", "--prompt", "40-13=", "--n", "2", "--max-tokens", "8", "--temperature", "0",
-            "--threads", "1", "--json")
+    args = (
+        "--prompt",
+        "7+5=",
+        "--prompt",
+        "40-13=",
+        "--n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--threads",
+        "1",
+        "--json",
+    )
     first, second = json_records(generate(bpe_dir, *args)), json_records(generate(bpe_dir, *args, "--seed", "9"))
     assert first == second  # greedy: the same ids and log-probs whatever the seed
     for rec in first:
@@ -90,13 +120,29 @@ def test_chat_applies_the_template(bpe_dir):
 
     from schemas.chat import prompt_ids, user_prompt
 
-    recs = json_records(generate(bpe_dir, "--prompt", "What is 7+5?", "--chat", "--max-tokens", "4",
-                                 "--temperature", "0", "--threads", "1", "--json"))
+    recs = json_records(
+        generate(
+            bpe_dir,
+            "--prompt",
+            "What is 7+5?",
+            "--chat",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--threads",
+            "1",
+            "--json",
+        )
+    )
     tok = AutoTokenizer.from_pretrained(bpe_dir)
     expected = prompt_ids(tok, user_prompt("What is 7+5?"))
     assert recs[0]["prompt_ids"] == expected  # rendered as rollout renders a task's prompt
-    assert expected == list(tok.apply_chat_template([{"role": "user", "content": "What is 7+5?"}], tokenize=True,
-                                                    add_generation_prompt=True, return_dict=False))
+    assert expected == list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is 7+5?"}], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+    )
     assert len(recs[0]["samples"][0]["logprobs"]) == len(recs[0]["samples"][0]["token_ids"])
 
 
@@ -113,8 +159,15 @@ def test_text_rendering_and_refusals(bpe_dir, tmp_path, capsys):
     from rlbus.cli import _parser
     from rlbus.commands.generate import GenerateError, check_args, render
 
-    recs = [{"prompt": "1+1=", "prompt_ids": [1, 2], "samples": [
-        {"token_ids": [5, 6], "logprobs": [-0.5, -0.25], "text": "[bold]2[/bold]", "finish_reason": "stop"}]}]
+    recs = [
+        {
+            "prompt": "1+1=",
+            "prompt_ids": [1, 2],
+            "samples": [
+                {"token_ids": [5, 6], "logprobs": [-0.5, -0.25], "text": "[bold]2[/bold]", "finish_reason": "stop"}
+            ],
+        }
+    ]
     buf = io.StringIO()
     render(recs, Console(file=buf, width=100), caption="--engine hf, greedy")
     out = buf.getvalue()
@@ -127,10 +180,12 @@ def test_text_rendering_and_refusals(bpe_dir, tmp_path, capsys):
         return str(exc.value)
 
     assert "no config.json" in refused(str(tmp_path), "--prompt", "x")
-    assert "--tier, --kv-cache-mb: only for --engine vllm" in refused(str(bpe_dir), "--prompt", "x", "--tier", "fast",
-                                                                      "--kv-cache-mb", "8")
-    assert "--device: only for --engine hf" in refused(str(bpe_dir), "--engine", "vllm", "--prompt", "x",
-                                                       "--device", "cpu")
+    assert "--tier, --kv-cache-mb: only for --engine vllm" in refused(
+        str(bpe_dir), "--prompt", "x", "--tier", "fast", "--kv-cache-mb", "8"
+    )
+    assert "--device: only for --engine hf" in refused(
+        str(bpe_dir), "--engine", "vllm", "--prompt", "x", "--device", "cpu"
+    )
     assert "prompt 2 is empty" in refused(str(bpe_dir), "--prompt", "x", "--prompt", "")
     if not HAS_VLLM:
         msg = refused(str(bpe_dir), "--engine", "vllm", "--prompt", "x")
@@ -141,15 +196,38 @@ def test_text_rendering_and_refusals(bpe_dir, tmp_path, capsys):
 def test_vllm_and_hf_agree_greedy(tmp_path):
     """The console script (`rlbus` next to this Python: vLLM's spawned processes re-import
     its guarded __main__) with both engines on one float32 model."""
-    model_dir = build_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=128, num_layers=4, num_heads=4,
-                                 max_position_embeddings=256, seed=0, tokenizer="bpe")
+    model_dir = build_tiny_model(
+        tmp_path / "m",
+        arch="qwen2",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        max_position_embeddings=256,
+        seed=0,
+        tokenizer="bpe",
+    )
     exe = [str(Path(sys.executable).parent / "rlbus")]
     prompts = ("--prompt", "12+34=", "--prompt", "7+5=", "--prompt", "40-13=")
     common = (*prompts, "--temperature", "0", "--max-tokens", "12", "--json")
     tag = uuid.uuid4().hex
     env = {**os.environ, "RLBUS_TEST_GENERATE_TAG": tag}
-    vllm = json_records(generate(model_dir, *common, "--engine", "vllm", "--kv-cache-mb", "64", "--max-model-len",
-                                 "256", "--max-num-seqs", "16", exe=exe, env=env, timeout=300))
+    vllm = json_records(
+        generate(
+            model_dir,
+            *common,
+            "--engine",
+            "vllm",
+            "--kv-cache-mb",
+            "64",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "16",
+            exe=exe,
+            env=env,
+            timeout=300,
+        )
+    )
     assert live_pids(lambda cmd, environ: tag.encode() in environ, environ=True) == []  # engine core ended
     hf = json_records(generate(model_dir, *common, "--engine", "hf", "--threads", "1", exe=exe))
     worst = 0.0

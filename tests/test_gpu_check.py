@@ -27,8 +27,14 @@ def test_gpu_check_cpu_tiny_without_service_deps(tmp_path):
     env = blocked_env(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import pydantic"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert probe.returncode != 0 and "None in sys.modules" in probe.stderr  # the block works
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny",
-                        "--publish-dir", str(tmp_path)], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--publish-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 1, r.stdout

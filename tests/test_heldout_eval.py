@@ -41,9 +41,14 @@ class EvalOnlyDomain:
 
         out = []
         for i in range(n + 5):  # more than asked: eval_set_for keeps n
-            task = finish_task(self.ctx, task_id=f"{self.ctx.name}-e{i}", prompt=[ChatMessage(role="user", content=f"q{i}")],
-                               verifier="math", verifier_params={"problem_id": f"e{i}"},
-                               hidden_ref=hidden_ref_for(self.ctx.name, f"e{seed}-{i}"))
+            task = finish_task(
+                self.ctx,
+                task_id=f"{self.ctx.name}-e{i}",
+                prompt=[ChatMessage(role="user", content=f"q{i}")],
+                verifier="math",
+                verifier_params={"problem_id": f"e{i}"},
+                hidden_ref=hidden_ref_for(self.ctx.name, f"e{seed}-{i}"),
+            )
             out.append(Drawn(task, {"gold": "0" if i % 3 == 0 else "5"}))
         return drawn_set(self.ctx.name, seed, level, out)
 
@@ -83,9 +88,13 @@ def _config(tmp_path):
 def test_suite_has_a_drawn_heldout_set(tmp_path, evalonly_kind):
     suite = EvalSuite.from_config(load_config(_config(tmp_path)))
     assert suite.local() == ["arith"] and suite.pipeline_only() == ["zs"]
-    assert suite.purpose("zs") == "heldout" and suite.purpose("arith") == "train" and suite.purpose("general_x") == "train"
-    assert len(suite.sets["zs"]) == N and suite.sets["zs"].sha256 == \
-        EvalSuite.from_config(load_config(_config(tmp_path))).sets["zs"].sha256  # pinned
+    assert (
+        suite.purpose("zs") == "heldout" and suite.purpose("arith") == "train" and suite.purpose("general_x") == "train"
+    )
+    assert (
+        len(suite.sets["zs"]) == N
+        and suite.sets["zs"].sha256 == EvalSuite.from_config(load_config(_config(tmp_path))).sets["zs"].sha256
+    )  # pinned
     tasks = eval_tasks(suite, "r1", 3, ["zs"])
     assert len(tasks) == N and {t.purpose for t in tasks} == {"eval"} and {t.group_size for t in tasks} == {1}
     assert {t.temperature for t in tasks} == {0.0} and {t.verifier for t in tasks} == {"math"}
@@ -94,8 +103,9 @@ def test_suite_has_a_drawn_heldout_set(tmp_path, evalonly_kind):
 
 
 @pytest.mark.usefixtures("drop_run")
-async def test_scheduler_scores_the_heldout_domain_through_the_pipeline(js, nats_url, run_id, tmp_path, spawn_worker,
-                                                                       evalonly_kind):
+async def test_scheduler_scores_the_heldout_domain_through_the_pipeline(
+    js, nats_url, run_id, tmp_path, spawn_worker, evalonly_kind
+):
     from scheduler.worker import run
 
     reg = Registry(run_id)
@@ -107,8 +117,9 @@ async def test_scheduler_scores_the_heldout_domain_through_the_pipeline(js, nats
     build_tiny_model(run_path / "model" / "start", hidden_size=32, num_layers=1, num_heads=2)
     cfg = load_config(config)
     # one gated evaluation (the local baseline), then the held-out round, then it stops
-    counters = await asyncio.wait_for(run(cfg, WorkerContext(run_id=run_id, nats_url=nats_url, run_path=run_path,
-                                                             max_messages=1)), 240)
+    counters = await asyncio.wait_for(
+        run(cfg, WorkerContext(run_id=run_id, nats_url=nats_url, run_path=run_path, max_messages=1)), 240
+    )
     assert counters["evals"] == 1
     want = sum(i % 3 == 0 for i in range(N)) / N  # the null engine answers "0"
     assert counters["eval_zs"] == pytest.approx(want)
@@ -151,10 +162,12 @@ def test_an_older_store_gets_the_purpose_column(tmp_path):
 
     db = tmp_path / "run.db"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE eval_results (msg_id VARCHAR NOT NULL PRIMARY KEY, run_id VARCHAR NOT NULL, "
-                "version INTEGER NOT NULL, step INTEGER NOT NULL, domain VARCHAR NOT NULL, score FLOAT NOT NULL, "
-                "n INTEGER NOT NULL, eval_set_sha256 VARCHAR NOT NULL, created_at FLOAT NOT NULL, "
-                "cost_cpu_seconds FLOAT, cost_gpu_seconds FLOAT, cost_tokens INTEGER)")
+    con.execute(
+        "CREATE TABLE eval_results (msg_id VARCHAR NOT NULL PRIMARY KEY, run_id VARCHAR NOT NULL, "
+        "version INTEGER NOT NULL, step INTEGER NOT NULL, domain VARCHAR NOT NULL, score FLOAT NOT NULL, "
+        "n INTEGER NOT NULL, eval_set_sha256 VARCHAR NOT NULL, created_at FLOAT NOT NULL, "
+        "cost_cpu_seconds FLOAT, cost_gpu_seconds FLOAT, cost_tokens INTEGER)"
+    )
     con.execute("INSERT INTO eval_results VALUES ('m', 'r', 0, 0, 'arith', 0.5, 10, 'h', 1.0, NULL, NULL, NULL)")
     con.commit()
     con.close()

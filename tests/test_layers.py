@@ -29,8 +29,17 @@ from bus import kv, telemetry
 from bus.subjects import ROLES as ROLE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"schemas": 0, "bus": 1, "sandbox_workers": 2, "producers": 3, "learner": 3, "rollout_workers": 3,
-          "verifier_workers": 3, "scheduler": 4, "rlbus": 5}
+LAYERS = {
+    "schemas": 0,
+    "bus": 1,
+    "sandbox_workers": 2,
+    "producers": 3,
+    "learner": 3,
+    "rollout_workers": 3,
+    "verifier_workers": 3,
+    "scheduler": 4,
+    "rlbus": 5,
+}
 
 
 def imported_packages(path: Path) -> list[tuple[int, str]]:
@@ -69,12 +78,23 @@ def test_the_layer_check_fires(tmp_path):
     (tmp_path / "learner" / "x.py").write_text("def f():\n    from rlbus.cli import main\n")
     (tmp_path / "verifier_workers" / "y.py").write_text("from producers import arith\n")
     (tmp_path / "bus" / "ok.py").write_text("from schemas import Task\nimport json\n")
-    assert layer_violations(tmp_path) == ["learner/x.py:2 learner -> rlbus",
-                                          "verifier_workers/y.py:1 verifier_workers -> producers"]
+    assert layer_violations(tmp_path) == [
+        "learner/x.py:2 learner -> rlbus",
+        "verifier_workers/y.py:1 verifier_workers -> producers",
+    ]
 
 
-RLBUS_ROOMS = {"rlbus.log": 0, "rlbus.natsauth": 0, "rlbus.model": 1, "rlbus.tracking": 1, "rlbus.report": 1,
-               "rlbus.run": 2, "rlbus.commands": 3, "rlbus.cli": 4, "rlbus.entrypoint": 5}
+RLBUS_ROOMS = {
+    "rlbus.log": 0,
+    "rlbus.natsauth": 0,
+    "rlbus.model": 1,
+    "rlbus.tracking": 1,
+    "rlbus.report": 1,
+    "rlbus.run": 2,
+    "rlbus.commands": 3,
+    "rlbus.cli": 4,
+    "rlbus.entrypoint": 5,
+}
 """Room of the rlbus application -> its level; `rlbus/__init__.py` (a docstring) is no room."""
 
 
@@ -93,10 +113,11 @@ def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             name = ".".join(base + ([node.module] if node.module else []))
-            out += [(node.lineno, f"{name}.{a.name}" if name == "rlbus" or not node.module else name)
-                    for a in node.names]
+            out += [
+                (node.lineno, f"{name}.{a.name}" if name == "rlbus" or not node.module else name) for a in node.names
+            ]
     return out
 
 
@@ -136,14 +157,17 @@ def test_the_room_check_fires(tmp_path):
     (tmp_path / "rlbus" / "run" / "b.py").write_text("from rlbus import cli\nfrom rlbus.run.folder import RunFolder\n")
     (tmp_path / "rlbus" / "model" / "c.py").write_text("from rlbus.report import plots\n")
     (tmp_path / "rlbus" / "report" / "d.py").write_text("from ..commands import report\nfrom . import plots\n")
-    (tmp_path / "rlbus" / "commands" / "ok.py").write_text("from rlbus.run.folder import RunFolder\n"
-                                                          "from rlbus.model import tiny_model\nimport rlbus.log\n")
+    (tmp_path / "rlbus" / "commands" / "ok.py").write_text(
+        "from rlbus.run.folder import RunFolder\nfrom rlbus.model import tiny_model\nimport rlbus.log\n"
+    )
     (tmp_path / "rlbus" / "stray.py").write_text("import os\n")
-    assert room_violations(tmp_path) == ["rlbus/model/c.py:1 rlbus.model -> rlbus.report",
-                                         "rlbus/report/d.py:1 rlbus.report -> rlbus.commands",
-                                         "rlbus/run/a.py:2 rlbus.run -> rlbus.commands",
-                                         "rlbus/run/b.py:1 rlbus.run -> rlbus.cli",
-                                         "rlbus/stray.py: no room (add it to RLBUS_ROOMS and rlbus/__init__.py)"]
+    assert room_violations(tmp_path) == [
+        "rlbus/model/c.py:1 rlbus.model -> rlbus.report",
+        "rlbus/report/d.py:1 rlbus.report -> rlbus.commands",
+        "rlbus/run/a.py:2 rlbus.run -> rlbus.commands",
+        "rlbus/run/b.py:1 rlbus.run -> rlbus.cli",
+        "rlbus/stray.py: no room (add it to RLBUS_ROOMS and rlbus/__init__.py)",
+    ]
 
 
 def kv_keys() -> dict[str, str]:
@@ -173,8 +197,12 @@ def key_literals(root: Path, keys: dict[str, str]) -> list[str]:
             skip, kv_args = set(), set()
             for node in ast.walk(tree):
                 body = getattr(node, "body", None)
-                if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                        and isinstance(body[0].value, ast.Constant):
+                if (
+                    isinstance(body, list)
+                    and body
+                    and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                ):
                     skip.add(id(body[0].value))  # a docstring
                 if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
                     name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
@@ -186,8 +214,9 @@ def key_literals(root: Path, keys: dict[str, str]) -> list[str]:
             for n in ast.walk(tree):
                 if not (isinstance(n, ast.Constant) and isinstance(n.value, str)) or id(n) in skip:
                     continue
-                hit = wanted.get(n.value) or next((k for v, k in wanted.items() if "." in v and v.endswith(".")
-                                                   and n.value.startswith(v)), None)
+                hit = wanted.get(n.value) or next(
+                    (k for v, k in wanted.items() if "." in v and v.endswith(".") and n.value.startswith(v)), None
+                )
                 if hit and ("." in n.value or id(n) in kv_args):
                     bad.append(f"{path.relative_to(root)}:{n.lineno} {n.value!r} (use bus.kv.{hit})")
     return bad
@@ -195,21 +224,36 @@ def key_literals(root: Path, keys: dict[str, str]) -> list[str]:
 
 def test_kv_keys_are_defined_only_in_bus():
     keys = kv_keys()
-    assert {"WEIGHTS_LATEST", "LEARNER_PROGRESS", "DURATIONS", "RELEASE_LATEST", "LEARNER_OVERRIDES",
-            "LEARNER_LEASE", "EVAL_BASELINE", "DLQ_REPLAYED"} <= set(keys)
+    assert {
+        "WEIGHTS_LATEST",
+        "LEARNER_PROGRESS",
+        "DURATIONS",
+        "RELEASE_LATEST",
+        "LEARNER_OVERRIDES",
+        "LEARNER_LEASE",
+        "EVAL_BASELINE",
+        "DLQ_REPLAYED",
+    } <= set(keys)
     bad = key_literals(ROOT, keys)
     assert not bad, "KV key literals outside bus/ (import the constant from bus.kv):\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("source", ['latest = get_json(js, reg, "weights.latest")\n',
-                                    'KEY = "dlq.replayed." + str(seq)\n',
-                                    'plan = await get_json(js, reg, "curriculum")\n',
-                                    'entry = await self._kv.get("status")\n'])
+@pytest.mark.parametrize(
+    "source",
+    [
+        'latest = get_json(js, reg, "weights.latest")\n',
+        'KEY = "dlq.replayed." + str(seq)\n',
+        'plan = await get_json(js, reg, "curriculum")\n',
+        'entry = await self._kv.get("status")\n',
+    ],
+)
 def test_the_key_check_fires(tmp_path, source):
     for pkg in LAYERS:
         (tmp_path / pkg).mkdir()
-    (tmp_path / "learner" / "w.py").write_text('"""Reads weights.latest."""\nlog.info("weights.latest")\n'
-                                               'row = {"status": "ok", "curriculum": 1}\nrow.get("status")\n' + source)
+    (tmp_path / "learner" / "w.py").write_text(
+        '"""Reads weights.latest."""\nlog.info("weights.latest")\n'
+        'row = {"status": "ok", "curriculum": 1}\nrow.get("status")\n' + source
+    )
     assert len(key_literals(tmp_path, kv_keys())) == 1
 
 
@@ -231,11 +275,15 @@ def _counter_uses(tree: ast.AST) -> set[int]:
             on_beats = HEARTBEAT_RECEIVER.search(ast.unparse(node.func.value))
             if node.func.attr in READER_METHODS or (node.func.attr in {"get", "pop", "setdefault"} and on_beats):
                 uses |= {id(a) for a in node.args}
-        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
-                and HEARTBEAT_RECEIVER.search(ast.unparse(node.comparators[0])):
+        elif (
+            isinstance(node, ast.Compare)
+            and isinstance(node.ops[0], (ast.In, ast.NotIn))
+            and HEARTBEAT_RECEIVER.search(ast.unparse(node.comparators[0]))
+        ):
             uses.add(id(node.left))
-        elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value in ROLE_NAMES
-                                                for k in node.keys):
+        elif isinstance(node, ast.Dict) and any(
+            isinstance(k, ast.Constant) and k.value in ROLE_NAMES for k in node.keys
+        ):
             for v in node.values:  # a table's cells: a name, or a tuple/list of names
                 uses |= {id(v)} | ({id(e) for e in v.elts} if isinstance(v, (ast.Tuple, ast.List)) else set())
     return uses
@@ -256,8 +304,14 @@ def telemetry_literals(root: Path, names: frozenset[str] = telemetry.COUNTERS) -
 
 
 def test_telemetry_names_are_defined_only_in_bus_telemetry():
-    assert {telemetry.PUBLISHED, telemetry.TRAJECTORIES, telemetry.REWARDS, telemetry.SAMPLES_TRAINED,
-            telemetry.CPU_SECONDS, telemetry.METRICS_PORT} <= telemetry.COUNTERS
+    assert {
+        telemetry.PUBLISHED,
+        telemetry.TRAJECTORIES,
+        telemetry.REWARDS,
+        telemetry.SAMPLES_TRAINED,
+        telemetry.CPU_SECONDS,
+        telemetry.METRICS_PORT,
+    } <= telemetry.COUNTERS
     assert {s.counter for s in telemetry.STAGES} <= telemetry.COUNTERS
     assert {s.role for s in telemetry.STAGES} <= set(ROLE_NAMES)
     assert list(telemetry.STAGE_COUNTER) == ["sampler", "rollout", "verifier", "learner"]
@@ -265,18 +319,25 @@ def test_telemetry_names_are_defined_only_in_bus_telemetry():
     assert not bad, "telemetry counter names spelled outside bus/telemetry.py (import the constant):\n" + "\n".join(bad)
 
 
-BENIGN = ('"""Counts published tasks and samples_trained."""\nlog.info("published", n=1)\n'
-          'row = {"trajectories": s.get("trajectories"), "tasks": 3}\nstep = progress.get("samples_trained")\n'
-          'mean = wv.metrics["reward_mean"]\nself._count("evals", 2)\n')
+BENIGN = (
+    '"""Counts published tasks and samples_trained."""\nlog.info("published", n=1)\n'
+    'row = {"trajectories": s.get("trajectories"), "tasks": 3}\nstep = progress.get("samples_trained")\n'
+    'mean = wv.metrics["reward_mean"]\nself._count("evals", 2)\n'
+)
 
 
-@pytest.mark.parametrize("source", ['n = m.values.get("published", 0)\n',
-                                    'cpu = session.counters["cpu_seconds"]\n',
-                                    'port = "metrics_port" in m.values\n',
-                                    'tokens = mon.role_sum("rollout", "tokens")\n',
-                                    'STAGE_COUNTER = {"sampler": "published"}\n',
-                                    'STAGES = {"sandbox": ("execs", "execs")}\n',
-                                    'x = tele0.get(role, {}).get("trajectories")\n'])
+@pytest.mark.parametrize(
+    "source",
+    [
+        'n = m.values.get("published", 0)\n',
+        'cpu = session.counters["cpu_seconds"]\n',
+        'port = "metrics_port" in m.values\n',
+        'tokens = mon.role_sum("rollout", "tokens")\n',
+        'STAGE_COUNTER = {"sampler": "published"}\n',
+        'STAGES = {"sandbox": ("execs", "execs")}\n',
+        'x = tele0.get(role, {}).get("trajectories")\n',
+    ],
+)
 def test_the_telemetry_name_check_fires(tmp_path, source):
     for pkg in ("rlbus", "bench"):
         (tmp_path / pkg).mkdir()

@@ -78,14 +78,17 @@ def test_plan_micro_batches_buckets_by_length():
     assert plan_micro_batches([50, 3], max_tokens=10) == [[0], [1]]  # too long: alone
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(objective="grpo"),
-    dict(objective="dr_grpo"),
-    dict(objective="dapo", beta=0.05, kl_estimator="k1"),
-    dict(objective="gspo", clip_low=0.5, clip_high=0.5),
-    dict(objective="grpo", off_policy={"mode": "decoupled"}, beta=0.05),
-    dict(objective="dapo", off_policy={"mode": "tis", "tis_cap": 1.5}),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(objective="grpo"),
+        dict(objective="dr_grpo"),
+        dict(objective="dapo", beta=0.05, kl_estimator="k1"),
+        dict(objective="gspo", clip_low=0.5, clip_high=0.5),
+        dict(objective="grpo", off_policy={"mode": "decoupled"}, beta=0.05),
+        dict(objective="dapo", off_policy={"mode": "tis", "tis_cap": 1.5}),
+    ],
+)
 def test_micro_batched_loss_and_grad_equal_one_batch(model_dir, cfg):
     batch = samples()
     full, g_full = grads_of(model_dir, batch, micro_batch_max_padding=0.0, **cfg)  # one padded batch

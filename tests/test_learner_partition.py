@@ -21,13 +21,30 @@ class Raw:
 
 def sample(group: str, index: int, *, size: int = 2, value: float = 1.0, version: int = 0) -> PooledSample:
     traj = Trajectory(
-        run_id=RUN, task_id=f"task-{group}", task_msg_id=f"tm-{group}", domain="arith", group_id=group,
-        group_size=size, sample_index=index, verifier="arith", policy_version=version,
-        turns=[Turn(role="prompt", text="p", token_ids=pack_i32([5, 6])),
-               Turn(role="assistant", text="c", token_ids=pack_i32([7]), logprobs=pack_f32([-0.1]),
-                    trainable=True, policy_version=version)])
-    return PooledSample(Reward(run_id=RUN, trajectory=traj, reward=value, msg_id=f"rw-{group}-{index}"),
-                        raw=Raw(f"{group}-{index}"))
+        run_id=RUN,
+        task_id=f"task-{group}",
+        task_msg_id=f"tm-{group}",
+        domain="arith",
+        group_id=group,
+        group_size=size,
+        sample_index=index,
+        verifier="arith",
+        policy_version=version,
+        turns=[
+            Turn(role="prompt", text="p", token_ids=pack_i32([5, 6])),
+            Turn(
+                role="assistant",
+                text="c",
+                token_ids=pack_i32([7]),
+                logprobs=pack_f32([-0.1]),
+                trainable=True,
+                policy_version=version,
+            ),
+        ],
+    )
+    return PooledSample(
+        Reward(run_id=RUN, trajectory=traj, reward=value, msg_id=f"rw-{group}-{index}"), raw=Raw(f"{group}-{index}")
+    )
 
 
 def group(name: str, values: list[float], *, size: int | None = None, versions: list[int] | None = None) -> Group:
@@ -40,8 +57,9 @@ def group(name: str, values: list[float], *, size: int | None = None, versions: 
 
 
 def split(ready, expired=(), version=0, max_staleness=4, skip_zero_variance=False):
-    return partition(list(ready), list(expired), version, max_staleness=max_staleness,
-                     skip_zero_variance=skip_zero_variance)
+    return partition(
+        list(ready), list(expired), version, max_staleness=max_staleness, skip_zero_variance=skip_zero_variance
+    )
 
 
 def fate_of(part, task_msg_id):
@@ -113,8 +131,12 @@ def test_zero_variance_group_is_filtered_only_with_skip_zero_variance():
 
 
 def test_mixed_window_gives_each_task_one_fate_and_acks_each_message_once():
-    ready = [group("ok", [0.0, 1.0], versions=[9, 8]), group("zero", [0.0, 0.0], versions=[9, 9]),
-             group("stale", [0.0, 1.0], versions=[0, 0]), group("part", [1.0, 0.5, 0.0], versions=[9, 0, 9])]
+    ready = [
+        group("ok", [0.0, 1.0], versions=[9, 8]),
+        group("zero", [0.0, 0.0], versions=[9, 9]),
+        group("stale", [0.0, 1.0], versions=[0, 0]),
+        group("part", [1.0, 0.5, 0.0], versions=[9, 0, 9]),
+    ]
     expired = [group("late", [1.0], size=3)]
     part = split(ready, expired, version=9, max_staleness=4, skip_zero_variance=True)
     assert {f.task_msg_id: (f.fate, f.reason) for f in part.fates} == {
@@ -132,7 +154,7 @@ def test_mixed_window_gives_each_task_one_fate_and_acks_each_message_once():
     assert part.stale_samples == 3  # both of "stale", one of "part"
     # what trains is acked last (after the step that used it)
     trained = {id(s.raw) for g in part.train for s in g.samples.values()}
-    assert {id(r) for r in part.to_ack[-len(trained):]} == trained
+    assert {id(r) for r in part.to_ack[-len(trained) :]} == trained
 
 
 def test_partition_leaves_the_popped_groups_unchanged():

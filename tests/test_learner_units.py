@@ -16,15 +16,40 @@ RUN = "r1"
 PAD = 0
 
 
-def reward(group: str, index: int, *, size: int = 2, prompt=(5, 6, 7), comp=(8, 9), logp=None,
-           version: int = 0, value: float = 1.0, task_msg_id: str | None = None) -> Reward:
+def reward(
+    group: str,
+    index: int,
+    *,
+    size: int = 2,
+    prompt=(5, 6, 7),
+    comp=(8, 9),
+    logp=None,
+    version: int = 0,
+    value: float = 1.0,
+    task_msg_id: str | None = None,
+) -> Reward:
     logp = [-0.1 * (k + 1) for k in range(len(comp))] if logp is None else logp
     traj = Trajectory(
-        run_id=RUN, task_id=f"task-{group}", task_msg_id=task_msg_id or f"tm-{group}", domain="arith",
-        group_id=group, group_size=size, sample_index=index, verifier="arith", policy_version=version,
-        turns=[Turn(role="prompt", text="p", token_ids=pack_i32(prompt)),
-               Turn(role="assistant", text="c", token_ids=pack_i32(comp), logprobs=pack_f32(logp),
-                    trainable=True, policy_version=version)],
+        run_id=RUN,
+        task_id=f"task-{group}",
+        task_msg_id=task_msg_id or f"tm-{group}",
+        domain="arith",
+        group_id=group,
+        group_size=size,
+        sample_index=index,
+        verifier="arith",
+        policy_version=version,
+        turns=[
+            Turn(role="prompt", text="p", token_ids=pack_i32(prompt)),
+            Turn(
+                role="assistant",
+                text="c",
+                token_ids=pack_i32(comp),
+                logprobs=pack_f32(logp),
+                trainable=True,
+                policy_version=version,
+            ),
+        ],
     )
     return Reward(run_id=RUN, trajectory=traj, reward=value)
 
@@ -34,6 +59,7 @@ def ps(*args, **kw) -> PooledSample:
 
 
 # -- GroupPool ------------------------------------------------------------------------
+
 
 def test_complete_groups_pop_first():
     pool = GroupPool(deadline_s=10.0)
@@ -55,8 +81,13 @@ def test_complete_groups_pop_first():
 def test_informative_only_fills_the_limit_with_groups_whose_rewards_differ():
     """DAPO dynamic sampling: the limit counts informative groups; all-equal ones come along to be filtered."""
     pool = GroupPool(deadline_s=10.0)
-    for name, values in (("same1", (1.0, 1.0)), ("mixed1", (0.0, 1.0)), ("same0", (0.0, 0.0)),
-                         ("mixed2", (1.0, 0.0)), ("mixed3", (0.0, 0.5))):
+    for name, values in (
+        ("same1", (1.0, 1.0)),
+        ("mixed1", (0.0, 1.0)),
+        ("same0", (0.0, 0.0)),
+        ("mixed2", (1.0, 0.0)),
+        ("mixed3", (0.0, 0.5)),
+    ):
         for i, v in enumerate(values):
             pool.add(ps(name, i, size=2, value=v), now=0.0)
     assert pool.count_ready(now=1.0) == 5
@@ -141,6 +172,7 @@ def test_split_stale():
 
 # -- pack_samples ---------------------------------------------------------------------
 
+
 def test_pack_samples_masks_and_alignment():
     rs = [
         reward("g1", 0, prompt=[10, 11, 12], comp=[20, 21], logp=[-1.0, -2.0], value=1.0),
@@ -152,9 +184,11 @@ def test_pack_samples_masks_and_alignment():
     assert ids.shape == (3, 7) and attn.shape == (3, 7)
     assert mask.shape == (3, 6) and behav.shape == (3, 6)
     assert ids.dtype == torch.long and mask.dtype == torch.float32 and behav.dtype == torch.float32
-    assert ids.tolist() == [[10, 11, 12, 20, 21, PAD, PAD],
-                            [10, 11, 12, 22, 23, 24, 25],
-                            [30, 31, PAD, PAD, PAD, PAD, PAD]]
+    assert ids.tolist() == [
+        [10, 11, 12, 20, 21, PAD, PAD],
+        [10, 11, 12, 22, 23, 24, 25],
+        [30, 31, PAD, PAD, PAD, PAD, PAD],
+    ]
     assert attn.tolist() == [[1, 1, 1, 1, 1, 0, 0], [1] * 7, [1, 1, 0, 0, 0, 0, 0]]
     # position t scores token t+1: completion of prompt length p and c tokens -> positions p-1..p+c-2
     assert mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]]
@@ -172,6 +206,7 @@ def test_pack_samples_group_ids_follow_first_appearance():
 
 
 # -- on-policy alignment: engine logprobs == learner logprobs ---------------------------
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
@@ -214,12 +249,36 @@ def test_pack_samples_keeps_multi_turn_order():
     order and only the two assistant turns are in the loss, with their own log-probs."""
     turns = [
         Turn(role="prompt", text="p", token_ids=pack_i32([1, 2])),
-        Turn(role="assistant", text="a", token_ids=pack_i32([3]), logprobs=pack_f32([-0.5]), trainable=True, policy_version=0),
+        Turn(
+            role="assistant",
+            text="a",
+            token_ids=pack_i32([3]),
+            logprobs=pack_f32([-0.5]),
+            trainable=True,
+            policy_version=0,
+        ),
         Turn(role="tool", text="t", token_ids=pack_i32([4, 5])),
-        Turn(role="assistant", text="b", token_ids=pack_i32([6]), logprobs=pack_f32([-0.25]), trainable=True, policy_version=0),
+        Turn(
+            role="assistant",
+            text="b",
+            token_ids=pack_i32([6]),
+            logprobs=pack_f32([-0.25]),
+            trainable=True,
+            policy_version=0,
+        ),
     ]
-    traj = Trajectory(run_id="r", task_id="t", task_msg_id="m", domain="arith", group_id="g", group_size=1,
-                      sample_index=0, turns=turns, verifier="arith", policy_version=0)
+    traj = Trajectory(
+        run_id="r",
+        task_id="t",
+        task_msg_id="m",
+        domain="arith",
+        group_id="g",
+        group_size=1,
+        sample_index=0,
+        turns=turns,
+        verifier="arith",
+        policy_version=0,
+    )
     b = pack_samples([Reward(run_id="r", trajectory=traj, reward=1.0)], pad_id=0)
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
     # position t scores token t+1: token 3 is scored at 1, token 6 at 4
@@ -236,8 +295,17 @@ def test_every_objective_runs_a_step_on_a_tiny_model(engine, objective):
     rewards = [reward("g", i, size=4, prompt=prompt, comp=(5 + i, 1), value=float(i % 2)) for i in range(4)]
     batch = pack_samples(rewards, PAD)
     engine.model.zero_grad()
-    loss, stats, adv = grpo_loss(engine.model, engine.model, batch, beta=0.1, clip_low=0.2, clip_high=0.28,
-                                 normalize_std=True, objective=objective, kl="k1")
+    loss, stats, adv = grpo_loss(
+        engine.model,
+        engine.model,
+        batch,
+        beta=0.1,
+        clip_low=0.2,
+        clip_high=0.28,
+        normalize_std=True,
+        objective=objective,
+        kl="k1",
+    )
     loss.backward()
     assert torch.isfinite(loss) and stats.tokens == 8
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.model.parameters())
@@ -246,6 +314,7 @@ def test_every_objective_runs_a_step_on_a_tiny_model(engine, objective):
 
 
 # -- learner.skipped_keep_scale ---------------------------------------------------------
+
 
 def test_skipped_loss_scale_by_objective():
     """Hand-computed: 2 trained samples of 2 and 3 tokens, 2 skipped of 4 and 1 tokens."""

@@ -21,8 +21,9 @@ from tests.test_learner_efficiency import samples
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2, num_heads=4,
-                            max_position_embeddings=64)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64
+    )
 
 
 def test_lora_trains_adapters_and_blob_reproduces_logits(model_dir):

@@ -69,9 +69,7 @@ def test_group_advantages_std_normalised_eps0():
     #          0.25 / (sqrt(3)/4) = 1/sqrt(3) = 0.5773502691896258
     #         -0.75 / (sqrt(3)/4) = -sqrt(3) = -1.7320508075688772
     a = group_advantages(t(REWARDS), torch.tensor(IDS), normalize_std=True, eps=0.0)
-    close(a, [1.0, -1.0, -1.0, 1.0,
-              0.5773502691896258, 0.5773502691896258, 0.5773502691896258,
-              -1.7320508075688772])
+    close(a, [1.0, -1.0, -1.0, 1.0, 0.5773502691896258, 0.5773502691896258, 0.5773502691896258, -1.7320508075688772])
 
 
 def test_group_advantages_std_normalised_default_eps():
@@ -84,9 +82,7 @@ def test_group_advantages_std_normalised_default_eps():
     a = group_advantages(t(REWARDS), torch.tensor(IDS))
     g7 = 0.999998000004
     g3 = 0.57734893585806
-    assert a.tolist() == pytest.approx(
-        [g7, -g7, -g7, g7, g3, g3, g3, -3 * g3], rel=1e-9
-    )
+    assert a.tolist() == pytest.approx([g7, -g7, -g7, g7, g3, g3, g3, -3 * g3], rel=1e-9)
 
 
 def test_group_advantages_order_and_id_values_irrelevant():
@@ -149,8 +145,7 @@ def test_kl_k3_known_values():
     #  [1] d = +ln2 -> 2 - ln2 - 1   = 0.3068528194400547
     #  [2] d = 1    -> e - 1 - 1     = 0.7182818284590451
     #  [3] d = 0    -> 0
-    close(kl_k3(new, ref), [0.1931471805599453, 0.3068528194400547,
-                             0.7182818284590451, 0.0])
+    close(kl_k3(new, ref), [0.1931471805599453, 0.3068528194400547, 0.7182818284590451, 0.0])
 
 
 def test_kl_k3_zero_when_equal_and_nonneg():
@@ -247,8 +242,7 @@ def test_policy_loss_asymmetric_clip():
     #   seq0: [-1.25/4, 0] = [-0.3125, 0] ; seq1: [0, 0.95/4] = [0, 0.2375]
     # (symmetric 0.2 would give -(1.2+1.2)/2=-1.2 and 0.9 -> -0.15: differs)
     new, beh = seq_from_ratios([[1.25, 1.4], [0.85, 0.95]])
-    loss, st = policy_loss(new, beh, t([1.0, -1.0]), ones_mask(2, 2),
-                           clip_low=0.1, clip_high=0.3)
+    loss, st = policy_loss(new, beh, t([1.0, -1.0]), ones_mask(2, 2), clip_low=0.1, clip_high=0.3)
     close(loss, -0.175)
     assert st.clip_frac == 0.5
     assert st.ratio_min == pytest.approx(0.85) and st.ratio_max == pytest.approx(1.4)
@@ -327,8 +321,7 @@ def test_policy_loss_beta_adds_kl_exactly():
 
     # (a) A = 0: pg = 0, loss = beta * 0.25 = 0.025
     new = logp.clone().requires_grad_(True)
-    loss, st = policy_loss(new, logp.clone(), t([0.0]), ones_mask(1, 2),
-                           beta=0.1, logp_ref=ref)
+    loss, st = policy_loss(new, logp.clone(), t([0.0]), ones_mask(1, 2), beta=0.1, logp_ref=ref)
     close(loss, 0.025)
     assert st.kl == pytest.approx(0.25) and st.pg_loss == 0.0
 
@@ -337,8 +330,7 @@ def test_policy_loss_beta_adds_kl_exactly():
     #   token0: exp(ref-new) = 0.5 -> (-1 + 0.1*0.5)/2 = -0.475
     #   token1: exp(ref-new) = 2   -> (-1 - 0.1*1.0)/2 = -0.55
     new = logp.clone().requires_grad_(True)
-    loss, st = policy_loss(new, logp.clone(), t([1.0]), ones_mask(1, 2),
-                           beta=0.1, logp_ref=ref)
+    loss, st = policy_loss(new, logp.clone(), t([1.0]), ones_mask(1, 2), beta=0.1, logp_ref=ref)
     close(loss, -0.975)
     assert st.loss == pytest.approx(-0.975)
     assert st.pg_loss == pytest.approx(-1.0)
@@ -354,8 +346,7 @@ def test_policy_loss_kl_respects_mask_and_per_sequence_mean():
     new = t([[math.log(0.5), math.log(0.25)], [0.0, 0.0]], requires_grad=True)
     ref = t([[math.log(0.25), math.log(0.5)], [1.0, 50.0]])
     mask = t([[1, 1], [1, 0]])
-    loss, st = policy_loss(new, new.detach().clone(), t([0.0, 0.0]), mask,
-                           beta=1.0, logp_ref=ref)
+    loss, st = policy_loss(new, new.detach().clone(), t([0.0, 0.0]), mask, beta=1.0, logp_ref=ref)
     close(loss, 0.48414091422952255)
     assert st.kl == pytest.approx(0.48414091422952255)
 

@@ -45,9 +45,20 @@ async def test_live_worker_session_exposes_key_series(tmp_path, nats_url, run_id
     async with worker_session("verifier", RunConfig(), ctx) as s:
         port = start_metrics_server("verifier", s.counters, free_port(), worker="v-test")
         assert s.counters["metrics_port"] == port
-        tasks = [(s.reg.tasks("arith"), Task(run_id=run_id, task_id=f"t{i}", domain="arith", group_size=1,
-                                              verifier="exact", prompt=[ChatMessage(role="user", content="1+1=")]))
-                 for i in range(5)]
+        tasks = [
+            (
+                s.reg.tasks("arith"),
+                Task(
+                    run_id=run_id,
+                    task_id=f"t{i}",
+                    domain="arith",
+                    group_size=1,
+                    verifier="exact",
+                    prompt=[ChatMessage(role="user", content="1+1=")],
+                ),
+            )
+            for i in range(5)
+        ]
         await publish_many(s.js, tasks)
         from bus.conn import pull_subscription
 

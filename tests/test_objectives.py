@@ -61,9 +61,7 @@ def test_compute_advantages_per_kind():
     std_norm = [1.7320508, -0.5773503, -0.5773503, -0.5773503, 0.0, 0.0, 0.0]
     for kind in ("grpo", "dapo", "gspo"):
         approx_list(compute_advantages(kind, r, g), std_norm, abs=1e-5)
-    approx_list(
-        compute_advantages("dr_grpo", r, g), [0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0]
-    )
+    approx_list(compute_advantages("dr_grpo", r, g), [0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0])
     with pytest.raises(ValueError):
         compute_advantages("ppo", r, g)
 
@@ -84,9 +82,7 @@ def test_dynamic_sampling_mask_counts_groups():
 
 def test_dynamic_sampling_all_kept_and_unsorted_ids():
     # groups 5: [0, 1], 2: [1, 0], interleaved -> both varied, none dropped
-    keep, dropped = dynamic_sampling_mask(
-        t([0.0, 1.0, 1.0, 0.0]), torch.tensor([5, 2, 5, 2])
-    )
+    keep, dropped = dynamic_sampling_mask(t([0.0, 1.0, 1.0, 0.0]), torch.tensor([5, 2, 5, 2]))
     assert keep.tolist() == [True, True, True, True]
     assert dropped == 0
 
@@ -98,9 +94,7 @@ def test_overlong_penalty_dapo_eq13():
     # L_max = 20, L_cache = 4 -> interval (16, 20]; penalty = (16 - L) / 4 inside, -1 beyond.
     # L=10: 0 | L=16: 0 (boundary, <= 16) | L=17: (16-17)/4 = -0.25 | L=18: -2/4 = -0.5
     # L=20: -4/4 = -1.0 (still inside) | L=21: -1 | L=30: -1
-    out = overlong_penalty(
-        torch.tensor([10, 16, 17, 18, 20, 21, 30]), max_len=20, cache_len=4
-    )
+    out = overlong_penalty(torch.tensor([10, 16, 17, 18, 20, 21, 30]), max_len=20, cache_len=4)
     assert out.is_floating_point()
     approx_list(out, [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0])
     with pytest.raises(ValueError):
@@ -146,9 +140,7 @@ def test_grpo_seq_mean_then_batch_mean():
     # seq means: -2.8/3 = -0.9333333, 4.2/2 = 2.1; batch mean = (-0.9333333 + 2.1)/2 = 7/12 = 0.5833333
     assert loss.item() == pytest.approx(0.5833333333, abs=1e-9)
     assert st.clip_frac == pytest.approx(0.4)
-    assert (st.ratio_mean, st.ratio_min, st.ratio_max) == pytest.approx(
-        (1.02, 0.5, 1.5)
-    )
+    assert (st.ratio_mean, st.ratio_min, st.ratio_max) == pytest.approx((1.02, 0.5, 1.5))
     assert st.tokens == 5 and st.kl == 0.0
     loss.backward()
     # d loss / d new[0,1] = -(1/2)(1/3) * A * r = -(1/6) * 0.5 = -0.0833333
@@ -167,16 +159,12 @@ def test_grpo_equals_policy_loss():
 def test_dr_grpo_sum_over_constant():
     new, beh, adv, mask = _inputs()
     # default max_len = T = 3: token sum (-2.8 + 4.2 = 1.4) / (B * max_len = 2 * 3 = 6) = 0.2333333
-    loss, st = objective_loss(
-        "dr_grpo", new, beh, adv, mask, clip_low=0.2, clip_high=0.2
-    )
+    loss, st = objective_loss("dr_grpo", new, beh, adv, mask, clip_low=0.2, clip_high=0.2)
     assert loss.item() == pytest.approx(0.2333333333, abs=1e-9)
     assert st.clip_frac == pytest.approx(0.4)
     # max_len = 4: 1.4 / (2 * 4) = 0.175
     new, beh, adv, mask = _inputs()
-    loss, _ = objective_loss(
-        "dr_grpo", new, beh, adv, mask, clip_low=0.2, clip_high=0.2, max_len=4
-    )
+    loss, _ = objective_loss("dr_grpo", new, beh, adv, mask, clip_low=0.2, clip_high=0.2, max_len=4)
     assert loss.item() == pytest.approx(0.175, abs=1e-12)
     loss.backward()
     # every token weighs 1/8 (no length normalisation): [0,1]: -(1/8)*0.5 = -0.0625;
@@ -240,9 +228,7 @@ def test_gspo_sequence_ratio():
 
 def test_gspo_clip_high_binds():
     new, beh = from_ratios(GSPO_RATIOS)
-    loss, st = objective_loss(
-        "gspo", new, beh, t(ADV), torch.tensor(MASK), clip_low=0.2, clip_high=0.05
-    )
+    loss, st = objective_loss("gspo", new, beh, t(ADV), torch.tensor(MASK), clip_low=0.2, clip_high=0.05)
     # seq 0: s=1.1 -> min(1.1, 1.05) = 1.05 CLIPPED; seq 1: -1.6 CLIPPED
     # loss = (-1.05 + 1.6) / 2 = 0.275; clip_frac = 2/2 = 1
     assert loss.item() == pytest.approx(0.275, abs=1e-12)
@@ -277,16 +263,7 @@ def _ref(new):
 def test_kl_terms(kind, kl, pg, kl_val):
     new, beh, adv, mask = _inputs()
     loss, st = objective_loss(
-        kind,
-        new,
-        beh,
-        adv,
-        mask,
-        clip_low=0.2,
-        clip_high=0.28,
-        beta=0.1,
-        kl=kl,
-        logp_ref=_ref(new),
+        kind, new, beh, adv, mask, clip_low=0.2, clip_high=0.28, beta=0.1, kl=kl, logp_ref=_ref(new)
     )
     assert st.pg_loss == pytest.approx(pg, abs=1e-9)
     assert st.kl == pytest.approx(kl_val, abs=1e-9)
@@ -297,16 +274,7 @@ def test_kl_terms(kind, kl, pg, kl_val):
 def test_gspo_with_kl():
     new, beh = from_ratios(GSPO_RATIOS)
     loss, st = objective_loss(
-        "gspo",
-        new,
-        beh,
-        t(ADV),
-        torch.tensor(MASK),
-        clip_low=0.2,
-        clip_high=0.2,
-        beta=0.1,
-        kl="k1",
-        logp_ref=_ref(new),
+        "gspo", new, beh, t(ADV), torch.tensor(MASK), clip_low=0.2, clip_high=0.2, beta=0.1, kl="k1", logp_ref=_ref(new)
     )
     # pg = 0.25, kl = 0.5 -> 0.25 + 0.05 = 0.3
     assert st.kl == pytest.approx(0.5, abs=1e-12)

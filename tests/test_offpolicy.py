@@ -64,8 +64,9 @@ def test_decoupled_clips_against_proximal_and_weights_by_truncated_is():
     rho = torch.tensor([[1.0, 3.0, 0.5], [1.0, 1.5, 1.0]])  # pi_prox / mu  -> w = [[1, 2, .5], [1, 1.5]]
     new = (prox + r.log()).requires_grad_(True)
     behav = prox - rho.log()
-    loss, st = offpolicy_loss("decoupled", "grpo", new, behav, ADV, MASK, cap=2.0, clip_low=0.2,
-                              clip_high=0.2, logp_prox=prox)
+    loss, st = offpolicy_loss(
+        "decoupled", "grpo", new, behav, ADV, MASK, cap=2.0, clip_low=0.2, clip_high=0.2, logp_prox=prox
+    )
     # row 0 (A=1): min(rA, clip(r)A) = [1.2 (clipped), 1.0, 0.5]; -w*obj = [-1.2, -2.0, -0.25]
     # row 1 (A=-2): [-3.0, -1.6 (clipped)]; -w*obj = [3.0, 2.4]
     assert loss.item() == pytest.approx((-3.45 / 3 + 5.4 / 2) / 2, rel=1e-6)

@@ -52,8 +52,9 @@ def test_learner_step_with_a_hundred_domains(tmp_path):
             traj = r.trajectory.model_copy(update={"domain": f"d{g:03d}"})
             batch.append(PooledSample(r.model_copy(update={"trajectory": traj}), raw=None))
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
-    metrics = train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), batch, 0,
-                         LearnerSection(pcgrad=True, grad_clip=1e9))
+    metrics = train_step(
+        model, None, torch.optim.SGD(model.parameters(), lr=0.0), batch, 0, LearnerSection(pcgrad=True, grad_clip=1e9)
+    )
     assert metrics["micro_batches"] == 100 and 0.0 <= metrics["pcgrad_conflict_frac"] <= 1.0
     assert metrics["pcgrad_conflicts"] == metrics["pcgrad_conflict_frac"] * 100 * 99
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

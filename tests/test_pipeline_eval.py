@@ -67,13 +67,15 @@ async def test_round_through_rollout_and_verifier_workers(js, run_id, tmp_path, 
     want = sum(it.gold == 0 for it in es.items) / len(es)
     assert pe.last["tasks"] == pe.last["rewards"] == 12, pe.last  # every eval reward came back
     assert scores["arith"][:2] == (want, 12) and version == 0
-    assert [it.task.verifier_params["expression"] for it in es.items] == \
-        [p.expression for p in arith.heldout_set(cfg.scheduler.eval.seed, 12, 1)]
+    assert [it.task.verifier_params["expression"] for it in es.items] == [
+        p.expression for p in arith.heldout_set(cfg.scheduler.eval.seed, 12, 1)
+    ]
 
     async def learner_skipped_them():
         progress = await get_json(js, reg, LEARNER_PROGRESS) or {}
         info = await js.consumer_info(reg.stream("REWARDS"), "learner")
         return info.num_ack_pending == 0 and info.num_pending == 0 and progress.get("samples_trained", 0) == 0
+
     await eventually(learner_skipped_them, 30, "the learner to ack the eval rewards without training", tmp_path)
     assert learner.poll() is None
 

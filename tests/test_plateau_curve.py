@@ -67,11 +67,14 @@ def test_the_bare_slope_fired_on_the_session3_curve_while_it_rose():
     assert found.detected and found.at_version == run["bare_slope_plateau_at"]
 
 
-def _simulated(seed: int, gain_per_1k: float, evals: int = 12, n: int = 400, start: float = 0.3,
-               step: float = 6400.0) -> list[tuple[int, float, float]]:
+def _simulated(
+    seed: int, gain_per_1k: float, evals: int = 12, n: int = 400, start: float = 0.3, step: float = 6400.0
+) -> list[tuple[int, float, float]]:
     rng = random.Random(seed)
-    return [(50 * i, i * step, sum(rng.random() < start + gain_per_1k * i * step / 1000 for _ in range(n)) / n)
-            for i in range(evals)]
+    return [
+        (50 * i, i * step, sum(rng.random() < start + gain_per_1k * i * step / 1000 for _ in range(n)) / n)
+        for i in range(evals)
+    ]
 
 
 def test_demo_settings_find_flat_curves_and_spare_rising_ones():

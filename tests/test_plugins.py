@@ -28,8 +28,13 @@ NAME = "example_palindrome"
 
 
 def pip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def forget() -> None:
@@ -60,10 +65,21 @@ def installed():
 
 
 def palindrome_traj(task, answer: str) -> Trajectory:
-    return Trajectory(run_id=task.run_id, task_id=task.task_id, task_msg_id=task.msg_id, domain=task.domain,
-                      group_id="g", group_size=1, sample_index=0, turns=[], verifier=task.verifier,
-                      verifier_params=task.verifier_params, reward_weights=task.reward_weights, policy_version=0,
-                      final_text=answer)
+    return Trajectory(
+        run_id=task.run_id,
+        task_id=task.task_id,
+        task_msg_id=task.msg_id,
+        domain=task.domain,
+        group_id="g",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier=task.verifier,
+        verifier_params=task.verifier_params,
+        reward_weights=task.reward_weights,
+        policy_version=0,
+        final_text=answer,
+    )
 
 
 def test_plugin_domain_and_verifier_through_the_registries(installed, tmp_path):
@@ -71,7 +87,9 @@ def test_plugin_domain_and_verifier_through_the_registries(installed, tmp_path):
     factory = domains.get_factory(NAME)
     assert factory.__module__ == "rlbus_example_plugin"
     cfg_path = tmp_path / "run.toml"
-    cfg_path.write_text(f"[sampler.domains.{NAME}]\nmax_level = 3\nreward_weights = {{ correct = 0.9, format = 0.1 }}\n")
+    cfg_path.write_text(
+        f"[sampler.domains.{NAME}]\nmax_level = 3\nreward_weights = {{ correct = 0.9, format = 0.1 }}\n"
+    )
     cfg = load_config(cfg_path)
     assert domains.kind_of(NAME, cfg.sampler.domains[NAME]) == NAME
     task = domains.make_source("r1", NAME, cfg).make_task(random.Random(3), 3, 0).task
@@ -92,8 +110,10 @@ def test_plugin_domain_and_verifier_through_the_registries(installed, tmp_path):
 
 
 def test_plugin_is_found_by_a_fresh_process(installed):
-    code = ("from verifier_workers import registry; from producers import domains; "
-            f"print(registry.get({NAME!r}).__name__, domains.get_factory({NAME!r}).__name__)")
+    code = (
+        "from verifier_workers import registry; from producers import domains; "
+        f"print(registry.get({NAME!r}).__name__, domains.get_factory({NAME!r}).__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["verify_palindrome", "PalindromeDomain"]

@@ -11,9 +11,16 @@ from producers.sampler import make_tasks, pool_caps, pool_for
 from scheduler.durations import update
 from schemas.config import load_config
 
-CFG = ["sampler.max_inflight_tasks=100", "learner.groups_per_step=4", "learner.max_staleness=3",
-       "sampler.domains.arith.pool=short", "sampler.domains.slow.kind=sleep", "sampler.domains.slow.pool=long",
-       "sampler.domains.slow.params.seconds=20", "rollout.pools.long.max_inflight=2"]
+CFG = [
+    "sampler.max_inflight_tasks=100",
+    "learner.groups_per_step=4",
+    "learner.max_staleness=3",
+    "sampler.domains.arith.pool=short",
+    "sampler.domains.slow.kind=sleep",
+    "sampler.domains.slow.pool=long",
+    "sampler.domains.slow.params.seconds=20",
+    "rollout.pools.long.max_inflight=2",
+]
 
 
 def test_pool_subjects_and_consumers_are_disjoint():

@@ -57,10 +57,16 @@ def easy():
 
 # --- config expansion -------------------------------------------------------------------
 
+
 def test_include_exclude_heldout_overrides_expand_into_domains():
-    cfg = rg_config(f"{SET}.exclude=['gc*']", f"{SET}.heldout=['lcm']", f"{SET}.weight=0.5", f"{SET}.max_tokens=48",
-                    f"{SET}.overrides={{leg_counting={{weight=2.0, min_level=2, max_level=4, start_level=3, "
-                    f"params={{range_mode='upper_bound'}}}}}}")
+    cfg = rg_config(
+        f"{SET}.exclude=['gc*']",
+        f"{SET}.heldout=['lcm']",
+        f"{SET}.weight=0.5",
+        f"{SET}.max_tokens=48",
+        f"{SET}.overrides={{leg_counting={{weight=2.0, min_level=2, max_level=4, start_level=3, "
+        f"params={{range_mode='upper_bound'}}}}}}",
+    )
     doms = cfg.sampler.domains
     assert set(doms) == {rg.domain_name(n) for n in EASY if n != "gcd"} | {"rg-lcm"}  # no default arith either
     for name, dc in doms.items():
@@ -92,12 +98,15 @@ def test_domain_set_with_explicit_domains_keeps_them_and_reloads_unchanged(tmp_p
         rg_config("sampler.domains.rg-gcd={kind='reasoning_gym', weight=3.0, params={dataset='gcd'}}")
 
 
-@pytest.mark.parametrize("field, value, wanted", [
-    ("include", "['leg_countin']", "leg_counting"),
-    ("exclude", "['basic_arithmatic']", "basic_arithmetic"),
-    ("heldout", "['chainsum']", "chain_sum"),
-    ("overrides", "{spel_backward={weight=2.0}}", "spell_backward"),
-])
+@pytest.mark.parametrize(
+    "field, value, wanted",
+    [
+        ("include", "['leg_countin']", "leg_counting"),
+        ("exclude", "['basic_arithmatic']", "basic_arithmetic"),
+        ("heldout", "['chainsum']", "chain_sum"),
+        ("overrides", "{spel_backward={weight=2.0}}", "spell_backward"),
+    ],
+)
 def test_unknown_dataset_names_the_closest(field, value, wanted):
     with pytest.raises(ConfigError, match=rf"{field}: unknown dataset .*closest: .*{wanted}"):
         rg_config(f"{SET}.{field}={value}")
@@ -127,6 +136,7 @@ def test_domain_names_are_single_subject_tokens_and_invert():
 
 
 # --- tasks --------------------------------------------------------------------------------
+
 
 def test_tasks_are_a_function_of_seed_level_index(easy):
     cfg, _ = easy
@@ -169,8 +179,12 @@ def test_metadata_packing_restores_what_scorers_compare():
     packed = wire(rg.pack(meta))
     json.dumps(packed)
     assert rg.unpack(packed) == meta and isinstance(rg.unpack(packed)["grid"][0], tuple)
-    assert rg.jsonable(meta) == {"grid": [[1, 2], [3, 4]], "seen": [1, 3], "by_int": {"1": "a"},
-                                 "plain": [1, {"x": [5]}]}
+    assert rg.jsonable(meta) == {
+        "grid": [[1, 2], [3, 4]],
+        "seen": [1, 3],
+        "by_int": {"1": "a"},
+        "plain": [1, {"x": [5]}],
+    }
 
 
 def test_a_dataset_that_fails_at_start_is_disabled_and_the_rest_go_on():
@@ -193,16 +207,19 @@ def test_too_long_prompts_are_skipped_and_counted_never_truncated(easy):
     assert src.skipped["prompt_too_long"] + src.skipped["eval_slice"] == ATTEMPTS
     sources = {"rg-leg_counting": src, "rg-gcd": make_source("r1", "rg-gcd", cfg)}
     weights = {"rg-leg_counting": 1.0, "rg-gcd": 4.0}
-    drawn = make_tasks(sources, random.Random(0), 0, {"short": 6}, 6, weights, {d: 1 for d in weights},
-                       {d: "short" for d in weights})
+    drawn = make_tasks(
+        sources, random.Random(0), 0, {"short": 6}, 6, weights, {d: 1 for d in weights}, {d: "short" for d in weights}
+    )
     assert len(drawn) == 6 and {d.task.domain for d in drawn} == {"rg-gcd"}
     assert skip_counts(sources)["skipped_prompt_too_long"] == src.skipped["prompt_too_long"] >= 1
 
 
 # --- the verifier ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["rg-basic_arithmetic", "rg-leg_counting", "rg-chain_sum", "rg-gcd", "rg-count_bits",
-                                  "rg-spell_backward"])
+
+@pytest.mark.parametrize(
+    "name", ["rg-basic_arithmetic", "rg-leg_counting", "rg-chain_sum", "rg-gcd", "rg-count_bits", "rg-spell_backward"]
+)
 def test_gold_scores_one_and_wrong_less(easy, name):
     _, sources = easy
     d = sources[name].make_task(random.Random(0), 2 if name != "rg-spell_backward" else 1, 3)
@@ -244,8 +261,12 @@ def test_an_answer_the_scorer_chokes_on_is_the_policys_zero_not_infra():
     d = make_source("r", "rg-prime_factorization", cfg).make_task(random.Random(0), 1, 0)
     v = verify_reasoning_gym(traj_for(d, "<answer>7 91 4U, 0</answer>"), wire(d.hidden))
     assert v.components == {"correct": 0.0, "answer_found": 1.0, "answer_rejected": 1.0}
-    assert verify_reasoning_gym(traj_for(d, f"<answer>{d.hidden['answer']}</answer>"), wire(d.hidden)).components[
-        "correct"] == 1.0
+    assert (
+        verify_reasoning_gym(traj_for(d, f"<answer>{d.hidden['answer']}</answer>"), wire(d.hidden)).components[
+            "correct"
+        ]
+        == 1.0
+    )
 
 
 def test_tagged_answer_rule():
@@ -257,12 +278,15 @@ def test_tagged_answer_rule():
 
 # --- eval slice, demonstrations -----------------------------------------------------------------
 
+
 def test_eval_problems_are_fixed_and_disjoint_from_training(easy):
     cfg, sources = easy
     src = sources["rg-chain_sum"]
     ev = src.eval_problems(30, seed=1234)
     assert 0 < len(ev) <= 30 and len(ev) <= cfg.sampler.domains["rg-chain_sum"].params["eval_n"]
-    assert [d.task.prompt for d in ev] == [d.task.prompt for d in make_source("x", "rg-chain_sum", cfg).eval_problems(30, 1234)]
+    assert [d.task.prompt for d in ev] == [
+        d.task.prompt for d in make_source("x", "rg-chain_sum", cfg).eval_problems(30, 1234)
+    ]
     hashes = {rg.content_hash(d.hidden["question"]) for d in ev}
     assert len(hashes) == len(ev) and all(rg.in_eval_slice(h) for h in hashes)
     assert len({d.task.hidden_ref for d in ev}) == len(ev)
@@ -296,14 +320,27 @@ def test_a_domain_with_no_demonstrable_prompt_is_dropped_from_sft_and_the_others
 
 # --- CLI ------------------------------------------------------------------------------------------
 
+
 def rlbus(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(RLBUS), *args], capture_output=True, text=True, timeout=180, input=stdin, cwd=ROOT)
 
 
 def test_tasks_show_prints_the_sampler_task(easy):
     cfg, _ = easy
-    p = rlbus("tasks", "show", "--domain", "rg-leg_counting", "--seed", "0", "--index", "5", "--level", "2",
-              "--hidden", "--json")
+    p = rlbus(
+        "tasks",
+        "show",
+        "--domain",
+        "rg-leg_counting",
+        "--seed",
+        "0",
+        "--index",
+        "5",
+        "--level",
+        "2",
+        "--hidden",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert set(out) == {"task", "hidden"} and {"answer", "metadata"} <= set(out["hidden"])
@@ -321,12 +358,16 @@ def test_tasks_show_prints_the_sampler_task(easy):
 
 
 def test_verify_domain_scores_a_reply_to_that_task(tmp_path):
-    show = json.loads(rlbus("tasks", "show", "--domain", "rg-chain_sum", "--seed", "4", "--index", "2", "--hidden",
-                            "--json").stdout)
+    show = json.loads(
+        rlbus("tasks", "show", "--domain", "rg-chain_sum", "--seed", "4", "--index", "2", "--hidden", "--json").stdout
+    )
     gold = show["hidden"]["answer"]
     f = tmp_path / "reply.txt"
-    for reply, reward, found in ((f"sum it\n<answer>{gold}</answer>", 1.0, 1.0), ("<answer>x</answer>", 0.0, 1.0),
-                                 ("", 0.0, 0.0)):
+    for reply, reward, found in (
+        (f"sum it\n<answer>{gold}</answer>", 1.0, 1.0),
+        ("<answer>x</answer>", 0.0, 1.0),
+        ("", 0.0, 0.0),
+    ):
         f.write_text(reply)
         p = rlbus("verify", "--domain", "rg-chain_sum", "--seed", "4", "--index", "2", "--answer-file", str(f))
         assert p.returncode == 0, p.stderr
@@ -338,6 +379,7 @@ def test_verify_domain_scores_a_reply_to_that_task(tmp_path):
 
 
 # --- every dataset -------------------------------------------------------------------------------
+
 
 def test_every_dataset_scores_its_own_gold_or_is_documented():
     """Each dataset builds through the family and scores its own gold 1.0 after the hidden
@@ -389,8 +431,14 @@ def test_generation_is_reproducible_across_processes_except_the_documented():
     runs = []
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        p = subprocess.run([sys.executable, "-c", HASH_PROBE, json.dumps(names)], capture_output=True, text=True,
-                           timeout=300, env=env, cwd=ROOT)
+        p = subprocess.run(
+            [sys.executable, "-c", HASH_PROBE, json.dumps(names)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=ROOT,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     assert len(runs[0]) == len(names)
@@ -398,6 +446,7 @@ def test_generation_is_reproducible_across_processes_except_the_documented():
 
 
 # --- the sampler process on a real bus ----------------------------------------------------------
+
 
 @pytest.mark.usefixtures("drop_run")
 async def test_sampler_publishes_rg_tasks_whose_hidden_gold_the_verifier_scores(js, nats_url, run_id, tmp_path):
@@ -417,15 +466,20 @@ async def test_sampler_publishes_rg_tasks_whose_hidden_gold_the_verifier_scores(
 
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    cfg = rg_config(f"{SET}.heldout=['lcm']", "sampler.publish_batch=4",
-                    f"{SET}.overrides={{leg_counting={{params={{config={{max_instances=2.5}}}}}}}}")
-    counters = await asyncio.wait_for(run(cfg, WorkerContext(run_id=run_id, nats_url=nats_url, run_path=tmp_path,
-                                                             max_messages=8)), 120)
+    cfg = rg_config(
+        f"{SET}.heldout=['lcm']",
+        "sampler.publish_batch=4",
+        f"{SET}.overrides={{leg_counting={{params={{config={{max_instances=2.5}}}}}}}}",
+    )
+    counters = await asyncio.wait_for(
+        run(cfg, WorkerContext(run_id=run_id, nats_url=nats_url, run_path=tmp_path, max_messages=8)), 120
+    )
     assert counters["published"] == 8 and counters["domains_disabled"] == 1
     tasks = [decode(d, Task) async for _, d in iter_stream(js, reg.stream("TASKS"), reg.all("tasks"))]
     assert len(tasks) == 8 and not {t.domain for t in tasks} & {"rg-leg_counting", "rg-lcm"}
     for t in tasks:
         hidden = await get_hidden(js, reg, t.hidden_ref)
-        reward = score(Trajectory.from_task(t, 0, [Turn(role="assistant", text=f"<answer>{hidden['answer']}</answer>")]),
-                       hidden)
+        reward = score(
+            Trajectory.from_task(t, 0, [Turn(role="assistant", text=f"<answer>{hidden['answer']}</answer>")]), hidden
+        )
         assert (reward.reward, reward.status, reward.components["correct"]) == (1.0, "ok", 1.0), t.domain

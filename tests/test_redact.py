@@ -54,15 +54,18 @@ every_versions = 100
 """
 
 
-@pytest.mark.parametrize("url, want", [
-    ("nats://u:secret@h:4222", "nats://u:***@h:4222"),
-    ("nats://u:s1@a:1,nats://u:s2@b:2", "nats://u:***@a:1,nats://u:***@b:2"),
-    ("nats://TOKEN@h:4222", "nats://***@h:4222"),
-    ("postgresql://rlbus:p@ss@db:5432/rlbus", "postgresql://rlbus:***@db:5432/rlbus"),
-    ("postgresql://rlbus@db/rlbus", "postgresql://rlbus@db/rlbus"),  # no password: unchanged
-    ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
-    ("not a url @ all", "not a url @ all"),
-])
+@pytest.mark.parametrize(
+    "url, want",
+    [
+        ("nats://u:secret@h:4222", "nats://u:***@h:4222"),
+        ("nats://u:s1@a:1,nats://u:s2@b:2", "nats://u:***@a:1,nats://u:***@b:2"),
+        ("nats://TOKEN@h:4222", "nats://***@h:4222"),
+        ("postgresql://rlbus:p@ss@db:5432/rlbus", "postgresql://rlbus:***@db:5432/rlbus"),
+        ("postgresql://rlbus@db/rlbus", "postgresql://rlbus@db/rlbus"),  # no password: unchanged
+        ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+        ("not a url @ all", "not a url @ all"),
+    ],
+)
 def test_redact_url(url, want):
     assert redact_url(url) == want
     assert redact_url(want) == want  # idempotent
@@ -89,8 +92,13 @@ def test_launcher_config_and_worker_env_keep_the_db_password_out(tmp_path):
     from rlbus.run.prepare import secret_env, write_redacted_config
     from schemas.config import load_config
 
-    cfg = load_config(None, ["scheduler.db_url='postgresql://rlbus:planted@127.0.0.1/test'",
-                             "run.nats_url='nats://u:planted@127.0.0.1:4222'"])
+    cfg = load_config(
+        None,
+        [
+            "scheduler.db_url='postgresql://rlbus:planted@127.0.0.1/test'",
+            "run.nats_url='nats://u:planted@127.0.0.1:4222'",
+        ],
+    )
     write_redacted_config(cfg, tmp_path / "config.json")
     text = (tmp_path / "config.json").read_text()
     assert "planted" not in text and "postgresql://rlbus:***@127.0.0.1/test" in text
@@ -123,9 +131,26 @@ def test_up_with_a_password_in_the_url_stores_and_logs_none(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RLBUS_NATS", "RLBUS_DB"))}
         out = tmp_path / "launcher.out"
         with open(out, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(tmp_path / "tiny.toml"),
-                                     "--run-dir", str(tmp_path / "runs"), "--run-id", "redact", "--nats-url", url],
-                                    cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlbus.cli",
+                    "up",
+                    str(tmp_path / "tiny.toml"),
+                    "--run-dir",
+                    str(tmp_path / "runs"),
+                    "--run-id",
+                    "redact",
+                    "--nats-url",
+                    url,
+                ],
+                cwd=ROOT,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         argv_hits, workers_seen = [], 0
         try:
             deadline = time.monotonic() + 420

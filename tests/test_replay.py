@@ -72,15 +72,20 @@ def task_b_samples(model, tok, rng) -> list[PooledSample]:
     for g in range(4):
         prompt = tok.encode(f"?{rng.randrange(10)}:")
         comps = [tok.encode("zzzz"), tok.encode("".join(rng.choice(LETTERS) for _ in range(4)))]
-        rs = [reward(f"g{g}", i, prompt=tuple(prompt), comp=tuple(c), logp=[0.0] * len(c), value=float(i == 0))
-              for i, c in enumerate(comps)]
+        rs = [
+            reward(f"g{g}", i, prompt=tuple(prompt), comp=tuple(c), logp=[0.0] * len(c), value=float(i == 0))
+            for i, c in enumerate(comps)
+        ]
         batch = pack_samples(rs, 0)
         with torch.no_grad():
             lp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
         for i, (r, c) in enumerate(zip(rs, comps)):
-            logp = lp[i, len(prompt) - 1: len(prompt) - 1 + len(c)].tolist()
-            out.append(PooledSample(reward(f"g{g}", i, prompt=tuple(prompt), comp=tuple(c), logp=logp,
-                                           value=r.reward), raw=None))
+            logp = lp[i, len(prompt) - 1 : len(prompt) - 1 + len(c)].tolist()
+            out.append(
+                PooledSample(
+                    reward(f"g{g}", i, prompt=tuple(prompt), comp=tuple(c), logp=logp, value=r.reward), raw=None
+                )
+            )
     return out
 
 
@@ -117,9 +122,13 @@ def test_replay_reduces_forgetting(tmp_path, one_thread):
     assert held_out_nll(base, tok, held_out) < untrained - 1.0  # the general data was learned
     common = dict(lr=1e-2)
     plain = rise_after_task_b(copy.deepcopy(base), tok, held_out, LearnerSection(**common), steps=10)
-    mixed = rise_after_task_b(copy.deepcopy(base), tok, held_out,
-                              LearnerSection(replay={"share": 1.0, "data": str(REPLAY), "batch_size": 16}, **common),
-                              steps=10)
+    mixed = rise_after_task_b(
+        copy.deepcopy(base),
+        tok,
+        held_out,
+        LearnerSection(replay={"share": 1.0, "data": str(REPLAY), "batch_size": 16}, **common),
+        steps=10,
+    )
     print(f"held-out NLL rise: without replay {plain:.3f}, with replay {mixed:.3f}")
     assert plain > 0.5
     assert mixed < 0.25 * plain

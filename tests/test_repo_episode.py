@@ -34,25 +34,46 @@ SECRET = b"r" * 32
 
 
 def repo_config(**params) -> RunConfig:
-    return RunConfig.model_validate({"sampler": {"group_size": 2, "domains": {"repo": {
-        "max_turns": 8, "max_tokens": 1024, "params": {"tasks": [FIXTURE, "fixture-wordcount", "fixture-stack"],
-                                                       "eval_tasks": ["fixture-partial"], **params}}}}})
+    return RunConfig.model_validate(
+        {
+            "sampler": {
+                "group_size": 2,
+                "domains": {
+                    "repo": {
+                        "max_turns": 8,
+                        "max_tokens": 1024,
+                        "params": {
+                            "tasks": [FIXTURE, "fixture-wordcount", "fixture-stack"],
+                            "eval_tasks": ["fixture-partial"],
+                            **params,
+                        },
+                    }
+                },
+            }
+        }
+    )
 
 
 # ---------------------------------------------------------------- pure: protocol, caps, domain, runner
 @pytest.mark.parametrize("fmt", ["tags", "json"])
 def test_every_repo_tool_round_trips_in_both_formats(fmt):
-    calls = {"list_files": {"path": "."}, "read_file": {"path": "calc/ops.py", "start": 2, "end": 9},
-             "write_file": {"path": "a \"q\".py", "content": "x = '<b>' & 1\n\n"},
-             "apply_patch": {"unified_diff": "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"},
-             "run": {"command": "python -m pytest -q tests 2>&1 | tail -3"}, "submit": {}}
+    calls = {
+        "list_files": {"path": "."},
+        "read_file": {"path": "calc/ops.py", "start": 2, "end": 9},
+        "write_file": {"path": 'a "q".py', "content": "x = '<b>' & 1\n\n"},
+        "apply_patch": {"unified_diff": "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"},
+        "run": {"command": "python -m pytest -q tests 2>&1 | tail -3"},
+        "submit": {},
+    }
     for tool, args in calls.items():
         text = "thinking... " + repo_call_text(tool, args, fmt) + " trailing"
         call = parse_call(text, fmt, list(REPO_TOOLS))
         assert call is not None and not call.error and call.tool == tool and call.args == args, (tool, call)
-        assert text[:call.end].endswith(">")
-    bad = {"tags": '<read_file start="one">x.py</read_file>',
-           "json": '<tool_call>{"name": "read_file", "arguments": {"path": "x", "start": "one"}}</tool_call>'}[fmt]
+        assert text[: call.end].endswith(">")
+    bad = {
+        "tags": '<read_file start="one">x.py</read_file>',
+        "json": '<tool_call>{"name": "read_file", "arguments": {"path": "x", "start": "one"}}</tool_call>',
+    }[fmt]
     call = parse_call(bad, fmt, list(REPO_TOOLS))
     assert call.error == "bad_arguments" and "start" in call.detail
     unknown = parse_call('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', "json", list(REPO_TOOLS))
@@ -83,14 +104,17 @@ def test_repo_domain_tasks_hide_the_tests_and_hold_out_eval_tasks():
     assert task.gold_patch not in wire
     ev = src.eval_problems(10, 0)
     assert [RepoTask(**e.hidden["task"]).task_id for e in ev] == ["fixture-partial"]
-    assert ev == src.eval_problems(10, 99) or [e.task.prompt for e in ev] == [e.task.prompt for e in src.eval_problems(10, 99)]
+    assert ev == src.eval_problems(10, 99) or [e.task.prompt for e in ev] == [
+        e.task.prompt for e in src.eval_problems(10, 99)
+    ]
 
 
 def _runner(cwd: Path, *argv: str, stdin_file: str | None = None) -> subprocess.CompletedProcess:
     if stdin_file is not None:
         (cwd / ".rlbus-tool-input").write_text(stdin_file)
-    return subprocess.run([sys.executable, "-c", RUNNER_PATH.read_text(), *argv], cwd=cwd, capture_output=True,
-                          text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER_PATH.read_text(), *argv], cwd=cwd, capture_output=True, text=True, timeout=30
+    )
 
 
 def test_the_in_sandbox_runner_patches_atomically_and_reports_state(tmp_path):
@@ -148,8 +172,11 @@ def repo_image():
 def tokenizer_dir(tmp_path_factory) -> str:
     from rlbus.model.tiny_model import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tok") / "m", tokenizer="bpe", hidden_size=32,
-                                num_layers=1, num_heads=2))
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("tok") / "m", tokenizer="bpe", hidden_size=32, num_layers=1, num_heads=2
+        )
+    )
 
 
 def opener(js, reg, image: str, opened: list):
@@ -161,16 +188,18 @@ def opener(js, reg, image: str, opened: list):
 
     async def open_one(repo: bool = False):
         assert repo, "a repo task opens a repo sandbox"
-        sb = await LocalAsyncSandbox.open("docker", image=image, limits=Limits(memory_mb=512, pids=64),
-                                          timeout=60, recorder=recorder, warm_pool=0)
+        sb = await LocalAsyncSandbox.open(
+            "docker", image=image, limits=Limits(memory_mb=512, pids=64), timeout=60, recorder=recorder, warm_pool=0
+        )
         opened.append(sb)
         return sb
 
     return open_one
 
 
-async def episode(js, run_id, tokenizer_dir, image, steps, *, fmt="tags", budget=None, task_id=FIXTURE, tmp=None,
-                  group=1):
+async def episode(
+    js, run_id, tokenizer_dir, image, steps, *, fmt="tags", budget=None, task_id=FIXTURE, tmp=None, group=1
+):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     cfg = repo_config(tasks=[task_id])
@@ -180,8 +209,15 @@ async def episode(js, run_id, tokenizer_dir, image, steps, *, fmt="tags", budget
     write_script(tmp, task_id, steps)
     engine = ScriptedEngine(tokenizer_dir, str(tmp))
     opened: list = []
-    eps = await run_episodes(engine, [drawn.task], version=lambda: 0, open_sandbox=opener(js, reg, image, opened),
-                             tool_timeout=60, context_budget=budget or 16384, obs_caps=(1200, 600))
+    eps = await run_episodes(
+        engine,
+        [drawn.task],
+        version=lambda: 0,
+        open_sandbox=opener(js, reg, image, opened),
+        tool_timeout=60,
+        context_budget=budget or 16384,
+        obs_caps=(1200, 600),
+    )
     assert all(sb.closed for sb in opened)
     return eps, drawn
 
@@ -194,19 +230,25 @@ def score(ep, drawn):
 
 @docker_only
 @pytest.mark.parametrize("fmt", ["tags", "json"])
-async def test_tools_run_in_a_docker_sandbox_in_both_formats(js, run_id, drop_run, repo_image, tokenizer_dir,
-                                                            tmp_path, fmt):
+async def test_tools_run_in_a_docker_sandbox_in_both_formats(
+    js, run_id, drop_run, repo_image, tokenizer_dir, tmp_path, fmt
+):
     task = load_task(FIXTURE)
     target = next(p for p in task.files if p.endswith(".py") and "test" not in p and "__init__" not in p)
     fixed = unified_diff(task.files, {**task.files, "NOTES.md": "looked at it\n"})
-    steps = [{"tool": "list_files", "args": {"path": "."}},
-             {"tool": "read_file", "args": {"path": target, "start": 1, "end": 3}},
-             {"tool": "run", "args": {"command": "python3 -c \"print('y' * 9000)\""}},
-             {"tool": "write_file", "args": {"path": "scratch/new.py", "content": "VALUE = 1\n"}},
-             {"tool": "apply_patch", "args": {"unified_diff": fixed}},
-             {"tool": "run", "args": {"command": "rm scratch/new.py && python -m pytest -q -p no:cacheprovider 2>&1 | tail -2"}},
-             {"tool": "read_file", "args": {"path": "../../etc/passwd"}},
-             {"tool": "submit", "args": {}}]
+    steps = [
+        {"tool": "list_files", "args": {"path": "."}},
+        {"tool": "read_file", "args": {"path": target, "start": 1, "end": 3}},
+        {"tool": "run", "args": {"command": "python3 -c \"print('y' * 9000)\""}},
+        {"tool": "write_file", "args": {"path": "scratch/new.py", "content": "VALUE = 1\n"}},
+        {"tool": "apply_patch", "args": {"unified_diff": fixed}},
+        {
+            "tool": "run",
+            "args": {"command": "rm scratch/new.py && python -m pytest -q -p no:cacheprovider 2>&1 | tail -2"},
+        },
+        {"tool": "read_file", "args": {"path": "../../etc/passwd"}},
+        {"tool": "submit", "args": {}},
+    ]
     (ep,), drawn = await episode(js, run_id, tokenizer_dir, repo_image, steps, fmt=fmt, tmp=tmp_path)
     tools = [c.tool for c in ep.tool_calls]
     assert tools == [s["tool"] for s in steps] and ep.finish_reason == "stop"
@@ -222,11 +264,13 @@ async def test_tools_run_in_a_docker_sandbox_in_both_formats(js, run_id, drop_ru
 
 
 @docker_only
-async def test_the_scripted_gold_patch_resolves_and_the_empty_script_does_not(js, run_id, drop_run, repo_image,
-                                                                             tokenizer_dir, tmp_path):
+async def test_the_scripted_gold_patch_resolves_and_the_empty_script_does_not(
+    js, run_id, drop_run, repo_image, tokenizer_dir, tmp_path
+):
     task = load_task(FIXTURE)
-    (gold, gold2), drawn = await episode(js, run_id, tokenizer_dir, repo_image, gold_steps(task.gold_patch),
-                                         tmp=tmp_path / "gold", group=2)  # G samples: each its own sandbox
+    (gold, gold2), drawn = await episode(
+        js, run_id, tokenizer_dir, repo_image, gold_steps(task.gold_patch), tmp=tmp_path / "gold", group=2
+    )  # G samples: each its own sandbox
     assert gold2.artifacts == gold.artifacts and gold2.sandbox is None
     (empty,), _ = await episode(js, run_id, tokenizer_dir, repo_image, list(EMPTY_STEPS), tmp=tmp_path / "empty")
     assert gold.artifacts["diff"].decode() == task.gold_patch and empty.artifacts["diff"] == b""
@@ -237,17 +281,22 @@ async def test_the_scripted_gold_patch_resolves_and_the_empty_script_does_not(js
 
 @docker_only
 async def test_the_context_budget_ends_an_episode_with_length_and_it_is_still_verified(
-        js, run_id, drop_run, repo_image, tokenizer_dir, tmp_path):
+    js, run_id, drop_run, repo_image, tokenizer_dir, tmp_path
+):
     """A budget that fits the prompt, the apply_patch turn and its observation but not one more
     turn of max_tokens: the episode ends with `length` right after the patch, and its last
     state (the patched repository) is exported and resolves."""
     task = load_task(FIXTURE)
-    steps = [{"tool": "apply_patch", "args": {"unified_diff": task.gold_patch}},
-             {"tool": "run", "args": {"command": "python -m pytest -q -p no:cacheprovider"}}, *EMPTY_STEPS]
+    steps = [
+        {"tool": "apply_patch", "args": {"unified_diff": task.gold_patch}},
+        {"tool": "run", "args": {"command": "python -m pytest -q -p no:cacheprovider"}},
+        *EMPTY_STEPS,
+    ]
     (full,), _ = await episode(js, run_id, tokenizer_dir, repo_image, steps, tmp=tmp_path / "a")
     used = sum(len(t.token_ids) // 4 for t in full.turns[:3])  # prompt, the patch turn, its observation
-    (ep,), drawn = await episode(js, run_id, tokenizer_dir, repo_image, steps, budget=used + 1024 - 1,
-                                 tmp=tmp_path / "b")
+    (ep,), drawn = await episode(
+        js, run_id, tokenizer_dir, repo_image, steps, budget=used + 1024 - 1, tmp=tmp_path / "b"
+    )
     assert full.finish_reason == "stop" and len(full.tool_calls) == 3
     assert ep.finish_reason == "length" and [c.tool for c in ep.tool_calls] == ["apply_patch"]
     assert ep.artifacts["diff"].decode() == task.gold_patch
@@ -258,7 +307,12 @@ async def test_the_context_budget_ends_an_episode_with_length_and_it_is_still_ve
 ROOT = Path(__file__).resolve().parent.parent
 
 
-BY_REFERENCE = ("--set", "sampler.domains.repo.params.max_workspace_bytes=64", "--set", "rollout.artifact_inline_bytes=64")
+BY_REFERENCE = (
+    "--set",
+    "sampler.domains.repo.params.max_workspace_bytes=64",
+    "--set",
+    "rollout.artifact_inline_bytes=64",
+)
 """Limits under every fixture repository (about 400 bytes) and gold diff: both travel by reference."""
 
 
@@ -274,13 +328,37 @@ def test_rlbus_up_repo_example_gold_scripts_complete_every_eval_task(tmp_path, r
         write_script(scripts, tid, gold_steps(load_task(tid).gold_patch))
     run_id = f"repoup{abs(hash(str(tmp_path))) % 10**6}"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlbus.cli", "up", str(ROOT / "examples" / "repo.toml"), "--run-dir",
-         str(tmp_path / "runs"), "--run-id", run_id, "--set", "run.max_minutes=1.6", "--set", "run.drain_seconds=20",
-         "--set", f"rollout.scripted.dir={scripts}", "--set", "sampler.max_inflight_tasks=4",
-         "--set", 'sampler.domains.repo.params.tasks=["fixture-wordcount", "fixture-stack"]',
-         "--set", 'sampler.domains.repo.params.eval_tasks=["fixture-clamp", "fixture-partial"]',
-         "--set", "scheduler.eval.timeout_s=90", *(BY_REFERENCE if by_reference else ())],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(ROOT / "examples" / "repo.toml"),
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            run_id,
+            "--set",
+            "run.max_minutes=1.6",
+            "--set",
+            "run.drain_seconds=20",
+            "--set",
+            f"rollout.scripted.dir={scripts}",
+            "--set",
+            "sampler.max_inflight_tasks=4",
+            "--set",
+            'sampler.domains.repo.params.tasks=["fixture-wordcount", "fixture-stack"]',
+            "--set",
+            'sampler.domains.repo.params.eval_tasks=["fixture-clamp", "fixture-partial"]',
+            "--set",
+            "scheduler.eval.timeout_s=90",
+            *(BY_REFERENCE if by_reference else ()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     s = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())

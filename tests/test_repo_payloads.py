@@ -50,8 +50,16 @@ TASKS = ["fixture-clamp", "fixture-wordcount"]
 
 
 def domain_config(**params) -> RunConfig:
-    return RunConfig.model_validate({"sampler": {"group_size": 2, "domains": {"repo": {
-        "max_turns": 8, "max_tokens": 1024, "params": {"tasks": TASKS, "eval_tasks": [], **params}}}}})
+    return RunConfig.model_validate(
+        {
+            "sampler": {
+                "group_size": 2,
+                "domains": {
+                    "repo": {"max_turns": 8, "max_tokens": 1024, "params": {"tasks": TASKS, "eval_tasks": [], **params}}
+                },
+            }
+        }
+    )
 
 
 async def object_names(js, bucket: str) -> list[str]:
@@ -77,8 +85,9 @@ async def test_payloads_are_content_addressed_checked_and_out_of_weight_retentio
         await weights.put(version_name(v), b"w%d" % v)
     await weights.put(payload_name(ref.sha256), b"not a version")  # even a payload-like name in the weights bucket
     deleted = await Retention(weights, keep=1, js=js, reg=reg).after_publish(3)
-    assert deleted == 2 and sorted(await weights.names()) == sorted([version_name(0), version_name(3),
-                                                                    payload_name(ref.sha256)])
+    assert deleted == 2 and sorted(await weights.names()) == sorted(
+        [version_name(0), version_name(3), payload_name(ref.sha256)]
+    )
     assert await Retention(NatsStore(js, reg.workspace_bucket), keep=1).after_publish(9) == 0
     assert await get_payload(js, reg, ref) == data
 
@@ -108,8 +117,12 @@ async def test_a_planted_meta_is_repaired_by_the_writer_not_trusted(js, run_id, 
     await put_blob(js, reg.workspace_bucket, "junk", b"j" * len(data), purge_replaced=False)
     store = await js.object_store(reg.workspace_bucket)
     junk = await store.get_info("junk")
-    meta = {**junk.as_dict(), "name": payload_name(ref.sha256), "size": ref.size,
-            "digest": "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(ref.sha256)).decode()}
+    meta = {
+        **junk.as_dict(),
+        "name": payload_name(ref.sha256),
+        "size": ref.size,
+        "digest": "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(ref.sha256)).decode(),
+    }
     subject = f"$O.{reg.workspace_bucket}.M." + base64.urlsafe_b64encode(payload_name(ref.sha256).encode()).decode()
     await js.publish(subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
     planted = await store.get_info(payload_name(ref.sha256))
@@ -166,8 +179,13 @@ async def test_rollout_resolves_a_workspace_once_and_refuses_a_corrupt_one(js, r
 
 
 def _episode(task: Task, i: int, diff: bytes) -> Episode:
-    return Episode(task=task, sample_index=i, turns=[Turn(role="prompt", text="p")], context=[],
-                   artifacts={"diff": diff, "small.txt": b"ok"})
+    return Episode(
+        task=task,
+        sample_index=i,
+        turns=[Turn(role="prompt", text="p")],
+        context=[],
+        artifacts={"diff": diff, "small.txt": b"ok"},
+    )
 
 
 async def test_large_artifacts_leave_by_reference_once_and_small_ones_stay(js, run_id, drop_run):
@@ -204,14 +222,27 @@ def diff_checker():
 
 
 def _traj(run_id: str, i: int, ref: BlobRef) -> Trajectory:
-    return Trajectory(run_id=run_id, msg_id=f"tr-{i}", task_id=f"t{i}", task_msg_id=f"task-{i}", domain="repo",
-                      group_id=f"g{i}", group_size=1, sample_index=0, turns=[Turn(role="assistant", text="done")],
-                      verifier="t_diff", policy_version=0, final_text="done", artifact_refs={"diff": ref})
+    return Trajectory(
+        run_id=run_id,
+        msg_id=f"tr-{i}",
+        task_id=f"t{i}",
+        task_msg_id=f"task-{i}",
+        domain="repo",
+        group_id=f"g{i}",
+        group_size=1,
+        sample_index=0,
+        turns=[Turn(role="assistant", text="done")],
+        verifier="t_diff",
+        policy_version=0,
+        final_text="done",
+        artifact_refs={"diff": ref},
+    )
 
 
 @pytest.mark.e2e
 async def test_verifier_resolves_diffs_by_reference_and_dead_letters_missing_or_corrupt_ones(
-        js, run_id, tmp_path, drop_run, diff_checker, monkeypatch):
+    js, run_id, tmp_path, drop_run, diff_checker, monkeypatch
+):
     from schemas.config import VerifierSection
     from verifier_workers.worker import run
 
@@ -227,9 +258,12 @@ async def test_verifier_resolves_diffs_by_reference_and_dead_letters_missing_or_
     diff_checker.update({good.msg_id: good_diff, missing.msg_id: b"", corrupt.msg_id: corrupt_diff})
     await publish_many(js, [(reg.traj("repo"), t) for t in (good, missing, corrupt)])
 
-    cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=4, retry_base_s=0.05, retry_max_s=0.2, concurrency=1))
-    counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
-                                            run_path=tmp_path, until_idle=6.0))
+    cfg = RunConfig(
+        verifier=VerifierSection(ack_wait_s=1.0, batch=4, retry_base_s=0.05, retry_max_s=0.2, concurrency=1)
+    )
+    counters = await run(
+        cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(), run_path=tmp_path, until_idle=6.0)
+    )
     rewards = [decode(d, Reward) async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("repo"))]
     assert [(r.trajectory.msg_id, r.reward) for r in rewards] == [(good.msg_id, 1.0)]
     embedded = rewards[0].trajectory  # as it arrived: the ref, not the bytes
@@ -248,20 +282,39 @@ async def test_verifier_resolves_diffs_by_reference_and_dead_letters_missing_or_
 
 # ---------------------------------------------------------------- docker: sampler -> rollout -> verifier
 def pipeline_config(scripts, tokenizer: str) -> RunConfig:
-    return RunConfig.model_validate({
-        "model": {"path": tokenizer},
-        "sampler": {"group_size": 2, "max_inflight_tasks": 8, "publish_batch": 2, "domains": {"repo": {
-            "max_turns": 6, "max_tokens": 2048, "params": {"tasks": TASKS, "eval_tasks": [],
-                                                           "max_workspace_bytes": 64}}}},
-        "rollout": {"engine": "scripted", "scripted": {"dir": str(scripts)}, "batch_tasks": 2,
-                    "max_context_tokens": 16384, "ack_wait_s": 120, "artifact_inline_bytes": 64},
-        "sandbox": {"backend": "docker", "memory_mb": 512, "pids": 64, "timeout_s": 60, "warm_pool": 0},
-        "verifier": {"concurrency": 1, "ack_wait_s": 120}})
+    return RunConfig.model_validate(
+        {
+            "model": {"path": tokenizer},
+            "sampler": {
+                "group_size": 2,
+                "max_inflight_tasks": 8,
+                "publish_batch": 2,
+                "domains": {
+                    "repo": {
+                        "max_turns": 6,
+                        "max_tokens": 2048,
+                        "params": {"tasks": TASKS, "eval_tasks": [], "max_workspace_bytes": 64},
+                    }
+                },
+            },
+            "rollout": {
+                "engine": "scripted",
+                "scripted": {"dir": str(scripts)},
+                "batch_tasks": 2,
+                "max_context_tokens": 16384,
+                "ack_wait_s": 120,
+                "artifact_inline_bytes": 64,
+            },
+            "sandbox": {"backend": "docker", "memory_mb": 512, "pids": 64, "timeout_s": 60, "warm_pool": 0},
+            "verifier": {"concurrency": 1, "ack_wait_s": 120},
+        }
+    )
 
 
 @docker_only
 async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve(
-        js, run_id, tmp_path, drop_run, repo_image, tokenizer_dir, monkeypatch):
+    js, run_id, tmp_path, drop_run, repo_image, tokenizer_dir, monkeypatch
+):
     """Both repositories (about 400 bytes) are over max_workspace_bytes = 64 and every gold diff
     over artifact_inline_bytes = 64: tasks carry workspace refs, trajectories diff refs, and every
     sample resolves; nothing is lost or dead-lettered."""
@@ -282,8 +335,14 @@ async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve
     url = js._nc.connected_url.geturl()
 
     def ctx(n=None, idle=None):
-        return WorkerContext(run_id=run_id, nats_url=url, run_path=tmp_path / "run", max_messages=n, until_idle=idle,
-                             configured_model=tokenizer_dir)
+        return WorkerContext(
+            run_id=run_id,
+            nats_url=url,
+            run_path=tmp_path / "run",
+            max_messages=n,
+            until_idle=idle,
+            configured_model=tokenizer_dir,
+        )
 
     await publish_version(js, reg, None, 0, 0, {})  # version 0: rollout takes no task before one
     published = await run_sampler(cfg, ctx(n=2))
@@ -316,7 +375,8 @@ async def test_repo_tasks_by_reference_flow_sampler_rollout_verifier_and_resolve
 # ---------------------------------------------------------------- a corrupt workspace: retried, never published
 @pytest.mark.e2e
 async def test_a_corrupt_workspace_is_retried_until_its_deliveries_run_out_and_never_rolled_out(
-        js, nats_url, run_id, tmp_path, drop_run, tokenizer_dir, monkeypatch):
+    js, nats_url, run_id, tmp_path, drop_run, tokenizer_dir, monkeypatch
+):
     """No sandbox opens and no trajectory is published; the task is naked until its deliveries run
     out, when JetStream's MAX_DELIVERIES advisory (which the scheduler turns into a dead letter) fires."""
     from bus.conn import connect
@@ -335,13 +395,15 @@ async def test_a_corrupt_workspace_is_retried_until_its_deliveries_run_out_and_n
         advisories.append(msg)
 
     nc = await connect(nats_url, name="pytest-advisories")
-    sub = await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{reg.stream('TASKS')}.rollout",
-                             cb=on_advisory)
+    sub = await nc.subscribe(
+        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{reg.stream('TASKS')}.rollout", cb=on_advisory
+    )
     await publish_many(js, [(reg.tasks("repo"), d.task)])
     cfg = pipeline_config(tmp_path, tokenizer_dir)
     cfg.rollout.ack_wait_s = 1.0  # backoff 1/2/4 s: the five deliveries within about half a minute
-    ctx = WorkerContext(run_id=run_id, nats_url=nats_url, run_path=tmp_path / "run", until_idle=12.0,
-                        configured_model=tokenizer_dir)
+    ctx = WorkerContext(
+        run_id=run_id, nats_url=nats_url, run_path=tmp_path / "run", until_idle=12.0, configured_model=tokenizer_dir
+    )
     try:
         counters = await asyncio.wait_for(run_rollout(cfg, ctx), 120)
         for _ in range(50):

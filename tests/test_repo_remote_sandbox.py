@@ -58,8 +58,9 @@ async def test_the_service_refuses_an_image_outside_its_allow_list_before_starti
 
 
 @docker_only
-async def test_a_remote_repo_episode_runs_in_the_repo_image_and_resolves(nats_url, run_id, repo_image, tokenizer_dir,
-                                                                         tmp_path):
+async def test_a_remote_repo_episode_runs_in_the_repo_image_and_resolves(
+    nats_url, run_id, repo_image, tokenizer_dir, tmp_path
+):
     from producers.domains import make_source
     from producers.repo_cache import load_task
     from rollout_workers.agent import run_episodes
@@ -69,12 +70,27 @@ async def test_a_remote_repo_episode_runs_in_the_repo_image_and_resolves(nats_ur
 
     # the service's default image is not the repo image (and need not even exist here): only the
     # image the episode asks for can give it pytest and the wheelhouse
-    async with service(nats_url, run_id, backend="docker", image="rlbus-sandbox:latest", repo_image=repo_image,
-                       memory_mb=512, pids=64, timeout_s=60) as (nc, reg, svc):
-        cfg = RunConfig.model_validate({
-            "sandbox": {"remote": True, "pool": svc.pool, "repo_image": repo_image, "timeout_s": 60},
-            "sampler": {"group_size": 1, "domains": {"repo": {"max_turns": 6, "max_tokens": 1024,
-                                                              "params": {"tasks": [FIXTURE], "eval_tasks": []}}}}})
+    async with service(
+        nats_url,
+        run_id,
+        backend="docker",
+        image="rlbus-sandbox:latest",
+        repo_image=repo_image,
+        memory_mb=512,
+        pids=64,
+        timeout_s=60,
+    ) as (nc, reg, svc):
+        cfg = RunConfig.model_validate(
+            {
+                "sandbox": {"remote": True, "pool": svc.pool, "repo_image": repo_image, "timeout_s": 60},
+                "sampler": {
+                    "group_size": 1,
+                    "domains": {
+                        "repo": {"max_turns": 6, "max_tokens": 1024, "params": {"tasks": [FIXTURE], "eval_tasks": []}}
+                    },
+                },
+            }
+        )
         ctx = WorkerContext(run_id=run_id, nats_url=nats_url, run_path=tmp_path)
         open_one = await sandbox_opener(cfg, ctx, Session(nc, nc.jetstream(), reg, cfg, ctx, asyncio.Event()))
         sb = await open_one(repo=True)
@@ -90,8 +106,14 @@ async def test_a_remote_repo_episode_runs_in_the_repo_image_and_resolves(nats_ur
         task = load_task(FIXTURE)
         drawn = make_source(run_id, "repo", cfg).make_task(None, 1, 0)
         write_script(tmp_path / "gold", FIXTURE, gold_steps(task.gold_patch))
-        (ep,) = await run_episodes(ScriptedEngine(tokenizer_dir, str(tmp_path / "gold")), [drawn.task],
-                                   version=lambda: 0, open_sandbox=open_one, tool_timeout=60, context_budget=16384)
+        (ep,) = await run_episodes(
+            ScriptedEngine(tokenizer_dir, str(tmp_path / "gold")),
+            [drawn.task],
+            version=lambda: 0,
+            open_sandbox=open_one,
+            tool_timeout=60,
+            context_budget=16384,
+        )
         assert ep.tool_calls[0].exec_id and ep.tool_calls[0].exit_code == 0  # recorded by the service
         assert ep.artifacts["diff"].decode() == task.gold_patch
         verdict = verify_repo(ep.trajectory(), drawn.hidden)

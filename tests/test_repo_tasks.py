@@ -79,7 +79,7 @@ def test_cache_roundtrip_missing_and_corrupt(tmp_path):
 
 
 # -- mutation operators and diffs --------------------------------------------------------
-SRC = '''X = 1 < 2
+SRC = """X = 1 < 2
 
 
 def f(xs, n):
@@ -91,7 +91,7 @@ def f(xs, n):
     for i in range(3):
         pass
     return "é" in xs
-'''
+"""
 
 
 def _mutants(op: str) -> list[str]:
@@ -167,7 +167,7 @@ def test_every_cached_task_gold_patch_resolves():
 
 
 # -- the builder, end to end on a local package --------------------------------------------
-TINY_SRC = '''def clip(x, lo, hi):
+TINY_SRC = """def clip(x, lo, hi):
     if x < lo:
         return lo
     if x > hi:
@@ -177,8 +177,8 @@ TINY_SRC = '''def clip(x, lo, hi):
 
 def window(xs, n):
     return [xs[i:i + n] for i in range(len(xs) - n + 1)]
-'''
-TINY_TESTS = '''from tiny import clip, window
+"""
+TINY_TESTS = """from tiny import clip, window
 
 
 def test_clip_low():
@@ -195,7 +195,7 @@ def test_clip_inside():
 
 def test_window():
     assert window([1, 2, 3], 2) == [[1, 2], [2, 3]]
-'''
+"""
 
 
 @needs_bwrap
@@ -205,8 +205,9 @@ def test_builder_end_to_end_on_a_local_package(tmp_path):
     (pkg / "tests").mkdir()
     (pkg / "tiny" / "__init__.py").write_text(TINY_SRC)
     (pkg / "tests" / "test_tiny.py").write_text(TINY_TESTS)
-    (pkg / "tests" / "test_more.py").write_text("from tiny import clip\n\n\ndef test_same():\n"
-                                                "    assert clip(1, 1, 1) == 1\n")
+    (pkg / "tests" / "test_more.py").write_text(
+        "from tiny import clip\n\n\ndef test_same():\n    assert clip(1, 1, 1) == 1\n"
+    )
     (pkg / "LICENSE").write_text("MIT License\n\nPermission is hereby granted, free of charge...\n")
     (pkg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: tiny\nVersion: 0.1\nLicense: MIT\n")
     out = tmp_path / "cache"
@@ -255,8 +256,9 @@ def test_cli_show_json_shapes():
     task = repo_cache.load_task(task_id)
     assert set(out) == {"task_id", "issue", "files", "gold_patch"}
     assert out["files"] == sorted(task.files) and out["gold_patch"] is None and out["issue"] == task.issue
-    full = json.loads(rlbus("tasks", "show", "--domain", "repo", "--task-id", task_id, "--json", "--files",
-                            "--gold-patch").stdout)
+    full = json.loads(
+        rlbus("tasks", "show", "--domain", "repo", "--task-id", task_id, "--json", "--files", "--gold-patch").stdout
+    )
     assert full["files"] == task.files and full["gold_patch"] == task.gold_patch
     assert not set(full["files"]) & set(task.hidden_files)
     text = rlbus("tasks", "show", "--domain", "repo", "--task-id", task_id, "--gold-patch")
@@ -268,7 +270,8 @@ def test_cli_empty_cache_and_unknown_id_name_the_build_command(tmp_path):
     assert p.returncode == 1 and "rlbus tasks build repo --from-sdist" in p.stderr
     p = rlbus("tasks", "show", "--domain", "repo", "--task-id", "nope", "--cache-dir", str(tmp_path))
     assert p.returncode == 2 and "rlbus tasks build repo" in p.stderr
-    p = rlbus("tasks", "show", "--domain", "repo", "--task-id", "fixture-partial", "--json",
-              "--cache-dir", str(tmp_path))
+    p = rlbus(
+        "tasks", "show", "--domain", "repo", "--task-id", "fixture-partial", "--json", "--cache-dir", str(tmp_path)
+    )
     assert p.returncode == 0 and json.loads(p.stdout)["task_id"] == "fixture-partial"
     assert "--from-sdist" in rlbus("tasks", "build", "--help").stdout

@@ -19,8 +19,10 @@ from verifier_workers.repo_diff import apply_diff, parse_diff
 from verifier_workers.repo_harness_rewrite import rewrite_tests
 from verifier_workers.verifiers.repo import check_patch, prepare, protected_predicate, verify_repo
 
-OPS = ("def add(a, b):\n    return a + b\n\n\ndef clamp(x, lo, hi):\n    if x < lo:\n        return lo\n"
-       "    if x > hi:\n        return lo\n    return x\n\n\ndef mean(xs):\n    return sum(xs) / (len(xs) + 1)\n")
+OPS = (
+    "def add(a, b):\n    return a + b\n\n\ndef clamp(x, lo, hi):\n    if x < lo:\n        return lo\n"
+    "    if x > hi:\n        return lo\n    return x\n\n\ndef mean(xs):\n    return sum(xs) / (len(xs) + 1)\n"
+)
 FILES = {
     "calc/__init__.py": "from .ops import add, clamp, mean\n",
     "calc/ops.py": OPS,
@@ -28,16 +30,20 @@ FILES = {
     "tests/test_public.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
     "README.md": "calc: tiny arithmetic helpers\n",
 }
-HIDDEN = {"tests/test_hidden.py": (
-    "from calc import add, clamp, mean\n\n\ndef test_clamp_high():\n    assert clamp(12, 0, 10) == 10\n\n\n"
-    "def test_mean():\n    assert mean([1, 2, 3]) == 2\n\n\ndef test_add_regress():\n    assert add(-1, 1) == 0\n\n\n"
-    "def test_clamp_low():\n    assert clamp(-5, 0, 10) == 0\n\n\n"
-    "def test_fixtures(tmp_path, monkeypatch, capsys):  # no false tamper from pytest's own fixtures\n"
-    "    monkeypatch.setattr('builtins.input', lambda *a: 'x')\n    monkeypatch.setenv('X', '1')\n"
-    "    (tmp_path / 'f.txt').write_text('hi')\n    print('out')\n"
-    "    assert capsys.readouterr().out == 'out\\n' and input() == 'x'\n")}
+HIDDEN = {
+    "tests/test_hidden.py": (
+        "from calc import add, clamp, mean\n\n\ndef test_clamp_high():\n    assert clamp(12, 0, 10) == 10\n\n\n"
+        "def test_mean():\n    assert mean([1, 2, 3]) == 2\n\n\ndef test_add_regress():\n    assert add(-1, 1) == 0\n\n\n"
+        "def test_clamp_low():\n    assert clamp(-5, 0, 10) == 0\n\n\n"
+        "def test_fixtures(tmp_path, monkeypatch, capsys):  # no false tamper from pytest's own fixtures\n"
+        "    monkeypatch.setattr('builtins.input', lambda *a: 'x')\n    monkeypatch.setenv('X', '1')\n"
+        "    (tmp_path / 'f.txt').write_text('hi')\n    print('out')\n"
+        "    assert capsys.readouterr().out == 'out\\n' and input() == 'x'\n"
+    )
+}
 FIXED = OPS.replace("    if x > hi:\n        return lo", "    if x > hi:\n        return hi").replace(
-    "(len(xs) + 1)", "len(xs)")
+    "(len(xs) + 1)", "len(xs)"
+)
 HALF_FIXED = OPS.replace("(len(xs) + 1)", "len(xs)")
 H = "tests/test_hidden.py::"
 
@@ -50,9 +56,14 @@ def make_diff(old: dict[str, str], new: dict[str, str | None]) -> str:
         if a == b:
             continue
         out.append(f"diff --git a/{path} b/{path}\n")
-        out.extend(difflib.unified_diff((a or "").splitlines(True), (b or "").splitlines(True),
-                                        "/dev/null" if a is None else f"a/{path}",
-                                        "/dev/null" if b is None else f"b/{path}"))
+        out.extend(
+            difflib.unified_diff(
+                (a or "").splitlines(True),
+                (b or "").splitlines(True),
+                "/dev/null" if a is None else f"a/{path}",
+                "/dev/null" if b is None else f"b/{path}",
+            )
+        )
     return "".join(out)
 
 
@@ -61,11 +72,21 @@ def patched(path: str, text: str) -> str:
     return make_diff(FILES, {path: text})
 
 
-TASK = RepoTask(task_id="fixture-calc", source="fixture:calc", issue="clamp(12, 0, 10) returns 0; mean is off",
-                files=FILES, hidden_files=HIDDEN, target_tests=[H + "test_clamp_high", H + "test_mean"],
-                regression_tests=[H + "test_add_regress", H + "test_clamp_low", H + "test_fixtures",
-                                  "tests/test_public.py::test_add"],
-                gold_patch=make_diff(FILES, {**FILES, "calc/ops.py": FIXED}))
+TASK = RepoTask(
+    task_id="fixture-calc",
+    source="fixture:calc",
+    issue="clamp(12, 0, 10) returns 0; mean is off",
+    files=FILES,
+    hidden_files=HIDDEN,
+    target_tests=[H + "test_clamp_high", H + "test_mean"],
+    regression_tests=[
+        H + "test_add_regress",
+        H + "test_clamp_low",
+        H + "test_fixtures",
+        "tests/test_public.py::test_add",
+    ],
+    gold_patch=make_diff(FILES, {**FILES, "calc/ops.py": FIXED}),
+)
 
 
 # ---------------------------------------------------------------- pure: the applier and the drops
@@ -101,10 +122,25 @@ def test_strict_and_atomic():
     assert len(parse_diff(good)) == 1
 
 
-@pytest.mark.parametrize("path", ["tests/test_hidden.py", "tests/test_public.py", "conftest.py", "calc/conftest.py",
-                                  "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", ".pytest.ini",
-                                  "sitecustomize.py", "calc/usercustomize.py", "evil.pth", "tests/helpers.py",
-                                  "calc/test_sneaky.py"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "tests/test_hidden.py",
+        "tests/test_public.py",
+        "conftest.py",
+        "calc/conftest.py",
+        "pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "pyproject.toml",
+        ".pytest.ini",
+        "sitecustomize.py",
+        "calc/usercustomize.py",
+        "evil.pth",
+        "tests/helpers.py",
+        "calc/test_sneaky.py",
+    ],
+)
 def test_protected_paths_are_dropped_and_listed(path):
     diff = make_diff(FILES, {**FILES, path: "import os\nos._exit(0)\n", "calc/ops.py": FIXED})
     res = apply_diff(FILES, diff, protected_predicate(TASK))
@@ -169,69 +205,130 @@ def test_a_hang_is_a_timeout_not_infra(repo_image):
 
 
 def test_verify_repo_reads_the_diff_artifact():
-    traj = Trajectory(run_id="t", task_id=TASK.task_id, task_msg_id="m", domain="repo", group_id="g", group_size=1,
-                      sample_index=0, turns=[], verifier="repo", hidden_ref="r", policy_version=0,
-                      final_text="", artifacts={"diff": b"not a diff at all"})
+    traj = Trajectory(
+        run_id="t",
+        task_id=TASK.task_id,
+        task_msg_id="m",
+        domain="repo",
+        group_id="g",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier="repo",
+        hidden_ref="r",
+        policy_version=0,
+        final_text="",
+        artifacts={"diff": b"not a diff at all"},
+    )
     v = verify_repo(traj, {"task": json.loads(TASK.to_json())})
     assert v.components["applied"] == 0.0 and "does not apply" in v.details
 
 
 CONFTESTS = {
     "skip": "import pytest\n\ndef pytest_collection_modifyitems(items):\n"
-            "    for it in items:\n        it.add_marker(pytest.mark.skip)\n",
+    "    for it in items:\n        it.add_marker(pytest.mark.skip)\n",
     "xfail": "import pytest\n\ndef pytest_collection_modifyitems(items):\n"
-             "    for it in items:\n        it.add_marker(pytest.mark.xfail)\n",
+    "    for it in items:\n        it.add_marker(pytest.mark.xfail)\n",
     "pytest.exit": "import pytest\npytest.exit('done', returncode=0)\n",
     "sys.exit": "import sys\nsys.exit(0)\n",
     "os._exit": "import os\nos._exit(0)\n",
 }
-FAKE_RESULT = ("import json, os\nfor p in ('/work/.rlbus/result.json', '/tmp/result.json', 'result.json'):\n"
-               "    try:\n        open(p, 'w').write(json.dumps({'body': '{}', 'mac': '0' * 64}))\n"
-               "    except OSError:\n        pass\n")
-FORGE = ("import json, os\nids = ['tests/test_hidden.py::' + n for n in ('test_clamp_high', 'test_mean',"
-         " 'test_add_regress', 'test_clamp_low')] + ['tests/test_public.py::test_add']\n"
-         "for fd in range(3, 10):\n    try:\n"
-         "        for i in ids:\n            for w in ('setup', 'call', 'teardown'):\n"
-         "                os.write(fd, json.dumps({'k': 'report', 'id': i, 'when': w, 'outcome': 'passed'}).encode()"
-         " + b'\\n')\n        os.write(fd, b'{\"k\": \"fin\"}\\n')\n    except OSError:\n        pass\nos._exit(0)\n")
+FAKE_RESULT = (
+    "import json, os\nfor p in ('/work/.rlbus/result.json', '/tmp/result.json', 'result.json'):\n"
+    "    try:\n        open(p, 'w').write(json.dumps({'body': '{}', 'mac': '0' * 64}))\n"
+    "    except OSError:\n        pass\n"
+)
+FORGE = (
+    "import json, os\nids = ['tests/test_hidden.py::' + n for n in ('test_clamp_high', 'test_mean',"
+    " 'test_add_regress', 'test_clamp_low')] + ['tests/test_public.py::test_add']\n"
+    "for fd in range(3, 10):\n    try:\n"
+    "        for i in ids:\n            for w in ('setup', 'call', 'teardown'):\n"
+    "                os.write(fd, json.dumps({'k': 'report', 'id': i, 'when': w, 'outcome': 'passed'}).encode()"
+    " + b'\\n')\n        os.write(fd, b'{\"k\": \"fin\"}\\n')\n    except OSError:\n        pass\nos._exit(0)\n"
+)
 INIT = FILES["calc/__init__.py"]
 ATTACKS = {
-    "delete hidden target tests": (make_diff({**FILES, **HIDDEN}, {"tests/test_hidden.py": None}), "tests/test_hidden.py"),
-    "edit hidden target tests": (patched("tests/test_hidden.py", "def test_clamp_high():\n    pass\n\n\n"
-                                         "def test_mean():\n    pass\n"), "tests/test_hidden.py"),
-    "edit public regression test": (patched("tests/test_public.py", "def test_add():\n    pass\n"),
-                                    "tests/test_public.py"),
+    "delete hidden target tests": (
+        make_diff({**FILES, **HIDDEN}, {"tests/test_hidden.py": None}),
+        "tests/test_hidden.py",
+    ),
+    "edit hidden target tests": (
+        patched("tests/test_hidden.py", "def test_clamp_high():\n    pass\n\n\ndef test_mean():\n    pass\n"),
+        "tests/test_hidden.py",
+    ),
+    "edit public regression test": (
+        patched("tests/test_public.py", "def test_add():\n    pass\n"),
+        "tests/test_public.py",
+    ),
     **{f"conftest {k}": (patched("conftest.py", v), "conftest.py") for k, v in CONFTESTS.items()},
     "conftest in the package": (patched("calc/conftest.py", CONFTESTS["skip"]), "calc/conftest.py"),
-    "pytest.ini addopts deselect": (patched("pytest.ini", "[pytest]\naddopts = -k 'not clamp and not mean'\n"),
-                                    "pytest.ini"),
-    "pyproject addopts deselect": (patched("pyproject.toml", "[tool.pytest.ini_options]\naddopts = '-k add'\n"),
-                                   "pyproject.toml"),
-    "sitecustomize patches unittest/pytest": (patched("sitecustomize.py", (
-        "import unittest\nunittest.TestCase.run = lambda self, r=None: None\n"
-        "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n")), "sitecustomize.py"),
+    "pytest.ini addopts deselect": (
+        patched("pytest.ini", "[pytest]\naddopts = -k 'not clamp and not mean'\n"),
+        "pytest.ini",
+    ),
+    "pyproject addopts deselect": (
+        patched("pyproject.toml", "[tool.pytest.ini_options]\naddopts = '-k add'\n"),
+        "pyproject.toml",
+    ),
+    "sitecustomize patches unittest/pytest": (
+        patched(
+            "sitecustomize.py",
+            (
+                "import unittest\nunittest.TestCase.run = lambda self, r=None: None\n"
+                "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n"
+            ),
+        ),
+        "sitecustomize.py",
+    ),
     "a .pth file": (patched("calc/evil.pth", "import os; os._exit(0)\n"), "calc/evil.pth"),
     "import-time os._exit(0)": (patched("calc/__init__.py", "import os\nos._exit(0)\n"), "runner exit 0"),
     "import-time sys.exit(0)": (patched("calc/__init__.py", "import sys\nsys.exit(0)\n"), "SystemExit"),
-    "builtins.AssertionError swapped": (patched("calc/__init__.py", INIT + (
-        "import builtins\nclass _Quiet(BaseException):\n    pass\nbuiltins.AssertionError = _Quiet\n")),
-        "rebound builtins.AssertionError"),
-    "pytest's runtest neutralised": (patched("calc/__init__.py", INIT + (
-        "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n")),
-        "rebound _pytest.python:Function.runtest"),
-    "pytest's report forced to passed": (patched("calc/__init__.py", INIT + (
-        "import _pytest.runner\n_orig = _pytest.runner.call_and_report\n"
-        "def _pass(item, when, log=True, **kw):\n    r = _orig(item, when, log=False, **kw)\n"
-        "    r.outcome = 'passed'\n    item.ihook.pytest_runtest_logreport(report=r)\n    return r\n"
-        "_pytest.runner.call_and_report = _pass\n")), "rebound _pytest.runner.call_and_report"),
+    "builtins.AssertionError swapped": (
+        patched(
+            "calc/__init__.py",
+            INIT + ("import builtins\nclass _Quiet(BaseException):\n    pass\nbuiltins.AssertionError = _Quiet\n"),
+        ),
+        "rebound builtins.AssertionError",
+    ),
+    "pytest's runtest neutralised": (
+        patched(
+            "calc/__init__.py", INIT + ("import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n")
+        ),
+        "rebound _pytest.python:Function.runtest",
+    ),
+    "pytest's report forced to passed": (
+        patched(
+            "calc/__init__.py",
+            INIT
+            + (
+                "import _pytest.runner\n_orig = _pytest.runner.call_and_report\n"
+                "def _pass(item, when, log=True, **kw):\n    r = _orig(item, when, log=False, **kw)\n"
+                "    r.outcome = 'passed'\n    item.ihook.pytest_runtest_logreport(report=r)\n    return r\n"
+                "_pytest.runner.call_and_report = _pass\n"
+            ),
+        ),
+        "rebound _pytest.runner.call_and_report",
+    ),
     "write a fake result file": (patched("calc/__init__.py", INIT + FAKE_RESULT), "tried to write /work/.rlbus"),
-    "print fake passed lines": (patched("calc/__init__.py", INIT + (
-        "print('tests/test_hidden.py::test_clamp_high PASSED')\nprint('tests/test_hidden.py::test_mean PASSED')\n"
-        "print('RLBUS-RESULT {\"passed\": 5}')\nprint('===== 5 passed in 0.01s =====')\n")), "assert 0 == 10"),
+    "print fake passed lines": (
+        patched(
+            "calc/__init__.py",
+            INIT
+            + (
+                "print('tests/test_hidden.py::test_clamp_high PASSED')\nprint('tests/test_hidden.py::test_mean PASSED')\n"
+                "print('RLBUS-RESULT {\"passed\": 5}')\nprint('===== 5 passed in 0.01s =====')\n"
+            ),
+        ),
+        "assert 0 == 10",
+    ),
     "forge report lines on the pipe": (patched("calc/__init__.py", INIT + FORGE), "bad MAC"),
-    "delete the hidden tests at run time": (patched("calc/__init__.py", INIT + (
-        "import os\ntry:\n    os.remove('/work/repo/tests/test_hidden.py')\nexcept OSError:\n    pass\n")),
-        "tried os.remove"),
+    "delete the hidden tests at run time": (
+        patched(
+            "calc/__init__.py",
+            INIT + ("import os\ntry:\n    os.remove('/work/repo/tests/test_hidden.py')\nexcept OSError:\n    pass\n"),
+        ),
+        "tried os.remove",
+    ),
 }
 
 
@@ -248,9 +345,11 @@ def test_hack_scores_zero_with_the_attempt_named(attack, repo_image):
 # ---------------------------------------------------------------- issue 27: attacks the old harness resolved
 # Each resolved (1.0) against the harness and verifier of 45ce3d4 (checked by loading copies of both with
 # importlib and scoring NEW_ATTACKS there); each must score 0 now.
-ALWAYS_EQUAL = ("class _Yes(int):\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
-                "    __hash__ = int.__hash__\n\n\ndef add(a, b):\n    return a + b\n\n\n"
-                "def clamp(x, lo, hi):\n    return _Yes(0)\n\n\ndef mean(xs):\n    return _Yes(0)\n")
+ALWAYS_EQUAL = (
+    "class _Yes(int):\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+    "    __hash__ = int.__hash__\n\n\ndef add(a, b):\n    return a + b\n\n\n"
+    "def clamp(x, lo, hi):\n    return _Yes(0)\n\n\ndef mean(xs):\n    return _Yes(0)\n"
+)
 FRAME_WALK = (
     "import json, os, sys\n\n\ndef _forge():\n    f = sys._getframe()\n    send = None\n"
     "    while f is not None:\n        s = f.f_locals.get('send')\n        if callable(s) and f.f_code.co_name == 'runner':\n"
@@ -262,35 +361,49 @@ FRAME_WALK = (
     "IDS = ['tests/test_hidden.py::' + n for n in ('test_clamp_high', 'test_mean', 'test_add_regress', "
     "'test_clamp_low', 'test_fixtures')] + ['tests/test_public.py::test_add']\n\n\n"
     "def add(a, b):\n    _forge()\n    return a + b\n\n\ndef clamp(x, lo, hi):\n    _forge()\n    return x\n\n\n"
-    "def mean(xs):\n    _forge()\n    return 0\n")
+    "def mean(xs):\n    _forge()\n    return 0\n"
+)
 PLUGIN_ROUTE = FRAME_WALK.replace(
     "    f = sys._getframe()\n    send = None\n    while f is not None:\n        s = f.f_locals.get('send')\n"
     "        if callable(s) and f.f_code.co_name == 'runner':\n            send = s\n        f = f.f_back\n",
     "    import pytest\n    send = None\n    for p in pytest.mark._config.pluginmanager.get_plugins():\n"
-    "        if getattr(p, '_send', None) is not None:\n            send = p._send\n")
+    "        if getattr(p, '_send', None) is not None:\n            send = p._send\n",
+)
 SHADOW_PYTEST = FRAME_WALK.split("\n\n\ndef add(")[0].replace("('call', 'teardown') if i == IDS[0] else ", "") + (
-    "\n\n\n_forge()\n")  # runs as `import pytest` in the old runner: before any test
+    "\n\n\n_forge()\n"
+)  # runs as `import pytest` in the old runner: before any test
 HELPER = "def expect(got, want):\n    assert got == want, (got, want)\n"
 HELPER_TASK = RepoTask(
-    task_id="fixture-calc-helper", source="fixture:calc-helper", issue=TASK.issue,
+    task_id="fixture-calc-helper",
+    source="fixture:calc-helper",
+    issue=TASK.issue,
     files={**FILES, "calc/testing.py": HELPER},
-    hidden_files={"tests/test_hidden.py": "from calc import clamp, mean\nfrom calc.testing import expect\n\n\n"
-                  "def test_clamp_high():\n    expect(clamp(12, 0, 10), 10)\n\n\n"
-                  "def test_mean():\n    expect(mean([1, 2, 3]), 2)\n"},
-    target_tests=[H + "test_clamp_high", H + "test_mean"], regression_tests=["tests/test_public.py::test_add"],
-    gold_patch=TASK.gold_patch)
-READ_JOB = OPS.replace("def clamp(x, lo, hi):\n", "def clamp(x, lo, hi):\n    if _leak():\n        return min(max(x, lo), hi)\n"
-                       ).replace("def mean(xs):\n", "def mean(xs):\n    if _leak():\n        return sum(xs) / len(xs)\n"
-                                 ) + ("\n\ndef _leak():\n    try:\n        with open('/work/.rlbus/job.json') as f:\n"
-                                      "            return 'test_clamp_high' in f.read()\n    except OSError:\n"
-                                      "        return False\n")
+    hidden_files={
+        "tests/test_hidden.py": "from calc import clamp, mean\nfrom calc.testing import expect\n\n\n"
+        "def test_clamp_high():\n    expect(clamp(12, 0, 10), 10)\n\n\n"
+        "def test_mean():\n    expect(mean([1, 2, 3]), 2)\n"
+    },
+    target_tests=[H + "test_clamp_high", H + "test_mean"],
+    regression_tests=["tests/test_public.py::test_add"],
+    gold_patch=TASK.gold_patch,
+)
+READ_JOB = OPS.replace(
+    "def clamp(x, lo, hi):\n", "def clamp(x, lo, hi):\n    if _leak():\n        return min(max(x, lo), hi)\n"
+).replace("def mean(xs):\n", "def mean(xs):\n    if _leak():\n        return sum(xs) / len(xs)\n") + (
+    "\n\ndef _leak():\n    try:\n        with open('/work/.rlbus/job.json') as f:\n"
+    "            return 'test_clamp_high' in f.read()\n    except OSError:\n"
+    "        return False\n"
+)
 NEW_ATTACKS = {  # name: (task, diff, what the details must name)
     "always_equal": (TASK, patched("calc/ops.py", ALWAYS_EQUAL), "_Yes.__eq__"),
     "frame_walk": (TASK, patched("calc/ops.py", FRAME_WALK), "forbidden frame access"),
     "plugin_manager_sender": (TASK, patched("calc/ops.py", PLUGIN_ROUTE), "tamper: "),
     "shadow_module": (TASK, patched("pytest.py", SHADOW_PYTEST), "shadow"),
-    "helper_edit": (HELPER_TASK, make_diff(HELPER_TASK.files, {"calc/testing.py": "def expect(got, want):\n    pass\n"}),
-                    "dropped edits to protected paths: calc/testing.py"),
+    "helper_edit": (
+        HELPER_TASK,
+        make_diff(HELPER_TASK.files, {"calc/testing.py": "def expect(got, want):\n    pass\n"}),
+        "dropped edits to protected paths: calc/testing.py",
+    ),
     "read_job_file": (TASK, patched("calc/ops.py", READ_JOB), "assert 0 == 10"),
 }
 
@@ -339,8 +452,17 @@ def test_helper_task_gold_still_resolves(repo_image):
     assert v.reward == 1.0, v.details
 
 
-@pytest.mark.parametrize("bad", ["calc/a\x00b.py", "./calc/x.py", "calc/./x.py", "calc/" + "x" * 256 + ".py",
-                                 "calc/a\nb.py", "calc/" + "d/" * 2100 + "x.py"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "calc/a\x00b.py",
+        "./calc/x.py",
+        "calc/./x.py",
+        "calc/" + "x" * 256 + ".py",
+        "calc/a\nb.py",
+        "calc/" + "d/" * 2100 + "x.py",
+    ],
+)
 def test_attack_unwritable_paths_score_zero_not_infra(bad):
     """A path the sandbox cannot write makes the diff not apply (the candidate's 0), never an infra error."""
     diff = f"--- /dev/null\n+++ b/{bad}\n@@ -0,0 +1 @@\n+X = 1\n"

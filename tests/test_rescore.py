@@ -94,8 +94,14 @@ def test_a_stricter_verifier_flips_the_expected_samples_of_a_live_run(crafted_ru
     summary = last_json(out)
     flipped = arith_ids(run, " 5", "16 ")
     assert summary["changed_ids"] == flipped and summary["changed"] == 2 and summary["total"] == 6, out
-    assert summary["confusion"] == {"pass->pass": 2, "pass->fail": 2, "pass->error": 0, "fail->pass": 0,
-                                    "fail->fail": 2, "fail->error": 0}
+    assert summary["confusion"] == {
+        "pass->pass": 2,
+        "pass->fail": 2,
+        "pass->error": 0,
+        "fail->pass": 0,
+        "fail->fail": 2,
+        "fail->error": 0,
+    }
     assert "live nats-server" in out and "verifier arith -> strict_arith" in out
     for msg_id in flipped:
         assert f"{msg_id}  reward 1 (ok) -> 0 (ok)" in out, out
@@ -103,8 +109,21 @@ def test_a_stricter_verifier_flips_the_expected_samples_of_a_live_run(crafted_ru
     assert all(rows[m]["old_outcome"] == "pass" and rows[m]["new_outcome"] == "fail" for m in flipped)
     assert {r["verifier"]["new"] for r in rows.values()} == {strict_arith}
 
-    assert main(["rescore", str(run.run_path), "--domain", "arith", "--verifier", strict_arith,
-                 "--set", "verifier.exact=false"]) == 0
+    assert (
+        main(
+            [
+                "rescore",
+                str(run.run_path),
+                "--domain",
+                "arith",
+                "--verifier",
+                strict_arith,
+                "--set",
+                "verifier.exact=false",
+            ]
+        )
+        == 0
+    )
     assert last_json(capsys.readouterr().out)["changed"] == 0, "exact=false must score like arith"
     assert asyncio.run(_topology(run.server.url)) == before, "rescore changed the live run's records"
 
@@ -130,8 +149,10 @@ def test_missing_run_domain_verifier_or_bad_set_are_clear_errors(crafted_run, tm
     run = crafted_run
     cases = [
         (["rescore", str(tmp_path / "runs" / "nope"), "--domain", "arith"], "is not a folder: RUN_PATH"),
-        (["rescore", str(run.run_path), "--domain", "nope"], "no stored rewards of domain 'nope'; domains with "
-                                                             "rewards: arith (6), extract (2), tool_calc (2)"),
+        (
+            ["rescore", str(run.run_path), "--domain", "nope"],
+            "no stored rewards of domain 'nope'; domains with rewards: arith (6), extract (2), tool_calc (2)",
+        ),
         (["rescore", str(run.run_path), "--domain", "arith", "--verifier", "nope"], "unknown verifier 'nope'"),
         (["rescore", str(run.run_path), "--domain", "arith", "--set", "expression=1"], "expected verifier.PARAM=VALUE"),
     ]

@@ -54,9 +54,25 @@ def test_kill_learner_then_launcher_then_resume_loses_nothing(tmp_path):
     cfg.write_text(CONFIG)
     run_id = f"rs{os.getpid()}"
     run_path = tmp_path / "runs" / run_id
-    first = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                              "--run-id", run_id, "--max-steps", "60"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            run_id,
+            "--max-steps",
+            "60",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     resumed = None
     try:
         deadline = time.monotonic() + 240
@@ -83,12 +99,20 @@ def test_kill_learner_then_launcher_then_resume_loses_nothing(tmp_path):
         orphan_stop_s = time.monotonic() - t_kill
 
         t_resume = time.monotonic()
-        resumed = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", "--resume", str(run_path)], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        resumed = subprocess.Popen(
+            [sys.executable, "-m", "rlbus.cli", "up", "--resume", str(run_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         first_new_step = None
         while resumed.poll() is None and time.monotonic() - t_resume < 300:
-            if first_new_step is None and _steps(run_path) > 0 and json.loads(
-                    (run_path / "run.json").read_text()).get("launcher_pid") == resumed.pid:
+            if (
+                first_new_step is None
+                and _steps(run_path) > 0
+                and json.loads((run_path / "run.json").read_text()).get("launcher_pid") == resumed.pid
+            ):
                 first_new_step = time.monotonic() - t_resume
             time.sleep(0.5)
         out, _ = resumed.communicate(timeout=120)
@@ -104,7 +128,9 @@ def test_kill_learner_then_launcher_then_resume_loses_nothing(tmp_path):
     assert s["learner_rollbacks"] >= 1, s  # the restarted learner restored its checkpoint and replayed REWARDS
     assert sum(s["task_fates"].values()) == s["tasks_published"]
     assert "reusing the run's nats-server" in text, text[-2000:]
-    print(f"steps before kill {before}; orphans stopped in {orphan_stop_s:.1f}s; "
-          f"resume to supervised run {first_new_step}s; learner rollbacks {s['learner_rollbacks']}")
+    print(
+        f"steps before kill {before}; orphans stopped in {orphan_stop_s:.1f}s; "
+        f"resume to supervised run {first_new_step}s; learner rollbacks {s['learner_rollbacks']}"
+    )
     time.sleep(1)
     assert not _run_processes(run_id), _run_processes(run_id)

@@ -17,8 +17,13 @@ from schemas.config import load_config
 
 START = ("learner", "scheduler", "tracker", "sandbox", "verifier", "rollout", "sampler")
 """The launcher's start order as it was before the table (pinned: the table must not change it)."""
-DRAIN = [(["sampler"], 30), (["rollout", "verifier", "sandbox"], 30), (["learner"], 60), (["scheduler"], 60),
-         (["tracker"], 60)]
+DRAIN = [
+    (["sampler"], 30),
+    (["rollout", "verifier", "sandbox"], 30),
+    (["learner"], 60),
+    (["scheduler"], 60),
+    (["tracker"], 60),
+]
 """The launcher's drain as it was before the table: (roles stopped together, seconds before SIGKILL)."""
 
 
@@ -41,8 +46,8 @@ def test_every_role_module_imports_and_runs_a_coroutine(role):
 
 
 def test_nats_users_and_topology_read_the_table():
-    assert auth.USERS[:len(ROLES)] == tuple(r.nats_user for r in ROLES)
-    assert auth.USERS[len(ROLES):] == (auth.MONITOR, auth.ADMIN)
+    assert auth.USERS[: len(ROLES)] == tuple(r.nats_user for r in ROLES)
+    assert auth.USERS[len(ROLES) :] == (auth.MONITOR, auth.ADMIN)
     assert auth.ROLE_TOPOLOGY == {r.name: r.creates for r in ROLES}
     reg = subjects.Registry("r1")
     assert all(auth.stream_name(reg, f) for r in ROLES for f in r.creates)
@@ -50,7 +55,7 @@ def test_nats_users_and_topology_read_the_table():
     for r in ROLES:
         perms = auth.role_permissions(r.nats_user, ["r1"])
         assert f"metrics.r1.{r.name}.*" in perms["publish"]["allow"], r.name  # its own heartbeats
-        assert f"user: \"{r.nats_user}\"" in conf
+        assert f'user: "{r.nats_user}"' in conf
 
 
 def test_max_messages_units_read_the_table():

@@ -17,11 +17,16 @@ from rlbus.run.folder import RunFolder, RunNotFound, alive, find_run
 def test_paths_and_state(tmp_path):
     f = RunFolder.of(tmp_path, "r1")
     assert f.path == tmp_path / "r1" and os.fspath(f) == str(tmp_path / "r1")
-    assert (f.run_json, f.config_json, f.summary_json) == tuple(tmp_path / "r1" / n for n in
-                                                                 ("run.json", "config.json", "summary.json"))
+    assert (f.run_json, f.config_json, f.summary_json) == tuple(
+        tmp_path / "r1" / n for n in ("run.json", "config.json", "summary.json")
+    )
     assert (f.start_model, f.base_model, f.nats, f.log("learner"), f.learner_checkpoint) == (
-        f.path / "model" / "start", f.path / "model" / "base", f.path / "nats", f.path / "logs" / "learner.log",
-        f.path / "checkpoints" / "learner.pt")
+        f.path / "model" / "start",
+        f.path / "model" / "base",
+        f.path / "nats",
+        f.path / "logs" / "learner.log",
+        f.path / "checkpoints" / "learner.pt",
+    )
     assert f.state() == {} and not f.is_run() and f.recorded_run_id() == "r1"
     f.path.mkdir()
     f.write_state({"run_id": "r1", "launcher_pid": 1})

@@ -23,8 +23,18 @@ from bus.server import EmbeddedNats
 from tests.conftest import ROOT
 from tests.messages import store_checks
 
-FULL_KEYS = {"msg_id", "domain", "task_id", "group_id", "sample_index", "turns", "tool_calls", "reward", "components",
-             "status"}
+FULL_KEYS = {
+    "msg_id",
+    "domain",
+    "task_id",
+    "group_id",
+    "sample_index",
+    "turns",
+    "tool_calls",
+    "reward",
+    "components",
+    "status",
+}
 TURN_KEYS = {"role", "text", "token_ids", "logprobs", "trainable", "policy_version"}
 # (domain, verifier, params, hidden, policy_version, [answers]); arith: group of 3 answers per task
 ARITH = [("2+3", 1, ["5", " 5", "6"]), ("4*4", 3, ["16", "16 ", "x"])]
@@ -57,9 +67,16 @@ def _turns(prompt: str, answers: list[str], version: int, tool_texts: list[str] 
     turns = [Turn(role="prompt", text=prompt, token_ids=pack_i32(list(prompt.encode())))]
     for i, answer in enumerate(answers):
         ids = list(answer.encode()) + [1]
-        turns.append(Turn(role="assistant", text=answer, token_ids=pack_i32(ids),
-                          logprobs=pack_f32([-0.5 - 0.25 * k for k in range(len(ids))]), trainable=True,
-                          policy_version=version))
+        turns.append(
+            Turn(
+                role="assistant",
+                text=answer,
+                token_ids=pack_i32(ids),
+                logprobs=pack_f32([-0.5 - 0.25 * k for k in range(len(ids))]),
+                trainable=True,
+                policy_version=version,
+            )
+        )
         if i < len(tool_texts):
             turns.append(Turn(role="tool", text=tool_texts[i], token_ids=pack_i32(list(tool_texts[i].encode()))))
     return turns
@@ -68,9 +85,16 @@ def _turns(prompt: str, answers: list[str], version: int, tool_texts: list[str] 
 def _task(run_id: str, domain: str, task_id: str, verifier: str, params: dict, group: int, hidden_ref=None):
     from schemas import ChatMessage, Task
 
-    return Task(run_id=run_id, task_id=task_id, domain=domain, group_size=group,
-                prompt=[ChatMessage(role="user", content=f"{task_id}?")], verifier=verifier, verifier_params=params,
-                hidden_ref=hidden_ref)
+    return Task(
+        run_id=run_id,
+        task_id=task_id,
+        domain=domain,
+        group_size=group,
+        prompt=[ChatMessage(role="user", content=f"{task_id}?")],
+        verifier=verifier,
+        verifier_params=params,
+        hidden_ref=hidden_ref,
+    )
 
 
 async def _trajectories(js, reg, run_path: Path) -> list:
@@ -89,15 +113,23 @@ async def _trajectories(js, reg, run_path: Path) -> list:
     task = _task(reg.run_id, "extract", "extract-p1", "extract", {}, 2, hidden_ref=ref)
     for i, answer in enumerate(['{"name": "Ada", "year": 1815}', '{"name": "Ada", "year": 1816}']):
         out.append(Trajectory.from_task(task, i, _turns("Who? ", [answer], 2)))
-    exec_id, obs = await LocalRecorder.for_run(js, reg, run_path).record("s1", "python3 -c 'print(6*7)'",
-                                                                         ExecResult(0, "42\n", "", duration_ms=3.5))
+    exec_id, obs = await LocalRecorder.for_run(js, reg, run_path).record(
+        "s1", "python3 -c 'print(6*7)'", ExecResult(0, "42\n", "", duration_ms=3.5)
+    )
     task = _task(reg.run_id, "tool_calc", "calc-6*7", "tool_calc", {"expression": "6*7"}, 2)
     call = ToolCall(turn=1, tool="python", code="print(6*7)", exec_id=exec_id, exit_code=0, duration_ms=3.5)
-    out.append(Trajectory.from_task(task, 0, _turns("6*7 ", ["<py>print(6*7)</py>", "=42"], 4, [obs]),
-                                    tool_calls=[call]))
+    out.append(
+        Trajectory.from_task(task, 0, _turns("6*7 ", ["<py>print(6*7)</py>", "=42"], 4, [obs]), tool_calls=[call])
+    )
     forged = ToolCall(turn=1, tool="python", code="print(6*7)", exit_code=0)
-    out.append(Trajectory.from_task(task, 1, _turns("6*7 ", ["<py>print(6*7)</py>", "=42"], 4,
-                                                    ["<obs exit=0>\n42\n</obs>"]), tool_calls=[forged]))
+    out.append(
+        Trajectory.from_task(
+            task,
+            1,
+            _turns("6*7 ", ["<py>print(6*7)</py>", "=42"], 4, ["<obs exit=0>\n42\n</obs>"]),
+            tool_calls=[forged],
+        )
+    )
     return out
 
 
@@ -122,8 +154,14 @@ async def _publish_rewards(url: str, run_id: str, run_path: Path) -> dict[str, d
     for traj in trajs:
         rw = await scorer.one(_Stored(traj))
         await publish_many(js, [(reg.rewards(traj.domain), rw)])
-        samples[traj.msg_id] = {"domain": traj.domain, "answer": traj.final_text, "reward": rw.reward,
-                                "status": rw.status, "version": traj.policy_version, "traj": traj}
+        samples[traj.msg_id] = {
+            "domain": traj.domain,
+            "answer": traj.final_text,
+            "reward": rw.reward,
+            "status": rw.status,
+            "version": traj.policy_version,
+            "traj": traj,
+        }
     await nc.close()
     return samples
 
@@ -137,8 +175,17 @@ def crafted_run(tmp_path, monkeypatch):
     run_path = tmp_path / "runs" / run_id
     server = EmbeddedNats(run_path / "nats").start()
     try:
-        (run_path / "run.json").write_text(json.dumps({"run_id": run_id, "nats_url": server.url, "launcher_pid": None,
-                                                       "server_pid": server.pid, "workers": {}}))
+        (run_path / "run.json").write_text(
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "nats_url": server.url,
+                    "launcher_pid": None,
+                    "server_pid": server.pid,
+                    "workers": {},
+                }
+            )
+        )
         samples = asyncio.run(_publish_rewards(server.url, run_id, run_path))
         yield CraftedRun(run_path, run_id, server, samples)
     finally:
@@ -146,8 +193,9 @@ def crafted_run(tmp_path, monkeypatch):
 
 
 def rlbus(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "rlbus.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     if check:
         assert res.returncode == 0, f"rlbus {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}"
     return res
@@ -198,7 +246,11 @@ def test_full_json_of_a_finished_run_has_every_turn_token_and_logprob(crafted_ru
         traj = want["traj"]
         assert FULL_KEYS <= set(o), set(o)
         assert (o["domain"], o["task_id"], o["group_id"], o["sample_index"]) == (
-            traj.domain, traj.task_id, traj.group_id, traj.sample_index)
+            traj.domain,
+            traj.task_id,
+            traj.group_id,
+            traj.sample_index,
+        )
         assert (o["reward"], o["status"]) == (want["reward"], want["status"])
         assert o["components"]["turns_used"] >= 1
         assert [t["role"] for t in o["turns"]] == [t.role for t in traj.turns]
@@ -239,9 +291,24 @@ def test_text_and_compact_json_of_a_live_run_and_filters(crafted_run):
 
     compact = json_lines(rlbus("samples", str(run.run_path), "--json").stdout)
     assert len(compact) == len(run.samples)
-    assert set(compact[0]) == {"seq", "msg_id", "domain", "task_id", "sample_index", "purpose", "policy_version",
-                               "reward", "status", "components", "prompt", "answer", "turns", "tool_calls", "tokens",
-                               "finish_reason"}
+    assert set(compact[0]) == {
+        "seq",
+        "msg_id",
+        "domain",
+        "task_id",
+        "sample_index",
+        "purpose",
+        "policy_version",
+        "reward",
+        "status",
+        "components",
+        "prompt",
+        "answer",
+        "turns",
+        "tool_calls",
+        "tokens",
+        "finish_reason",
+    }
     assert [c["seq"] for c in compact] == list(range(1, len(run.samples) + 1))
     assert compact[0]["prompt"] == "2+3=" and compact[0]["answer"] == "5" and compact[0]["turns"] == 2
 
@@ -253,7 +320,8 @@ def test_text_and_compact_json_of_a_live_run_and_filters(crafted_run):
     assert ids("--version-min", "3") == [m for m in s if s[m]["version"] >= 3]
     assert ids("--reward-min", "1") == [m for m in s if s[m]["reward"] >= 1]
     assert ids("--domain", "arith", "--reward-min", "1", "--version-min", "2") == [
-        m for m in s if s[m]["domain"] == "arith" and s[m]["reward"] >= 1 and s[m]["version"] >= 2]
+        m for m in s if s[m]["domain"] == "arith" and s[m]["reward"] >= 1 and s[m]["version"] >= 2
+    ]
     assert ids("--limit", "2") == list(s)[:2]
     some = list(s)[4]
     assert ids("--id", some) == [some] and ids("--id", f"rw-{some}", "--limit", "5") == [some]

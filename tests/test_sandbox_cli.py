@@ -30,15 +30,23 @@ def _bwrap_ok() -> bool:
         sbx.close()
 
 
-needs_bwrap = pytest.mark.skipif(not _bwrap_ok(), reason="bwrap missing or cannot create namespaces "
-                                                         "(apt-get install -y bubblewrap)")
-needs_docker = pytest.mark.skipif(not docker_available(),
-                                  reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)")
+needs_bwrap = pytest.mark.skipif(
+    not _bwrap_ok(), reason="bwrap missing or cannot create namespaces (apt-get install -y bubblewrap)"
+)
+needs_docker = pytest.mark.skipif(
+    not docker_available(), reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)"
+)
 
 
 def rlbus(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlbus.cli", "sandbox", *args], cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "sandbox", *args],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_json_line(p: subprocess.CompletedProcess) -> dict:
@@ -58,7 +66,9 @@ def test_exec_process_backend():
 
 @needs_bwrap
 def test_exec_process_backend_limits():
-    row = one_json_line(rlbus("exec", "--backend", "process", "--timeout", "1", "--", "sh", "-c", "while :; do :; done"))
+    row = one_json_line(
+        rlbus("exec", "--backend", "process", "--timeout", "1", "--", "sh", "-c", "while :; do :; done")
+    )
     assert row["timed_out"] and row["exit_code"] == 137
     row = one_json_line(rlbus("exec", "--memory-mb", "64", "--", "python3", "-c", "b = bytearray(1 << 30)"))
     assert row["exit_code"] != 0 and row["oom"]
@@ -80,14 +90,18 @@ def test_exec_docker_backend_leaves_nothing():
     images.ensure_image()
     api = get_client().api
     before = {c["Id"] for c in api.containers(all=True, filters={"label": f"{LABEL}=1"})}
-    row = one_json_line(rlbus("exec", "--backend", "docker", "--timeout", "5", "--",
-                              "sh", "-c", "id -u; (setsid sleep 300 &); echo done"))
+    row = one_json_line(
+        rlbus(
+            "exec", "--backend", "docker", "--timeout", "5", "--", "sh", "-c", "id -u; (setsid sleep 300 &); echo done"
+        )
+    )
     assert row["isolation"] == "docker" and row["exit_code"] == 0
     assert row["stdout"].split() == ["65534", "done"]
     after = {c["Id"] for c in api.containers(all=True, filters={"label": f"{LABEL}=1"})}
     assert after <= before, "the one-shot exec left a container"
-    row = one_json_line(rlbus("exec", "--backend", "docker", "--timeout", "1", "--",
-                              "python3", "-c", "while True: pass"))
+    row = one_json_line(
+        rlbus("exec", "--backend", "docker", "--timeout", "1", "--", "python3", "-c", "while True: pass")
+    )
     assert row["timed_out"] and row["exit_code"] == 137
 
 

@@ -33,8 +33,7 @@ from tests.sandbox_contract import py
 
 pytestmark = [
     pytest.mark.docker,
-    pytest.mark.skipif(not docker_available(),
-                       reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)"),
+    pytest.mark.skipif(not docker_available(), reason="no Docker engine answers (start dockerd, or set DOCKER_HOST)"),
 ]
 
 CLEAN = ["docker-init", "sleep"]
@@ -52,8 +51,7 @@ def sandbox_image():
 
 def own_containers() -> list[dict]:
     """Labelled containers of this test process, any state."""
-    return get_client().api.containers(
-        all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={OWNER}"]})
+    return get_client().api.containers(all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={OWNER}"]})
 
 
 def host_pids_in(container_id: str) -> list[int]:
@@ -89,6 +87,7 @@ def sbx(sandbox_image):
 
 # -- hostile commands ---------------------------------------------------------------
 
+
 def test_ok_command_unprivileged_read_only(sbx):
     r = sbx.execute("id -u; pwd; touch /x 2>/dev/null || echo ro; echo err >&2; exit 3")
     assert r.exit_code == 3 and r.isolation == "docker" and not (r.timed_out or r.oom or r.truncated)
@@ -102,9 +101,11 @@ def test_infinite_loop_times_out(sbx):
 def test_fork_bomb_contained(sbx):
     contract.fork_bomb_contained(sbx)
     assert names(sbx) == CLEAN
-    code = ("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-            "            import time; time.sleep(30); os._exit(0)\n        n += 1\n"
-            "except OSError as e:\n    print(n, e.errno)\n")
+    code = (
+        "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            import time; time.sleep(30); os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print(n, e.errno)\n"
+    )
     r = sbx.execute(py(code), timeout=10)
     forked, err = map(int, r.stdout.split())
     assert forked < Limits().pids and err == 11, r  # EAGAIN at the pids limit
@@ -121,9 +122,11 @@ def test_stdout_flood_is_capped(sbx):
 
 def test_host_loopback_unreachable(sbx):
     with contract.host_listener() as port:
-        code = ("import os, socket\nprint(sorted(os.listdir('/sys/class/net')))\ntry:\n"
-                f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\n"
-                "except OSError as e:\n    print('blocked', type(e).__name__)\n")
+        code = (
+            "import os, socket\nprint(sorted(os.listdir('/sys/class/net')))\ntry:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\n"
+            "except OSError as e:\n    print('blocked', type(e).__name__)\n"
+        )
         r = sbx.execute(py(code), timeout=10)
         assert r.exit_code == 0 and r.stdout.split("\n")[:2] == ["['lo']", "blocked ConnectionRefusedError"], r
 
@@ -140,10 +143,12 @@ def test_child_ignoring_sigterm_killed(sbx):
 
 
 def test_double_forked_daemon_gone(sbx):
-    code = ("import os, time\n"
-            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            "        time.sleep(300)\n    os._exit(0)\n"
-            "os.wait(); print('parent done')\n")
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(300)\n    os._exit(0)\n"
+        "os.wait(); print('parent done')\n"
+    )
     r = sbx.execute(py(code), timeout=10)
     assert r.exit_code == 0 and not r.timed_out and r.stdout == "parent done\n", r
     assert r.duration_ms < 5000
@@ -155,11 +160,13 @@ def test_signal_exit_code_and_killed_wrapper(sbx):
     r = sbx.execute("kill -TERM $$")
     assert r.exit_code == 143 and r.stderr == "", r  # the wrapper's own "Terminated" is not shown
     # the command kills the wrapper around it and leaves a daemon: the host sweeps
-    code = ("import os, signal, time\n"
-            "if os.fork() == 0:\n    os.setsid(); os.closerange(0, 3); time.sleep(300)\n"
-            "for p in os.listdir('/proc'):\n"
-            "    if p.isdigit() and ('rlbus-' + 'exec').encode() in open(f'/proc/{p}/cmdline', 'rb').read():\n"
-            "        os.kill(int(p), signal.SIGKILL)\n")
+    code = (
+        "import os, signal, time\n"
+        "if os.fork() == 0:\n    os.setsid(); os.closerange(0, 3); time.sleep(300)\n"
+        "for p in os.listdir('/proc'):\n"
+        "    if p.isdigit() and ('rlbus-' + 'exec').encode() in open(f'/proc/{p}/cmdline', 'rb').read():\n"
+        "        os.kill(int(p), signal.SIGKILL)\n"
+    )
     r = sbx.execute(py(code), timeout=5)
     assert r.exit_code == 137 and not r.timed_out, r
     assert names(sbx) == CLEAN
@@ -173,6 +180,7 @@ def test_container_removed_behind_our_back_is_replaced(sbx, sandbox_image):
 
 # -- files and reset ----------------------------------------------------------------
 
+
 def test_files_and_reset(sbx):
     sbx.write_file("src/a.py", b"print(6 * 7)\n")
     assert sbx.execute(["python3", "src/a.py"]).stdout == "42\n"
@@ -185,8 +193,12 @@ def test_files_and_reset(sbx):
     for bad in ("../x", "/etc/passwd", "a/../../x"):
         with pytest.raises(ValueError):
             sbx.read_file(bad)
-    for op in (lambda: sbx.read_file("link"), lambda: sbx.write_file("link", b"x"),
-               lambda: sbx.write_file("link/x", b"x"), lambda: sbx.read_file("fifo")):
+    for op in (
+        lambda: sbx.read_file("link"),
+        lambda: sbx.write_file("link", b"x"),
+        lambda: sbx.write_file("link/x", b"x"),
+        lambda: sbx.read_file("fifo"),
+    ):
         with pytest.raises(OSError):
             op()
     sbx.reset()
@@ -197,6 +209,7 @@ def test_files_and_reset(sbx):
 
 
 # -- warm pool, proof of cleanliness, reaper ------------------------------------------
+
 
 def test_warm_pool_hands_out_only_fresh_containers(sandbox_image):
     """Containers come back through the pool; nothing of one user is seen by the next."""
@@ -257,8 +270,10 @@ def test_unclean_container_is_never_reused(sandbox_image):
 def test_reaper_removes_created_and_orphaned(sandbox_image):
     api = get_client().api
     dead = f"{socket.gethostname()}:999999999:0"
-    ids = [api.create_container(DEFAULT_IMAGE, ["true"], labels=labels)["Id"]
-           for labels in ({LABEL: "1"}, {LABEL: "1", OWNER_LABEL: dead})]
+    ids = [
+        api.create_container(DEFAULT_IMAGE, ["true"], labels=labels)["Id"]
+        for labels in ({LABEL: "1"}, {LABEL: "1", OWNER_LABEL: dead})
+    ]
     assert {api.inspect_container(i)["State"]["Status"] for i in ids} == {"created"}
     live = DockerSandbox(warm_pool=0)
     live.start(timeout=10)

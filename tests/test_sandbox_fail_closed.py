@@ -43,8 +43,9 @@ def _bwrap_usable() -> bool:
 
 
 BWRAP_OK = _bwrap_usable()
-needs_bwrap = pytest.mark.skipif(not BWRAP_OK, reason="bwrap missing or cannot create namespaces "
-                                                      "(apt-get install -y bubblewrap)")
+needs_bwrap = pytest.mark.skipif(
+    not BWRAP_OK, reason="bwrap missing or cannot create namespaces (apt-get install -y bubblewrap)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,9 @@ def test_refusal_is_an_infra_error_for_the_agent(bwrap_hidden, run_id):
 
     async def go(sc: SandboxSection):
         engine = ScriptedEngine(["<py>print(6*7)</py>", "=42"])
-        return await run_episodes(engine, [task(run_id, 6, 7)], version=lambda: 0,
-                                  open_sandbox=lambda: open_async_sandbox(sc))
+        return await run_episodes(
+            engine, [task(run_id, 6, 7)], version=lambda: 0, open_sandbox=lambda: open_async_sandbox(sc)
+        )
 
     with pytest.raises(SandboxUnavailable, match="SandboxRefused.*bubblewrap"):
         asyncio.run(go(SandboxSection()))
@@ -133,8 +135,11 @@ def test_refusal_is_an_infra_error_for_the_code_verifier(bwrap_hidden, monkeypat
         assert v.components["correct"] == 1.0 and v.status == "ok" and "process/degraded" in v.details, v
 
 
-CODE_ADD = {"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add",
-            "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n"}
+CODE_ADD = {
+    "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+    "entry_point": "add",
+    "prompt": 'def add(a, b):\n    """Sum."""\n',
+}
 
 
 async def _verify_in_worker(js, reg, spawn_worker, tmp_path, i: int, allow: bool) -> tuple[list, list]:
@@ -147,16 +152,31 @@ async def _verify_in_worker(js, reg, spawn_worker, tmp_path, i: int, allow: bool
 
     ref = f"code.add{i}.x"
     await put_hidden(js, reg, ref, CODE_ADD)
-    t = Trajectory(run_id=reg.run_id, msg_id=f"tr-code-{i}", task_id=f"t{i}", task_msg_id=f"task-{i}", domain="code",
-                   group_id=f"g{i}", group_size=1, sample_index=0, turns=[], verifier="code", hidden_ref=ref,
-                   verifier_params={"entry_point": "add"}, policy_version=0, final_text="def add(a, b):\n    return a + b\n")
+    t = Trajectory(
+        run_id=reg.run_id,
+        msg_id=f"tr-code-{i}",
+        task_id=f"t{i}",
+        task_msg_id=f"task-{i}",
+        domain="code",
+        group_id=f"g{i}",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier="code",
+        hidden_ref=ref,
+        verifier_params={"entry_point": "add"},
+        policy_version=0,
+        final_text="def add(a, b):\n    return a + b\n",
+    )
     from tests.messages import store_checks
 
     await store_checks(js, reg, [t])
     await publish_many(js, [(reg.traj("code"), t)])
     cfg = tmp_path / f"verifier{i}.toml"
-    cfg.write_text("[verifier]\nack_wait_s = 1.0\nretry_base_s = 0.05\nretry_max_s = 0.2\nconcurrency = 1\n"
-                   f"[sandbox]\nallow_degraded = {str(allow).lower()}\n")
+    cfg.write_text(
+        "[verifier]\nack_wait_s = 1.0\nretry_base_s = 0.05\nretry_max_s = 0.2\nconcurrency = 1\n"
+        f"[sandbox]\nallow_degraded = {str(allow).lower()}\n"
+    )
     proc = spawn_worker("verifier", reg.run_id, cfg, "--until-idle", "60")
 
     async def outcome():
@@ -174,7 +194,8 @@ async def _verify_in_worker(js, reg, spawn_worker, tmp_path, i: int, allow: bool
 
 
 async def test_verifier_worker_refusal_is_an_infra_error_and_the_config_allows(
-        bwrap_hidden, monkeypatch, js, run_id, tmp_path, spawn_worker, drop_run):
+    bwrap_hidden, monkeypatch, js, run_id, tmp_path, spawn_worker, drop_run
+):
     from bus.conn import ensure_topology
     from bus.subjects import Registry
 
@@ -192,8 +213,14 @@ async def test_verifier_worker_refusal_is_an_infra_error_and_the_config_allows(
 
 # ------------------------------------------------------------------ the CLI
 def _sandbox_exec(path: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlbus.cli", "sandbox", "exec", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=_env(path))
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "sandbox", "exec", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(path),
+    )
 
 
 def test_sandbox_exec_exits_1_with_the_reason(no_bwrap_path):
@@ -242,9 +269,25 @@ def _up(tmp_path: Path, path: str, *args: str, timeout: float = 200) -> tuple[in
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY)
     run_id = f"fc{os.getpid()}{int(time.monotonic() * 1000) % 100000}"
-    p = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                        "--run-id", run_id, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env=_env(path, RLBUS_CODE_SANDBOX="process"))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            run_id,
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(path, RLBUS_CODE_SANDBOX="process"),
+    )
     return p.returncode, p.stdout + p.stderr, tmp_path / "runs" / run_id
 
 

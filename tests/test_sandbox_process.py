@@ -43,8 +43,11 @@ MODES = [pytest.param("bwrap", marks=needs_bwrap), "degraded"]
 def marked_pids(sbx: ProcessSandbox, workdir: str) -> list[int]:
     """Live processes carrying the sandbox marker in environ or its work dir in cmdline."""
     marker, needle, me = sbx.marker.encode(), workdir.encode(), os.getpid()
-    return [pid for pid in live_pids(lambda cmdline, environ: marker in environ or needle in cmdline,
-                                     environ=True) if pid != me]
+    return [
+        pid
+        for pid in live_pids(lambda cmdline, environ: marker in environ or needle in cmdline, environ=True)
+        if pid != me
+    ]
 
 
 @pytest.fixture(params=MODES)
@@ -77,6 +80,7 @@ def bsbx():
 
 # -- output cap --------------------------------------------------------------------
 
+
 def test_cap_output_keeps_head_and_tail():
     data = b"A" * 1000 + b"M" * 5000 + b"Z" * 1000
     out, truncated = cap_output(data, 2000)
@@ -90,6 +94,7 @@ def test_cap_output_keeps_head_and_tail():
 
 
 # -- hostile commands, both modes --------------------------------------------------
+
 
 def test_ok_command_and_unprivileged(sbx):
     r = sbx.execute(py("import os,sys; print(os.getuid(), sys.executable); sys.exit(3)"))
@@ -158,6 +163,7 @@ def test_double_forked_daemon_gone(sbx):
 
 # -- bwrap-only isolation ----------------------------------------------------------
 
+
 def test_host_loopback_unreachable(bsbx):
     with contract.host_listener() as port:
         code = (
@@ -178,6 +184,7 @@ def test_root_is_read_only_and_minimal(bsbx):
 
 # -- files and reset ---------------------------------------------------------------
 
+
 def test_files_and_reset(sbx):
     sbx.write_file("src/a.py", b"print(6 * 7)\n")
     r = sbx.execute(["python3", "src/a.py"])
@@ -195,8 +202,7 @@ def test_files_and_reset(sbx):
         sbx.write_file("link", b"x")
     with pytest.raises(OSError):
         sbx.read_file("fifo")
-    sbx.execute(py("import os, time\nif os.fork() == 0: os.setsid(); time.sleep(300)"),
-                timeout=0.5)
+    sbx.execute(py("import os, time\nif os.fork() == 0: os.setsid(); time.sleep(300)"), timeout=0.5)
     sbx.reset()
     r = sbx.execute("ls -A")
     assert r.exit_code == 0 and r.stdout == ""
@@ -239,8 +245,7 @@ def test_no_zombies_left_for_sandbox_uid(bsbx):
     """Orphans must not pile up on an init that never reaps (they'd eat RLIMIT_NPROC)."""
     for _ in range(3):
         bsbx.execute(["true"])
-    bsbx.execute(py("import os, time\nif os.fork() == 0: time.sleep(300)\ntime.sleep(300)"),
-                 timeout=0.5)
+    bsbx.execute(py("import os, time\nif os.fork() == 0: time.sleep(300)\ntime.sleep(300)"), timeout=0.5)
     owned = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -282,8 +287,7 @@ def test_missing_bwrap_degrades_with_warning_only_when_allowed(monkeypatch):
         box.start()
     try:
         assert box.isolation == "degraded"
-        assert any(e["event"] == "sandbox.degraded" and e["log_level"] == "warning"
-                   for e in logs)
+        assert any(e["event"] == "sandbox.degraded" and e["log_level"] == "warning" for e in logs)
         r = box.execute("echo ok")
         assert r.stdout == "ok\n" and r.isolation == "degraded"
     finally:

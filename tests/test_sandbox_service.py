@@ -24,11 +24,7 @@ from nats.js.errors import NotFoundError
 
 from bus.conn import connect
 from bus.subjects import Registry
-from sandbox_workers.async_sandbox import (
-    LocalAsyncSandbox,
-    SandboxClosed,
-    open_async_sandbox,
-)
+from sandbox_workers.async_sandbox import LocalAsyncSandbox, SandboxClosed, open_async_sandbox
 from sandbox_workers.integrity import ToolTurn, verify_observations
 from sandbox_workers.remote import (
     BadRequest,
@@ -59,17 +55,24 @@ def sandbox_worker(tmp_path, spawn_worker, run_id, monkeypatch):
 
     made: list[Path] = []
 
-    def start(max_sessions: int = 4, ttl: float = 30.0, timeout: float = 10.0, backend: str = "process",
-              max_exec_timeout: float = 600.0):
+    def start(
+        max_sessions: int = 4,
+        ttl: float = 30.0,
+        timeout: float = 10.0,
+        backend: str = "process",
+        max_exec_timeout: float = 600.0,
+    ):
         pool = f"p{uuid.uuid4().hex[:8]}"
         # not under tmp_path: the sandbox uid must be able to traverse to its work dir
         tmpdir = Path(tempfile.mkdtemp(prefix=f"rlbus-test-{pool}-"))
         tmpdir.chmod(0o711)
         made.append(tmpdir)
         config = tmp_path / f"{pool}.toml"
-        config.write_text(f'[sandbox]\npool = "{pool}"\nmax_sessions = {max_sessions}\n'
-                          f'session_ttl_s = {ttl}\ntimeout_s = {timeout}\nbackend = "{backend}"\n'
-                          f'max_exec_timeout_s = {max_exec_timeout}\n')
+        config.write_text(
+            f'[sandbox]\npool = "{pool}"\nmax_sessions = {max_sessions}\n'
+            f'session_ttl_s = {ttl}\ntimeout_s = {timeout}\nbackend = "{backend}"\n'
+            f"max_exec_timeout_s = {max_exec_timeout}\n"
+        )
         monkeypatch.setenv("TMPDIR", str(tmpdir))
         monkeypatch.setenv("RLBUS_TOOL_SECRET", SECRET)
         proc = spawn_worker("sandbox", run_id, config, log_name=f"sandbox-{pool}")
@@ -128,8 +131,9 @@ async def test_round_trip_through_worker(nc, run_id, sandbox_worker, tmp_path):
     await sbx.reset()
     with pytest.raises(FileNotFoundError):
         await sbx.read_file("src/a.py")
-    ok, forged = await verify_observations(nc.jetstream(), reg, SECRET.encode(),
-                                           [ToolTurn(o.exec_id, o.text) for o in (obs, failed, slow)])
+    ok, forged = await verify_observations(
+        nc.jetstream(), reg, SECRET.encode(), [ToolTurn(o.exec_id, o.text) for o in (obs, failed, slow)]
+    )
     assert len(ok) == 3 and forged == []
     await sbx.close()
     await sbx.close()  # idempotent
@@ -146,16 +150,25 @@ async def test_bad_requests_get_error_replies(nc, run_id, sandbox_worker, tmp_pa
     assert (await raw(nc, op("exec"), b"\xc1 not msgpack"))["error"]["code"] == "bad_request"
     assert (await raw(nc, op("exec"), [1, 2]))["error"]["code"] == "bad_request"
     assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": 5}))["error"]["code"] == "bad_request"
-    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": -1}))["error"]["code"] == "bad_request"
-    assert (await raw(nc, op("write"), {"session": sbx.session, "path": "x", "data": "str"}))["error"]["code"] == "bad_request"
+    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": -1}))["error"][
+        "code"
+    ] == "bad_request"
+    assert (await raw(nc, op("write"), {"session": sbx.session, "path": "x", "data": "str"}))["error"][
+        "code"
+    ] == "bad_request"
     unknown_op = f"sandbox.{pool}.s.{sbx.worker}.fly"
     assert (await raw(nc, unknown_op, {"session": sbx.session}))["error"]["code"] == "bad_request"
-    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": True}))["error"]["code"] == "bad_request"
-    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": float("nan")}))["error"]["code"] == "bad_request"
+    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": True}))["error"][
+        "code"
+    ] == "bad_request"
+    assert (await raw(nc, op("exec"), {"session": sbx.session, "cmd": "true", "timeout": float("nan")}))["error"][
+        "code"
+    ] == "bad_request"
     assert (await sbx.execute("echo still-fine")).stdout == "still-fine\n"
     with pytest.raises(UnknownSession):
-        await RemoteSandbox(nc, reg, pool, {"session": "nope", "worker": sbx.worker, "timeout_s": 1,
-                                            "ttl_s": 60}).execute("true")
+        await RemoteSandbox(
+            nc, reg, pool, {"session": "nope", "worker": sbx.worker, "timeout_s": 1, "ttl_s": 60}
+        ).execute("true")
     await sbx.close()
 
 
@@ -218,8 +231,9 @@ async def test_ttl_reaps_session_of_a_dead_client(nc, nats_url, run_id, sandbox_
     pool, tmpdir, _ = sandbox_worker(ttl=1.0)
     reg = Registry(run_id)
     keeper = await open_when_ready(nc, reg, pool, tmp_path)  # a live client: its pings keep it
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, nats_url, run_id, pool, "sleep 4"],
-                              stdout=subprocess.PIPE, cwd=ROOT)
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, nats_url, run_id, pool, "sleep 4"], stdout=subprocess.PIPE, cwd=ROOT
+    )
     worker, session = client.stdout.readline().decode().split()
 
     async def running():  # the client's exec has started (under load it can take a while)
@@ -337,7 +351,10 @@ async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_wor
             out = open(tmp_path / f"soak-{kills}-{len(live)}.out", "wb")
             p = subprocess.Popen(
                 [sys.executable, "-c", SOAK_CLIENT, nats_url, run_id, pool, str(rng.randrange(1 << 30))],
-                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
             out.close()
             live.append((p, out.name, rng.uniform(1.5, 6.0) + time.monotonic()))
         await asyncio.sleep(0.1)
@@ -359,8 +376,10 @@ async def test_soak_sessions_with_client_kills(nc, nats_url, run_id, sandbox_wor
         return leftovers(tmpdir) == ([], [])
 
     await eventually(clean, ttl + 30, "every abandoned session to be reaped", tmp_path, every=0.5)
-    print(f"\nsoak ({backend}): {opened} sessions, {kills} client kills, {elapsed:.1f}s, "
-          f"{opened / elapsed:.1f} sessions/s")
+    print(
+        f"\nsoak ({backend}): {opened} sessions, {kills} client kills, {elapsed:.1f}s, "
+        f"{opened / elapsed:.1f} sessions/s"
+    )
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     if backend == "docker":
@@ -396,8 +415,11 @@ async def test_exec_timeout_is_clamped_to_the_configured_maximum(nc, run_id, san
     sbx = await open_when_ready(nc, reg, pool, tmp_path)
     for asked in (1e9, float("inf")):
         t0 = time.monotonic()
-        reply = await raw(nc, reg.sandbox_session_op(pool, sbx.worker, "exec"),
-                          {"session": sbx.session, "cmd": "sleep 30", "timeout": asked})
+        reply = await raw(
+            nc,
+            reg.sandbox_session_op(pool, sbx.worker, "exec"),
+            {"session": sbx.session, "cmd": "sleep 30", "timeout": asked},
+        )
         took = time.monotonic() - t0
         assert "error" not in reply, reply
         assert reply["result"]["timed_out"] and took < 8, (asked, took, reply)

@@ -14,25 +14,31 @@ import pytest
 
 from tests.conftest import ROOT
 
-OPEN = ("from sandbox_workers.process import ProcessSandbox\n"
-        "sb = ProcessSandbox(isolation='degraded', allow_degraded={arg})\n"
-        "sb.start()\n"
-        "print(sb.isolation, sb.execute('echo ran').stdout.strip())\n"
-        "sb.close()\n")
+OPEN = (
+    "from sandbox_workers.process import ProcessSandbox\n"
+    "sb = ProcessSandbox(isolation='degraded', allow_degraded={arg})\n"
+    "sb.start()\n"
+    "print(sb.isolation, sb.execute('echo ran').stdout.strip())\n"
+    "sb.close()\n"
+)
 
 
 def _open_degraded(arg: bool, env_value: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RLBUS_SANDBOX_ALLOW_DEGRADED"}
     if env_value is not None:
         env["RLBUS_SANDBOX_ALLOW_DEGRADED"] = env_value
-    return subprocess.run([sys.executable, "-c", OPEN.format(arg=arg)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", OPEN.format(arg=arg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
-@pytest.mark.parametrize("arg, env_value, source", [
-    (False, "1", "env RLBUS_SANDBOX_ALLOW_DEGRADED=1"),  # a leftover variable: before, only a log line on stdout
-    (True, None, "sandbox.allow_degraded"),
-])
+@pytest.mark.parametrize(
+    "arg, env_value, source",
+    [
+        (False, "1", "env RLBUS_SANDBOX_ALLOW_DEGRADED=1"),  # a leftover variable: before, only a log line on stdout
+        (True, None, "sandbox.allow_degraded"),
+    ],
+)
 def test_degraded_mode_prints_the_red_warning_on_stderr(arg, env_value, source):
     r = _open_degraded(arg, env_value)
     assert r.returncode == 0, r.stderr

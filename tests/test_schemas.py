@@ -36,11 +36,28 @@ ENVELOPE = ("kind", "schema_version", "run_id", "msg_id", "created_at")
 
 def _traj(**kw) -> Trajectory:
     base = dict(
-        run_id=RUN, task_id="t1", task_msg_id="m1", domain="arith", group_id="g1", group_size=2,
-        sample_index=0, verifier="arith", policy_version=3, final_text="42", tokens=2,
-        turns=[Turn(role="prompt", text="1+1=", token_ids=pack_i32([20, 15, 20, 33])),
-               Turn(role="assistant", text="2", token_ids=pack_i32([21, 1]), logprobs=pack_f32([-0.5, -1.25]),
-                    trainable=True, policy_version=3)],
+        run_id=RUN,
+        task_id="t1",
+        task_msg_id="m1",
+        domain="arith",
+        group_id="g1",
+        group_size=2,
+        sample_index=0,
+        verifier="arith",
+        policy_version=3,
+        final_text="42",
+        tokens=2,
+        turns=[
+            Turn(role="prompt", text="1+1=", token_ids=pack_i32([20, 15, 20, 33])),
+            Turn(
+                role="assistant",
+                text="2",
+                token_ids=pack_i32([21, 1]),
+                logprobs=pack_f32([-0.5, -1.25]),
+                trainable=True,
+                policy_version=3,
+            ),
+        ],
     )
     base.update(kw)
     return Trajectory(**base)
@@ -50,20 +67,40 @@ def samples() -> list:
     """One populated instance of every message kind."""
     traj = _traj()
     return [
-        Task(run_id=RUN, task_id="t1", domain="arith", group_size=4, verifier="arith",
-             prompt=[ChatMessage(role="user", content="1+1=")], tools=["python"], verifier_params={"answer_len": 2},
-             hidden_ref="gold://x"),
+        Task(
+            run_id=RUN,
+            task_id="t1",
+            domain="arith",
+            group_size=4,
+            verifier="arith",
+            prompt=[ChatMessage(role="user", content="1+1=")],
+            tools=["python"],
+            verifier_params={"answer_len": 2},
+            hidden_ref="gold://x",
+        ),
         traj,
         Reward(run_id=RUN, trajectory=traj, reward=1.0, components={"correct": 1.0}, details="ok"),
         WeightPrefetch(run_id=RUN, version=2, step=5, uri="file:///w/v000002.safetensors", bytes=10),
-        WeightVersion(run_id=RUN, version=2, step=5, uri="nats-object://b/v2", sha256="ab" * 32, bytes=10,
-                      metrics={"loss": 0.5}),
-        DeadLetter(run_id=RUN, stage="verifier", reason="bad", original_subject="traj.r1.arith",
-                   original_data=b"\x00\xffraw", original_headers={"Nats-Msg-Id": "x"}, task_msg_id="m1"),
+        WeightVersion(
+            run_id=RUN, version=2, step=5, uri="nats-object://b/v2", sha256="ab" * 32, bytes=10, metrics={"loss": 0.5}
+        ),
+        DeadLetter(
+            run_id=RUN,
+            stage="verifier",
+            reason="bad",
+            original_subject="traj.r1.arith",
+            original_data=b"\x00\xffraw",
+            original_headers={"Nats-Msg-Id": "x"},
+            task_msg_id="m1",
+        ),
         Metric(run_id=RUN, role="rollout", worker_id="w1", values={"tokens": 3.0}),
         EvalResult(run_id=RUN, version=1, step=1, domain="arith", score=0.5, n=10, eval_set_sha256="cd" * 32),
-        TaskFates(run_id=RUN, stage="learner", step=1,
-                  fates=[TaskFate(task_msg_id="m1", fate="trained", reward_msg_ids=["a", "b"])]),
+        TaskFates(
+            run_id=RUN,
+            stage="learner",
+            step=1,
+            fates=[TaskFate(task_msg_id="m1", fate="trained", reward_msg_ids=["a", "b"])],
+        ),
     ]
 
 
@@ -207,15 +244,23 @@ def test_decode_error_is_a_value_error_with_field_in_message():
 def test_glance_reward_reads_what_decode_reads():
     from schemas import ToolCall, glance_reward
 
-    calls = [ToolCall(turn=1, tool="python", code="print(1)", duration_ms=120.0),
-             ToolCall(turn=1, tool="run_tests", code="", duration_ms=30.5)]
+    calls = [
+        ToolCall(turn=1, tool="python", code="print(1)", duration_ms=120.0),
+        ToolCall(turn=1, tool="run_tests", code="", duration_ms=30.5),
+    ]
     for traj in (_traj(), _traj(difficulty=4, purpose="eval", generate_seconds=0.25, tool_calls=calls)):
         r = Reward(run_id=RUN, trajectory=traj, reward=0.5, status="invalid")
         g = glance_reward(encode(r))
         full = decode(encode(r), Reward)
         assert (g.run_id, g.reward, g.status, g.domain, g.difficulty, g.purpose, g.generate_seconds) == (
-            full.run_id, full.reward, full.status, full.trajectory.domain, full.trajectory.difficulty,
-            full.trajectory.purpose, full.trajectory.generate_seconds)
+            full.run_id,
+            full.reward,
+            full.status,
+            full.trajectory.domain,
+            full.trajectory.difficulty,
+            full.trajectory.purpose,
+            full.trajectory.generate_seconds,
+        )
         assert g.tool_calls == tuple((c.tool, c.duration_ms) for c in full.trajectory.tool_calls)
 
 
@@ -223,8 +268,12 @@ def test_glance_reward_refuses_what_is_not_a_reward():
     from schemas import glance_reward
 
     reward = Reward(run_id=RUN, trajectory=_traj(), reward=1.0)
-    bad = [b"\xc1", _pack([1, 2]), encode(_traj()),  # not msgpack, not a map, another kind
-           _pack({**_body(reward), "schema_version": SCHEMA_VERSION + 1})]
+    bad = [
+        b"\xc1",
+        _pack([1, 2]),
+        encode(_traj()),  # not msgpack, not a map, another kind
+        _pack({**_body(reward), "schema_version": SCHEMA_VERSION + 1}),
+    ]
     body = _body(reward)
     body["trajectory"] = {**body["trajectory"], "domain": 7}
     bad.append(_pack(body))
@@ -252,30 +301,79 @@ def test_trajectory_from_task_derives_ids_and_copies_the_task():
     task field copied, and what the turns say (last answer, its version, generated tokens)."""
     from schemas import ToolCall
 
-    task = Task(run_id=RUN, task_id="t7", domain="tool_calc", difficulty=3, purpose="eval", group_size=4,
-                prompt=[ChatMessage(role="user", content="6*7=")], tools=["python"], verifier="tool_calc",
-                verifier_params={"expression": "6*7"}, hidden_ref="gold://7", pool="long")
-    turns = [Turn(role="prompt", text="6*7=", token_ids=pack_i32([1, 2, 3, 4])),
-             Turn(role="assistant", text="<py>6*7</py>", token_ids=pack_i32([5, 6, 7]), logprobs=pack_f32([0.0] * 3),
-                  trainable=True, policy_version=4),
-             Turn(role="tool", text="<obs>42</obs>", token_ids=pack_i32([8, 9])),
-             Turn(role="assistant", text="=42", token_ids=pack_i32([10, 11]), logprobs=pack_f32([0.0] * 2),
-                  trainable=True, policy_version=5)]
+    task = Task(
+        run_id=RUN,
+        task_id="t7",
+        domain="tool_calc",
+        difficulty=3,
+        purpose="eval",
+        group_size=4,
+        prompt=[ChatMessage(role="user", content="6*7=")],
+        tools=["python"],
+        verifier="tool_calc",
+        verifier_params={"expression": "6*7"},
+        hidden_ref="gold://7",
+        pool="long",
+    )
+    turns = [
+        Turn(role="prompt", text="6*7=", token_ids=pack_i32([1, 2, 3, 4])),
+        Turn(
+            role="assistant",
+            text="<py>6*7</py>",
+            token_ids=pack_i32([5, 6, 7]),
+            logprobs=pack_f32([0.0] * 3),
+            trainable=True,
+            policy_version=4,
+        ),
+        Turn(role="tool", text="<obs>42</obs>", token_ids=pack_i32([8, 9])),
+        Turn(
+            role="assistant",
+            text="=42",
+            token_ids=pack_i32([10, 11]),
+            logprobs=pack_f32([0.0] * 2),
+            trainable=True,
+            policy_version=5,
+        ),
+    ]
     calls = [ToolCall(turn=1, tool="python", code="6*7", exec_id="e1")]
-    traj = Trajectory.from_task(task, 2, turns, finish_reason="stop", generate_seconds=0.5, tool_calls=calls,
-                                artifacts={"out.txt": b"42"})
+    traj = Trajectory.from_task(
+        task, 2, turns, finish_reason="stop", generate_seconds=0.5, tool_calls=calls, artifacts={"out.txt": b"42"}
+    )
     expected = Trajectory(
-        run_id=RUN, msg_id=f"{task.msg_id}-2", task_id="t7", task_msg_id=task.msg_id, domain="tool_calc",
-        difficulty=3, purpose="eval", group_id=task.msg_id, group_size=4, sample_index=2, turns=turns,
-        verifier="tool_calc", verifier_params={"expression": "6*7"}, hidden_ref="gold://7", pool="long",
-        finish_reason="stop", final_text="=42", policy_version=5, generate_seconds=0.5, tokens=5,
-        tool_calls=calls, artifacts={"out.txt": b"42"})
+        run_id=RUN,
+        msg_id=f"{task.msg_id}-2",
+        task_id="t7",
+        task_msg_id=task.msg_id,
+        domain="tool_calc",
+        difficulty=3,
+        purpose="eval",
+        group_id=task.msg_id,
+        group_size=4,
+        sample_index=2,
+        turns=turns,
+        verifier="tool_calc",
+        verifier_params={"expression": "6*7"},
+        hidden_ref="gold://7",
+        pool="long",
+        finish_reason="stop",
+        final_text="=42",
+        policy_version=5,
+        generate_seconds=0.5,
+        tokens=5,
+        tool_calls=calls,
+        artifacts={"out.txt": b"42"},
+    )
     assert traj.model_dump(exclude={"created_at"}) == expected.model_dump(exclude={"created_at"})
     assert decode(encode(traj)) == traj
     # another sample of the same task: its own id, the same group
     other = Trajectory.from_task(task, 0, turns[:2], finish_reason="length")
     assert (other.msg_id, other.group_id, other.sample_index) == (f"{task.msg_id}-0", task.msg_id, 0)
-    assert (other.final_text, other.policy_version, other.tokens, other.finish_reason) == ("<py>6*7</py>", 4, 3, "length")
+    assert (other.final_text, other.policy_version, other.tokens, other.finish_reason) == (
+        "<py>6*7</py>",
+        4,
+        3,
+        "length",
+    )
     assert other.tool_calls == [] and other.artifacts == {}
     # no model turn at all: version -1, nothing generated
     bare = Trajectory.from_task(task, 1, turns[:1], finish_reason="error")

@@ -35,11 +35,16 @@ def test_a_real_sdist_from_the_configured_index_is_verified(tmp_path):
 
 def _evil_index(tmp_path: Path, marker: Path, wrong_hash: bool = False) -> str:
     """A PEP 503 file index holding evilpkg 1.0, whose setup.py writes `marker` when run."""
-    setup = (f"import pathlib\npathlib.Path({str(marker)!r}).write_text('setup.py ran')\n"
-             "from setuptools import setup\nsetup(name='evilpkg', version='1.0', py_modules=['evilpkg'])\n")
-    files = {"evilpkg-1.0/setup.py": setup, "evilpkg-1.0/evilpkg.py": "def f(x):\n    return x + 1\n",
-             "evilpkg-1.0/test_evilpkg.py": "from evilpkg import f\n\ndef test_f():\n    assert f(1) == 2\n",
-             "evilpkg-1.0/PKG-INFO": "Metadata-Version: 2.1\nName: evilpkg\nVersion: 1.0\nLicense: MIT\n"}
+    setup = (
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('setup.py ran')\n"
+        "from setuptools import setup\nsetup(name='evilpkg', version='1.0', py_modules=['evilpkg'])\n"
+    )
+    files = {
+        "evilpkg-1.0/setup.py": setup,
+        "evilpkg-1.0/evilpkg.py": "def f(x):\n    return x + 1\n",
+        "evilpkg-1.0/test_evilpkg.py": "from evilpkg import f\n\ndef test_f():\n    assert f(1) == 2\n",
+        "evilpkg-1.0/PKG-INFO": "Metadata-Version: 2.1\nName: evilpkg\nVersion: 1.0\nLicense: MIT\n",
+    }
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as t:
         for name, text in files.items():
@@ -66,9 +71,27 @@ def test_a_planted_setup_py_never_runs_on_the_host(tmp_path, monkeypatch):
     # the whole command: fetch, unpack, run the suite in bubblewrap, mutate; setup.py is never run here
     # (in the sandbox a write to the marker's host path could not land either: only /work is writable)
     env = dict(os.environ, PIP_INDEX_URL=index)
-    r = subprocess.run([sys.executable, "-m", "rlbus.cli", "tasks", "build", "repo", "--from-sdist", "evilpkg==1.0",
-                        "--out", str(tmp_path / "cache"), "--max-per-package", "1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "tasks",
+            "build",
+            "repo",
+            "--from-sdist",
+            "evilpkg==1.0",
+            "--out",
+            str(tmp_path / "cache"),
+            "--max-per-package",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "fetched evilpkg-1.0.tar.gz sha256" in r.stdout, r.stdout + r.stderr
     assert not marker.exists(), "the package's setup.py ran on the host"
 

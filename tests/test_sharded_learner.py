@@ -67,8 +67,9 @@ def max_diff(a: dict, b: dict) -> float:
 def test_two_ranks_match_one_rank_and_dcp_round_trips(model_dir, tmp_path):
     from learner.ranks import RankGroup
 
-    lc = LearnerSection(world_size=2, backend="gloo", lr=1e-3, micro_batch_size=5, dist_timeout_s=60,
-                       micro_batch_max_padding=0.0)  # the micro-batch counts below are the test's design
+    lc = LearnerSection(
+        world_size=2, backend="gloo", lr=1e-3, micro_batch_size=5, dist_timeout_s=60, micro_batch_max_padding=0.0
+    )  # the micro-batch counts below are the test's design
     # the first half with micro-batches of <= 5 (3: one rank runs a zero-weighted one), the
     # rest without a cap (1 micro-batch on one rank, split in 2 for 2 ranks) and with a KL
     # term (beta raised mid-run, as the forgetting guard does: the ranks load the reference then)
@@ -100,11 +101,14 @@ def test_two_ranks_match_one_rank_and_dcp_round_trips(model_dir, tmp_path):
     print(f"2 ranks vs 1 rank after {K} steps: max abs param diff {diff:.3g}")
     assert diff <= EQUIV_ATOL, diff
     assert "lm_head.weight" not in got  # tied to the embeddings: published once, as one rank does
-    assert [(m["micro_batches"], w["micro_batches"]) for m, w in zip(metrics, want_metrics)] == \
-        [(3, 3)] * (K // 2) + [(2, 1)] * (K - K // 2)
+    assert [(m["micro_batches"], w["micro_batches"]) for m, w in zip(metrics, want_metrics)] == [(3, 3)] * (K // 2) + [
+        (2, 1)
+    ] * (K - K // 2)
     for m, w in zip(metrics, want_metrics):
         assert m["samples"] == w["samples"] == 15
-        assert m["loss"] == pytest.approx(w["loss"], abs=1e-5) and m["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+        assert m["loss"] == pytest.approx(w["loss"], abs=1e-5) and m["grad_norm"] == pytest.approx(
+            w["grad_norm"], rel=1e-4
+        )
         assert m["tokens"] == w["tokens"] and m["kl"] == pytest.approx(w["kl"], abs=1e-6)
     assert metrics[-1]["kl"] > 0
     assert state == {"step": K, "trained": ["a"]}
@@ -136,21 +140,26 @@ def test_bf16_steps_track_fp32_steps(model_dir):
     update_dev = float((d16 - d32).norm() / d32.norm())
     loss_dev = max(abs(a["loss"] - b["loss"]) for a, b in zip(m16, m32))
     norm_dev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(m16, m32))
-    print(f"bf16 vs fp32 over {BF16_STEPS} steps: relative update deviation {update_dev:.3g}, "
-          f"max per-step loss diff {loss_dev:.3g}, max grad-norm deviation {norm_dev:.3g}")
+    print(
+        f"bf16 vs fp32 over {BF16_STEPS} steps: relative update deviation {update_dev:.3g}, "
+        f"max per-step loss diff {loss_dev:.3g}, max grad-norm deviation {norm_dev:.3g}"
+    )
     assert all(p.dtype == torch.float32 for p in w16.values())  # fp32 master weights
     assert update_dev <= BF16_UPDATE_RTOL, update_dev
     assert loss_dev <= BF16_LOSS_ATOL, loss_dev
     assert norm_dev <= BF16_GRAD_NORM_RTOL, norm_dev
 
 
-@pytest.mark.parametrize("update, words", [
-    ({"world_size": 3}, "this machine has"),  # more gloo ranks than cores (this machine: 2)
-    ({"world_size": 2, "backend": "nccl"}, "needs CUDA"),
-    ({"world_size": 2, "lora": {"rank": 4}}, "LoRA"),
-    ({"world_size": 2, "pcgrad": True}, "PCGrad"),
-    ({"world_size": 2, "policy": "null"}, "null"),
-])
+@pytest.mark.parametrize(
+    "update, words",
+    [
+        ({"world_size": 3}, "this machine has"),  # more gloo ranks than cores (this machine: 2)
+        ({"world_size": 2, "backend": "nccl"}, "needs CUDA"),
+        ({"world_size": 2, "lora": {"rank": 4}}, "LoRA"),
+        ({"world_size": 2, "pcgrad": True}, "PCGrad"),
+        ({"world_size": 2, "policy": "null"}, "null"),
+    ],
+)
 def test_bad_world_is_a_start_up_error(update, words):
     cores = os.cpu_count() or 1
     if "world_size" in update and update["world_size"] == 3:
@@ -164,11 +173,29 @@ def test_bad_world_is_a_start_up_error(update, words):
 
 def test_worker_refuses_too_many_ranks_before_starting_any(tmp_path):
     cores = os.cpu_count() or 1
-    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "worker", "learner", "--config", "examples/smoke.toml",
-                          "--run-id", "bad",
-                          "--run-dir", str(tmp_path), "--nats-url", "nats://127.0.0.1:1",
-                          "--set", f"learner.world_size={cores + 1}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "worker",
+            "learner",
+            "--config",
+            "examples/smoke.toml",
+            "--run-id",
+            "bad",
+            "--run-dir",
+            str(tmp_path),
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--set",
+            f"learner.world_size={cores + 1}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert f"learner.world_size = {cores + 1}" in last and f"set learner.world_size <= {cores}" in last, out.stderr
@@ -177,9 +204,23 @@ def test_worker_refuses_too_many_ranks_before_starting_any(tmp_path):
 
 def test_up_refuses_too_many_ranks_before_anything_starts(tmp_path):
     cores = os.cpu_count() or 1
-    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "examples/smoke.toml", "--run-dir", str(tmp_path),
-                          "--set", f"learner.world_size={cores + 1}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            "examples/smoke.toml",
+            "--run-dir",
+            str(tmp_path),
+            "--set",
+            f"learner.world_size={cores + 1}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"rlbus up: learner.world_size = {cores + 1}" in out.stdout and "set learner.world_size" in out.stdout
     assert not list(tmp_path.iterdir())  # no run folder, no server, no SFT
@@ -211,8 +252,13 @@ def test_a_rank_dies_with_rank_0(model_dir, tmp_path):
     script = tmp_path / "rank0.py"
     script.write_text(RANK0)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(script), str(model_dir), str(run)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir), str(run)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     try:
         while proc.stdout.readline().strip() != "up":  # skip the log lines
             assert proc.poll() is None

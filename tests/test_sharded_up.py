@@ -53,15 +53,36 @@ def test_up_two_ranks_survives_a_killed_rank_and_loses_nothing(tmp_path):
     cfg.write_text(CONFIG)
     run_id = f"ws2{os.getpid()}"
     run_path = tmp_path / "runs" / run_id
-    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                             "--run-id", run_id, "--max-steps", str(STEPS), "--set", "learner.world_size=2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            run_id,
+            "--max-steps",
+            str(STEPS),
+            "--set",
+            "learner.world_size=2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     killed: dict[str, int] = {}
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None and not killed:
             ranks = _ranks(run_path)
-            if _steps(run_path) >= 8 and set(ranks) == {"0", "1"}:  # after the step-5 checkpoint, with steps to roll back
+            if _steps(run_path) >= 8 and set(ranks) == {
+                "0",
+                "1",
+            }:  # after the step-5 checkpoint, with steps to roll back
                 os.kill(ranks["1"], signal.SIGKILL)
                 killed = ranks
             time.sleep(0.3)
@@ -89,5 +110,7 @@ def test_up_two_ranks_survives_a_killed_rank_and_loses_nothing(tmp_path):
     assert not (run_path / "checkpoints" / "learner.pt").exists()
     assert not _ranks(run_path), "the ranks file outlived a clean stop"
     assert not any(_alive(p) for p in killed.values())
-    print(f"rank 0 stopped {stop_s:.1f}s after rank 1 was killed; learner restarts {s['worker_restarts']['learner']}, "
-          f"rollbacks {s['learner_rollbacks']}, wall {s['wall_seconds']}s")
+    print(
+        f"rank 0 stopped {stop_s:.1f}s after rank 1 was killed; learner restarts {s['worker_restarts']['learner']}, "
+        f"rollbacks {s['learner_rollbacks']}, wall {s['wall_seconds']}s"
+    )

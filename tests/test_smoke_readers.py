@@ -16,8 +16,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _rlbus(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlbus.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_report_of_a_real_run_has_its_eval_curve_and_plots(smoke_run):

@@ -26,16 +26,7 @@ from bus.subjects import Registry
 from learner.weights import publish_version
 from rollout_workers.engines.null_engine import NullEngine
 from rollout_workers.worker import single_turn_trajectories
-from schemas import (
-    DeadLetter,
-    Reward,
-    Task,
-    TaskFates,
-    Trajectory,
-    WeightVersion,
-    decode,
-    encode,
-)
+from schemas import DeadLetter, Reward, Task, TaskFates, Trajectory, WeightVersion, decode, encode
 from tests.conftest import eventually, logs, settled_consumer
 from tests.messages import make_task, store_checks
 
@@ -67,7 +58,6 @@ step_window_s = 0.5
 # -- helpers -------------------------------------------------------------------------
 
 
-
 def write_config(tmp_path: Path) -> Path:
     path = tmp_path / "stages.toml"
     path.write_text(CONFIG)
@@ -82,8 +72,10 @@ async def topology(js, run_id: str) -> Registry:
 
 async def wait_exit(proc, timeout: float, tmp_path: Path) -> None:
     """Wait for a worker to exit on its own (test limits) with status 0."""
+
     async def exited():
         return proc.poll() is not None
+
     await eventually(exited, timeout, f"worker pid {proc.pid} to exit", tmp_path)
     assert proc.returncode == 0, f"worker exited with {proc.returncode}\n{logs(tmp_path)}"
 
@@ -92,6 +84,7 @@ async def wait_consumer(js, stream: str, durable: str, tmp_path: Path):
     async def exists():
         with contextlib.suppress(NotFoundError):
             return await js.consumer_info(stream, durable)
+
     return await eventually(exists, 30, f"durable {durable!r} on {stream}", tmp_path)
 
 
@@ -130,6 +123,7 @@ async def assert_bad_dead_lettered(js, reg: Registry, stage: str, subject: str, 
 
 
 # -- each stage dead-letters bad input and keeps working ----------------------------------
+
 
 async def test_rollout_dead_letters_bad_tasks_and_rolls_out_good_ones(js, run_id, tmp_path, spawn_worker):
     reg = await topology(js, run_id)
@@ -183,8 +177,10 @@ async def test_learner_dead_letters_bad_rewards_and_steps_on_good_ones(js, run_i
 
     subject, task = reg.rewards("arith"), make_task(run_id, group_size=GROUP_SIZE)
     scores = [1.0, 0.0, 0.0, 1.0]
-    rewards = [Reward(run_id=run_id, msg_id=f"rw-{t.msg_id}", trajectory=t, reward=r, components={"correct": r})
-               for t, r in zip(trajectories(task), scores, strict=True)]
+    rewards = [
+        Reward(run_id=run_id, msg_id=f"rw-{t.msg_id}", trajectory=t, reward=r, components={"correct": r})
+        for t, r in zip(trajectories(task), scores, strict=True)
+    ]
     bad = await publish_bad(js, subject, rewards[0])
     await publish_many(js, [(subject, r) for r in rewards])
     await wait_exit(proc, 60, tmp_path)
@@ -216,8 +212,16 @@ async def test_learner_reports_tasks_it_consumed_without_a_step(js, run_id, tmp_
     spawn_worker("learner", run_id, config)
     await wait_consumer(js, reg.stream("REWARDS"), "learner", tmp_path)
     subject, task = reg.rewards("arith"), make_task(run_id, group_size=GROUP_SIZE)
-    await publish_many(js, [(subject, Reward(run_id=run_id, msg_id=f"rw-{t.msg_id}", trajectory=t, reward=0.0,
-                                             components={"correct": 0.0})) for t in trajectories(task)])
+    await publish_many(
+        js,
+        [
+            (
+                subject,
+                Reward(run_id=run_id, msg_id=f"rw-{t.msg_id}", trajectory=t, reward=0.0, components={"correct": 0.0}),
+            )
+            for t in trajectories(task)
+        ],
+    )
 
     async def consumed():
         progress = await get_json(js, reg, LEARNER_PROGRESS)
@@ -228,6 +232,7 @@ async def test_learner_reports_tasks_it_consumed_without_a_step(js, run_id, tmp_
 
 
 # -- a killed rollout worker's task goes to another worker ----------------------------------
+
 
 async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path, spawn_worker):
     """Worker A takes the task and hangs: the weight version announced just before points
@@ -242,12 +247,16 @@ async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path
 
     fifo = tmp_path / "weights.fifo"
     os.mkfifo(fifo)
-    ack = await publish(js, reg.weights, WeightVersion(run_id=run_id, version=1, step=1, uri=f"file://{fifo}",
-                                                       sha256="0" * 64, bytes=1, dtype="none"))
+    ack = await publish(
+        js,
+        reg.weights,
+        WeightVersion(run_id=run_id, version=1, step=1, uri=f"file://{fifo}", sha256="0" * 64, bytes=1, dtype="none"),
+    )
 
     async def a_saw_v1():
         consumers = await js.consumers_info(reg.stream("WEIGHTS"))
         return any(c.delivered.stream_seq >= ack.seq for c in consumers)
+
     await eventually(a_saw_v1, 20, "worker A to receive weight version 1", tmp_path)
     await asyncio.sleep(0.5)
 
@@ -256,6 +265,7 @@ async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path
 
     async def a_holds_task():
         return (await js.consumer_info(reg.stream("TASKS"), "rollout")).num_ack_pending >= 1
+
     await eventually(a_holds_task, 20, "worker A to fetch the task", tmp_path)
     await asyncio.sleep(0.3)
     assert worker_a.poll() is None
@@ -264,7 +274,9 @@ async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path
     await asyncio.to_thread(worker_a.wait, 10)
 
     await publish_version(js, reg, None, 2, 2, {})
-    worker_b = spawn_worker("rollout", run_id, config, "--max-messages", "1", "--until-idle", "30", log_name="rollout-B")
+    worker_b = spawn_worker(
+        "rollout", run_id, config, "--max-messages", "1", "--until-idle", "30", log_name="rollout-B"
+    )
     await wait_exit(worker_b, 60, tmp_path)
 
     trajs = await stored(js, reg, "TRAJ", reg.traj("arith"), Trajectory)
@@ -280,6 +292,7 @@ async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path
 
 # -- the sampler's backpressure gate ------------------------------------------------------
 
+
 async def test_sampler_gate_bounds_tasks_in_flight(js, run_id, tmp_path, spawn_worker):
     reg = await topology(js, run_id)
     proc = spawn_worker("sampler", run_id, write_config(tmp_path))  # max_inflight_tasks = 5, no learner
@@ -289,6 +302,7 @@ async def test_sampler_gate_bounds_tasks_in_flight(js, run_id, tmp_path, spawn_w
 
     async def some_published():
         return await held() > 0
+
     await eventually(some_published, 30, "the sampler to publish", tmp_path)
 
     async def watch(seconds: float) -> list[int]:

@@ -13,13 +13,31 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("drop_run")
 
+
 def test_status_json_reports_steps_stages_and_every_worker(nats_url, run_id, null_pipeline):
     procs = null_pipeline
     out = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        res = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--nats-url", nats_url, "--run-id", run_id,
-                              "--json", "--listen", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlbus.cli",
+                "status",
+                "--nats-url",
+                nats_url,
+                "--run-id",
+                run_id,
+                "--json",
+                "--listen",
+                "2",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         lines = res.stdout.strip().splitlines()
         assert len(lines) == 1
@@ -37,6 +55,11 @@ def test_status_json_reports_steps_stages_and_every_worker(nats_url, run_id, nul
 
 
 def test_status_without_a_run_says_what_to_pass(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--run-dir", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "status", "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode != 0 and "pass --run-id" in res.stderr

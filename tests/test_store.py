@@ -74,30 +74,62 @@ def store(request, tmp_path):
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-def reward(run_id: str, domain: str = "arith", value: float = 1.0, created_at: float | None = None,
-           purpose: str = "train", i: int = 0) -> Reward:
-    traj = Trajectory(run_id=run_id, task_id=f"t{i}", task_msg_id=f"task-{i}", domain=domain, difficulty=2,
-                      purpose=purpose, group_id=f"g{i}", group_size=2, sample_index=0,
-                      turns=[Turn(role="assistant", text="4", trainable=True, policy_version=3)],
-                      verifier="exact", policy_version=3)
+def reward(
+    run_id: str,
+    domain: str = "arith",
+    value: float = 1.0,
+    created_at: float | None = None,
+    purpose: str = "train",
+    i: int = 0,
+) -> Reward:
+    traj = Trajectory(
+        run_id=run_id,
+        task_id=f"t{i}",
+        task_msg_id=f"task-{i}",
+        domain=domain,
+        difficulty=2,
+        purpose=purpose,
+        group_id=f"g{i}",
+        group_size=2,
+        sample_index=0,
+        turns=[Turn(role="assistant", text="4", trainable=True, policy_version=3)],
+        verifier="exact",
+        policy_version=3,
+    )
     kw = {} if created_at is None else {"created_at": created_at}
     return Reward(run_id=run_id, trajectory=traj, reward=value, **kw)
 
 
 def weights(run_id: str, version: int) -> WeightVersion:
-    return WeightVersion(run_id=run_id, version=version, step=version * 2, uri=f"nats-object://b/v{version}",
-                         sha256="ab" * 32, bytes=1234, metrics={"loss": 0.5})
+    return WeightVersion(
+        run_id=run_id,
+        version=version,
+        step=version * 2,
+        uri=f"nats-object://b/v{version}",
+        sha256="ab" * 32,
+        bytes=1234,
+        metrics={"loss": 0.5},
+    )
 
 
 def evaluation(run_id: str, version: int, domain: str = "arith") -> EvalResult:
-    return EvalResult(run_id=run_id, version=version, step=version * 2, domain=domain, score=0.25, n=64,
-                      eval_set_sha256="cd" * 32)
+    return EvalResult(
+        run_id=run_id, version=version, step=version * 2, domain=domain, score=0.25, n=64, eval_set_sha256="cd" * 32
+    )
 
 
 def letter(run_id: str, i: int = 0) -> DeadLetter:
-    return DeadLetter(run_id=run_id, stage="verifier", reason="boom", error_type="rejected",
-                      original_subject=f"traj.{run_id}.arith", original_data=b"\x01", original_msg_id=f"o{i}",
-                      delivery_count=5, task_msg_id=f"task-{i}")
+    return DeadLetter(
+        run_id=run_id,
+        stage="verifier",
+        reason="boom",
+        error_type="rejected",
+        original_subject=f"traj.{run_id}.arith",
+        original_data=b"\x01",
+        original_msg_id=f"o{i}",
+        delivery_count=5,
+        task_msg_id=f"task-{i}",
+    )
 
 
 def test_every_table_round_trips(store, run_id):
@@ -110,14 +142,28 @@ def test_every_table_round_trips(store, run_id):
     r = reward(run_id, value=0.75)
     assert store.record_rewards([r]) == 1
     (rr,) = store.rows(RewardRow, run_id)
-    assert (rr.msg_id, rr.domain, rr.difficulty, rr.reward, rr.status, rr.policy_version, rr.purpose) == \
-        (r.msg_id, "arith", 2, 0.75, "ok", 3, "train")
+    assert (rr.msg_id, rr.domain, rr.difficulty, rr.reward, rr.status, rr.policy_version, rr.purpose) == (
+        r.msg_id,
+        "arith",
+        2,
+        0.75,
+        "ok",
+        3,
+        "train",
+    )
     assert rr.created_at == pytest.approx(r.created_at)
 
     w = weights(run_id, 1)
     store.record_weights([w])
     (wr,) = store.rows(WeightVersionRow, run_id)
-    assert (wr.version, wr.step, wr.sha256, wr.bytes, wr.uri, wr.metrics) == (1, 2, w.sha256, 1234, w.uri, {"loss": 0.5})
+    assert (wr.version, wr.step, wr.sha256, wr.bytes, wr.uri, wr.metrics) == (
+        1,
+        2,
+        w.sha256,
+        1234,
+        w.uri,
+        {"loss": 0.5},
+    )
 
     e0 = evaluation(run_id, 0)
     store.record_evals([e0])  # no cost yet: cost columns are NULL
@@ -127,8 +173,13 @@ def test_every_table_round_trips(store, run_id):
     e1 = evaluation(run_id, 1)
     store.record_evals([e1])
     er0, er1 = store.rows(EvalResultRow, run_id, order_by="version")
-    assert (er0.score, er0.n, er0.eval_set_sha256, er0.cost_cpu_seconds, er0.cost_tokens) == \
-        (0.25, 64, e0.eval_set_sha256, None, None)
+    assert (er0.score, er0.n, er0.eval_set_sha256, er0.cost_cpu_seconds, er0.cost_tokens) == (
+        0.25,
+        64,
+        e0.eval_set_sha256,
+        None,
+        None,
+    )
     assert (er1.cost_cpu_seconds, er1.cost_gpu_seconds, er1.cost_tokens) == (17.0, 2.0, 150)
     costs = {c.stage: (c.cpu_seconds, c.gpu_seconds, c.tokens) for c in store.rows(CostRow, run_id)}
     assert costs == {"rollout": (12.0, 0.0, 150), "learner": (5.0, 2.0, 0)}
@@ -136,9 +187,16 @@ def test_every_table_round_trips(store, run_id):
     d = letter(run_id)
     store.record_dead_letters([d])
     (dr,) = store.rows(DeadLetterRow, run_id)
-    assert (dr.msg_id, dr.stage, dr.reason, dr.error_type, dr.original_subject, dr.delivery_count,
-            dr.task_msg_id, dr.original_msg_id) == (d.msg_id, "verifier", "boom", "rejected", d.original_subject,
-                                                    5, "task-0", "o0")
+    assert (
+        dr.msg_id,
+        dr.stage,
+        dr.reason,
+        dr.error_type,
+        dr.original_subject,
+        dr.delivery_count,
+        dr.task_msg_id,
+        dr.original_msg_id,
+    ) == (d.msg_id, "verifier", "boom", "rejected", d.original_subject, 5, "task-0", "o0")
 
     assert store.record_curriculum_update(run_id, "cu-1", {"arith": 0.7, "code": 0.3}, {"arith": 2}, "gap")
     (cu,) = store.rows(CurriculumUpdateRow, run_id)
@@ -166,13 +224,21 @@ def test_same_msg_id_twice_gives_one_row(store, run_id):
 
 def test_domain_stats_per_window(store, run_id):
     t0 = 1_700_000_000.0  # a multiple of 10
-    rs = [reward(run_id, "arith", 1.0, t0 + 1), reward(run_id, "arith", 0.0, t0 + 2),
-          reward(run_id, "arith", 1.0, t0 + 11), reward(run_id, "code", 0.2, t0 + 3),
-          reward(run_id, "code", 1.0, t0 + 4, purpose="eval"),  # eval rewards are not training stats
-          reward(run_id + "x", "code", 1.0, t0 + 4)]  # another run
+    rs = [
+        reward(run_id, "arith", 1.0, t0 + 1),
+        reward(run_id, "arith", 0.0, t0 + 2),
+        reward(run_id, "arith", 1.0, t0 + 11),
+        reward(run_id, "code", 0.2, t0 + 3),
+        reward(run_id, "code", 1.0, t0 + 4, purpose="eval"),  # eval rewards are not training stats
+        reward(run_id + "x", "code", 1.0, t0 + 4),
+    ]  # another run
     store.record_rewards(rs)
     got = [(s.window_start, s.domain, s.n, s.reward_mean, s.success_rate) for s in domain_stats(store, run_id, 10.0)]
-    assert got == [(t0, "arith", 2, 0.5, 0.5), (t0, "code", 1, pytest.approx(0.2), 0.0), (t0 + 10, "arith", 1, 1.0, 1.0)]
+    assert got == [
+        (t0, "arith", 2, 0.5, 0.5),
+        (t0, "code", 1, pytest.approx(0.2), 0.0),
+        (t0 + 10, "arith", 1, 1.0, 1.0),
+    ]
     domain_stats(store, run_id, 10.0)  # recomputing upserts, never duplicates
     assert store.count(DomainStatRow, run_id) == 3
     store.delete_run(run_id + "x")
@@ -194,8 +260,7 @@ def test_open_store_default_path_and_env(tmp_path, monkeypatch):
 
 
 async def _record_once(js, reg, store) -> dict[str, float]:
-    return await asyncio.wait_for(record(js, reg, store, stop=asyncio.Event(), until_idle=0.6,
-                                         fetch_timeout=0.3), 20)
+    return await asyncio.wait_for(record(js, reg, store, stop=asyncio.Event(), until_idle=0.6, fetch_timeout=0.3), 20)
 
 
 async def test_recorder_copies_streams_once(js, run_id, store):
@@ -228,5 +293,6 @@ async def test_recorder_copies_streams_once(js, run_id, store):
     second = await _record_once(js, reg, store)
     assert second["rewards_seen"] == 30 and second["weights_seen"] == 3
     assert (second["rewards"], second["weights"], second["eval"], second["dlq"]) == (0, 0, 0, 0)
-    assert {m.__name__: store.count(m, run_id) for m in (RewardRow, WeightVersionRow, EvalResultRow, DeadLetterRow)} \
-        == counts
+    assert {
+        m.__name__: store.count(m, run_id) for m in (RewardRow, WeightVersionRow, EvalResultRow, DeadLetterRow)
+    } == counts

@@ -18,10 +18,18 @@ async def test_tail_prints_decoded_messages_without_consuming(js, nats_url, run_
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     out = io.StringIO()
-    watcher = asyncio.create_task(tail(nats_url, f"tasks.{run_id}.>", as_json=True, max_messages=2, out=out, timeout=20))
+    watcher = asyncio.create_task(
+        tail(nats_url, f"tasks.{run_id}.>", as_json=True, max_messages=2, out=out, timeout=20)
+    )
     await asyncio.sleep(0.5)  # subscription in place
-    task = Task(run_id=run_id, task_id="t1", domain="arith", group_size=2,
-                prompt=[ChatMessage(role="user", content="2+3=")], verifier="arith")
+    task = Task(
+        run_id=run_id,
+        task_id="t1",
+        domain="arith",
+        group_size=2,
+        prompt=[ChatMessage(role="user", content="2+3=")],
+        verifier="arith",
+    )
     await publish(js, reg.tasks("arith"), task)
     await js.publish(reg.tasks("arith"), b"\xc1garbage")
     assert await watcher == 2

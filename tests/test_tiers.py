@@ -44,7 +44,11 @@ def _starts_up_itself(fn: ast.AST, launcher_up: set[str]) -> bool:
             consts = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
             if any(a == "rlbus.cli" and b == "up" for a, b in zip(consts, consts[1:])):
                 return True
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ({"run_case"} | launcher_up):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ({"run_case"} | launcher_up)
+        ):
             return True
     return False
 
@@ -52,8 +56,13 @@ def _starts_up_itself(fn: ast.AST, launcher_up: set[str]) -> bool:
 def up_starters(path: Path) -> dict[str, set[str]]:
     """{test name: its marks} for each test of the file that starts `rlbus up` (see the module doc)."""
     tree = ast.parse(path.read_text())
-    launcher_up = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                   and (node.module or "").endswith("launcher") for a in node.names if a.name == "up"}
+    launcher_up = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("launcher")
+        for a in node.names
+        if a.name == "up"
+    }
     module_marks: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
@@ -62,13 +71,16 @@ def up_starters(path: Path) -> dict[str, set[str]]:
     starters = {name for name, fn in funcs.items() if _starts_up_itself(fn, launcher_up)}
     grew = True
     while grew:  # a module function that calls a starter is a starter
-        calls = {name: {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-                 for name, fn in funcs.items()}
+        calls = {
+            name: {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+            for name, fn in funcs.items()
+        }
         new = {name for name, called in calls.items() if called & starters} - starters
         starters |= new
         grew = bool(new)
-    return {name: module_marks | _marks(funcs[name].decorator_list, funcs) for name in starters
-            if name.startswith("test_")}
+    return {
+        name: module_marks | _marks(funcs[name].decorator_list, funcs) for name in starters if name.startswith("test_")
+    }
 
 
 def test_only_the_smoke_run_starts_rlbus_up_in_make_test():
@@ -77,19 +89,23 @@ def test_only_the_smoke_run_starts_rlbus_up_in_make_test():
         for name, marks in up_starters(path).items():
             if not marks & COSTLY and f"{path.name}::{name}" not in REFUSED:
                 unmarked.append(f"{path.name}::{name}")
-    assert not unmarked, ("these tests start `rlbus up` in `make test`; mark them @pytest.mark.e2e (or read the "
-                          f"shared `smoke_run` fixture instead): {unmarked}")
+    assert not unmarked, (
+        "these tests start `rlbus up` in `make test`; mark them @pytest.mark.e2e (or read the "
+        f"shared `smoke_run` fixture instead): {unmarked}"
+    )
     assert "smoke_run" in (TESTS / "conftest.py").read_text()
 
 
 def test_the_guard_sees_an_unmarked_up_a_marked_one_and_a_fault_run(tmp_path):
     src = tmp_path / "test_x.py"
-    src.write_text("import pytest, subprocess, sys\n"
-                   "def _up(cfg):\n    return subprocess.run([sys.executable, '-m', 'rlbus.cli', 'up', cfg])\n"
-                   "def test_a():\n    _up('c')\n"
-                   "@pytest.mark.e2e\ndef test_b():\n    _up('c')\n"
-                   "def test_c():\n    run_case(None, None, 0)\n"
-                   "def test_d():\n    subprocess.run([sys.executable, '-m', 'rlbus.cli', 'report', 'x'])\n")
+    src.write_text(
+        "import pytest, subprocess, sys\n"
+        "def _up(cfg):\n    return subprocess.run([sys.executable, '-m', 'rlbus.cli', 'up', cfg])\n"
+        "def test_a():\n    _up('c')\n"
+        "@pytest.mark.e2e\ndef test_b():\n    _up('c')\n"
+        "def test_c():\n    run_case(None, None, 0)\n"
+        "def test_d():\n    subprocess.run([sys.executable, '-m', 'rlbus.cli', 'report', 'x'])\n"
+    )
     assert up_starters(src) == {"test_a": set(), "test_b": {"e2e"}, "test_c": set()}
 
 

@@ -26,9 +26,7 @@ def test_char_tokenizer_special_ids_and_vocab():
     assert tok.encode(ALL_CHARS, add_special_tokens=True) == list(range(3, 99))
 
 
-@pytest.mark.parametrize(
-    "text", ["12+34=46", "7-9=-2", "a b  c", " lead and trail ", "x*3\ny", ALL_CHARS, ""]
-)
+@pytest.mark.parametrize("text", ["12+34=46", "7-9=-2", "a b  c", " lead and trail ", "x*3\ny", ALL_CHARS, ""])
 def test_char_tokenizer_round_trip(text):
     tok = build_char_tokenizer()
     ids = tok.encode(text)
@@ -121,8 +119,7 @@ def test_short_sft_reduces_loss(tmp_path):
     threads_before = torch.get_num_threads()  # run_sft sets the process-wide count
     try:
         summary = run_sft(
-            base, out, batches_of(demos, 0, 32), seconds=12, max_steps=50, lr=1e-2, threads=1,
-            progress=False,
+            base, out, batches_of(demos, 0, 32), seconds=12, max_steps=50, lr=1e-2, threads=1, progress=False
         )
     finally:
         torch.set_num_threads(threads_before)

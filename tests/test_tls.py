@@ -16,7 +16,9 @@ from bus.conn import connect
 from bus.server import EmbeddedNats, tls_block
 from schemas.config import RunConfig
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates")
+pytestmark = pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates"
+)
 
 
 def _ssl(*args: str, cwd: Path) -> None:
@@ -27,15 +29,56 @@ def _ssl(*args: str, cwd: Path) -> None:
 def certs(tmp_path_factory) -> Path:
     """A test CA, a server cert for 127.0.0.1/localhost and a client cert, all signed by the CA."""
     d = tmp_path_factory.mktemp("certs")
-    _ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-         "-subj", "/CN=rlbus test CA", cwd=d)
+    _ssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rlbus test CA",
+        cwd=d,
+    )
     (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for who in ("server", "client"):
-        _ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr",
-             "-subj", f"/CN=rlbus-{who}", cwd=d)
-        _ssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext", cwd=d)
+        _ssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{who}.key",
+            "-out",
+            f"{who}.csr",
+            "-subj",
+            f"/CN=rlbus-{who}",
+            cwd=d,
+        )
+        _ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{who}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{who}.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -67,17 +110,34 @@ async def test_server_tls_with_ca_from_args_env_and_config(tmp_path, certs, monk
 
 async def test_mutual_tls_with_auth_refuses_a_client_without_certificate(tmp_path, certs):
     passwords = random_passwords()
-    conf = tls_block(str(certs / "server.pem"), str(certs / "server.key"), ca_file=str(certs / "ca.pem"),
-                     verify_clients=True) + server_auth_config(["tlsrun"], passwords)
+    conf = tls_block(
+        str(certs / "server.pem"), str(certs / "server.key"), ca_file=str(certs / "ca.pem"), verify_clients=True
+    ) + server_auth_config(["tlsrun"], passwords)
     with EmbeddedNats(tmp_path, config=conf, tls=True) as server:
-        nc = await connect(server.url, name="mtls", user="admin", password=passwords["admin"],
-                           tls_ca=str(certs / "ca.pem"), tls_cert=str(certs / "client.pem"),
-                           tls_key=str(certs / "client.key"))
+        nc = await connect(
+            server.url,
+            name="mtls",
+            user="admin",
+            password=passwords["admin"],
+            tls_ca=str(certs / "ca.pem"),
+            tls_cert=str(certs / "client.pem"),
+            tls_key=str(certs / "client.key"),
+        )
         assert await roundtrip(nc) == b"over tls"
         await nc.close()
-        for kwargs in ({"password": passwords["admin"], "tls": tls_context(str(certs / "ca.pem"))},  # no client cert
-                       {"password": "wrong", "tls": tls_context(str(certs / "ca.pem"), str(certs / "client.pem"),
-                                                                str(certs / "client.key"))}):
+        for kwargs in (
+            {"password": passwords["admin"], "tls": tls_context(str(certs / "ca.pem"))},  # no client cert
+            {
+                "password": "wrong",
+                "tls": tls_context(str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key")),
+            },
+        ):
             with pytest.raises(Exception):
-                await nats.connect(server.url, user="admin", connect_timeout=2, max_reconnect_attempts=0,
-                                   allow_reconnect=False, **kwargs)
+                await nats.connect(
+                    server.url,
+                    user="admin",
+                    connect_timeout=2,
+                    max_reconnect_attempts=0,
+                    allow_reconnect=False,
+                    **kwargs,
+                )

@@ -69,7 +69,7 @@ class RecordingEngine(HFEngine):
         seq = torch.as_tensor(np.concatenate([prompt, ids]), dtype=torch.long)[None]
         with torch.no_grad():
             logp = torch.log_softmax(self.model(seq).logits[0, :-1].float(), dim=-1)
-        return logp[len(prompt) - 1:].gather(-1, seq[0, len(prompt):, None]).squeeze(-1).numpy().astype(np.float32)
+        return logp[len(prompt) - 1 :].gather(-1, seq[0, len(prompt) :, None]).squeeze(-1).numpy().astype(np.float32)
 
     def generate(self, prompts, n, max_new_tokens, temperature):
         groups = super().generate(prompts, n, max_new_tokens, temperature)
@@ -79,8 +79,11 @@ class RecordingEngine(HFEngine):
                 row = []
                 for s in g:
                     ids = np.concatenate([np.asarray(self.first, dtype=np.int32), s.token_ids]).astype(np.int32)
-                    row.append(Sample(s.prompt_ids, ids, self.teacher_forced(s.prompt_ids, ids), self.decode(ids),
-                                      s.finish_reason))
+                    row.append(
+                        Sample(
+                            s.prompt_ids, ids, self.teacher_forced(s.prompt_ids, ids), self.decode(ids), s.finish_reason
+                        )
+                    )
                 forced.append(row)
             groups = forced
         self.given.append([p if isinstance(p, str) else [int(x) for x in p] for p in prompts])
@@ -105,8 +108,19 @@ def max_diff(logp: torch.Tensor, batch: dict) -> float:
 def test_single_turn_rollout_logprobs_match_the_learner(model_dir):
     engine = HFEngine(str(model_dir))
     torch.manual_seed(0)
-    tasks = [Task(run_id="fid", task_id=f"t{i}", domain="arith", group_size=4, max_tokens=12, temperature=1.0,
-                  prompt=user_prompt(q), verifier="arith") for i, q in enumerate(["12+34=", "What is 417*382? é∑"])]
+    tasks = [
+        Task(
+            run_id="fid",
+            task_id=f"t{i}",
+            domain="arith",
+            group_size=4,
+            max_tokens=12,
+            temperature=1.0,
+            prompt=user_prompt(q),
+            verifier="arith",
+        )
+        for i, q in enumerate(["12+34=", "What is 417*382? é∑"])
+    ]
     groups = engine.generate([prompt_ids(engine.tokenizer, t.prompt) for t in tasks], 4, 12, 1.0)  # left-padded
     trajs = []
     for task, samples in zip(tasks, groups, strict=True):
@@ -127,9 +141,19 @@ def test_agent_episode_is_token_in_token_out(model_dir):
     first = char_ids(probe, CALL)
     engine = RecordingEngine(model_dir, first=first)
     tok = engine.tokenizer
-    task = Task(run_id="fid", task_id="t", domain="tool_calc", group_size=2, max_turns=2, max_tokens=16,
-                temperature=1.0, prompt=[ChatMessage(role="user", content="417*382=?")], tools=["python"],
-                verifier="tool_calc", verifier_params={"expression": "417*382"})
+    task = Task(
+        run_id="fid",
+        task_id="t",
+        domain="tool_calc",
+        group_size=2,
+        max_turns=2,
+        max_tokens=16,
+        temperature=1.0,
+        prompt=[ChatMessage(role="user", content="417*382=?")],
+        tools=["python"],
+        verifier="tool_calc",
+        verifier_params={"expression": "417*382"},
+    )
     sandboxes = []
 
     async def open_one():

@@ -122,8 +122,15 @@ def test_a_tool_turn_is_what_the_template_renders_for_a_tool_message(tok):
     prompt, call = user_prompt("417*382=?"), "<py>417*382</py>"
     text, ids = tool_turn(tok, tool_turn_text(obs))
     assert ids == encode_text(tok, text)  # encoded alone
-    full = tok.apply_chat_template([{"role": "user", "content": "417*382=?"}, {"role": "assistant", "content": call},
-                                    {"role": "tool", "content": obs}], tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "417*382=?"},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": obs},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert prompt_text(tok, prompt) + call + text == full
     assert text == f"{IM_END}\n{IM_START}tool\n<tool_response>\n{obs}\n</tool_response>{IM_END}\n{IM_START}assistant\n"
     char = build_char_tokenizer()
@@ -136,8 +143,13 @@ def test_sft_demos_are_tokenized_as_rollout_tokenizes_episodes(tok):
     demo = tool_calc.demonstration(random.Random(0), 1)
     (prompt, _), (call, _), (obs_turn, _), (answer, _) = demo
     batch = make_batch(tok, [demo, (prompt, "=7")])
-    want = (prompt_ids(tok, user_prompt(prompt)) + encode_text(tok, call) + tool_turn(tok, obs_turn)[1]
-            + encode_text(tok, answer) + [tok.eos_token_id])
+    want = (
+        prompt_ids(tok, user_prompt(prompt))
+        + encode_text(tok, call)
+        + tool_turn(tok, obs_turn)[1]
+        + encode_text(tok, answer)
+        + [tok.eos_token_id]
+    )
     row = batch["input_ids"][0, : len(want)].tolist()
     assert row == want and int(batch["attention_mask"][0].sum()) == len(want)
     labels = batch["labels"][0, : len(want)].tolist()
@@ -167,8 +179,25 @@ def test_config_default_is_bpe_and_the_examples_state_char():
 def test_init_model_cli_defaults_to_bpe(tmp_path):
     for args, want in (([], "bpe"), (["--tokenizer", "char"], "char")):
         out = tmp_path / want
-        subprocess.run([sys.executable, "-m", "rlbus.cli", "init-model", str(out), "--hidden-size", "32",
-                        "--num-layers", "1", "--num-heads", "2", *args], check=True, cwd=ROOT, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlbus.cli",
+                "init-model",
+                str(out),
+                "--hidden-size",
+                "32",
+                "--num-layers",
+                "1",
+                "--num-heads",
+                "2",
+                *args,
+            ],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
         meta = json.loads((out / "rlbus_model.json").read_text())
         assert meta["tokenizer"] == want
         t = AutoTokenizer.from_pretrained(out)
@@ -181,9 +210,13 @@ def test_a_tokenizer_missing_domain_characters_is_refused_at_start(tmp_path):
 
     data = tmp_path / "greek.jsonl"
     data.write_text(json.dumps({"id": "g0", "problem": "What is π·2? Answer in ∑ form.", "answer": "2π"}) + "\n")
-    cfg = RunConfig.model_validate({"model": {"tokenizer": "char"}, "sft": {"enabled": False},
-                                    "sampler": {"domains": {"greek": {"kind": "math", "data": str(data)},
-                                                            "arith": {}}}})
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"tokenizer": "char"},
+            "sft": {"enabled": False},
+            "sampler": {"domains": {"greek": {"kind": "math", "data": str(data)}, "arith": {}}},
+        }
+    )
     problems = tokenizer_problems(cfg, build_char_tokenizer())
     assert len(problems) == 1 and "'greek'" in problems[0]
     assert all(repr(c) in problems[0] for c in "π·∑")
@@ -220,23 +253,45 @@ every_versions = 100
 
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-VLLM_SETTINGS = ["rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.enforce_eager=true",
-                 "rollout.vllm.max_model_len=512", "rollout.vllm.kv_cache_memory_mb=512"]
+VLLM_SETTINGS = [
+    "rollout.engine=vllm",
+    "rollout.vllm.dtype=float32",
+    "rollout.vllm.enforce_eager=true",
+    "rollout.vllm.max_model_len=512",
+    "rollout.vllm.kv_cache_memory_mb=512",
+]
 """The vLLM run's only extra settings: the engine, and CPU-sized options (exact fp32, eager, a small KV cache)."""
 
 
 @pytest.fixture(scope="module")
 def real_100m(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("real") / "qwen2-100m", tokenizer="bpe", hidden_size=768,
-                            num_layers=10, num_heads=12, intermediate_size=3072, max_position_embeddings=1024)
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("real") / "qwen2-100m",
+        tokenizer="bpe",
+        hidden_size=768,
+        num_layers=10,
+        num_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=1024,
+    )
     assert 90e6 <= json.loads((path / "rlbus_model.json").read_text())["params"] <= 110e6
     return path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [
-    "hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM: "
-                                                                              "make vllm-env; make test-vllm")])])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.vllm,
+                pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM: make vllm-env; make test-vllm"),
+            ],
+        ),
+    ],
+)
 def test_a_real_100m_bpe_checkpoint_runs_unchanged(real_100m, tmp_path, engine):
     """A ~100M-parameter Qwen2-shaped checkpoint with the BPE tokenizer: `model.path` alone is enough on the HF
     engine; on vLLM (`make test-vllm`) the engine and its CPU sizing are the only other settings. A few RL
@@ -244,8 +299,24 @@ def test_a_real_100m_bpe_checkpoint_runs_unchanged(real_100m, tmp_path, engine):
     cfg = tmp_path / "real.toml"
     cfg.write_text(REAL_CONFIG.format(path=real_100m))
     sets = [a for kv in VLLM_SETTINGS for a in ("--set", kv)] if engine == "vllm" else []
-    p = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg), "--run-dir", str(tmp_path / "runs"),
-                        "--run-id", "real100m", *sets], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            "real100m",
+            *sets,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     summary = json.loads((tmp_path / "runs" / "real100m" / "summary.json").read_text())
     assert summary["lost"] == 0 and summary["steps"] >= 3, summary

@@ -58,28 +58,36 @@ PY = {"name": "python", "arguments": {"code": "6*7"}}
 
 # -- the parser -----------------------------------------------------------------------
 
+
 def test_valid_json_call():
     text = "let me compute " + call(PY) + " and more"
     c = parse_call(text, "json", ["python"])
     assert (c.tool, c.code, c.error) == ("python", "6*7", "")
-    assert text[:c.end].endswith("</tool_call>") and text[c.end:] == " and more"
+    assert text[: c.end].endswith("</tool_call>") and text[c.end :] == " and more"
     # whitespace around the JSON (as the template's example writes it) is fine
     assert parse_call("<tool_call>\n" + json.dumps(PY) + "\n</tool_call>", "json", ["python"]).code == "6*7"
 
 
-@pytest.mark.parametrize("payload, kind, says", [
-    ('{"name": "python", "arguments": {"code": "6*7"}', "malformed_json", "not valid JSON"),
-    ("[1, 2]", "malformed_json", "expected a JSON object"),
-    ('{"arguments": {"code": "1"}}', "malformed_json", "expected a JSON object"),
-    ({"name": "calculator", "arguments": {"code": "1"}}, "unknown_tool", "no tool named 'calculator'"),
-    ({"name": "run_tests", "arguments": {"code": "1"}}, "unknown_tool", "available: ['python']"),  # not offered
-    ({"name": "python", "arguments": {"code": 42}}, "bad_arguments", "arguments['code']: 42 is not of type 'string'"),
-    ({"name": "python", "arguments": {"program": "1"}}, "bad_arguments", "'code' is a required property"),
-    ({"name": "python", "arguments": {"code": "1", "x": 1}}, "bad_arguments", "Additional properties"),
-    ({"name": "python", "arguments": {"code": ""}}, "bad_arguments", "should be non-empty"),
-    ({"name": "python"}, "bad_arguments", 'missing "arguments"'),
-    ({"name": "python", "arguments": "6*7"}, "bad_arguments", "is not of type 'object'"),
-])
+@pytest.mark.parametrize(
+    "payload, kind, says",
+    [
+        ('{"name": "python", "arguments": {"code": "6*7"}', "malformed_json", "not valid JSON"),
+        ("[1, 2]", "malformed_json", "expected a JSON object"),
+        ('{"arguments": {"code": "1"}}', "malformed_json", "expected a JSON object"),
+        ({"name": "calculator", "arguments": {"code": "1"}}, "unknown_tool", "no tool named 'calculator'"),
+        ({"name": "run_tests", "arguments": {"code": "1"}}, "unknown_tool", "available: ['python']"),  # not offered
+        (
+            {"name": "python", "arguments": {"code": 42}},
+            "bad_arguments",
+            "arguments['code']: 42 is not of type 'string'",
+        ),
+        ({"name": "python", "arguments": {"program": "1"}}, "bad_arguments", "'code' is a required property"),
+        ({"name": "python", "arguments": {"code": "1", "x": 1}}, "bad_arguments", "Additional properties"),
+        ({"name": "python", "arguments": {"code": ""}}, "bad_arguments", "should be non-empty"),
+        ({"name": "python"}, "bad_arguments", 'missing "arguments"'),
+        ({"name": "python", "arguments": "6*7"}, "bad_arguments", "is not of type 'object'"),
+    ],
+)
 def test_bad_json_calls_are_structured_errors(payload, kind, says):
     c = parse_call(call(payload), "json", ["python"])
     assert c is not None and c.error == kind and c.code == "" and says in c.detail, c
@@ -100,7 +108,7 @@ def test_no_call_incomplete_call_and_first_of_two():
     assert parse_call("<py>6*7</py>", "json", ["python"]) is None  # the other format is no call
     two = call(PY) + call({"name": "python", "arguments": {"code": "1+1"}})
     first = parse_call(two, "json", ["python"])
-    assert first.code == "6*7" and two[first.end:].startswith("<tool_call>")
+    assert first.code == "6*7" and two[first.end :].startswith("<tool_call>")
     bad_then_good = call("{oops") + call(PY)
     assert parse_call(bad_then_good, "json", ["python"]).error == "malformed_json"  # the first, even if bad
 
@@ -130,6 +138,7 @@ def test_tool_specs_declare_tools_through_the_chat_template():
 
 
 # -- demos ---------------------------------------------------------------------------
+
 
 def test_tool_calc_demos_in_both_formats():
     tags = tool_calc.demonstration(random.Random(0), 1)
@@ -169,13 +178,14 @@ def test_sft_renders_json_demos_as_rollout_does():
     head = prompt_ids(tok, user_prompt(demo[0][0]), demo.tools)  # the prompt with the tools declared
     call_ids = encode_text(tok, demo[1][0])
     obs_ids = tool_turn(tok, demo[2][0])[1]
-    assert ids[:len(head)] == head and ids[len(head):len(head) + len(call_ids)] == call_ids
-    assert ids[len(head) + len(call_ids):len(head) + len(call_ids) + len(obs_ids)] == obs_ids
+    assert ids[: len(head)] == head and ids[len(head) : len(head) + len(call_ids)] == call_ids
+    assert ids[len(head) + len(call_ids) : len(head) + len(call_ids) + len(obs_ids)] == obs_ids
     labels = batch["labels"][0].tolist()
-    assert all(x == -100 for x in labels[:len(head)]) and labels[len(head)] == call_ids[0]
+    assert all(x == -100 for x in labels[: len(head)]) and labels[len(head)] == call_ids[0]
 
 
 # -- episodes ------------------------------------------------------------------------
+
 
 class BPEScriptedEngine:
     """Plays `script[turn]` (text, or a function of the decoded context) through the BPE
@@ -203,9 +213,19 @@ class BPEScriptedEngine:
 
 
 def json_task(run_id: str, a: int = 417, b: int = 382, max_turns: int = 6) -> Task:
-    return Task(run_id=run_id, task_id=f"j{a}", domain="calc_json", group_size=1, max_turns=max_turns, max_tokens=96,
-                prompt=[ChatMessage(role="user", content=f"{a}*{b}=?")], tools=["python"], tool_format="json",
-                verifier="tool_calc", verifier_params={"expression": f"{a}*{b}"})
+    return Task(
+        run_id=run_id,
+        task_id=f"j{a}",
+        domain="calc_json",
+        group_size=1,
+        max_turns=max_turns,
+        max_tokens=96,
+        prompt=[ChatMessage(role="user", content=f"{a}*{b}=?")],
+        tools=["python"],
+        tool_format="json",
+        verifier="tool_calc",
+        verifier_params={"expression": f"{a}*{b}"},
+    )
 
 
 async def sandboxes(js, reg):
@@ -241,11 +261,13 @@ class D:
 async def test_bad_calls_come_back_as_error_observations_and_are_counted(js, run_id, drop_run):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
-    script = [call('{"name": "python", "arguments": {"code": "417*382"'),  # malformed JSON
-              call({"name": "calc", "arguments": {"expr": "417*382"}}),  # unknown tool
-              call({"name": "python", "arguments": {"code": 417}}),  # fails the schema
-              "sure: " + call({"name": "python", "arguments": {"code": "417*382"}}) + " trailing junk",
-              copy_answer]
+    script = [
+        call('{"name": "python", "arguments": {"code": "417*382"'),  # malformed JSON
+        call({"name": "calc", "arguments": {"expr": "417*382"}}),  # unknown tool
+        call({"name": "python", "arguments": {"code": 417}}),  # fails the schema
+        "sure: " + call({"name": "python", "arguments": {"code": "417*382"}}) + " trailing junk",
+        copy_answer,
+    ]
     engine = BPEScriptedEngine(script)
     open_one, opened = await sandboxes(js, reg)
     ep = (await run_episodes(engine, [json_task(run_id)], version=lambda: 1, open_sandbox=open_one))[0]
@@ -269,8 +291,11 @@ async def test_bad_calls_come_back_as_error_observations_and_are_counted(js, run
     # counted per domain: on the rollout worker, and in summary.json's domains.<d>
     counters: dict[str, float] = {}
     count_tool_errors(counters, [ep])
-    assert counters == {"tool_errors.calc_json.malformed_json": 1, "tool_errors.calc_json.unknown_tool": 1,
-                        "tool_errors.calc_json.bad_arguments": 1}
+    assert counters == {
+        "tool_errors.calc_json.malformed_json": 1,
+        "tool_errors.calc_json.unknown_tool": 1,
+        "tool_errors.calc_json.bad_arguments": 1,
+    }
     traj = decode(encode(ep.trajectory()))
     assert traj.tool_format == "json" and [c.error for c in traj.tool_calls] == [c.error for c in ep.tool_calls]
     await store_checks(js, reg, [traj])
@@ -297,8 +322,13 @@ async def test_forged_observations_are_caught_in_json_format(js, run_id, drop_ru
     turns[2] = turns[2].model_copy(update={"text": turns[2].text.replace("159294", "159295")})
     edited = good.model_copy(update={"turns": turns})
     # an observation moved onto a refused call's turn (no execution behind that turn)
-    refused = good.model_copy(update={"tool_calls": [good.tool_calls[0].model_copy(
-        update={"exec_id": "", "error": "bad_arguments", "exit_code": -1})]})
+    refused = good.model_copy(
+        update={
+            "tool_calls": [
+                good.tool_calls[0].model_copy(update={"exec_id": "", "error": "bad_arguments", "exit_code": -1})
+            ]
+        }
+    )
     s = scorer(js, reg)
     await store_checks(js, reg, [good])
     r_good, r_bad, r_edit, r_refused = [await s.one(D(x)) for x in (good, bad, edited, refused)]
@@ -317,8 +347,9 @@ async def test_sft_tiny_bpe_model_makes_json_calls_end_to_end(js, run_id, drop_r
     from rlbus.model.tiny_model import build_tiny_model
     from rollout_workers.engines.hf_engine import HFEngine
 
-    base = build_tiny_model(tmp_path / "m", tokenizer="bpe", seed=3, hidden_size=64, num_layers=2, num_heads=4,
-                            max_position_embeddings=512)
+    base = build_tiny_model(
+        tmp_path / "m", tokenizer="bpe", seed=3, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=512
+    )
 
     def batches():
         rng = random.Random(0)
@@ -332,8 +363,10 @@ async def test_sft_tiny_bpe_model_makes_json_calls_end_to_end(js, run_id, drop_r
     await ensure_topology(js, reg)
     open_one, opened = await sandboxes(js, reg)
     engine = HFEngine(str(out))
-    tasks = [json_task(run_id, a, b, max_turns=2).model_copy(update={"temperature": 0.0, "max_tokens": 48})
-             for a, b in ((417, 382), (123, 456), (905, 311))]
+    tasks = [
+        json_task(run_id, a, b, max_turns=2).model_copy(update={"temperature": 0.0, "max_tokens": 48})
+        for a, b in ((417, 382), (123, 456), (905, 311))
+    ]
     eps = await run_episodes(engine, tasks, version=lambda: 0, open_sandbox=open_one)
     assert all(sb.closed for sb in opened)
     ran = [(ep, c) for ep in eps for c in ep.tool_calls if not c.error]
@@ -342,8 +375,15 @@ async def test_sft_tiny_bpe_model_makes_json_calls_end_to_end(js, run_id, drop_r
     assert c.exec_id and c.exit_code == 0 and ep.turns[c.turn].text.endswith("</tool_call>")
     tool = ep.turns[c.turn + 1]
     assert tool.role == "tool" and "<|im_start|>tool\n<tool_response>\n<obs exit=0>\n" in tool.text
-    assert tool.token_ids == np.asarray(tool_turn(engine.tokenizer, tool_turn_text(
-        tool.text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]))[1], dtype="<i4").tobytes()
+    assert (
+        tool.token_ids
+        == np.asarray(
+            tool_turn(
+                engine.tokenizer, tool_turn_text(tool.text.split("<tool_response>\n")[1].split("\n</tool_response>")[0])
+            )[1],
+            dtype="<i4",
+        ).tobytes()
+    )
     await store_checks(js, reg, tasks)
     reward = await scorer(js, reg).one(D(decode(encode(ep.trajectory()))))
     assert isinstance(reward, Reward) and reward.status == "ok"  # the observation is the recorded one
@@ -356,8 +396,10 @@ def test_eval_tasks_and_start_check_follow_the_domain_tool_format():
     from scheduler.pipeline_eval import eval_tasks
     from schemas.config import load_config
 
-    cfg = load_config(None, ["sampler.domains.tool_calc.max_turns=2", "sampler.domains.tool_calc.tool_format=json",
-                             "scheduler.eval.n=3"])
+    cfg = load_config(
+        None,
+        ["sampler.domains.tool_calc.max_turns=2", "sampler.domains.tool_calc.tool_format=json", "scheduler.eval.n=3"],
+    )
     suite = EvalSuite.from_config(cfg)
     assert {t.tool_format for t in suite.sets["tool_calc"].tasks()} == {"json"}
     assert {t.tool_format for t in eval_tasks(suite, "r", 0)} == {"json"}

@@ -12,14 +12,32 @@ from tests.conftest import ROOT, logs
 
 pytestmark = pytest.mark.usefixtures("drop_run")
 
+
 def cells(line: str) -> list[str]:
     """The cells of one rendered table row."""
     return [c.strip() for c in line.split("│")[1:-1]]
 
 
 def top_once(nats_url: str, run_id: str) -> str:
-    res = subprocess.run([sys.executable, "-m", "rlbus.cli", "top", "--once", "--nats-url", nats_url, "--run-id", run_id,
-                          "--listen", "2.5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "top",
+            "--once",
+            "--nats-url",
+            nats_url,
+            "--run-id",
+            run_id,
+            "--listen",
+            "2.5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -52,6 +70,7 @@ def test_top_once_renders_every_panel_from_a_live_run(tmp_path, nats_url, run_id
 
 
 def test_top_help_explains_usage():
-    res = subprocess.run([sys.executable, "-m", "rlbus.cli", "top", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "top", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0 and "--once" in res.stdout and "monitor" in res.stdout

@@ -37,8 +37,19 @@ from tests.messages import make_task, make_trajectory
 pytest.importorskip("tensorboard", reason="the tracking extra: pip install -e '.[tracking]'")
 pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
 
-STEP1 = {"loss": 0.5, "pg_loss": 0.45, "kl": 0.01, "clip_frac": 0.125, "ratio_mean": 1.0, "ratio_max": 1.5,
-         "grad_norm": 2.0, "tokens": 40.0, "staleness_mean": 0.5, "staleness_max": 1.0, "reward_mean": 0.75}
+STEP1 = {
+    "loss": 0.5,
+    "pg_loss": 0.45,
+    "kl": 0.01,
+    "clip_frac": 0.125,
+    "ratio_mean": 1.0,
+    "ratio_max": 1.5,
+    "grad_norm": 2.0,
+    "tokens": 40.0,
+    "staleness_mean": 0.5,
+    "staleness_max": 1.0,
+    "reward_mean": 0.75,
+}
 
 
 # -- reading back what the backends wrote ----------------------------------------------
@@ -72,8 +83,8 @@ def wandb_records(run_file: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0 and length == 0:
             break
         part = chunk if kind in (1, 2) else part + chunk
@@ -112,8 +123,19 @@ def reward(reg: Registry, domain: str, value: float, purpose: str = "train") -> 
 
 
 async def version(js, reg: Registry, v: int, step: int, metrics: dict | None = None) -> None:
-    await publish(js, reg.weights, WeightVersion(run_id=reg.run_id, version=v, step=step, uri=f"nats://w/{v}",
-                                                 sha256="0" * 64, bytes=1, metrics=metrics or {}))
+    await publish(
+        js,
+        reg.weights,
+        WeightVersion(
+            run_id=reg.run_id,
+            version=v,
+            step=step,
+            uri=f"nats://w/{v}",
+            sha256="0" * 64,
+            bytes=1,
+            metrics=metrics or {},
+        ),
+    )
 
 
 async def rewards(js, reg: Registry, *items: tuple[str, float]) -> None:
@@ -123,8 +145,10 @@ async def rewards(js, reg: Registry, *items: tuple[str, float]) -> None:
 
 def tracking_config(tmp_path: Path, run_id: str, backends=("tensorboard", "wandb")):
     path = tmp_path / "tracking.toml"
-    path.write_text(f'[run]\nrun_id = "{run_id}"\n[tracking]\nbackends = {json.dumps(list(backends))}\n'
-                    'project = "rlbus-test"\ntags = ["ci"]\nsamples_every_n_steps = 1\nsamples_per_table = 2\n')
+    path.write_text(
+        f'[run]\nrun_id = "{run_id}"\n[tracking]\nbackends = {json.dumps(list(backends))}\n'
+        'project = "rlbus-test"\ntags = ["ci"]\nsamples_every_n_steps = 1\nsamples_per_table = 2\n'
+    )
     return path, load_config(path)
 
 
@@ -151,12 +175,19 @@ async def test_tensorboard_and_wandb_get_every_metric(js, nats_url, run_id, tmp_
     await version(js, reg, 0, 0)
     await rewards(js, reg, ("arith", 1.0), ("arith", 0.0), ("tool_calc", 1.0))
     await publish(js, reg.rewards("arith"), reward(reg, "arith", 0.0, purpose="eval"))  # not a train reward
-    await put_json(js, reg, CURRICULUM, {"version": 1, "weights": {"arith": 0.7, "tool_calc": 0.3},
-                                         "levels": {"arith": 2, "tool_calc": 1}})
+    await put_json(
+        js,
+        reg,
+        CURRICULUM,
+        {"version": 1, "weights": {"arith": 0.7, "tool_calc": 0.3}, "levels": {"arith": 2, "tool_calc": 1}},
+    )
     await version(js, reg, 1, 1, STEP1)
     await rewards(js, reg, ("arith", 1.0), ("arith", 1.0))
-    await publish(js, reg.eval("arith"), EvalResult(run_id=run_id, version=1, step=1, domain="arith", score=0.7, n=10,
-                                                         eval_set_sha256="e" * 64))
+    await publish(
+        js,
+        reg.eval("arith"),
+        EvalResult(run_id=run_id, version=1, step=1, domain="arith", score=0.7, n=10, eval_set_sha256="e" * 64),
+    )
     await version(js, reg, 2, 2, {**STEP1, "loss": 0.25})
 
     counters = await run_tracker(cfg, nats_url, run_path, until_idle=1.0)
@@ -190,8 +221,9 @@ async def test_tensorboard_and_wandb_get_every_metric(js, nats_url, run_id, tmp_
     assert [step for step, _ in wandb_points(run_path, "samples/nrows")] == [0, 1]
 
 
-async def test_a_restarted_tracker_neither_loses_nor_repeats_a_point(js, nats_url, run_id, tmp_path, drop_run,
-                                                                      spawn_worker):
+async def test_a_restarted_tracker_neither_loses_nor_repeats_a_point(
+    js, nats_url, run_id, tmp_path, drop_run, spawn_worker
+):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     config_path, cfg = tracking_config(tmp_path, run_id)
@@ -210,8 +242,11 @@ async def test_a_restarted_tracker_neither_loses_nor_repeats_a_point(js, nats_ur
     await rewards(js, reg, ("arith", 0.0))  # late for step 1 (written at the clean stop): counts at step 2
     await version(js, reg, 2, 2, {**STEP1, "loss": 0.25})
     await rewards(js, reg, ("arith", 1.0), ("arith", 1.0))
-    await publish(js, reg.eval("arith"), EvalResult(run_id=run_id, version=2, step=2, domain="arith", score=0.5, n=4,
-                                                         eval_set_sha256="e" * 64))
+    await publish(
+        js,
+        reg.eval("arith"),
+        EvalResult(run_id=run_id, version=2, step=2, domain="arith", score=0.5, n=4, eval_set_sha256="e" * 64),
+    )
     await version(js, reg, 3, 3, {**STEP1, "loss": 0.125})
     proc = spawn_worker("tracker", run_id, config_path, "--until-idle", "1.5")  # the real `rlbus worker tracker`
     rc = await asyncio.to_thread(proc.wait, 120)
@@ -229,8 +264,9 @@ async def test_a_restarted_tracker_neither_loses_nor_repeats_a_point(js, nats_ur
     assert tb["train/arith/reward_mean"] == [(0, 0.5), (1, 1.0), (2, pytest.approx(2 / 3))]
 
     runs = wandb_runs(run_path)
-    assert len(runs) == 2 and all(d.name.endswith(f"-{run_id}") or d.name.endswith(f"-{run_id}-1")
-                                  for d, _, _ in runs), runs  # the same wandb run id: one run when synced
+    assert len(runs) == 2 and all(
+        d.name.endswith(f"-{run_id}") or d.name.endswith(f"-{run_id}-1") for d, _, _ in runs
+    ), runs  # the same wandb run id: one run when synced
     for tag in ("learner/loss", "train/arith/reward_mean", "train/samples", "eval/arith"):
         steps = [s for s, _ in wandb_points(run_path, tag)]
         assert steps == sorted(set(steps)), f"wandb {tag} repeats a step: {steps}"
@@ -256,14 +292,46 @@ def test_a_missing_tracking_package_names_the_extra(tmp_path, run_id):
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
     config_path, _ = tracking_config(tmp_path, run_id, backends=("tensorboard",))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{ROOT}")
-    worker = subprocess.run([sys.executable, "-m", "rlbus.cli", "worker", "tracker", "--config", str(config_path),
-                             "--nats-url", "nats://127.0.0.1:1", "--run-dir", str(tmp_path / "runs")],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    worker = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "worker",
+            "tracker",
+            "--config",
+            str(config_path),
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--run-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert worker.returncode != 0
     assert "tensorboard" in worker.stderr and "pip install -e '.[tracking]'" in worker.stderr, worker.stderr
-    up = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(config_path), "--run-dir", str(tmp_path / "runs"),
-                         "--set", 'tracking.backends=["wandb"]'], capture_output=True, text=True, env=env, cwd=ROOT,
-                        timeout=120)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            str(config_path),
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--set",
+            'tracking.backends=["wandb"]',
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert up.returncode == 1 and "pip install -e '.[tracking]'" in up.stdout, up.stdout + up.stderr
     assert not (tmp_path / "runs" / run_id).exists()  # stopped before anything started
 
@@ -317,7 +385,9 @@ async def test_the_tracker_user_reads_and_publishes_nothing(tmp_path):
         await version(ajs, reg, 1, 1, STEP1)
         nc = await connect(server.url, user="tracker", password=passwords["tracker"])
         _, cfg = tracking_config(tmp_path, run_id, backends=("tensorboard",))
-        t = tracker.Tracker(nc.jetstream(timeout=5), reg, cfg, tmp_path / "run", open_backends(cfg, tmp_path / "run"), {})
+        t = tracker.Tracker(
+            nc.jetstream(timeout=5), reg, cfg, tmp_path / "run", open_backends(cfg, tmp_path / "run"), {}
+        )
         await t.bind()
         await tracker.track(t, asyncio.Event(), until_idle=0.5)
         t.close()

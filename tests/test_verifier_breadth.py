@@ -24,12 +24,26 @@ from verifier_workers.worker import compose_reward, process_components, score, t
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def traj(verifier: str, final_text: str = "", *, turns=None, artifacts=None, hidden_ref=None, reward_weights=None,
-         **params) -> Trajectory:
-    return Trajectory(run_id="r1", task_id="t1", task_msg_id="m1", domain=verifier, group_id="g1", group_size=1,
-                      sample_index=0, turns=turns or [], verifier=verifier, verifier_params=params, policy_version=0,
-                      final_text=final_text, artifacts=artifacts or {}, hidden_ref=hidden_ref,
-                      reward_weights={} if reward_weights is None else reward_weights)
+def traj(
+    verifier: str, final_text: str = "", *, turns=None, artifacts=None, hidden_ref=None, reward_weights=None, **params
+) -> Trajectory:
+    return Trajectory(
+        run_id="r1",
+        task_id="t1",
+        task_msg_id="m1",
+        domain=verifier,
+        group_id="g1",
+        group_size=1,
+        sample_index=0,
+        turns=turns or [],
+        verifier=verifier,
+        verifier_params=params,
+        policy_version=0,
+        final_text=final_text,
+        artifacts=artifacts or {},
+        hidden_ref=hidden_ref,
+        reward_weights={} if reward_weights is None else reward_weights,
+    )
 
 
 def files(final_text: str = "", hidden=None, **kw):
@@ -43,10 +57,18 @@ def fenced(body: str, info: str = "") -> str:
 
 # ---------------------------------------------------------------- files: json
 
-PERSON = {"schema": {"type": "object", "required": ["name", "age", "tags"],
-                     "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
-                                    "tags": {"type": "array", "minItems": 1, "items": {"type": "string"}}}},
-          "expected": {"name": "Ada", "age": 36}}
+PERSON = {
+    "schema": {
+        "type": "object",
+        "required": ["name", "age", "tags"],
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0},
+            "tags": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        },
+    },
+    "expected": {"name": "Ada", "age": 36},
+}
 JSON_TASK = dict(path="out.json", format="json")
 
 
@@ -70,8 +92,11 @@ def test_files_json_malformed_or_empty(content):
 def test_files_missing_artifact_and_multi_turn_without_export():
     v = files(hidden=PERSON, artifacts={"other.json": b"{}"}, **JSON_TASK)
     assert v.components["exists"] == 0.0 and v.reward == 0.0
-    turns = [Turn(role="assistant", text="a"), Turn(role="tool", text="<obs exit=0>\n</obs>"),
-             Turn(role="assistant", text="b")]
+    turns = [
+        Turn(role="assistant", text="a"),
+        Turn(role="tool", text="<obs exit=0>\n</obs>"),
+        Turn(role="assistant", text="b"),
+    ]
     v = files(fenced('{"name": "Ada", "age": 36, "tags": ["x"]}'), PERSON, turns=turns, **JSON_TASK)
     assert v.components["exists"] == 0.0, "multi-turn episodes must export the file"
 
@@ -83,11 +108,16 @@ def test_files_single_turn_fenced_fallback():
     assert files(fenced("draft") + fenced(body), PERSON, **JSON_TASK).reward == 1.0  # last block wins
 
 
-@pytest.mark.parametrize("params,hidden", [
-    ({"format": "json"}, PERSON), ({"path": "x.json", "format": "yaml"}, PERSON),
-    ({"path": "x.json", "format": "json"}, {}), ({"path": "x.json", "format": "json"}, None),
-    ({"path": "x.json", "format": "json"}, {"schema": {"type": "tuple"}}),
-])
+@pytest.mark.parametrize(
+    "params,hidden",
+    [
+        ({"format": "json"}, PERSON),
+        ({"path": "x.json", "format": "yaml"}, PERSON),
+        ({"path": "x.json", "format": "json"}, {}),
+        ({"path": "x.json", "format": "json"}, None),
+        ({"path": "x.json", "format": "json"}, {"schema": {"type": "tuple"}}),
+    ],
+)
 def test_files_unusable_task_is_input_error(params, hidden):
     with pytest.raises(VerifierInputError):
         registry.get("files")(traj("files", '{"a": 1}', **params), hidden)
@@ -95,8 +125,13 @@ def test_files_unusable_task_is_input_error(params, hidden):
 
 # ---------------------------------------------------------------- files: csv / svg
 
-SQUARES = {"columns": ["n", "square"], "types": {"n": "int", "square": "int"}, "min_rows": 3, "max_rows": 3,
-           "rows": [{"n": 1, "square": 1}, {"n": 2, "square": 4}, {"n": 3, "square": 9}]}
+SQUARES = {
+    "columns": ["n", "square"],
+    "types": {"n": "int", "square": "int"},
+    "min_rows": 3,
+    "max_rows": 3,
+    "rows": [{"n": 1, "square": 1}, {"n": 2, "square": 4}, {"n": 3, "square": 9}],
+}
 CSV_TASK = dict(path="sq.csv", format="csv")
 
 
@@ -112,9 +147,13 @@ def test_files_csv_right_wrong_malformed():
         assert v.components["parses"] == 0.0 and v.reward == 0.0
 
 
-CIRCLE = {"root_attrs": {"width": "100"},
-          "elements": [{"tag": "circle", "min": 1, "max": 1, "attrs": {"fill": "red", "r": None}},
-                       {"tag": "text", "text": "hi"}]}
+CIRCLE = {
+    "root_attrs": {"width": "100"},
+    "elements": [
+        {"tag": "circle", "min": 1, "max": 1, "attrs": {"fill": "red", "r": None}},
+        {"tag": "text", "text": "hi"},
+    ],
+}
 SVG_TASK = dict(path="c.svg", format="svg")
 SVG_OK = '<svg xmlns="http://www.w3.org/2000/svg" width="100"><circle r="5" fill="RED"/><text>Hi there</text></svg>'
 
@@ -126,13 +165,17 @@ def test_files_svg_right_wrong_malformed():
     assert blue.reward == 0.0 and blue.components["schema"] == 0.75
     not_svg = files(fenced("<html><circle r='1' fill='red'/></html>"), CIRCLE, **SVG_TASK)
     assert not_svg.components["parses"] == 1.0 and "root element is <svg>" in not_svg.details
-    for bad in ("<svg><circle></svg>", "not xml at all",
-                '<!DOCTYPE svg [<!ENTITY a "aaaa">]><svg width="100">&a;</svg>'):
+    for bad in (
+        "<svg><circle></svg>",
+        "not xml at all",
+        '<!DOCTYPE svg [<!ENTITY a "aaaa">]><svg width="100">&a;</svg>',
+    ):
         v = files(fenced(bad), CIRCLE, **SVG_TASK)
         assert v.components["parses"] == 0.0 and v.reward == 0.0 and v.status == "ok"
 
 
 # ---------------------------------------------------------------- model verifier
+
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
@@ -148,9 +191,18 @@ def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                      num_labels=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     Qwen2ForSequenceClassification(cfg).save_pretrained(root / "rm")
     tok.save_pretrained(root / "rm")
     build_tiny_model(root / "judge", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
@@ -218,13 +270,22 @@ def test_model_unconfigured_is_input_error_and_absent_is_infra(tiny_models, monk
 
 # ---------------------------------------------------------------- composition
 
+
 def test_process_components_from_tool_turns_and_calls():
-    turns = [Turn(role="prompt", text="q"), Turn(role="assistant", text="<py>1/0</py>"),
-             Turn(role="tool", text="\n<obs exit=1>\n<err>ZeroDivisionError</err>\n</obs>\n"),
-             Turn(role="assistant", text="<py>print(1)</py>"), Turn(role="tool", text="<OBS exit = 0 trunc>\n1\n</obs>"),
-             Turn(role="assistant", text="<py>x</py>"), Turn(role="tool", text="unknown tool"),
-             Turn(role="assistant", text="=1")]
-    assert process_components(traj("arith", turns=turns)) == {"turns_used": 4.0, "tool_success_rate": pytest.approx(1 / 3)}
+    turns = [
+        Turn(role="prompt", text="q"),
+        Turn(role="assistant", text="<py>1/0</py>"),
+        Turn(role="tool", text="\n<obs exit=1>\n<err>ZeroDivisionError</err>\n</obs>\n"),
+        Turn(role="assistant", text="<py>print(1)</py>"),
+        Turn(role="tool", text="<OBS exit = 0 trunc>\n1\n</obs>"),
+        Turn(role="assistant", text="<py>x</py>"),
+        Turn(role="tool", text="unknown tool"),
+        Turn(role="assistant", text="=1"),
+    ]
+    assert process_components(traj("arith", turns=turns)) == {
+        "turns_used": 4.0,
+        "tool_success_rate": pytest.approx(1 / 3),
+    }
     calls = [ToolCall(turn=1, tool="python", code="1/0", exit_code=1), ToolCall(turn=3, tool="python", code="1")]
     t = Trajectory(**{**traj("arith", turns=turns).model_dump(), "tool_calls": calls})
     assert tool_success_rate(t) == 0.5
@@ -235,20 +296,23 @@ EGOLD = {"gold": {"name": "Ada", "born": 1815}}
 
 
 def test_score_applies_domain_weights_and_reports_process_components():
-    t = traj("extract", '{"name": "Ada", "born": 1816}', hidden_ref="x.y",
-             reward_weights={"correct": 0.5, "fields": 0.5})
+    t = traj(
+        "extract", '{"name": "Ada", "born": 1816}', hidden_ref="x.y", reward_weights={"correct": 0.5, "fields": 0.5}
+    )
     r = score(t, EGOLD)
     assert r.reward == pytest.approx(0.25) and r.components["fields"] == 0.5 and r.components["turns_used"] == 0.0
     default = score(traj("extract", '{"name": "Ada", "born": 1815}', hidden_ref="x.y"), EGOLD)
     assert default.reward == 1.0 and "turns_used" in default.components  # reported, not weighted in
     turns = [Turn(role="assistant", text="a"), Turn(role="assistant", text="b")]
-    penalised = score(traj("arith", "5", turns=turns, expression="2+3",
-                           reward_weights={"correct": 1.0, "turns_used": -0.1}))
+    penalised = score(
+        traj("arith", "5", turns=turns, expression="2+3", reward_weights={"correct": 1.0, "turns_used": -0.1})
+    )
     assert penalised.reward == pytest.approx(0.8)
 
 
-@pytest.mark.parametrize("weights", [{"correct": float("nan")}, {"correct": float("inf")}, {"correct": "1"},
-                                     {"correct": True}, [1.0]])
+@pytest.mark.parametrize(
+    "weights", [{"correct": float("nan")}, {"correct": float("inf")}, {"correct": "1"}, {"correct": True}, [1.0]]
+)
 def test_bad_weights_are_refused_by_the_schema(weights):
     with pytest.raises(ValidationError, match="reward_weights"):
         traj("arith", "5", expression="2+3", reward_weights=weights)
@@ -273,6 +337,7 @@ def test_non_finite_component_is_a_verifier_crash():
 
 
 # ---------------------------------------------------------------- domains
+
 
 def ctx_for(tmp_path: Path, toml: str) -> RunConfig:
     p = tmp_path / "run.toml"
@@ -348,8 +413,13 @@ def test_files_domain_example_tasks_are_satisfiable_and_hidden(tmp_path):
         params, ref = fields["verifier_params"], fields["hidden_ref"]
         pid = params["problem_id"]
         seen.add(pid)
-        as_file = traj("files", turns=[Turn(role="assistant", text="a")] * 2, hidden_ref=ref,
-                       artifacts={params["path"]: FILE_SOLUTIONS[pid].encode()}, **params)
+        as_file = traj(
+            "files",
+            turns=[Turn(role="assistant", text="a")] * 2,
+            hidden_ref=ref,
+            artifacts={params["path"]: FILE_SOLUTIONS[pid].encode()},
+            **params,
+        )
         assert score(as_file, hidden).reward == 1.0, pid
         assert score(traj("files", fenced(FILE_SOLUTIONS[pid]), hidden_ref=ref, **params), hidden).reward == 1.0
         assert score(traj("files", "no file", hidden_ref=ref, **params), hidden).reward == 0.0
@@ -358,13 +428,26 @@ def test_files_domain_example_tasks_are_satisfiable_and_hidden(tmp_path):
 
 def test_jsonl_domain_pairs_any_file_with_any_verifier(tmp_path):
     data = tmp_path / "tasks.jsonl"
-    data.write_text("\n".join(json.dumps(x) for x in [
-        {"id": "a", "prompt": "2+3=", "params": {"expression": "2+3"}, "level": 1},
-        {"id": "b", "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Half?"}],
-         "hidden": {"gold": "\\frac{1}{2}"}, "level": 2},
-    ]) + "\n")
-    cfg = ctx_for(tmp_path, f'[sampler.domains.mine]\nkind = "jsonl"\nverifier = "math"\ndata = "{data}"\n'
-                            'max_level = 2\nparams = { verifier_params = { note = "x" } }\n')
+    data.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"id": "a", "prompt": "2+3=", "params": {"expression": "2+3"}, "level": 1},
+                {
+                    "id": "b",
+                    "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Half?"}],
+                    "hidden": {"gold": "\\frac{1}{2}"},
+                    "level": 2,
+                },
+            ]
+        )
+        + "\n"
+    )
+    cfg = ctx_for(
+        tmp_path,
+        f'[sampler.domains.mine]\nkind = "jsonl"\nverifier = "math"\ndata = "{data}"\n'
+        'max_level = 2\nparams = { verifier_params = { note = "x" } }\n',
+    )
     drawn = {d.task.verifier_params["problem_id"]: d for d in draw(cfg, "mine", 30)}
     a, b = drawn["a"], drawn["b"]
     assert a.hidden is None and a.task.hidden_ref is None and a.task.verifier == "math"
@@ -374,23 +457,36 @@ def test_jsonl_domain_pairs_any_file_with_any_verifier(tmp_path):
     assert score(traj("math", "\\boxed{0.5}", hidden_ref=b.task.hidden_ref), b.hidden).reward == 1.0
 
 
-@pytest.mark.parametrize("toml,match", [
-    ('[sampler.domains.j]\nkind = "jsonl"\ndata = "examples/data/extract.jsonl"\n', "needs sampler.domains.j.verifier"),
-    ('[sampler.domains.j]\nkind = "jsonl"\nverifier = "extract"\n', "needs sampler.domains.j.data"),
-    ('[sampler.domains.j]\nkind = "jsonl"\nverifier = "extract"\ndata = "/nonexistent.jsonl"\n', "not found"),
-])
+@pytest.mark.parametrize(
+    "toml,match",
+    [
+        (
+            '[sampler.domains.j]\nkind = "jsonl"\ndata = "examples/data/extract.jsonl"\n',
+            "needs sampler.domains.j.verifier",
+        ),
+        ('[sampler.domains.j]\nkind = "jsonl"\nverifier = "extract"\n', "needs sampler.domains.j.data"),
+        ('[sampler.domains.j]\nkind = "jsonl"\nverifier = "extract"\ndata = "/nonexistent.jsonl"\n', "not found"),
+    ],
+)
 def test_jsonl_domain_config_errors(tmp_path, toml, match):
     with pytest.raises(ValueError, match=match):
         make_source("r1", "j", ctx_for(tmp_path, toml))
 
 
-@pytest.mark.parametrize("line,reason", [
-    ('{"prompt": "x"}', "missing id"), ('{"id": 1, "prompt": ""}', "missing prompt"),
-    ('{"id": 1, "prompt": 7}', "bad prompt"), ('{"id": 1, "prompt": "x", "level": "hard"}', "bad level"),
-    ('{"id": 1, "prompt": "x", "params": {"gold": 3}}', "gold in public params"),
-    ('{"id": 1, "prompt": "x", "hidden": [1]}', "hidden not an object"), ("not json", "invalid JSON"),
-    ("[1, 2]", "not a JSON object"), ('{"id": 0, "prompt": "again"}', "duplicate id"),
-])
+@pytest.mark.parametrize(
+    "line,reason",
+    [
+        ('{"prompt": "x"}', "missing id"),
+        ('{"id": 1, "prompt": ""}', "missing prompt"),
+        ('{"id": 1, "prompt": 7}', "bad prompt"),
+        ('{"id": 1, "prompt": "x", "level": "hard"}', "bad level"),
+        ('{"id": 1, "prompt": "x", "params": {"gold": 3}}', "gold in public params"),
+        ('{"id": 1, "prompt": "x", "hidden": [1]}', "hidden not an object"),
+        ("not json", "invalid JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"id": 0, "prompt": "again"}', "duplicate id"),
+    ],
+)
 def test_jsonl_malformed_lines_are_skipped_counted_and_logged(tmp_path, line, reason):
     from structlog.testing import capture_logs
 

@@ -49,11 +49,22 @@ def test_retry_policy_backoff_grows_then_dead_letters():
 
 
 def make_traj(run_id: str, i: int, verifier: str, hidden_ref: str | None = None) -> Trajectory:
-    return Trajectory(run_id=run_id, msg_id=f"tr-{verifier}-{i}", task_id=f"t{i}", task_msg_id=f"task-{i}",
-                      domain="arith", group_id=f"g{i}", group_size=1, sample_index=0,
-                      turns=[Turn(role="assistant", text="5")], verifier=verifier,
-                      verifier_params={"expression": "2+3"}, hidden_ref=hidden_ref, policy_version=0,
-                      final_text="5")
+    return Trajectory(
+        run_id=run_id,
+        msg_id=f"tr-{verifier}-{i}",
+        task_id=f"t{i}",
+        task_msg_id=f"task-{i}",
+        domain="arith",
+        group_id=f"g{i}",
+        group_size=1,
+        sample_index=0,
+        turns=[Turn(role="assistant", text="5")],
+        verifier=verifier,
+        verifier_params={"expression": "2+3"},
+        hidden_ref=hidden_ref,
+        policy_version=0,
+        final_text="5",
+    )
 
 
 @pytest.fixture
@@ -83,15 +94,21 @@ async def test_infra_failures_retry_then_dead_letter_never_zero(js, run_id, tmp_
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     good = [make_traj(run_id, i, "t_good") for i in range(3)]
-    bad = {"t_crash": make_traj(run_id, 10, "t_crash"), "t_infra": make_traj(run_id, 11, "t_infra"),
-           "hidden": make_traj(run_id, 12, "t_good", hidden_ref="arith.missing.000000000000")}
+    bad = {
+        "t_crash": make_traj(run_id, 10, "t_crash"),
+        "t_infra": make_traj(run_id, 11, "t_infra"),
+        "hidden": make_traj(run_id, 12, "t_good", hidden_ref="arith.missing.000000000000"),
+    }
     await store_checks(js, reg, [*good, *bad.values()])
     await publish_many(js, [(reg.traj("arith"), t) for t in [*good, *bad.values()]])
 
     # test-sized retry delays
-    cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=16, retry_base_s=0.05, retry_max_s=0.2, concurrency=2))
-    counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
-                                            run_path=tmp_path, until_idle=6.0))
+    cfg = RunConfig(
+        verifier=VerifierSection(ack_wait_s=1.0, batch=16, retry_base_s=0.05, retry_max_s=0.2, concurrency=2)
+    )
+    counters = await run(
+        cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(), run_path=tmp_path, until_idle=6.0)
+    )
 
     rewards = [decode(d, Reward) async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))]
     assert sorted(r.trajectory.msg_id for r in rewards) == sorted(t.msg_id for t in good)
@@ -148,13 +165,15 @@ async def test_cheap_verifier_goes_inline_slow_one_stays_in_threads(js, run_id, 
     registry.register("t_fast", fast, replace=True)
     registry.register("t_slow", slow, replace=True)
     try:
-        trajs = [make_traj(run_id, i, "t_fast") for i in range(120)] + [make_traj(run_id, 200 + i, "t_slow")
-                                                                         for i in range(60)]
+        trajs = [make_traj(run_id, i, "t_fast") for i in range(120)] + [
+            make_traj(run_id, 200 + i, "t_slow") for i in range(60)
+        ]
         await store_checks(js, reg, trajs)
         await publish_many(js, [(reg.traj("arith"), t) for t in trajs])
         cfg = RunConfig(verifier=VerifierSection(batch=8, concurrency=2))
-        counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
-                                                run_path=tmp_path, until_idle=2.0))
+        counters = await run(
+            cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(), run_path=tmp_path, until_idle=2.0)
+        )
     finally:
         registry.unregister("t_fast")
         registry.unregister("t_slow")
@@ -176,8 +195,9 @@ async def test_unusable_input_is_dead_lettered_at_once_never_retried(js, run_id,
     await store_checks(js, reg, (good, unknown))
     await publish_many(js, [(reg.traj("arith"), t) for t in (good, unknown)])
     cfg = RunConfig(verifier=VerifierSection(ack_wait_s=1.0, batch=4, concurrency=1))
-    counters = await run(cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(),
-                                            run_path=tmp_path, until_idle=1.5))
+    counters = await run(
+        cfg, WorkerContext(run_id=run_id, nats_url=js._nc.connected_url.geturl(), run_path=tmp_path, until_idle=1.5)
+    )
     rewards = [decode(d, Reward) async for _, d in iter_stream(js, reg.stream("REWARDS"), reg.rewards("arith"))]
     assert [r.trajectory.msg_id for r in rewards] == [good.msg_id]
     letters = [decode(d, DeadLetter) async for _, d in iter_stream(js, reg.stream("DLQ"), reg.dlq("verifier"))]

@@ -20,9 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def traj(verifier: str, final_text: str, **params) -> Trajectory:
-    return Trajectory(run_id="r1", task_id="t1", task_msg_id="m1", domain=verifier, group_id="g1", group_size=1,
-                      sample_index=0, turns=[], verifier=verifier, verifier_params=params, policy_version=0,
-                      final_text=final_text)
+    return Trajectory(
+        run_id="r1",
+        task_id="t1",
+        task_msg_id="m1",
+        domain=verifier,
+        group_id="g1",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier=verifier,
+        verifier_params=params,
+        policy_version=0,
+        final_text=final_text,
+    )
 
 
 def run(verifier: str, final_text: str, **params) -> Verdict:
@@ -53,15 +64,18 @@ def test_constant_scores_anything():
 GOLD = "\\frac{1}{2}"
 
 
-@pytest.mark.parametrize("text", [
-    "So the result is \\boxed{\\frac{1}{2}}.",
-    "\\boxed{0.5}",
-    "\\boxed{\\frac{2}{4}}",
-    "\\boxed{1/2}",
-    "First \\boxed{3}, on reflection \\boxed{\\dfrac{1}{2}}",
-    "The answer is $\\frac{1}{2}$.",
-    "Final answer: 0.5",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "So the result is \\boxed{\\frac{1}{2}}.",
+        "\\boxed{0.5}",
+        "\\boxed{\\frac{2}{4}}",
+        "\\boxed{1/2}",
+        "First \\boxed{3}, on reflection \\boxed{\\dfrac{1}{2}}",
+        "The answer is $\\frac{1}{2}$.",
+        "Final answer: 0.5",
+    ],
+)
 def test_math_equivalent_forms_score_one(text):
     v = run("math", text, gold=GOLD)
     assert v.reward == 1.0 and v.components == {"correct": 1.0, "format": 1.0} and v.status == "ok"
@@ -136,8 +150,15 @@ EGOLD = {"name": "Ada Lovelace", "born": 1815, "country": "UK"}
 def test_extract_exact():
     v = run("extract", json.dumps({"name": " ada lovelace ", "born": 1815.0, "country": "uk"}), gold=EGOLD)
     assert v.reward == 1.0 and v.status == "ok"
-    assert v.components == {"field_name": 1.0, "field_born": 1.0, "field_country": 1.0, "fields": 1.0,
-                            "json_valid": 1.0, "extra_fields": 0.0, "correct": 1.0}
+    assert v.components == {
+        "field_name": 1.0,
+        "field_born": 1.0,
+        "field_country": 1.0,
+        "fields": 1.0,
+        "json_valid": 1.0,
+        "extra_fields": 0.0,
+        "correct": 1.0,
+    }
 
 
 def test_extract_numbers_compare_numerically():
@@ -166,8 +187,9 @@ def test_extract_extra_field_is_a_component_not_in_the_default_scalar():
     assert penalised.reward == pytest.approx(0.8)
 
 
-@pytest.mark.parametrize("text", ['{"name": "Ada Lovelace", "born": 1815,', "no json here", "", "[1, 2]",
-                                  '```json\n{"name": \n```'])
+@pytest.mark.parametrize(
+    "text", ['{"name": "Ada Lovelace", "born": 1815,', "no json here", "", "[1, 2]", '```json\n{"name": \n```']
+)
 def test_extract_malformed_json_is_policy_fault(text):
     v = run("extract", text, gold=EGOLD)
     assert v.status == "ok" and v.reward == 0.0
@@ -230,17 +252,23 @@ def _install_plugin(tmp_path: Path, monkeypatch, module: str, body: str, entries
 
 
 def test_entry_point_plugin_is_loaded_lazily(tmp_path, monkeypatch):
-    _install_plugin(tmp_path, monkeypatch, "rlbus_test_plugin", """
+    _install_plugin(
+        tmp_path,
+        monkeypatch,
+        "rlbus_test_plugin",
+        """
         from verifier_workers.verdict import Verdict
 
         def verify(traj):
             ok = traj.final_text.strip() == traj.verifier_params["want"]
             return Verdict({"correct": float(ok), "length": float(len(traj.final_text))})
-    """, """
+    """,
+        """
         myplugin = rlbus_test_plugin:verify
         arith = rlbus_test_plugin:verify
         broken = rlbus_test_plugin:does_not_exist
-    """)
+    """,
+    )
     try:
         assert "myplugin" in registry.names() and "broken" in registry.names()
         assert "rlbus_test_plugin" not in sys.modules  # discovered, not imported

@@ -17,8 +17,9 @@ RLBUS = Path(sys.executable).with_name("rlbus")
 def verify(tmp_path: Path, answer: str, *args: str) -> tuple[int, dict | None, str]:
     f = tmp_path / "answer.txt"
     f.write_text(answer)
-    p = subprocess.run([str(RLBUS), "verify", *args, "--answer-file", str(f)], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [str(RLBUS), "verify", *args, "--answer-file", str(f)], capture_output=True, text=True, timeout=120
+    )
     lines = p.stdout.splitlines()
     assert len(lines) <= 1, p.stdout
     return p.returncode, json.loads(lines[0]) if lines else None, p.stderr
@@ -26,19 +27,29 @@ def verify(tmp_path: Path, answer: str, *args: str) -> tuple[int, dict | None, s
 
 def test_code_right_and_wrong(tmp_path):
     p = he.get("HumanEval/0")
-    rc, out, err = verify(tmp_path, p.prompt + p.canonical_solution, "--domain", "code", "--task-id", "HumanEval/0",
-                          "--backend", "process")
+    rc, out, err = verify(
+        tmp_path,
+        p.prompt + p.canonical_solution,
+        "--domain",
+        "code",
+        "--task-id",
+        "HumanEval/0",
+        "--backend",
+        "process",
+    )
     assert rc == 0, err
     assert out["reward"] == 1.0 and out["status"] == "ok" and out["backend"] == "process"
     assert set(out) == {"reward", "components", "status", "details", "backend"}
-    rc, out, _ = verify(tmp_path, p.prompt + "    return None\n", "--domain", "code", "--task-id", "HumanEval/0",
-                        "--backend", "process")
+    rc, out, _ = verify(
+        tmp_path, p.prompt + "    return None\n", "--domain", "code", "--task-id", "HumanEval/0", "--backend", "process"
+    )
     assert rc == 0 and out["reward"] == 0.0 and out["components"]["compiles"] == 1.0
 
 
 def test_code_tamper_and_bad_task_id(tmp_path):
-    rc, out, _ = verify(tmp_path, "import sys\nsys.exit(0)\n", "--domain", "code", "--task-id", "HumanEval/3",
-                        "--backend", "process")
+    rc, out, _ = verify(
+        tmp_path, "import sys\nsys.exit(0)\n", "--domain", "code", "--task-id", "HumanEval/3", "--backend", "process"
+    )
     assert rc == 0 and (out["reward"], out["status"]) == (0.0, "tamper")
     rc, out, err = verify(tmp_path, "x", "--domain", "code", "--task-id", "HumanEval/999", "--backend", "process")
     assert rc == 2 and out is None and "HumanEval/0" in err
@@ -58,8 +69,14 @@ def test_arith_and_extract(tmp_path):
     assert rc == 0 and out["reward"] == 1.0
     rc, out, _ = verify(tmp_path, "86", "--domain", "arith", "--task-id", "12*7+3")
     assert rc == 0 and out["reward"] == 0.0
-    rc, out, _ = verify(tmp_path, 'here: {"name": "Ada", "year": 1843}', "--domain", "extract",
-                        "--gold", '{"name": "Ada", "year": 1843}')
+    rc, out, _ = verify(
+        tmp_path,
+        'here: {"name": "Ada", "year": 1843}',
+        "--domain",
+        "extract",
+        "--gold",
+        '{"name": "Ada", "year": 1843}',
+    )
     assert rc == 0 and out["reward"] == 1.0
 
 

@@ -52,9 +52,23 @@ def test_up_without_vllm_stops_before_anything_starts(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "examples/smoke.toml", "--run-dir", str(tmp_path),
-                        "--set", 'rollout.engine="vllm"'], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            "examples/smoke.toml",
+            "--run-dir",
+            str(tmp_path),
+            "--set",
+            'rollout.engine="vllm"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert r.returncode == 1 and "make vllm-env" in " ".join(r.stdout.split()), r.stdout + r.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -63,8 +77,15 @@ def test_up_without_vllm_stops_before_anything_starts(tmp_path):
 def model_dir(tmp_path_factory):
     from rlbus.model.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", hidden_size=128, num_layers=4,
-                            num_heads=4, max_position_embeddings=256, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m",
+        arch="qwen2",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        max_position_embeddings=256,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +94,9 @@ def started(model_dir):
     from rollout_workers.engines.vllm_engine import VLLMEngine
     from schemas.config import VLLMEngineSection
 
-    section = VLLMEngineSection(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_mb=64,
-                                max_num_seqs=16)
+    section = VLLMEngineSection(
+        dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_mb=64, max_num_seqs=16
+    )
     t0 = time.perf_counter()
     engine = VLLMEngine.from_config(str(model_dir), section)
     FIGURES["start_s"] = time.perf_counter() - t0
@@ -114,7 +136,7 @@ def hf_logprobs(hf, sample, temperature: float) -> np.ndarray:
 
     ids = torch.tensor(np.concatenate([sample.prompt_ids, sample.token_ids]), dtype=torch.long)[None]
     with torch.no_grad():
-        logits = hf.model(ids).logits[0, len(sample.prompt_ids) - 1:-1].float() / temperature
+        logits = hf.model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(sample.token_ids, dtype=torch.long)[:, None])
     return lp.squeeze(-1).numpy()
 
@@ -235,9 +257,19 @@ async def test_tool_episode_end_to_end_with_vllm(engine, model_dir):
 
     if bwrap_path() is None:
         pytest.skip("bwrap not installed (apt-get install -y bubblewrap)")
-    task = Task(run_id="vllm-cpu", task_id="t1", domain="tool_calc", group_size=2, max_turns=3, max_tokens=40,
-                temperature=0.0, prompt=[ChatMessage(role="user", content="6*7=?")], tools=["python"],
-                verifier="tool_calc", verifier_params={"expression": "6*7"})
+    task = Task(
+        run_id="vllm-cpu",
+        task_id="t1",
+        domain="tool_calc",
+        group_size=2,
+        max_turns=3,
+        max_tokens=40,
+        temperature=0.0,
+        prompt=[ChatMessage(role="user", content="6*7=?")],
+        tools=["python"],
+        verifier="tool_calc",
+        verifier_params={"expression": "6*7"},
+    )
     call, program = "<py>print(6*7)</py>", "print(6*7)"
     opened = []
 
@@ -269,8 +301,9 @@ async def test_tool_episode_end_to_end_with_vllm(engine, model_dir):
         assert ep.turns[2].text == obs and ep.tool_calls[0].exit_code == 0
         assert ep.turns[3].text == "=42" and ep.finish_reason == "stop"
         assert unpack_i32(ep.turns[3].token_ids)[-1] == engine.eos_id
-        assert [len(unpack_i32(t.logprobs)) for t in ep.turns if t.trainable] == \
-               [len(unpack_i32(t.token_ids)) for t in ep.turns if t.trainable]
+        assert [len(unpack_i32(t.logprobs)) for t in ep.turns if t.trainable] == [
+            len(unpack_i32(t.token_ids)) for t in ep.turns if t.trainable
+        ]
         assert verify_tool_calc(ep.trajectory()).reward == 1.0
 
 
@@ -311,10 +344,31 @@ def test_whole_run_on_vllm_hot_loads_versions_and_runs_tool_episodes(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", "examples/vllm_cpu.toml", "--run-dir", str(tmp_path),
-                        "--run-id", "vllm", "--max-minutes", "5", "--set", "sft.seconds=60", "--set", "sft.max_steps=400",
-                        "--set", "scheduler.eval.n=50"],
-                       cwd=root, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            "examples/vllm_cpu.toml",
+            "--run-dir",
+            str(tmp_path),
+            "--run-id",
+            "vllm",
+            "--max-minutes",
+            "5",
+            "--set",
+            "sft.seconds=60",
+            "--set",
+            "sft.max_steps=400",
+            "--set",
+            "scheduler.eval.n=50",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     s = json.loads((tmp_path / "vllm" / "summary.json").read_text())
     assert s["lost"] == 0 and s["trained_twice"] == 0, s

@@ -35,15 +35,18 @@ PROMPTS = ["12+34=", "7+5=", "40-13="]
 def model_dir(tmp_path_factory):
     from rlbus.model.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_layers=2,
-                            max_position_embeddings=64, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_layers=2, max_position_embeddings=64, seed=0
+    )
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
     from rollout_workers.engines.vllm_engine import VLLMEngine
 
-    with VLLMEngine(str(model_dir), "standard", gpu_memory_utilization=0.2, max_model_len=64, dtype="float32") as engine:
+    with VLLMEngine(
+        str(model_dir), "standard", gpu_memory_utilization=0.2, max_model_len=64, dtype="float32"
+    ) as engine:
         yield engine
 
 
@@ -93,8 +96,9 @@ def test_weight_update_in_place_changes_and_restores_outputs(engine, model_dir):
     engine.load_weights(original)
     after = engine.generate(PROMPTS, n=1, max_new_tokens=8, temperature=0.0)
     assert [g[0].token_ids.tolist() for g in after] == [g[0].token_ids.tolist() for g in before]
-    np.testing.assert_allclose(np.concatenate([g[0].logprobs for g in after]),
-                               np.concatenate([g[0].logprobs for g in before]), atol=1e-3)
+    np.testing.assert_allclose(
+        np.concatenate([g[0].logprobs for g in after]), np.concatenate([g[0].logprobs for g in before]), atol=1e-3
+    )
 
 
 def test_fast_tier_loads_generates_and_takes_weights(model_dir):

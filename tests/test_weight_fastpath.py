@@ -44,12 +44,21 @@ async def _write(tmp_path, model, name="v000001.safetensors"):
 
 # -- writer ---------------------------------------------------------------------------
 
+
 def test_segments_are_the_safetensors_bytes(model_dir, tmp_path):
     model = load_model(model_dir)
     assert b"".join(state_segments(state_tensors(model))) == state_to_bytes(model)
-    mixed = {"w": torch.randn(3, 4), "h": torch.randn(5).half(), "b": torch.randn(2).to(torch.bfloat16),
-             "i": torch.arange(3), "m": torch.tensor([True, False]), "s": torch.tensor(2.5), "e": torch.zeros(0, 3),
-             "d": torch.randn(2).double(), "u": torch.arange(4, dtype=torch.uint8)}
+    mixed = {
+        "w": torch.randn(3, 4),
+        "h": torch.randn(5).half(),
+        "b": torch.randn(2).to(torch.bfloat16),
+        "i": torch.arange(3),
+        "m": torch.tensor([True, False]),
+        "s": torch.tensor(2.5),
+        "e": torch.zeros(0, 3),
+        "d": torch.randn(2).double(),
+        "u": torch.arange(4, dtype=torch.uint8),
+    }
     assert b"".join(state_segments(mixed)) == save(mixed)
     assert b"".join(state_segments(mixed, {"k": "v"})) == save(mixed, metadata={"k": "v"})
     assert state_segments({"nc": torch.randn(4, 3).t()}) is None  # not contiguous: no zero-copy layout
@@ -70,6 +79,7 @@ async def test_file_store_writes_a_readable_safetensors_file(model_dir, tmp_path
 
 
 # -- reader ---------------------------------------------------------------------------
+
 
 async def test_file_fast_path_round_trip_keeps_ties(model_dir, tmp_path):
     src, dst = load_model(model_dir), load_model(model_dir)
@@ -122,6 +132,7 @@ async def test_fast_path_declines_other_dtype_and_lora(model_dir, tmp_path):
 
 
 # -- watcher over real NATS -------------------------------------------------------------
+
 
 @pytest.mark.usefixtures("drop_run")
 async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, tmp_path, monkeypatch):
@@ -184,6 +195,7 @@ async def test_watcher_file_store_fast_path_and_fallback(js, run_id, model_dir, 
 
 
 # -- NATS object store --------------------------------------------------------------------
+
 
 @pytest.mark.usefixtures("drop_run")
 async def test_pipelined_put_and_get_interoperate_with_nats_py(js, run_id, tmp_path, monkeypatch):

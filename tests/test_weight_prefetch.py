@@ -74,13 +74,21 @@ async def _rig(nc, run_id, model_dir, tmp_path):
     counters: dict[str, float] = {}
     watcher = WeightWatcher(js, reg, counters, speculative=True, nc=nc)
     await watcher.start()
-    return js, reg, FileStore(tmp_path / "w"), load_model(model_dir), HFEngine(str(model_dir), threads=1), \
-        counters, watcher
+    return (
+        js,
+        reg,
+        FileStore(tmp_path / "w"),
+        load_model(model_dir),
+        HFEngine(str(model_dir), threads=1),
+        counters,
+        watcher,
+    )
 
 
 @pytest.mark.usefixtures("drop_run")
-async def test_hint_serves_before_the_learner_hash_and_the_gate_waits_for_the_version(nc, run_id, model_dir,
-                                                                                     tmp_path, monkeypatch):
+async def test_hint_serves_before_the_learner_hash_and_the_gate_waits_for_the_version(
+    nc, run_id, model_dir, tmp_path, monkeypatch
+):
     js, reg, store, publisher, engine, counters, watcher = await _rig(nc, run_id, model_dir, tmp_path)
     gate = GatedLearnerHash(monkeypatch)
     try:
@@ -109,8 +117,9 @@ async def test_hint_serves_before_the_learner_hash_and_the_gate_waits_for_the_ve
 
 
 @pytest.mark.usefixtures("drop_run")
-async def test_file_changed_after_the_hint_rolls_back_then_the_version_is_rejected(nc, run_id, model_dir, tmp_path,
-                                                                                   monkeypatch):
+async def test_file_changed_after_the_hint_rolls_back_then_the_version_is_rejected(
+    nc, run_id, model_dir, tmp_path, monkeypatch
+):
     js, reg, store, publisher, engine, counters, watcher = await _rig(nc, run_id, model_dir, tmp_path)
     gate = GatedLearnerHash(monkeypatch)
     gate.release()
@@ -162,8 +171,9 @@ async def test_hint_without_a_version_rolls_back_after_the_wait(nc, run_id, mode
         # the learner wrote v2 and sent its hint, then died before its WeightVersion
         perturb(publisher, 2)
         uri, _, size = await store.put_segments("v000002.safetensors", lw.model_segments(publisher))
-        await nc.publish(reg.weights_prefetch, encode(WeightPrefetch(run_id=run_id, version=2, step=2, uri=uri,
-                                                                     bytes=size)))
+        await nc.publish(
+            reg.weights_prefetch, encode(WeightPrefetch(run_id=run_id, version=2, step=2, uri=uri, bytes=size))
+        )
         await until(lambda: watcher.prefetch is not None and watcher.prefetch.version == 2)
         mark = watcher.mark()
         assert await watcher.maybe_load(engine) and watcher.version == 2

@@ -60,8 +60,9 @@ async def test_retention_keeps_newest_version_zero_and_the_released_one(js, run_
     assert await Retention(store, keep=0, js=js, reg=reg).after_publish(12) == 0  # keep 0: keep all
 
 
-async def test_watcher_skips_a_version_deleted_under_it_and_loads_the_newer_one(js, run_id, model_dir, tmp_path,
-                                                                                monkeypatch):
+async def test_watcher_skips_a_version_deleted_under_it_and_loads_the_newer_one(
+    js, run_id, model_dir, tmp_path, monkeypatch
+):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     store = FileStore(tmp_path / "w")

@@ -53,7 +53,6 @@ def _corrupt(path) -> None:
     path.write_bytes(bytes(data))
 
 
-
 class GatedDigest:
     """Holds every SpeculativeLoad.digest until `release()` (the check is "still running")."""
 
@@ -74,6 +73,7 @@ class GatedDigest:
 
 
 # -- weight_loading / HFEngine --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
 async def test_speculative_load_swaps_first_then_commits_or_rolls_back(model_dir, tmp_path, mapped):
@@ -118,7 +118,7 @@ async def test_mapped_load_is_private_and_misaligned_files_are_read(model_dir, t
     load.rollback()
     # a header one byte longer moves every tensor off its dtype alignment: read, not mapped
     (n,) = struct.unpack("<Q", original[:8])
-    shifted = struct.pack("<Q", n + 1) + original[8:8 + n] + b" " + original[8 + n:]
+    shifted = struct.pack("<Q", n + 1) + original[8 : 8 + n] + b" " + original[8 + n :]
     (tmp_path / "w" / "v2.safetensors").write_bytes(shifted)
     load2 = load_state_file_speculative(dst2, str(tmp_path / "w" / "v2.safetensors"), {})
     assert load2 is not None and not load2.mapped and same_weights(src, dst2)
@@ -134,8 +134,11 @@ async def test_engine_refuses_other_loads_while_a_check_is_pending(model_dir, tm
     path = uri.removeprefix("file://")
     load = engine.load_weights_file_speculative(path)
     assert load is not None
-    for other in (lambda: engine.load_weights_file(path, sha), lambda: engine.load_weights_file_speculative(path),
-                  lambda: engine.load_weights(b"")):
+    for other in (
+        lambda: engine.load_weights_file(path, sha),
+        lambda: engine.load_weights_file_speculative(path),
+        lambda: engine.load_weights(b""),
+    ):
         with pytest.raises(RuntimeError, match="not verified yet"):
             other()
     load.commit()
@@ -159,17 +162,27 @@ async def _speculative_rig(js, run_id, model_dir, tmp_path, monkeypatch):
     counters: dict[str, float] = {}
     watcher = WeightWatcher(js, reg, counters, speculative=True)
     await watcher.start()
-    return (reg, FileStore(tmp_path / "w"), load_model(model_dir), HFEngine(str(model_dir), threads=1), counters,
-            watcher, GatedDigest(monkeypatch))
+    return (
+        reg,
+        FileStore(tmp_path / "w"),
+        load_model(model_dir),
+        HFEngine(str(model_dir), threads=1),
+        counters,
+        watcher,
+        GatedDigest(monkeypatch),
+    )
 
 
 # -- WeightWatcher(speculative=True) over real NATS -------------------------------------------
 
+
 @pytest.mark.usefixtures("drop_run")
-async def test_watcher_serves_before_the_check_and_rolls_back_a_bad_version(js, run_id, model_dir, tmp_path,
-                                                                           monkeypatch):
-    reg, store, publisher, engine, counters, watcher, gate = await _speculative_rig(js, run_id, model_dir, tmp_path,
-                                                                                  monkeypatch)
+async def test_watcher_serves_before_the_check_and_rolls_back_a_bad_version(
+    js, run_id, model_dir, tmp_path, monkeypatch
+):
+    reg, store, publisher, engine, counters, watcher, gate = await _speculative_rig(
+        js, run_id, model_dir, tmp_path, monkeypatch
+    )
     try:
         # v1: serves at once, the check still running
         perturb(publisher, 1)
@@ -236,15 +249,18 @@ async def test_watcher_default_stays_verify_first(js, run_id, model_dir, tmp_pat
 
 # -- the rollout worker's publish gate ---------------------------------------------------------
 
+
 async def _trajectories(js, reg) -> list[Trajectory]:
     return [decode(data, Trajectory) async for _, data in iter_stream(js, reg.stream("TRAJ"), reg.all("traj"))]
 
 
 @pytest.mark.usefixtures("drop_run")
-async def test_worker_publishes_only_verified_batches_and_retries_bad_ones(js, run_id, model_dir, tmp_path,
-                                                                          monkeypatch):
-    reg, store, publisher, engine, counters, watcher, gate = await _speculative_rig(js, run_id, model_dir, tmp_path,
-                                                                                  monkeypatch)
+async def test_worker_publishes_only_verified_batches_and_retries_bad_ones(
+    js, run_id, model_dir, tmp_path, monkeypatch
+):
+    reg, store, publisher, engine, counters, watcher, gate = await _speculative_rig(
+        js, run_id, model_dir, tmp_path, monkeypatch
+    )
     events: list[tuple] = []
     real_generate, real_publish = engine.generate, rw.publish_many
 
@@ -265,10 +281,20 @@ async def test_worker_publishes_only_verified_batches_and_retries_bad_ones(js, r
     async def one_batch(task: Task | None = None) -> dict:
         if task is not None:
             await publish(js, reg.tasks(task.domain), task)
-        return await run_pull_loop(js, reg, "rollout", sub, Task,
-                                   lambda b: rw.roll_out_batch(b, js=js, reg=reg, engine=engine, watcher=watcher,
-                                                               counters=counters, budget_s=30.0),
-                                   batch=4, max_messages=1, fetch_timeout=1.0, counters={})
+        return await run_pull_loop(
+            js,
+            reg,
+            "rollout",
+            sub,
+            Task,
+            lambda b: rw.roll_out_batch(
+                b, js=js, reg=reg, engine=engine, watcher=watcher, counters=counters, budget_s=30.0
+            ),
+            batch=4,
+            max_messages=1,
+            fetch_timeout=1.0,
+            counters={},
+        )
 
     try:
         # good v1: generated while its check runs, published only after it passed

@@ -61,7 +61,8 @@ async def test_publish_version_to_file_store(js, run_id, tmp_path):
     assert wv.uri.startswith("file://") and wv.version == 3
     latest = await get_json(js, reg, WEIGHTS_LATEST)
     assert latest["uri"] == wv.uri and latest["sha256"] == wv.sha256
-    fresh = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "o", hidden_size=32, num_layers=1,
-                                                                  num_heads=2, seed=1))
+    fresh = AutoModelForCausalLM.from_pretrained(
+        build_tiny_model(tmp_path / "o", hidden_size=32, num_layers=1, num_heads=2, seed=1)
+    )
     load_state_bytes(fresh, await fetch_weights(wv.uri, wv.sha256, js))
     assert all((a == b).all() for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -32,10 +32,8 @@ from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 
 
-
-
-
 # -- pure blob functions -------------------------------------------------------------
+
 
 def test_state_bytes_round_trip(model_dir):
     src, dst = load_model(model_dir), load_model(model_dir)
@@ -69,6 +67,7 @@ def test_load_blob_of_other_architecture_raises(model_dir, tmp_path):
 
 # -- object store ----------------------------------------------------------------------
 
+
 async def test_get_blob_checks_sha(js, run_id, tmp_path):
     reg = Registry(run_id)
     await ensure_topology(js, reg)
@@ -86,6 +85,7 @@ async def test_get_blob_checks_sha(js, run_id, tmp_path):
 
 
 # -- publish + hot load ---------------------------------------------------------------
+
 
 async def test_publish_version_announces_on_subject_and_kv(js, run_id, model_dir):
     reg = Registry(run_id)

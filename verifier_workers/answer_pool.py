@@ -60,8 +60,14 @@ from typing import Any
 
 from verifier_workers.errors import VerifierInfraError
 
-PRELOAD = ("reasoning_gym", "sympy", "math_verify", "verifier_workers.verifiers.reasoning_gym",
-           "verifier_workers.verifiers.math", "verifier_workers.registry")
+PRELOAD = (
+    "reasoning_gym",
+    "sympy",
+    "math_verify",
+    "verifier_workers.verifiers.reasoning_gym",
+    "verifier_workers.verifiers.math",
+    "verifier_workers.registry",
+)
 """Modules every template imports before it reports ready (a missing one is skipped)."""
 
 START_TIMEOUT_S = 180.0
@@ -96,10 +102,11 @@ class Outcome:
 
 # -- framing ----------------------------------------------------------------------------
 
+
 def _write_frame(fd: int, payload: bytes) -> None:
     data = _LEN.pack(len(payload)) + payload
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -124,14 +131,24 @@ def _read_frame(fd: int, cap: int = 64 << 20) -> bytes | None:
 
 # -- the parent side --------------------------------------------------------------------
 
+
 def child_env(parent: dict[str, str] | None = None) -> dict[str, str]:
     """The template's environment: the allow-list of the module docstring, nothing else."""
     parent = dict(os.environ if parent is None else parent)
-    env = {k: v for k, v in parent.items()
-           if (k in ALLOWED_ENV or k.startswith("LC_")) and not any(w in k.upper() for w in SECRET_WORDS)}
-    env.update(HOME="/tmp", TMPDIR="/tmp", PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+    env = {
+        k: v
+        for k, v in parent.items()
+        if (k in ALLOWED_ENV or k.startswith("LC_")) and not any(w in k.upper() for w in SECRET_WORDS)
+    }
+    env.update(
+        HOME="/tmp",
+        TMPDIR="/tmp",
+        PYTHONDONTWRITEBYTECODE="1",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+    )
     env.setdefault("PATH", "/usr/bin:/bin")
     return env
 
@@ -176,17 +193,41 @@ def _argv(bwrap: str | None) -> list[str]:
         masks += ["--tmpfs", d]
     for f in files:
         masks += ["--ro-bind", "/dev/null", f]
-    return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            *masks, "--unshare-all", "--die-with-parent", "--new-session", "--chdir", "/tmp", *cmd]
+    return [
+        bwrap,
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
+        *masks,
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--chdir",
+        "/tmp",
+        *cmd,
+    ]
 
 
 class _Template:
     """One template process, its reader thread and its pending requests."""
 
     def __init__(self, bwrap: str | None) -> None:
-        self.proc = subprocess.Popen(_argv(bwrap), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=child_env(), close_fds=True,
-                                     start_new_session=True, cwd="/tmp")
+        self.proc = subprocess.Popen(
+            _argv(bwrap),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=child_env(),
+            close_fds=True,
+            start_new_session=True,
+            cwd="/tmp",
+        )
         self.isolation = "bwrap" if bwrap else "degraded"
         self.ready = threading.Event()
         self.dead = False
@@ -260,8 +301,11 @@ class AnswerPool:
         if t.isolation == "degraded":
             import structlog
 
-            structlog.get_logger().warning("answer_pool.degraded", why="bubblewrap not found: answers are "
-                                           "scored without namespaces (rlimits, scrubbed env, audit hook only)")
+            structlog.get_logger().warning(
+                "answer_pool.degraded",
+                why="bubblewrap not found: answers are "
+                "scored without namespaces (rlimits, scrubbed env, audit hook only)",
+            )
         return t
 
     def _live(self) -> _Template:
@@ -284,10 +328,17 @@ class AnswerPool:
             with self.lock:
                 if self.template is dead and not self.closed:
                     self.template = self._spawn()
+
         threading.Thread(target=go, name="answer-pool-respawn", daemon=True).start()
 
-    def call(self, ref: str, args: tuple = (), warm: tuple[str, tuple] | None = None,
-             limits: Limits | None = None, trusted_eval: tuple[str, ...] = ()) -> Outcome:
+    def call(
+        self,
+        ref: str,
+        args: tuple = (),
+        warm: tuple[str, tuple] | None = None,
+        limits: Limits | None = None,
+        trusted_eval: tuple[str, ...] = (),
+    ) -> Outcome:
         """Run `ref(*args)` ("module:attr") in a fresh job, after `warm` (ref, args) in the template.
         `trusted_eval`: controlled-side texts a bare `eval` in the job may really evaluate.
 
@@ -299,9 +350,16 @@ class AnswerPool:
             with self.lock:
                 self.next_id += 1
                 rid = self.next_id
-            req = {"id": rid, "ref": ref, "args": args, "warm": warm,
-                   "cpu_s": lim.cpu_s, "memory_mb": lim.memory_mb, "wall_s": lim.wall_s,
-                   "trusted_eval": list(trusted_eval)}
+            req = {
+                "id": rid,
+                "ref": ref,
+                "args": args,
+                "warm": warm,
+                "cpu_s": lim.cpu_s,
+                "memory_mb": lim.memory_mb,
+                "wall_s": lim.wall_s,
+                "trusted_eval": list(trusted_eval),
+            }
             try:
                 slot = t.send(rid, req)
             except OSError as exc:
@@ -359,8 +417,13 @@ def pool() -> AnswerPool:
         return _pool
 
 
-def call(ref: str, args: tuple = (), warm: tuple[str, tuple] | None = None, limits: Limits | None = None,
-         trusted_eval: tuple[str, ...] = ()) -> Outcome:
+def call(
+    ref: str,
+    args: tuple = (),
+    warm: tuple[str, tuple] | None = None,
+    limits: Limits | None = None,
+    trusted_eval: tuple[str, ...] = (),
+) -> Outcome:
     """`AnswerPool.call` on the process-global pool."""
     return pool().call(ref, args, warm, limits, trusted_eval)
 

@@ -35,11 +35,41 @@ import time
 from verifier_workers.answer_pool import MAX_RESULT_BYTES, _read_frame, _write_frame
 
 SPARES = 2
-BLOCKED_EVENTS = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty", "os.kill",
-                  "os.killpg", "subprocess.Popen", "socket.", "ctypes.", "gc.get_", "sys._current_frames",
-                  "os.putenv", "os.unsetenv", "sys.setprofile", "sys.settrace", "os.chmod", "os.chown", "os.remove",
-                  "os.rename", "os.symlink", "os.link", "os.truncate", "os.rmdir", "os.mkdir", "shutil.",
-                  "_posixsubprocess", "pty.", "resource.setrlimit", "fcntl.", "mmap.", "signal.")
+BLOCKED_EVENTS = (
+    "os.system",
+    "os.exec",
+    "os.spawn",
+    "os.posix_spawn",
+    "os.fork",
+    "os.forkpty",
+    "os.kill",
+    "os.killpg",
+    "subprocess.Popen",
+    "socket.",
+    "ctypes.",
+    "gc.get_",
+    "sys._current_frames",
+    "os.putenv",
+    "os.unsetenv",
+    "sys.setprofile",
+    "sys.settrace",
+    "os.chmod",
+    "os.chown",
+    "os.remove",
+    "os.rename",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.rmdir",
+    "os.mkdir",
+    "shutil.",
+    "_posixsubprocess",
+    "pty.",
+    "resource.setrlimit",
+    "fcntl.",
+    "mmap.",
+    "signal.",
+)
 FRAME_EVENTS = ("sys._getframe", "object.__getattr__")
 
 
@@ -69,6 +99,7 @@ def _jsonable(value):
 
 # -- the job -----------------------------------------------------------------------------
 
+
 class _State:
     blocked: list[str] = []
     memory = False
@@ -97,17 +128,25 @@ def _make_hook():
     def hook(event: str, args) -> None:
         if inside[0]:
             return
-        if event == "open" and (str(args[0]).startswith("/proc") or (
-                len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+"))):
+        if event == "open" and (
+            str(args[0]).startswith("/proc")
+            or (len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+"))
+        ):
             _refuse(f"open({str(args[0])[:60]!r})")
-        elif event == "compile" and args[1] in ("<string>", "<unknown>") and isinstance(args[0], (str, bytes)) \
-                and _CODE_ATTACK.search(args[0] if isinstance(args[0], str) else args[0].decode("latin-1")):
+        elif (
+            event == "compile"
+            and args[1] in ("<string>", "<unknown>")
+            and isinstance(args[0], (str, bytes))
+            and _CODE_ATTACK.search(args[0] if isinstance(args[0], str) else args[0].decode("latin-1"))
+        ):
             _refuse("compile of code with attribute access, dunder names or lambda")
         elif event.startswith(BLOCKED_EVENTS):
             _refuse(event)
-        elif event in FRAME_EVENTS and (event != "object.__getattr__" or "frame" in str(args[1])) \
-                and from_string_code():
+        elif (
+            event in FRAME_EVENTS and (event != "object.__getattr__" or "frame" in str(args[1])) and from_string_code()
+        ):
             _refuse(event)
+
     return hook
 
 
@@ -138,6 +177,7 @@ def _tracer(frame, event, arg):
         if ev == "exception" and isinstance(a[1], MemoryError):
             _State.memory = True
         return local
+
     return local
 
 
@@ -213,6 +253,7 @@ def _fork_job() -> tuple[int, int, int]:
 
 # -- the template ------------------------------------------------------------------------
 
+
 class Template:
     """The template's loop: requests in, jobs forked, results out."""
 
@@ -263,7 +304,7 @@ class Template:
             msg = {"kind": "limit", "limit": "cpu"}
         elif len(job["buf"]) >= 4:
             try:
-                parsed = json.loads(job["buf"][4:4 + int.from_bytes(job["buf"][:4], "big")])
+                parsed = json.loads(job["buf"][4 : 4 + int.from_bytes(job["buf"][:4], "big")])
                 if isinstance(parsed, dict):
                     msg = parsed
             except ValueError:
@@ -287,7 +328,7 @@ class Template:
             n = int.from_bytes(self.inbuf[:4], "big")
             if len(self.inbuf) < 4 + n:
                 break
-            req, self.inbuf = pickle.loads(self.inbuf[4:4 + n]), self.inbuf[4 + n:]
+            req, self.inbuf = pickle.loads(self.inbuf[4 : 4 + n]), self.inbuf[4 + n :]
             self.start(req)
         return True
 

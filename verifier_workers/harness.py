@@ -65,6 +65,7 @@ def _nondumpable():
         pass
     try:
         import ctypes
+
         return ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE = 4
     except Exception:
         return False
@@ -89,6 +90,7 @@ def _start_runner():
             runner(req_r, resp_w)
         except BaseException:
             import traceback
+
             traceback.print_exc()
             sys.stderr.flush()
         finally:

@@ -22,13 +22,20 @@ from pathlib import Path
 from sandbox_workers.program_parts import join_files
 
 HERE = Path(__file__).resolve().parent
-CODE_HARNESS_PARTS = tuple(str(HERE / name) for name in (
-    "harness_protocol.py", "harness_runner.py", "harness_supervisor.py", "harness.py"))
+CODE_HARNESS_PARTS = tuple(
+    str(HERE / name) for name in ("harness_protocol.py", "harness_runner.py", "harness_supervisor.py", "harness.py")
+)
 """The code harness's files, in the order they are joined (each imports only earlier ones)."""
 REPO_HARNESS = HERE / "repo_harness.py"
-REPO_GUARD_PARTS = tuple(str(HERE / name) for name in (
-    "repo_harness_guard_data.py", "repo_harness_guard_audit.py", "repo_harness_guard_report.py",
-    "repo_harness_guard.py"))
+REPO_GUARD_PARTS = tuple(
+    str(HERE / name)
+    for name in (
+        "repo_harness_guard_data.py",
+        "repo_harness_guard_audit.py",
+        "repo_harness_guard_report.py",
+        "repo_harness_guard.py",
+    )
+)
 """The repo guard's files, in the order they are joined (each imports only earlier ones)."""
 
 

@@ -37,7 +37,7 @@ def send(fd, obj):
     data = marshal.dumps(obj, 4)
     msg = struct.pack(">I", len(data)) + data
     while msg:
-        msg = msg[os.write(fd, msg):]
+        msg = msg[os.write(fd, msg) :]
 
 
 def read_exact(fd, n, deadline):

@@ -18,19 +18,57 @@ import sys
 from verifier_workers.harness_protocol import PLAIN_ATOMS, PLAIN_CONTAINERS, TAMPER_EXIT, plain, read_exact, send
 
 PRELOAD = ("typing", "math")
-FORBIDDEN_EVENTS = frozenset((
-    "sys.settrace", "sys.setprofile", "sys._current_frames", "sys.addaudithook", "gc.get_objects",
-    "gc.get_referrers", "gc.get_referents", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-    "os.forkpty", "os.kill", "os.killpg", "signal.pthread_kill", "subprocess.Popen", "pty.spawn", "os.chmod",
-    "os.chown", "os.remove", "os.rename", "os.rmdir", "os.truncate", "os.utime", "os.link", "os.symlink",
-    "os.mkdir", "shutil.rmtree", "socket.connect", "socket.bind",
-))
-FORBIDDEN_IMPORTS = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "pty", "mmap", "_xxsubinterpreters",
-                               "_sqlite3", "_dbm", "_gdbm"))  # the last three write files the open hook never sees
+FORBIDDEN_EVENTS = frozenset(
+    (
+        "sys.settrace",
+        "sys.setprofile",
+        "sys._current_frames",
+        "sys.addaudithook",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "subprocess.Popen",
+        "pty.spawn",
+        "os.chmod",
+        "os.chown",
+        "os.remove",
+        "os.rename",
+        "os.rmdir",
+        "os.truncate",
+        "os.utime",
+        "os.link",
+        "os.symlink",
+        "os.mkdir",
+        "shutil.rmtree",
+        "socket.connect",
+        "socket.bind",
+    )
+)
+FORBIDDEN_IMPORTS = frozenset(
+    ("ctypes", "_ctypes", "_posixsubprocess", "pty", "mmap", "_xxsubinterpreters", "_sqlite3", "_dbm", "_gdbm")
+)  # the last three write files the open hook never sees
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-LAZY_TYPES = ("generator", "map", "filter", "zip", "range", "reversed", "list_iterator", "dict_keys", "dict_values",
-              "dict_items")
-
+LAZY_TYPES = (
+    "generator",
+    "map",
+    "filter",
+    "zip",
+    "range",
+    "reversed",
+    "list_iterator",
+    "dict_keys",
+    "dict_values",
+    "dict_items",
+)
 
 
 # ---------------------------------------------------------------- runner (untrusted side)
@@ -104,8 +142,11 @@ def _call(fn, req, tamper):
         if plain(value):
             return {"kind": "value", "value": value}
         cls = type(value)
-        if any("__eq__" in vars(k) or "__ne__" in vars(k) for k in cls.__mro__[:-1]
-               if k not in PLAIN_ATOMS + PLAIN_CONTAINERS):
+        if any(
+            "__eq__" in vars(k) or "__ne__" in vars(k)
+            for k in cls.__mro__[:-1]
+            if k not in PLAIN_ATOMS + PLAIN_CONTAINERS
+        ):
             tamper("returned a %s, whose class defines __eq__" % cls.__name__)
         return {"kind": "error", "type": "TypeError", "message": "returned a %s, not plain data" % cls.__name__}
     except SystemExit as exc:

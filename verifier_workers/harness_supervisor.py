@@ -113,8 +113,12 @@ def supervise(pid, req_fd, resp_fd, job, tests, tests_sha):
         else:
             out["detail"] = counter.first_failure or ""
     except Deadline:
-        out.update(result="timeout", passed=counter.passed, failed=counter.failed,
-                   detail="deadline of %ss passed after %d calls" % (job.get("timeout_s"), sup.calls))
+        out.update(
+            result="timeout",
+            passed=counter.passed,
+            failed=counter.failed,
+            detail="deadline of %ss passed after %d calls" % (job.get("timeout_s"), sup.calls),
+        )
     except RunnerTamper as exc:
         out.update(result="tamper", detail=str(exc))
     except RunnerGone:

@@ -109,8 +109,13 @@ def call_in_job(ref: str, traj: dict, hidden: dict | None, with_hidden: bool) ->
     fn = import_ref(ref)
     t = Trajectory.model_validate(traj)
     v = fn(t, hidden) if with_hidden else fn(t)
-    return {"components": dict(v.components), "status": str(v.status), "details": str(v.details)[:4000],
-            "weights": dict(v.weights), "sandbox_s": float(v.sandbox_s)}
+    return {
+        "components": dict(v.components),
+        "status": str(v.status),
+        "details": str(v.details)[:4000],
+        "weights": dict(v.weights),
+        "sandbox_s": float(v.sandbox_s),
+    }
 
 
 def _verdict(data: object, ref: str) -> Verdict:
@@ -118,21 +123,30 @@ def _verdict(data: object, ref: str) -> Verdict:
         assert isinstance(data, dict)
         nums = {k: {str(n): float(x) for n, x in dict(data[k]).items()} for k in ("components", "weights")}
         assert all(math.isfinite(x) for d in nums.values() for x in d.values())
-        return Verdict(nums["components"], str(data["status"])[:40], str(data["details"])[:4000], nums["weights"],
-                       max(0.0, float(data["sandbox_s"])))
+        return Verdict(
+            nums["components"],
+            str(data["status"])[:40],
+            str(data["details"])[:4000],
+            nums["weights"],
+            max(0.0, float(data["sandbox_s"])),
+        )
     except (AssertionError, KeyError, TypeError, ValueError) as exc:
         raise VerifierInfraError(f"untrusted verifier {ref} returned no valid verdict: {type(exc).__name__}") from None
 
 
 def pooled(ref: str) -> Verifier:
     """A verifier that runs `ref` ("module:attr") in the answer pool (see the module docstring)."""
+
     def run(traj, hidden: dict | None = None) -> Verdict:
         from verifier_workers import answer_pool
 
-        out = answer_pool.call("verifier_workers.registry:call_in_job",
-                               (ref, traj.model_dump(), hidden, hidden is not None))
+        out = answer_pool.call(
+            "verifier_workers.registry:call_in_job", (ref, traj.model_dump(), hidden, hidden is not None)
+        )
         if out.kind == "limit":
-            return Verdict({"correct": 0.0}, status="answer_limit", details=f"untrusted verifier hit the {out.limit} limit")
+            return Verdict(
+                {"correct": 0.0}, status="answer_limit", details=f"untrusted verifier hit the {out.limit} limit"
+            )
         if out.kind == "raised" and out.error.startswith("VerifierInputError"):
             raise VerifierInputError(f"untrusted verifier {ref}: {out.error}")
         if out.kind != "ok":

@@ -31,8 +31,7 @@ from schemas.repo_task import check_path
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 NO_NEWLINE = "\\"
-GIT_META = ("index ", "old mode ", "new mode ", "similarity index ", "dissimilarity index ", "copy from ",
-            "copy to ")
+GIT_META = ("index ", "old mode ", "new mode ", "similarity index ", "dissimilarity index ", "copy from ", "copy to ")
 
 
 class DiffError(ValueError):
@@ -158,16 +157,18 @@ def parse_diff(diff: str) -> list[FilePatch]:
             git_pending, problem, rename = ln, "", {}
             i += 1
             continue
-        if git_pending is not None and (ln.startswith(("new file mode ", "deleted file mode ", "new mode "))
-                                        and ln.split()[-1].startswith("120")):
+        if git_pending is not None and (
+            ln.startswith(("new file mode ", "deleted file mode ", "new mode ")) and ln.split()[-1].startswith("120")
+        ):
             problem = "symlinks are not supported"
         if git_pending is not None and ln.startswith(("Binary files ", "GIT binary patch")):
             problem = "binary patches are not supported"
         if git_pending is not None and ln.startswith(("rename from ", "rename to ")):
             rename[ln.split(" ", 2)[1]] = ln.split(" ", 2)[2].rstrip("\n").rstrip("\r")
         if ln.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
-            old, new = _clean_prefixes(_strip_path(ln[4:].rstrip("\n")), _strip_path(lines[i + 1][4:].rstrip("\n")),
-                                       git_pending is not None)
+            old, new = _clean_prefixes(
+                _strip_path(ln[4:].rstrip("\n")), _strip_path(lines[i + 1][4:].rstrip("\n")), git_pending is not None
+            )
             fp = FilePatch(old, new, problem=problem)
             i += 2
             while i < len(lines) and (m := HUNK.match(lines[i])):
@@ -219,8 +220,8 @@ def _find(lines: list[str], old: list[str], want: int, lo: int) -> int | None:
     """The start index nearest `want` (not before `lo`) where `old` matches exactly."""
     n = len(old)
     for delta in range(0, len(lines) + 1):
-        for at in ((want,) if delta == 0 else (want - delta, want + delta)):
-            if lo <= at <= len(lines) - n and lines[at:at + n] == old:
+        for at in (want,) if delta == 0 else (want - delta, want + delta):
+            if lo <= at <= len(lines) - n and lines[at : at + n] == old:
                 return at
         if want - delta < lo and want + delta > len(lines) - n:
             return None

@@ -111,11 +111,31 @@ def _install(deps, deadline):
     if not deps:
         return ""
     import subprocess
-    cmd = [sys.executable, "-I", "-m", "pip", "install", "--no-index", "--find-links", WHEELHOUSE, "--target", SITE,
-           "--disable-pip-version-check", "--no-cache-dir", "--no-compile", "-q", "--"] + list(deps)
+
+    cmd = [
+        sys.executable,
+        "-I",
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        WHEELHOUSE,
+        "--target",
+        SITE,
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+        "--no-compile",
+        "-q",
+        "--",
+    ] + list(deps)
     try:
-        p = subprocess.run(cmd, capture_output=True, timeout=max(5.0, deadline - time.monotonic()),
-                           env={"PATH": RUN_PATH, "HOME": RL, "TMPDIR": RL, "LANG": "C.UTF-8"})
+        p = subprocess.run(
+            cmd,
+            capture_output=True,
+            timeout=max(5.0, deadline - time.monotonic()),
+            env={"PATH": RUN_PATH, "HOME": RL, "TMPDIR": RL, "LANG": "C.UTF-8"},
+        )
     except subprocess.TimeoutExpired:
         return "pip install timed out"
     return "" if p.returncode == 0 else (p.stdout + p.stderr).decode("utf-8", "replace")[-1500:]
@@ -179,8 +199,13 @@ def _start_runner(log_fd, payload):
             os.setgroups([])
             os.setresgid(RUN_UID, RUN_UID, RUN_UID)
             os.setresuid(RUN_UID, RUN_UID, RUN_UID)
-            env = {"PATH": RUN_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                   "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+            env = {
+                "PATH": RUN_PATH,
+                "HOME": "/tmp",
+                "TMPDIR": "/tmp",
+                "LANG": "C.UTF-8",
+                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            }
             os.execve(sys.executable, [sys.executable, "-I", "-B", RL + "/harness.py", "runner"], env)
         finally:
             os._exit(127)
@@ -188,7 +213,7 @@ def _start_runner(log_fd, payload):
     os.close(kr)
     try:
         while payload:
-            payload = payload[os.write(kw, payload):]
+            payload = payload[os.write(kw, payload) :]
     except OSError:
         pass  # the runner died before reading its job: it reports nothing, every test counts as failed
     os.close(kw)
@@ -320,6 +345,7 @@ def supervise():
         body.update(_supervised_run(job))
     except Exception as exc:  # noqa: BLE001 - a supervisor failure is infrastructure, reported as such
         import traceback
+
         body["infra"] = "supervisor failed: %s: %s\n%s" % (type(exc).__name__, exc, traceback.format_exc()[-800:])
     _write_result(nonce, body)
     sys.stdout.write("RLBUS-REPO-DONE\n")
@@ -347,9 +373,13 @@ def _supervised_run(job):
     shadow = sorted(set(job.get("new_top") or ()) & installed_top_levels(SITE if job.get("deps") else None))
     if shadow:
         return {"refused": "the diff adds top-level module(s) %s that shadow installed distributions" % shadow}
-    runner_job = {"expected": job["expected"], "paths": job["paths"], "pythonpath": job["pythonpath"],
-                  "site": SITE if job.get("deps") else None,
-                  "trusted_files": [os.path.join(REPO, p) for p in job.get("trusted_files") or ()]}
+    runner_job = {
+        "expected": job["expected"],
+        "paths": job["paths"],
+        "pythonpath": job["pythonpath"],
+        "site": SITE if job.get("deps") else None,
+        "trusted_files": [os.path.join(REPO, p) for p in job.get("trusted_files") or ()],
+    }
     before = _hash_files(job["protect_hash"])
     log_fd = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     t1 = time.monotonic()
@@ -363,9 +393,18 @@ def _supervised_run(job):
         tamper = tamper or "a test file changed during the run"
     if runner_exit == TAMPER_EXIT and not tamper:
         tamper = "the runner was ended by the harness's guard"
-    return {"passed": passed, "missing": missing, "notes": notes, "tamper": tamper, "fin": fin,
-            "timed_out": timed_out, "runner_exit": runner_exit, "log": _read_log(), "setup_s": round(t1 - t0, 3),
-            "run_s": round(time.monotonic() - t1, 3)}
+    return {
+        "passed": passed,
+        "missing": missing,
+        "notes": notes,
+        "tamper": tamper,
+        "fin": fin,
+        "timed_out": timed_out,
+        "runner_exit": runner_exit,
+        "log": _read_log(),
+        "setup_s": round(t1 - t0, 3),
+        "run_s": round(time.monotonic() - t1, 3),
+    }
 
 
 # ---------------------------------------------------------------- runner (untrusted, uid 65534)
@@ -399,6 +438,7 @@ def runner():
     import _pytest.config
     import _pytest.runner
     import pytest
+
     for name in _pytest.config.default_plugins:  # every built-in plugin loaded before any repository path
         try:
             importlib.import_module("_pytest." + name)
@@ -421,8 +461,22 @@ def runner():
     _prctl_not_dumpable()
     plugin = guard.Plugin(job["expected"], send, tamper, globals(), is_trusted, REPO)
     sys.addaudithook(guard.audit_hook(tamper, is_trusted))
-    args = ["-c", INI, "--rootdir", REPO, "--confcutdir", REPO, "-p", "no:cacheprovider", "-o", "addopts=",
-            "--import-mode=append", "-q", "-rN", "--tb=short"] + list(job["paths"])
+    args = [
+        "-c",
+        INI,
+        "--rootdir",
+        REPO,
+        "--confcutdir",
+        REPO,
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--import-mode=append",
+        "-q",
+        "-rN",
+        "--tb=short",
+    ] + list(job["paths"])
     del job
     pytest.main(args, plugins=[plugin])
     send(({"k": "fin"}, None))

@@ -33,23 +33,54 @@ import types
 from verifier_workers.repo_harness_guard_audit import code_of
 
 WATCHED_PREFIXES = ("_pytest", "pytest", "pluggy", "unittest", "_rlbus_guard")
-SYS_VOLATILE = frozenset(("unraisablehook", "excepthook", "displayhook", "breakpointhook", "last_type",
-                          "last_value", "last_traceback", "last_exc", "ps1", "ps2", "exc_info"))
-KEY_CLASSES = ("_pytest.reports:BaseReport", "_pytest.reports:TestReport", "_pytest.reports:CollectReport",
-               "_pytest.runner:CallInfo", "_pytest.nodes:Node", "_pytest.nodes:Item", "_pytest.python:Function",
-               "_pytest.main:Session", "_pytest.config:Config", "_pytest.outcomes:OutcomeException",
-               "pluggy._hooks:HookCaller", "pluggy._manager:PluginManager", "unittest.case:TestCase",
-               "_pytest.unittest:TestCaseFunction")
+SYS_VOLATILE = frozenset(
+    (
+        "unraisablehook",
+        "excepthook",
+        "displayhook",
+        "breakpointhook",
+        "last_type",
+        "last_value",
+        "last_traceback",
+        "last_exc",
+        "ps1",
+        "ps2",
+        "exc_info",
+    )
+)
+KEY_CLASSES = (
+    "_pytest.reports:BaseReport",
+    "_pytest.reports:TestReport",
+    "_pytest.reports:CollectReport",
+    "_pytest.runner:CallInfo",
+    "_pytest.nodes:Node",
+    "_pytest.nodes:Item",
+    "_pytest.python:Function",
+    "_pytest.main:Session",
+    "_pytest.config:Config",
+    "_pytest.outcomes:OutcomeException",
+    "pluggy._hooks:HookCaller",
+    "pluggy._manager:PluginManager",
+    "unittest.case:TestCase",
+    "_pytest.unittest:TestCaseFunction",
+)
 
 
 def base_spaces(extra):
     """(name, namespace, keep-all?) of builtins, sys, os, the watched modules, key classes and `extra`."""
     import builtins
 
-    spaces = [("builtins", vars(builtins), False), ("sys", vars(sys), False), ("os", vars(os), False),
-              ("harness", extra, False)]
-    spaces += [(m, vars(sys.modules[m]), False) for m in sorted(list(sys.modules))
-               if m.split(".")[0] in WATCHED_PREFIXES and sys.modules[m] is not None]
+    spaces = [
+        ("builtins", vars(builtins), False),
+        ("sys", vars(sys), False),
+        ("os", vars(os), False),
+        ("harness", extra, False),
+    ]
+    spaces += [
+        (m, vars(sys.modules[m]), False)
+        for m in sorted(list(sys.modules))
+        if m.split(".")[0] in WATCHED_PREFIXES and sys.modules[m] is not None
+    ]
     for ref in KEY_CLASSES:
         mod, _, cls = ref.partition(":")
         if mod in sys.modules and hasattr(sys.modules[mod], cls):
@@ -62,9 +93,12 @@ def integrity_check(spaces):
     classes and modules, or every entry when keep_all)."""
     snap = []
     for name, ns, keep_all in spaces:
-        keep = {k: v for k, v in ns.items()
-                if (keep_all or callable(v) or isinstance(v, (type, types.ModuleType)))
-                and not (name == "sys" and k in SYS_VOLATILE)}
+        keep = {
+            k: v
+            for k, v in ns.items()
+            if (keep_all or callable(v) or isinstance(v, (type, types.ModuleType)))
+            and not (name == "sys" and k in SYS_VOLATILE)
+        }
         snap.append((name, ns, keep))
     missing = object()
 
@@ -96,8 +130,12 @@ def hook_snapshot(pm, is_trusted, repo):
         for name, hc, impls, fns in rows:
             now = getattr(relay, name, None)
             got = tuple(now.get_hookimpls()) if now is hc else None
-            if got is None or len(got) != len(impls) or any(a is not b for a, b in zip(got, impls)) or \
-                    any(i.function is not f for i, f in zip(got, fns)):
+            if (
+                got is None
+                or len(got) != len(impls)
+                or any(a is not b for a, b in zip(got, impls))
+                or any(i.function is not f for i, f in zip(got, fns))
+            ):
                 return "pytest hook %s was changed" % name
         return ""
 
@@ -171,8 +209,19 @@ class Plugin:
         if not report.passed:
             crash = getattr(report.longrepr, "reprcrash", None)
             msg = crash.message if crash is not None else str(report.longrepr)[-400:]
-        if self._send(({"k": "report", "id": report.nodeid, "when": report.when, "outcome": report.outcome,
-                        "xfail": hasattr(report, "wasxfail"), "msg": msg}, report)):
+        if self._send(
+            (
+                {
+                    "k": "report",
+                    "id": report.nodeid,
+                    "when": report.when,
+                    "outcome": report.outcome,
+                    "xfail": hasattr(report, "wasxfail"),
+                    "msg": msg,
+                },
+                report,
+            )
+        ):
             self._tamper("a forged test report")
         self._check(base=report.when == "teardown")
 

@@ -55,23 +55,41 @@ def internal_frame_users():
     ext = code_of(ss.extract)
     gen = _nested(ext, "extended_frame_gen") if ext else None
     extract_from = code_of(ss._extract_from_extended_frame_gen)
-    out = {code_of(collections.namedtuple): None, code_of(getattr(typing, "_caller", None)): None,
-           code_of(getattr(enum.EnumType, "_create_", None)): None, code_of(traceback.extract_stack): None,
-           code_of(traceback.format_stack): None, code_of(traceback.print_stack): None,
-           code_of(logging.currentframe): {code_of(logging.Logger.findCaller)},
-           code_of(logging.Handler.handleError): None,
-           code_of(traceback.walk_tb): {gen}, code_of(traceback.walk_stack): {gen},
-           code_of(getattr(traceback, "_walk_tb_with_full_positions", None)): {extract_from}}
+    out = {
+        code_of(collections.namedtuple): None,
+        code_of(getattr(typing, "_caller", None)): None,
+        code_of(getattr(enum.EnumType, "_create_", None)): None,
+        code_of(traceback.extract_stack): None,
+        code_of(traceback.format_stack): None,
+        code_of(traceback.print_stack): None,
+        code_of(logging.currentframe): {code_of(logging.Logger.findCaller)},
+        code_of(logging.Handler.handleError): None,
+        code_of(traceback.walk_tb): {gen},
+        code_of(traceback.walk_stack): {gen},
+        code_of(getattr(traceback, "_walk_tb_with_full_positions", None)): {extract_from},
+    }
     out.pop(None, None)
     return out
 
 
 FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame"))
 TRACE_EVENTS = frozenset(("sys.settrace", "sys.setprofile"))
-ALWAYS_FORBIDDEN = frozenset(("sys._current_frames", "gc.get_objects",
-                              "gc.get_referrers", "gc.get_referents"))
-PATH_EVENTS = frozenset(("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate",
-                         "os.symlink", "os.link", "os.utime", "shutil.rmtree"))
+ALWAYS_FORBIDDEN = frozenset(("sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"))
+PATH_EVENTS = frozenset(
+    (
+        "os.remove",
+        "os.rename",
+        "os.rmdir",
+        "os.mkdir",
+        "os.chmod",
+        "os.chown",
+        "os.truncate",
+        "os.symlink",
+        "os.link",
+        "os.utime",
+        "shutil.rmtree",
+    )
+)
 
 
 def make_is_trusted(trusted, files=frozenset()):
@@ -80,8 +98,9 @@ def make_is_trusted(trusted, files=frozenset()):
     whose text the verifier wrote)."""
 
     def is_trusted(filename):
-        return isinstance(filename, str) and (filename.startswith(trusted) or filename.startswith("<frozen ")
-                                              or filename in files)
+        return isinstance(filename, str) and (
+            filename.startswith(trusted) or filename.startswith("<frozen ") or filename in files
+        )
 
     return is_trusted
 

@@ -22,19 +22,50 @@ import os
 import sysconfig
 import types
 
-_PLAIN_SCALARS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Ellipsis), decimal.Decimal,
-                            fractions.Fraction, datetime.date, datetime.datetime, datetime.time, datetime.timedelta))
+_PLAIN_SCALARS = frozenset(
+    (
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        type(Ellipsis),
+        decimal.Decimal,
+        fractions.Fraction,
+        datetime.date,
+        datetime.datetime,
+        datetime.time,
+        datetime.timedelta,
+    )
+)
 _PLAIN_SEQS = frozenset((list, tuple, set, frozenset))
 MRO = type.__dict__["__mro__"].__get__
 
 
 REPO_PREFIX = "/work/repo/"
 _HEAPTYPE = 1 << 9
-_CMP_DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__", "__contains__",
-                "__iter__", "__hash__")
+_CMP_DUNDERS = (
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__bool__",
+    "__len__",
+    "__contains__",
+    "__iter__",
+    "__hash__",
+)
 _SLOT_TYPES = (types.WrapperDescriptorType, types.MethodDescriptorType)
-_STD_PREFIXES = tuple(sorted({sysconfig.get_paths()[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")}
-                             | {os.path.realpath(sysconfig.get_paths()[k]) + "/" for k in ("stdlib", "platstdlib")}))
+_STD_PREFIXES = tuple(
+    sorted(
+        {sysconfig.get_paths()[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")}
+        | {os.path.realpath(sysconfig.get_paths()[k]) + "/" for k in ("stdlib", "platstdlib")}
+    )
+)
 
 
 def _dunder_ok(t, changed):
@@ -49,12 +80,17 @@ def _dunder_ok(t, changed):
                 break
             code = getattr(v, "__code__", None) if isinstance(v, types.FunctionType) else None
             fn = code.co_filename if code is not None else ""
-            if (fn.startswith(_STD_PREFIXES) or fn.startswith("<frozen ")) and not (k.__module__ or "").startswith("unittest.mock"):
+            if (fn.startswith(_STD_PREFIXES) or fn.startswith("<frozen ")) and not (k.__module__ or "").startswith(
+                "unittest.mock"
+            ):
                 break
-            rel = fn[len(REPO_PREFIX):] if fn.startswith(REPO_PREFIX) else None
-            if rel is not None and "%s::%s" % (rel, code.co_qualname) not in changed and \
-                    "%s::*" % rel not in changed and not ("<lambda>" in code.co_qualname and
-                                                          "%s::<lambda>" % rel in changed):
+            rel = fn[len(REPO_PREFIX) :] if fn.startswith(REPO_PREFIX) else None
+            if (
+                rel is not None
+                and "%s::%s" % (rel, code.co_qualname) not in changed
+                and "%s::*" % rel not in changed
+                and not ("<lambda>" in code.co_qualname and "%s::<lambda>" % rel in changed)
+            ):
                 break
             return "%s.%s (from %s)" % (k.__qualname__, name, fn or type(v).__name__)
     return ""
@@ -75,8 +111,10 @@ def plain(x, changed=(), _seen=None):
     if t not in _PLAIN_SEQS and t is not dict:
         why = _dunder_ok(t, changed)
         if why:
-            raise AssertionError("rlbus: the hidden tests compare only data whose comparison is not the "
-                                 "candidate's own code; %s.%s uses %s" % (t.__module__, t.__qualname__, why))
+            raise AssertionError(
+                "rlbus: the hidden tests compare only data whose comparison is not the "
+                "candidate's own code; %s.%s uses %s" % (t.__module__, t.__qualname__, why)
+            )
     if isinstance(x, dict):
         for k, v in list(dict.items(x)):
             plain(k, changed, seen)

@@ -42,8 +42,11 @@ def sender(key_fd, runner_code, trusted):
     key = bytes.fromhex(key_hex.decode())
     del key_hex, chunks
     getframe, mac, dumps, write = sys._getframe, hmac.new, json.dumps, os.write
-    car, rtp, collect = code_of(_pytest.runner.call_and_report), code_of(_pytest.runner.runtestprotocol), \
-        code_of(_pytest.main.Session.perform_collect)
+    car, rtp, collect = (
+        code_of(_pytest.runner.call_and_report),
+        code_of(_pytest.runner.runtestprotocol),
+        code_of(_pytest.main.Session.perform_collect),
+    )
     items, seq, done = {}, 0, set()
     volatile = frozenset(("funcargs", "_request", "_report_sections", "user_properties"))
     job = json.loads(job_text)
@@ -83,7 +86,7 @@ def sender(key_fd, runner_code, trusted):
         data = body + b"\t" + mac(key, b"%d:" % seq + body, hashlib.sha256).hexdigest().encode() + b"\n"
         seq += 1
         while data:
-            data = data[write(REPORT_FD, data):]
+            data = data[write(REPORT_FD, data) :]
         got = yield bool(why)
 
 

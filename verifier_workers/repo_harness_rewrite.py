@@ -34,14 +34,47 @@ import threading
 
 PLAIN, TRUTH = "__rlbus_plain__", "__rlbus_truth__"
 GUARD_MODULE = "_rlbus_guard"
-RESERVED = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging", "pygments", "pip",
-                      "setuptools", "pkg_resources", "_distutils_hack", "wheel", GUARD_MODULE})
+RESERVED = frozenset(
+    {
+        "pytest",
+        "_pytest",
+        "pluggy",
+        "py",
+        "iniconfig",
+        "packaging",
+        "pygments",
+        "pip",
+        "setuptools",
+        "pkg_resources",
+        "_distutils_hack",
+        "wheel",
+        GUARD_MODULE,
+    }
+)
 MODULE_SUFFIXES = (".py", ".pyi", ".pyc", ".so", ".pyd", ".pth")
-UNITTEST_VALUES = {"assertEqual": 2, "assertNotEqual": 2, "assertAlmostEqual": 2, "assertNotAlmostEqual": 2,
-                   "assertListEqual": 2, "assertTupleEqual": 2, "assertSetEqual": 2, "assertDictEqual": 2,
-                   "assertSequenceEqual": 2, "assertCountEqual": 2, "assertMultiLineEqual": 2, "assertIn": 2,
-                   "assertNotIn": 2, "assertGreater": 2, "assertGreaterEqual": 2, "assertLess": 2,
-                   "assertLessEqual": 2, "assertTrue": 1, "assertFalse": 1, "assertIsNone": 0, "assertIsNotNone": 0}
+UNITTEST_VALUES = {
+    "assertEqual": 2,
+    "assertNotEqual": 2,
+    "assertAlmostEqual": 2,
+    "assertNotAlmostEqual": 2,
+    "assertListEqual": 2,
+    "assertTupleEqual": 2,
+    "assertSetEqual": 2,
+    "assertDictEqual": 2,
+    "assertSequenceEqual": 2,
+    "assertCountEqual": 2,
+    "assertMultiLineEqual": 2,
+    "assertIn": 2,
+    "assertNotIn": 2,
+    "assertGreater": 2,
+    "assertGreaterEqual": 2,
+    "assertLess": 2,
+    "assertLessEqual": 2,
+    "assertTrue": 1,
+    "assertFalse": 1,
+    "assertIsNone": 0,
+    "assertIsNotNone": 0,
+}
 
 
 _CHANGED: tuple[str, ...] = ()
@@ -55,7 +88,8 @@ def _call(name: str, node: ast.expr) -> ast.expr:
 def _is_approx(node: ast.expr) -> bool:
     return isinstance(node, ast.Call) and (
         (isinstance(node.func, ast.Name) and node.func.id == "approx")
-        or (isinstance(node.func, ast.Attribute) and node.func.attr == "approx"))
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == "approx")
+    )
 
 
 def _plain(node: ast.expr) -> ast.expr:
@@ -184,13 +218,23 @@ def _rewrite_locked(text: str, changed: tuple[str, ...]) -> str:
         _CHANGED = ()
     at = 0
     body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         at = 1
     while at < len(body) and isinstance(body[at], ast.ImportFrom) and body[at].module == "__future__":
         at += 1
-    body.insert(at, ast.ImportFrom(module=GUARD_MODULE, names=[ast.alias(name="plain", asname=PLAIN),
-                                                               ast.alias(name="truth", asname=TRUTH)], level=0))
+    body.insert(
+        at,
+        ast.ImportFrom(
+            module=GUARD_MODULE,
+            names=[ast.alias(name="plain", asname=PLAIN), ast.alias(name="truth", asname=TRUTH)],
+            level=0,
+        ),
+    )
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
 
@@ -209,7 +253,7 @@ def new_top_levels(old: dict[str, str], new: dict[str, str], roots: list[str]) -
             for root in roots:
                 prefix = "" if root == "." else root.rstrip("/") + "/"
                 if path.startswith(prefix) and path.endswith(MODULE_SUFFIXES):
-                    rest = path[len(prefix):]
+                    rest = path[len(prefix) :]
                     out.add(rest.split(".", 1)[0] if "/" not in rest else rest.split("/", 1)[0])
         return out
 

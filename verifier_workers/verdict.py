@@ -26,8 +26,9 @@ class VerifierInputError(ValueError):
     """The trajectory/task cannot be verified as given (dead-letter it)."""
 
 
-def compose(components: Mapping[str, float], weights: Mapping[str, float] | None = None,
-            default: str = "correct") -> float:
+def compose(
+    components: Mapping[str, float], weights: Mapping[str, float] | None = None, default: str = "correct"
+) -> float:
     """The scalar reward: sum of weight x component (a missing component counts 0).
 
     With `weights` None the scalar is the `default` component alone (0.0 if absent).

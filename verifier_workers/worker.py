@@ -70,6 +70,7 @@ _EXIT = re.compile(r"<obs\b[^>]*?\bexit\s*=\s*(-?\d+)", re.IGNORECASE)
 
 # -- reward composition ----------------------------------------------------------------
 
+
 def tool_success_rate(traj: Trajectory) -> float | None:
     """Fraction of tool executions that exited 0, or None when the episode used no tools.
 
@@ -103,8 +104,10 @@ def configured_weights(traj: Trajectory) -> dict[str, float] | None:
     schema; None: verifier default). Weights inside `verifier_params`, where they travelled
     before they were a field, are refused rather than silently ignored."""
     if "reward_weights" in traj.verifier_params:
-        raise VerifierInputError("verifier_params.reward_weights is not read: reward weights travel as "
-                                 "Task.reward_weights / Trajectory.reward_weights")
+        raise VerifierInputError(
+            "verifier_params.reward_weights is not read: reward weights travel as "
+            "Task.reward_weights / Trajectory.reward_weights"
+        )
     return dict(traj.reward_weights) or None
 
 
@@ -115,8 +118,10 @@ def compose_reward(traj: Trajectory, verdict: Verdict) -> tuple[float, dict[str,
     if weights is not None:
         unknown = sorted(set(weights) - set(components))
         if unknown:
-            raise VerifierInputError(f"reward_weights name unknown components {unknown}; verifier "
-                                     f"{traj.verifier!r} gave {sorted(components)}")
+            raise VerifierInputError(
+                f"reward_weights name unknown components {unknown}; verifier "
+                f"{traj.verifier!r} gave {sorted(components)}"
+            )
     else:
         weights = dict(verdict.weights)
     try:
@@ -146,12 +151,21 @@ def score(traj: Trajectory, hidden: dict | None = None, embed: Trajectory | None
     verdict = run_verifier(traj, hidden)
     reward, components = compose_reward(traj, verdict)
     traj = embed if embed is not None else traj
-    return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=reward,
-                  components=components, status=verdict.status, details=verdict.details[:2000],
-                  verify_seconds=time.perf_counter() - t0, sandbox_seconds=verdict.sandbox_s)
+    return Reward(
+        run_id=traj.run_id,
+        msg_id=f"rw-{traj.msg_id}",
+        trajectory=traj,
+        reward=reward,
+        components=components,
+        status=verdict.status,
+        details=verdict.details[:2000],
+        verify_seconds=time.perf_counter() - t0,
+        sandbox_seconds=verdict.sandbox_s,
+    )
 
 
 # -- retries -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -197,6 +211,7 @@ def retry_policy(vc: VerifierSection, spec) -> RetryPolicy:
 
 # -- the worker --------------------------------------------------------------------------
 
+
 def observation_turns(traj: Trajectory) -> list:
     """Every text the policy side produced or relayed, as integrity inputs: tool turns with
     the exec_id of the call before them, model turns as plain text (no execution behind)."""
@@ -215,9 +230,15 @@ def observation_turns(traj: Trajectory) -> list:
 def tamper_reward(traj: Trajectory, forged: list) -> Reward:
     """The Reward of a trajectory carrying forged tool observations: 0, status `tamper`."""
     reasons = sorted({f.reason for f in forged})
-    return Reward(run_id=traj.run_id, msg_id=f"rw-{traj.msg_id}", trajectory=traj, reward=0.0,
-                  components={"correct": 0.0, "forged_observations": float(len(forged)), **process_components(traj)},
-                  status="tamper", details=f"forged tool observations: {reasons}"[:2000])
+    return Reward(
+        run_id=traj.run_id,
+        msg_id=f"rw-{traj.msg_id}",
+        trajectory=traj,
+        reward=0.0,
+        components={"correct": 0.0, "forged_observations": float(len(forged)), **process_components(traj)},
+        status="tamper",
+        details=f"forged tool observations: {reasons}"[:2000],
+    )
 
 
 class InlinePolicy:
@@ -264,9 +285,17 @@ def clamp_resources(traj: Trajectory, vc: VerifierSection) -> Trajectory:
 class Scorer:
     """Scores deliveries concurrently (bounded); failures are raised as pull-loop outcomes (Retry, Reject)."""
 
-    def __init__(self, hidden: HiddenCache, policy: RetryPolicy, concurrency: int,
-                 js=None, reg=None, secret: bytes | None = None, retarget=None,
-                 limits: VerifierSection | None = None) -> None:
+    def __init__(
+        self,
+        hidden: HiddenCache,
+        policy: RetryPolicy,
+        concurrency: int,
+        js=None,
+        reg=None,
+        secret: bytes | None = None,
+        retarget=None,
+        limits: VerifierSection | None = None,
+    ) -> None:
         self.hidden, self.policy, self.concurrency = hidden, policy, concurrency
         self.limits = limits or VerifierSection()
         self.checks = CheckCache(js, reg) if js is not None else None
@@ -287,8 +316,10 @@ class Scorer:
         if not any(find_observations(t.text) for t in turns):
             return []
         if self.secret is None:
-            raise VerifierInfraError("trajectory has tool observations but this verifier has no tool secret "
-                                     "(set RLBUS_TOOL_SECRET or RLBUS_TOOL_SECRET_FILE as for the sandbox side)")
+            raise VerifierInfraError(
+                "trajectory has tool observations but this verifier has no tool secret "
+                "(set RLBUS_TOOL_SECRET or RLBUS_TOOL_SECRET_FILE as for the sandbox side)"
+            )
         _, forged = await verify_observations(self.js, self.reg, self.secret, turns)
         return forged
 
@@ -340,8 +371,13 @@ class Scorer:
             try:
                 self.policy.fail(d.delivered, exc)
             except (Retry, Reject) as outcome:
-                log.warning("verifier.infra_error", error=str(exc)[:500], delivered=d.delivered,
-                            verifier=traj.verifier, outcome=type(outcome).__name__.lower())
+                log.warning(
+                    "verifier.infra_error",
+                    error=str(exc)[:500],
+                    delivered=d.delivered,
+                    verifier=traj.verifier,
+                    outcome=type(outcome).__name__.lower(),
+                )
                 raise
 
 
@@ -356,8 +392,9 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         from sandbox_workers.integrity import load_or_create_secret, load_secret
 
         secret = load_secret() or load_or_create_secret(ctx.run_path)
-        scorer = Scorer(HiddenCache(s.js, s.reg), retry_policy(vc, spec), vc.concurrency, s.js, s.reg, secret,
-                        limits=vc)
+        scorer = Scorer(
+            HiddenCache(s.js, s.reg), retry_policy(vc, spec), vc.concurrency, s.js, s.reg, secret, limits=vc
+        )
 
         async def handle(d: Delivery) -> None:
             c = s.counters
@@ -377,7 +414,19 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         # each trajectory is acked as soon as its own reward is out: one slow verification
         # never holds back the fast ones fetched with it. Up to `batch` trajectories are held
         # at once (their rewards publish concurrently), `concurrency` of them verifying.
-        await run_pull_stream(s.js, s.reg, "verifier", sub, Trajectory, handle,
-                              inflight=max(vc.batch, scorer.concurrency), fetch_batch=vc.batch, ack_wait_s=vc.ack_wait_s, max_messages=ctx.max_messages,
-                              until_idle=ctx.until_idle, stop=s.stop, counters=s.counters)
+        await run_pull_stream(
+            s.js,
+            s.reg,
+            "verifier",
+            sub,
+            Trajectory,
+            handle,
+            inflight=max(vc.batch, scorer.concurrency),
+            fetch_batch=vc.batch,
+            ack_wait_s=vc.ack_wait_s,
+            max_messages=ctx.max_messages,
+            until_idle=ctx.until_idle,
+            stop=s.stop,
+            counters=s.counters,
+        )
         return s.counters

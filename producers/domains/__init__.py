@@ -133,8 +133,7 @@ def kind_of(name: str, dc) -> str:
         return name
     if dc.data:
         return "math"
-    raise ValueError(f"domain {name!r} is not a registered kind; set sampler.domains.{name}.kind "
-                     f"to one of {kinds()}")
+    raise ValueError(f"domain {name!r} is not a registered kind; set sampler.domains.{name}.kind to one of {kinds()}")
 
 
 def get_factory(kind: str) -> Factory:
@@ -148,8 +147,9 @@ def make_source(run_id: str, name: str, cfg) -> DomainSource:
     return get_factory(kind_of(name, dc))(DomainContext(run_id=run_id, name=name, cfg=cfg, dc=dc))
 
 
-def eval_set_for(cfg, name: str, n: int, seed: int, level: int | None = None, *, kind: str | None = None,
-                 dc=None) -> EvalSet | None:
+def eval_set_for(
+    cfg, name: str, n: int, seed: int, level: int | None = None, *, kind: str | None = None, dc=None
+) -> EvalSet | None:
     """The eval set of config domain `name` (its source's `eval_set(n, seed, level)`, at most n
     items), or None when its kind has no such hook, its factory raises `DomainUnavailable`
     (the sampler disables it too, and logs why) or the set is empty. `kind` and `dc` default
@@ -185,8 +185,13 @@ def finish_task(ctx: DomainContext, **fields: Any) -> Task:
     """A Task with the shared per-domain settings applied (fields given explicitly win)."""
     sc, dc = ctx.cfg.sampler, ctx.dc
     base: dict[str, Any] = dict(
-        run_id=ctx.run_id, domain=ctx.name, group_size=sc.group_size, temperature=sc.temperature,
-        max_tokens=dc.max_tokens or sc.max_tokens, max_turns=dc.max_turns, tool_format=dc.tool_format,
+        run_id=ctx.run_id,
+        domain=ctx.name,
+        group_size=sc.group_size,
+        temperature=sc.temperature,
+        max_tokens=dc.max_tokens or sc.max_tokens,
+        max_turns=dc.max_turns,
+        tool_format=dc.tool_format,
     )
     base.update(fields)
     if dc.verifier:
@@ -210,4 +215,3 @@ class StaticSource:
         fields.setdefault("task_id", f"{self.ctx.name}-{index}")
         fields.setdefault("difficulty", level)
         return Drawn(finish_task(self.ctx, **fields), hidden)
-

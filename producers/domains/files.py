@@ -29,8 +29,10 @@ def FilesDomain(ctx: DomainContext) -> FileSource:
     for fields, _, _ in source.items:
         params = fields["verifier_params"]
         if not isinstance(params.get("path"), str) or params.get("format") not in FORMATS:
-            raise ValueError(f"sampler.domains.{ctx.name}: task {params.get('problem_id')!r} needs params.path and "
-                             f"params.format in {FORMATS}")
+            raise ValueError(
+                f"sampler.domains.{ctx.name}: task {params.get('problem_id')!r} needs params.path and "
+                f"params.format in {FORMATS}"
+            )
     tools = list(ctx.dc.params.get("tools") or [])
     if tools:
         for fields, _, _ in source.items:

@@ -16,9 +16,13 @@ from producers.file_source import FileSource, file_source
 def JsonlDomain(ctx: DomainContext) -> FileSource:
     """`jsonl`: any task file (`data`, required) scored by any registered verifier (`verifier`, required)."""
     if not ctx.dc.verifier:
-        raise ValueError(f"domain {ctx.name!r} (kind jsonl) needs sampler.domains.{ctx.name}.verifier: "
-                         "the registered verifier that scores its tasks")
+        raise ValueError(
+            f"domain {ctx.name!r} (kind jsonl) needs sampler.domains.{ctx.name}.verifier: "
+            "the registered verifier that scores its tasks"
+        )
     if not ctx.dc.data:
-        raise ValueError(f"domain {ctx.name!r} (kind jsonl) needs sampler.domains.{ctx.name}.data: a JSONL or Parquet "
-                         "file, or a datasets save_to_disk directory")
+        raise ValueError(
+            f"domain {ctx.name!r} (kind jsonl) needs sampler.domains.{ctx.name}.data: a JSONL or Parquet "
+            "file, or a datasets save_to_disk directory"
+        )
     return file_source(ctx, None, ctx.dc.verifier)

@@ -44,12 +44,21 @@ def parse_problem(task_id: str, rec: dict[str, Any]) -> TaskLine:
         raise RowError("bad prompt", f"a math problem is text, not {type(problem).__name__}")
     if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
         raise RowError("bad gold", f"an answer is text or a number, not {type(gold).__name__}")
-    return TaskLine(task_id, (ChatMessage(role="user", content=f"{problem}\n{INSTRUCTION}"),),
-                    {**rec["hidden"], "gold": str(gold)}, rec["params"], level_of(rec.get("level")))
+    return TaskLine(
+        task_id,
+        (ChatMessage(role="user", content=f"{problem}\n{INSTRUCTION}"),),
+        {**rec["hidden"], "gold": str(gold)},
+        rec["params"],
+        level_of(rec.get("level")),
+    )
 
 
-MATH = Spec("math", (("id", "id"), ("prompt", "problem"), ("gold", "answer"), ("level", "level")),
-            ("prompt", "gold"), parse_problem)
+MATH = Spec(
+    "math",
+    (("id", "id"), ("prompt", "problem"), ("gold", "answer"), ("level", "level")),
+    ("prompt", "gold"),
+    parse_problem,
+)
 """The `math` kind's format: id, problem, answer (gold), level."""
 
 
@@ -75,8 +84,10 @@ def resolve_path(data: str) -> Path:
 
 def load(path: str) -> tuple[MathProblem, ...]:
     """Every usable problem of a data file in the default format (cached; malformed rows skipped)."""
-    return tuple(MathProblem(t.id, t.prompt[0].content.removesuffix(f"\n{INSTRUCTION}"), t.hidden["gold"], t.level)
-                 for t in load_split(str(path), Path(path), MATH).train)
+    return tuple(
+        MathProblem(t.id, t.prompt[0].content.removesuffix(f"\n{INSTRUCTION}"), t.hidden["gold"], t.level)
+        for t in load_split(str(path), Path(path), MATH).train
+    )
 
 
 @dataclass
@@ -99,7 +110,13 @@ class MathDomain:
 
         q = rng.choice(self.by_level.get(level) or self.data.train)  # at `level` if any there
         ref = hidden_ref_for(self.ctx.name, q.id)
-        task = finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
-                           prompt=list(q.prompt), verifier="math",
-                           verifier_params={"problem_id": q.id, **q.params}, hidden_ref=ref)
+        task = finish_task(
+            self.ctx,
+            task_id=f"{self.ctx.name}-{level}-{index}",
+            difficulty=level,
+            prompt=list(q.prompt),
+            verifier="math",
+            verifier_params={"problem_id": q.id, **q.params},
+            hidden_ref=ref,
+        )
         return Drawn(task, dict(q.hidden))

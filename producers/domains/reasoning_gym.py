@@ -90,21 +90,26 @@ class ReasoningGymDomain:
         params, dc = self.ctx.dc.params, self.ctx.dc
         self.dataset = str(params.get("dataset") or "")
         if not rg.is_known(self.dataset):
-            raise ValueError(f"domain {self.ctx.name!r}: sampler.domains.{self.ctx.name}.params.dataset "
-                             f"{self.dataset!r} is not a reasoning-gym dataset")
+            raise ValueError(
+                f"domain {self.ctx.name!r}: sampler.domains.{self.ctx.name}.params.dataset "
+                f"{self.dataset!r} is not a reasoning-gym dataset"
+            )
         self.range_mode = str(params.get("range_mode", "inclusive"))
         self.extra: dict[str, Any] = dict(params.get("config") or {})
         self.max_prompt_chars = params.get("max_prompt_chars")
         self.eval_n = int(params.get("eval_n", 32))
         n_levels = len(rg.levels(self.dataset, self.range_mode, self.extra))
         if not 1 <= dc.min_level <= dc.max_level <= n_levels:
-            raise ValueError(f"domain {self.ctx.name!r}: levels {dc.min_level}..{dc.max_level} outside the dataset "
-                             f"{self.dataset!r}'s 1..{n_levels} (range_mode {self.range_mode!r})")
+            raise ValueError(
+                f"domain {self.ctx.name!r}: levels {dc.min_level}..{dc.max_level} outside the dataset "
+                f"{self.dataset!r}'s 1..{n_levels} (range_mode {self.range_mode!r})"
+            )
         try:
             probe = self._dataset("train", dc.initial_level, 0, self.ctx.cfg.run.seed)[0]
         except Exception as exc:  # any failure of the third-party generator disables the domain
-            raise DomainUnavailable(f"reasoning-gym dataset {self.dataset!r} fails at level {dc.initial_level}: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+            raise DomainUnavailable(
+                f"reasoning-gym dataset {self.dataset!r} fails at level {dc.initial_level}: {type(exc).__name__}: {exc}"
+            ) from exc
         self.demonstrable = isinstance(probe.get("answer"), str) and bool(probe["answer"])
 
     def _dataset(self, stream: str, level: int, chunk: int, seed: int):
@@ -112,8 +117,14 @@ class ReasoningGymDomain:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        ds = rg.build(self.dataset, level, self.range_mode, self.extra,
-                      seed=rg.derive_seed(stream, seed, self.ctx.name, level, chunk), size=CHUNK)
+        ds = rg.build(
+            self.dataset,
+            level,
+            self.range_mode,
+            self.extra,
+            seed=rg.derive_seed(stream, seed, self.ctx.name, level, chunk),
+            size=CHUNK,
+        )
         self._cache[key] = ds
         while len(self._cache) > CACHED:
             self._cache.popitem(last=False)
@@ -130,8 +141,13 @@ class ReasoningGymDomain:
                 e = self.entry("train", level, index * ATTEMPTS + attempt, seed)
             except Exception as exc:  # a third-party generator's failure skips this one task
                 self.skipped["generator_error"] += 1
-                log.warning("reasoning_gym generator failed", domain=self.ctx.name, level=level, index=index,
-                            error=f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "reasoning_gym generator failed",
+                    domain=self.ctx.name,
+                    level=level,
+                    index=index,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
                 raise TaskSkipped("generator_error", f"{self.dataset} level {level} index {index}: {exc}") from exc
             question = str(e["question"])
             if rg.in_eval_slice(rg.content_hash(question)):
@@ -144,14 +160,25 @@ class ReasoningGymDomain:
 
     def hidden_of(self, e: dict[str, Any], level: int) -> dict[str, Any]:
         """The verifier-only payload of entry `e` drawn at `level`."""
-        return {"dataset": self.dataset, "question": str(e["question"]), "answer": rg.pack(e.get("answer")),
-                "metadata": rg.pack(e.get("metadata") or {}), "level": level, "range_mode": self.range_mode,
-                "config": rg.jsonable(self.extra)}
+        return {
+            "dataset": self.dataset,
+            "question": str(e["question"]),
+            "answer": rg.pack(e.get("answer")),
+            "metadata": rg.pack(e.get("metadata") or {}),
+            "level": level,
+            "range_mode": self.range_mode,
+            "config": rg.jsonable(self.extra),
+        }
 
     def _drawn(self, e: dict[str, Any], level: int, task_id: str, key: str) -> Drawn:
-        task = finish_task(self.ctx, task_id=task_id, difficulty=level, verifier="reasoning_gym",
-                           prompt=[ChatMessage(role="user", content=render_prompt(str(e["question"])))],
-                           hidden_ref=hidden_ref_for(self.ctx.name, key))
+        task = finish_task(
+            self.ctx,
+            task_id=task_id,
+            difficulty=level,
+            verifier="reasoning_gym",
+            prompt=[ChatMessage(role="user", content=render_prompt(str(e["question"])))],
+            hidden_ref=hidden_ref_for(self.ctx.name, key),
+        )
         return Drawn(task, self.hidden_of(e, level))
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:

@@ -58,12 +58,19 @@ MAX_LISTED_FILES = 200
 
 def usage(tool_format: str) -> str:
     """How to call the repository tools in `tool_format` (the prompt's tools section)."""
-    examples = [("list_files", {"path": "."}), ("read_file", {"path": "pkg/mod.py", "start": 1, "end": 40}),
-                ("write_file", {"path": "pkg/mod.py", "content": "...the whole new file...\n"}),
-                ("apply_patch", {"unified_diff": "--- a/pkg/mod.py\n+++ b/pkg/mod.py\n@@ -1,1 +1,1 @@\n-old\n+new\n"}),
-                ("run", {"command": "python -m pytest -x -q"}), ("submit", {})]
-    lines = ["Call one tool per turn; its output comes back before your next turn." if tool_format == "json"
-             else "Call one tool per turn with its tag; its output comes back before your next turn:"]
+    examples = [
+        ("list_files", {"path": "."}),
+        ("read_file", {"path": "pkg/mod.py", "start": 1, "end": 40}),
+        ("write_file", {"path": "pkg/mod.py", "content": "...the whole new file...\n"}),
+        ("apply_patch", {"unified_diff": "--- a/pkg/mod.py\n+++ b/pkg/mod.py\n@@ -1,1 +1,1 @@\n-old\n+new\n"}),
+        ("run", {"command": "python -m pytest -x -q"}),
+        ("submit", {}),
+    ]
+    lines = [
+        "Call one tool per turn; its output comes back before your next turn."
+        if tool_format == "json"
+        else "Call one tool per turn with its tag; its output comes back before your next turn:"
+    ]
     if tool_format != "json":
         lines += [repo_call_text(tool, args, "tags") for tool, args in examples]
     lines.append("Call submit when the repository is fixed; the hidden tests then run on it.")
@@ -76,10 +83,12 @@ def render_prompt(task: RepoTask, tool_format: str) -> str:
     listed = "\n".join(paths[:MAX_LISTED_FILES])
     if len(paths) > MAX_LISTED_FILES:
         listed += f"\n... and {len(paths) - MAX_LISTED_FILES} more (list_files shows them)"
-    return (f"{PROMPT_TASK_LINE}{task.task_id}\n{PROMPT_FORMAT_LINE}{tool_format}\n\n"
-            "You are working in a Python repository at /work. Resolve the issue below; the repository's "
-            f"public tests may help.\n\nIssue:\n{task.issue.strip()}\n\nFiles:\n{listed}\n\n"
-            f"Tools:\n{usage(tool_format)}")
+    return (
+        f"{PROMPT_TASK_LINE}{task.task_id}\n{PROMPT_FORMAT_LINE}{tool_format}\n\n"
+        "You are working in a Python repository at /work. Resolve the issue below; the repository's "
+        f"public tests may help.\n\nIssue:\n{task.issue.strip()}\n\nFiles:\n{listed}\n\n"
+        f"Tools:\n{usage(tool_format)}"
+    )
 
 
 def workspace_bytes(task: RepoTask) -> int:
@@ -146,12 +155,17 @@ class RepoDomain:
         workspace, payloads = self._workspace(task)
         digest = task.content_hash()
         fmt = self.ctx.dc.tool_format
-        out = finish_task(self.ctx, task_id=task_id, difficulty=level, verifier="repo",
-                          prompt=[ChatMessage(role="user", content=render_prompt(task, fmt))],
-                          tools=list(REPO_TOOLS), **workspace,
-                          verifier_params={**self.verifier_params, "repo_task": task.task_id,
-                                           "content_hash": digest},
-                          hidden_ref=hidden_ref_for(self.ctx.name, f"{task.task_id}-{digest[:16]}"))
+        out = finish_task(
+            self.ctx,
+            task_id=task_id,
+            difficulty=level,
+            verifier="repo",
+            prompt=[ChatMessage(role="user", content=render_prompt(task, fmt))],
+            tools=list(REPO_TOOLS),
+            **workspace,
+            verifier_params={**self.verifier_params, "repo_task": task.task_id, "content_hash": digest},
+            hidden_ref=hidden_ref_for(self.ctx.name, f"{task.task_id}-{digest[:16]}"),
+        )
         return Drawn(out, {"task": asdict(task)}, payloads)
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
@@ -167,10 +181,9 @@ class RepoDomain:
         """The fixed held-out tasks (see the module guarantees); `seed` does not change them."""
         level = self.ctx.dc.initial_level if level is None else level
         out = []
-        for task in self.eval[:min(n, self.eval_n)]:
+        for task in self.eval[: min(n, self.eval_n)]:
             try:
                 out.append(self._drawn(task, f"{self.ctx.name}-eval-{task.task_id}", level))
             except TaskSkipped:
                 continue
         return out
-

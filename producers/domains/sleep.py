@@ -23,9 +23,17 @@ class SleepDomain:
 
     def make_task(self, rng: random.Random, level: int, index: int) -> Drawn:
         seconds = float(self.ctx.dc.params.get("seconds", 0.1))
-        return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{index}", difficulty=level,
-                                 prompt=[ChatMessage(role="user", content=f"sleep:{seconds}")], verifier="constant",
-                                 verifier_params=self.verifier_params(), pool=self.ctx.dc.pool))
+        return Drawn(
+            finish_task(
+                self.ctx,
+                task_id=f"{self.ctx.name}-{index}",
+                difficulty=level,
+                prompt=[ChatMessage(role="user", content=f"sleep:{seconds}")],
+                verifier="constant",
+                verifier_params=self.verifier_params(),
+                pool=self.ctx.dc.pool,
+            )
+        )
 
     def verifier_params(self) -> dict:
         """`params.verify_seconds`: how long the `constant` verifier takes per call (a slow verifier)."""

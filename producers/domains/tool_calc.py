@@ -83,8 +83,13 @@ def heldout_set(seed: int, n: int, level: int) -> list[Problem]:
     return list(seen.values())
 
 
-def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = frozenset(),
-                  tool_format: str = "tags", direct_share: float = 0.0) -> list[tuple[str, bool | None]]:
+def demonstration(
+    rng: random.Random,
+    level: int,
+    heldout: frozenset[str] = frozenset(),
+    tool_format: str = "tags",
+    direct_share: float = 0.0,
+) -> list[tuple[str, bool | None]]:
     """SFT segments (text, trainable) of one worked episode in `tool_format`; with
     probability `direct_share`, one answered without the tool: the `=` that opens an
     answer from memory is supervised, the product's digits are shown but not trained on
@@ -102,10 +107,21 @@ def demonstration(rng: random.Random, level: int, heldout: frozenset[str] = froz
         return ToolDemo(direct, tool_specs([TOOL])) if tool_format == "json" else direct
     obs = render_observation(ExecResult(exit_code=0, stdout=f"{p.answer}\n", stderr=""))
     if tool_format == "json":
-        return ToolDemo([(p.prompt, False), (json_call_text(TOOL, p.expression), True),
-                         (tool_turn_text(obs), False), (f"={p.answer}", True)], tool_specs([TOOL]))
-    return [(p.prompt, False), (f"{CALL_OPEN}{p.expression}{CALL_CLOSE}", True),
-            (tool_turn_text(obs), False), (f"={p.answer}", True)]
+        return ToolDemo(
+            [
+                (p.prompt, False),
+                (json_call_text(TOOL, p.expression), True),
+                (tool_turn_text(obs), False),
+                (f"={p.answer}", True),
+            ],
+            tool_specs([TOOL]),
+        )
+    return [
+        (p.prompt, False),
+        (f"{CALL_OPEN}{p.expression}{CALL_CLOSE}", True),
+        (tool_turn_text(obs), False),
+        (f"={p.answer}", True),
+    ]
 
 
 @dataclass
@@ -127,10 +143,18 @@ class ToolCalcDomain:
             p = generate(rng, level)
             if p.expression not in self.heldout:
                 break
-        return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
-                                 prompt=[ChatMessage(role="user", content=p.prompt)], tools=[TOOL],
-                                 max_turns=max(2, self.ctx.dc.max_turns), verifier="tool_calc",
-                                 verifier_params={"expression": p.expression}))
+        return Drawn(
+            finish_task(
+                self.ctx,
+                task_id=f"{self.ctx.name}-{level}-{index}",
+                difficulty=level,
+                prompt=[ChatMessage(role="user", content=p.prompt)],
+                tools=[TOOL],
+                max_turns=max(2, self.ctx.dc.max_turns),
+                verifier="tool_calc",
+                verifier_params={"expression": p.expression},
+            )
+        )
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool | None]]:
         return demonstration(rng, level, self.heldout, self.ctx.dc.tool_format, self.direct_share)
@@ -140,11 +164,25 @@ class ToolCalcDomain:
         dc, name = self.ctx.dc, self.ctx.name
         level = dc.initial_level if level is None else level
         max_tokens = dc.max_tokens or self.ctx.cfg.sampler.max_tokens
-        items = tuple(EvalItem(Task(run_id=self.ctx.run_id, task_id=f"{name}-eval-{i}", domain=name, group_size=1,
-                                    max_tokens=max_tokens, temperature=0.0, max_turns=max(2, dc.max_turns),
-                                    prompt=[ChatMessage(role="user", content=p.prompt)], tools=[TOOL],
-                                    tool_format=dc.tool_format, verifier="tool_calc",
-                                    verifier_params={"expression": p.expression}),
-                               gold=p.answer, row=p.expression)
-                      for i, p in enumerate(heldout_set(seed, n, level)))
+        items = tuple(
+            EvalItem(
+                Task(
+                    run_id=self.ctx.run_id,
+                    task_id=f"{name}-eval-{i}",
+                    domain=name,
+                    group_size=1,
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    max_turns=max(2, dc.max_turns),
+                    prompt=[ChatMessage(role="user", content=p.prompt)],
+                    tools=[TOOL],
+                    tool_format=dc.tool_format,
+                    verifier="tool_calc",
+                    verifier_params={"expression": p.expression},
+                ),
+                gold=p.answer,
+                row=p.expression,
+            )
+            for i, p in enumerate(heldout_set(seed, n, level))
+        )
         return EvalSet(name, seed, level, items, local="episodes", answer=calc_answer)

@@ -33,8 +33,10 @@ def main(args: argparse.Namespace) -> int:
     prefix = args.key or ""
     rows = [r for r in fields(RunConfig) if not prefix or r[0] == prefix or r[0].startswith(prefix + ".")]
     if not rows:
-        print(f"rlbus config-help: no config field {prefix!r}; sections: {', '.join(RunConfig.model_fields)}",
-              file=sys.stderr)
+        print(
+            f"rlbus config-help: no config field {prefix!r}; sections: {', '.join(RunConfig.model_fields)}",
+            file=sys.stderr,
+        )
         return 1
     for key, typ, default, doc in rows:
         print(f"{key} ({typ}) = {default!r}")
@@ -44,8 +46,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("config-help", help="every run-config field: type, default and what it does",
-                       description="List run-config fields (TOML keys, or `--set KEY=VALUE` for `rlbus up`) with "
-                                   "their type, default and docstring, e.g. `rlbus config-help learner.lora`.")
+    p = sub.add_parser(
+        "config-help",
+        help="every run-config field: type, default and what it does",
+        description="List run-config fields (TOML keys, or `--set KEY=VALUE` for `rlbus up`) with "
+        "their type, default and docstring, e.g. `rlbus config-help learner.lora`.",
+    )
     p.add_argument("key", nargs="?", help="a key or section prefix, e.g. learner, scheduler.eval, sampler.group_size")
     p.set_defaults(func=main)

@@ -33,10 +33,14 @@ replay in the run's KV bucket (dlq.replayed.<SEQ>); `list` shows it in the REPLA
 
 def register(sub) -> None:
     """Add `rlbus dlq` to the CLI's subparsers."""
-    dlq = sub.add_parser("dlq", help="list, show and replay a run's dead letters",
-                         description="Dead letters are messages a stage rejected or that exceeded their consumer's "
-                                     "max_deliver; each keeps its reason, delivery count and the original bytes.",
-                         epilog=DLQ_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    dlq = sub.add_parser(
+        "dlq",
+        help="list, show and replay a run's dead letters",
+        description="Dead letters are messages a stage rejected or that exceeded their consumer's "
+        "max_deliver; each keeps its reason, delivery count and the original bytes.",
+        epilog=DLQ_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     dlq.add_argument("action", choices=("list", "show", "replay"), help="list all, show one, or replay some")
     dlq.add_argument("seqs", nargs="*", type=int, metavar="SEQ", help="DLQ sequence number(s) (show: one; replay: any)")
     dlq.add_argument("--all", action="store_true", help="replay: every letter not yet replayed")
@@ -85,9 +89,16 @@ def main(args) -> int:
     reg = Registry(args.run_id)
 
     def row(seq, letter, replayed):
-        return {"seq": seq, "stage": letter.stage, "error_type": letter.error_type, "deliveries": letter.delivery_count,
-                "subject": letter.original_subject, "reason": letter.reason, "task_msg_id": letter.task_msg_id,
-                "replayed": bool(replayed)}
+        return {
+            "seq": seq,
+            "stage": letter.stage,
+            "error_type": letter.error_type,
+            "deliveries": letter.delivery_count,
+            "subject": letter.original_subject,
+            "reason": letter.reason,
+            "task_msg_id": letter.task_msg_id,
+            "replayed": bool(replayed),
+        }
 
     async def go() -> int:
         nc = await connect(url, name="rlbus-dlq")
@@ -104,8 +115,10 @@ def main(args) -> int:
                     if args.json:
                         print(json.dumps(r))
                     else:
-                        print(f"{seq:>5}  {r['stage']:<9} {r['error_type']:<15} {r['deliveries']:>3}  "
-                              f"{'yes' if r['replayed'] else 'no':<8}  {r['subject']}  {r['reason']}")
+                        print(
+                            f"{seq:>5}  {r['stage']:<9} {r['error_type']:<15} {r['deliveries']:>3}  "
+                            f"{'yes' if r['replayed'] else 'no':<8}  {r['subject']}  {r['reason']}"
+                        )
                 return 0
             if args.action == "show":
                 try:
@@ -123,14 +136,20 @@ def main(args) -> int:
                 return 0
             seqs = list(args.seqs)
             if args.all:
-                seqs += [s for s, _ in await dlq.list_letters(js, reg)
-                         if s not in seqs and not await dlq.replayed(js, reg, s)]
+                seqs += [
+                    s
+                    for s, _ in await dlq.list_letters(js, reg)
+                    if s not in seqs and not await dlq.replayed(js, reg, s)
+                ]
             try:
                 stored = await dlq.replay(js, reg, seqs)
             except KeyError as exc:
                 sys.exit(f"rlbus dlq: {exc.args[0]}")
-            print(json.dumps({"replayed": seqs, "stored": stored}) if args.json
-                  else f"replayed {len(seqs)} letter(s) {seqs}; {stored} stored (the rest were duplicates within the window)")
+            print(
+                json.dumps({"replayed": seqs, "stored": stored})
+                if args.json
+                else f"replayed {len(seqs)} letter(s) {seqs}; {stored} stored (the rest were duplicates within the window)"
+            )
             return 0
         finally:
             await nc.close()

@@ -86,7 +86,9 @@ async def _find_version(js, reg, version: int, db_url: str | None, run_path: Pat
     finally:
         store.close()
     if not rows:
-        raise ExportError(f"version {version} of run {reg.run_id} is neither in its WEIGHTS stream nor in its run store")
+        raise ExportError(
+            f"version {version} of run {reg.run_id} is neither in its WEIGHTS stream nor in its run store"
+        )
     return rows[-1].uri, rows[-1].sha256, rows[-1].step
 
 
@@ -103,13 +105,16 @@ async def _released_version(js, reg, db_url: str | None, run_path: Path) -> int:
     finally:
         store.close()
     if v is None:
-        raise ExportError(f"run {reg.run_id} has no released version yet (no version passed the release gate); "
-                          "export --version latest or a number instead")
+        raise ExportError(
+            f"run {reg.run_id} has no released version yet (no version passed the release gate); "
+            "export --version latest or a number instead"
+        )
     return v
 
 
-async def fetch_version_blob(nats_url: str, run_id: str, version: str, db_url: str | None,
-                             run_path: Path) -> tuple[bytes, Source]:
+async def fetch_version_blob(
+    nats_url: str, run_id: str, version: str, db_url: str | None, run_path: Path
+) -> tuple[bytes, Source]:
     """The blob of `version` (a number, `latest` or `released`) and where it came from."""
     from bus.conn import connect
     from bus.kv import WEIGHTS_LATEST, get_json
@@ -132,9 +137,11 @@ async def fetch_version_blob(nats_url: str, run_id: str, version: str, db_url: s
         try:
             blob = await fetch_weights(uri, sha, js)
         except BlobGone as exc:
-            raise ExportError(f"version {number} is no longer in the weight store ({exc}): the learner keeps only "
-                              "the newest learner.keep_versions versions, version 0 and the released one; export "
-                              "--version latest or released, or a newer number") from exc
+            raise ExportError(
+                f"version {number} is no longer in the weight store ({exc}): the learner keeps only "
+                "the newest learner.keep_versions versions, version 0 and the released one; export "
+                "--version latest or released, or a newer number"
+            ) from exc
     finally:
         await nc.close()
     return blob, Source("blob", number, step, sha, uri)
@@ -169,14 +176,18 @@ def model_from_checkpoint(start: Path, ckpt: Path):
     payload = torch.load(ckpt, map_location="cpu", weights_only=False)
     state = payload["model"]
     if any(k.startswith("base_model.model.") for k in state):
-        raise ExportError(f"{ckpt} is a LoRA (peft) checkpoint; start the run's NATS server and export a "
-                          "published version instead (its adapter blob is merged on export)")
+        raise ExportError(
+            f"{ckpt} is a LoRA (peft) checkpoint; start the run's NATS server and export a "
+            "published version instead (its adapter blob is merged on export)"
+        )
     model = _load_start(start)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
-        raise ExportError(f"{ckpt} does not fit {start}: missing={sorted(set(missing) - tied)[:5]} "
-                          f"unexpected={sorted(unexpected)[:5]}")
+        raise ExportError(
+            f"{ckpt} does not fit {start}: missing={sorted(set(missing) - tied)[:5]} "
+            f"unexpected={sorted(unexpected)[:5]}"
+        )
     model.tie_weights()
     return model, payload.get("state") or {}
 
@@ -198,8 +209,14 @@ def write_model_dir(model, start: Path, out: Path, provenance: dict) -> Path:
     return out
 
 
-def export(run_path: Path, out: Path, version: str = "latest", nats_url: str | None = None,
-           db_url: str | None = None, say=print) -> Source:
+def export(
+    run_path: Path,
+    out: Path,
+    version: str = "latest",
+    nats_url: str | None = None,
+    db_url: str | None = None,
+    say=print,
+) -> Source:
     """Export `version` of the run at `run_path` to `out`; returns where the weights came from."""
     run_path = Path(run_path).resolve()
     folder = RunFolder(run_path)
@@ -217,26 +234,47 @@ def export(run_path: Path, out: Path, version: str = "latest", nats_url: str | N
         where = f"at {url}" if url else "(no --nats-url and no nats_url in run.json)"
         ckpt = folder.learner_checkpoint
         if version != "latest":
-            raise ExportError(f"no NATS server answers {where}, and version {version!r} lives in the run's object "
-                              f"store: restart it (`rlbus up --resume {run_path}`) or pass --nats-url; "
-                              "--version latest can fall back to the newest learner checkpoint")
+            raise ExportError(
+                f"no NATS server answers {where}, and version {version!r} lives in the run's object "
+                f"store: restart it (`rlbus up --resume {run_path}`) or pass --nats-url; "
+                "--version latest can fall back to the newest learner checkpoint"
+            )
         if not ckpt.exists():
             raise ExportError(f"no NATS server answers {where} and {ckpt} does not exist: nothing to export")
         model, saved = model_from_checkpoint(start, ckpt)
-        source = Source("checkpoint", saved.get("version"), saved.get("step"), uri=ckpt.as_uri(),
-                        note=f"NATS server not reachable {where}: exported the newest learner checkpoint "
-                             f"(step {saved.get('step')}, last published version {saved.get('version')}) instead")
+        source = Source(
+            "checkpoint",
+            saved.get("version"),
+            saved.get("step"),
+            uri=ckpt.as_uri(),
+            note=f"NATS server not reachable {where}: exported the newest learner checkpoint "
+            f"(step {saved.get('step')}, last published version {saved.get('version')}) instead",
+        )
         say(source.note)
-    provenance = {"run_id": run_id, "requested": version, "source": source.kind, "version": source.version,
-                  "step": source.step, "sha256": source.sha256, "uri": source.uri, "note": source.note}
+    provenance = {
+        "run_id": run_id,
+        "requested": version,
+        "source": source.kind,
+        "version": source.version,
+        "step": source.step,
+        "sha256": source.sha256,
+        "uri": source.uri,
+        "note": source.note,
+    }
     write_model_dir(model, start, out, provenance)
     return source
 
 
 def _main(args) -> int:
     try:
-        src = export(Path(args.run_path), Path(args.out), args.version, args.nats_url, args.db_url,
-                     say=lambda m: print(m, file=sys.stderr))
+        src = export(
+            Path(args.run_path),
+            Path(args.out),
+            args.version,
+            args.nats_url,
+            args.db_url,
+            say=lambda m: print(m, file=sys.stderr),
+        )
     except ExportError as exc:
         print(f"rlbus export: {exc}", file=sys.stderr)
         return 2
@@ -246,13 +284,21 @@ def _main(args) -> int:
 
 def register(sub) -> None:
     """Add `rlbus export` to the `rlbus` parser."""
-    p = sub.add_parser("export", help="write one weight version of a run as a Hugging Face model directory",
-                       description="Write a version's weights as a Hugging Face model directory (safetensors, config, "
-                                   "tokenizer) that from_pretrained and vLLM load as it is.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "export",
+        help="write one weight version of a run as a Hugging Face model directory",
+        description="Write a version's weights as a Hugging Face model directory (safetensors, config, "
+        "tokenizer) that from_pretrained and vLLM load as it is.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_path", metavar="RUN_PATH", help="the run folder, <run-dir>/<run_id>")
-    p.add_argument("--version", default="latest", metavar="V|latest|released",
-                   help="a version number, 'latest' (default) or 'released' (newest version that passed the release gate)")
+    p.add_argument(
+        "--version",
+        default="latest",
+        metavar="V|latest|released",
+        help="a version number, 'latest' (default) or 'released' (newest version that passed the release gate)",
+    )
     p.add_argument("--out", required=True, help="output directory (replaced if it exists)")
     p.add_argument("--nats-url", help="the run's NATS server (default: nats_url in RUN_PATH/run.json)")
     p.add_argument("--db-url", help="run store URL for version look-ups (default: $RLBUS_DB_URL, else RUN_PATH/run.db)")

@@ -65,32 +65,52 @@ def register(sub) -> None:
     """Add `rlbus generate` to the CLI."""
     import argparse
 
-    p = sub.add_parser("generate", help="sample from a model directory with the rollout engines (hf or vllm)",
-                       description="Generate completions for prompts with the engine a rollout worker uses, and print "
-                                   "them (token ids, behaviour log-probs, text, finish reason).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL_DIR", help="HF model folder (e.g. from `rlbus init-model`, or a run's model/start)")
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="hf: transformers/torch (default); vllm: vLLM")
+    p = sub.add_parser(
+        "generate",
+        help="sample from a model directory with the rollout engines (hf or vllm)",
+        description="Generate completions for prompts with the engine a rollout worker uses, and print "
+        "them (token ids, behaviour log-probs, text, finish reason).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model", metavar="MODEL_DIR", help="HF model folder (e.g. from `rlbus init-model`, or a run's model/start)"
+    )
+    p.add_argument(
+        "--engine", choices=("hf", "vllm"), default="hf", help="hf: transformers/torch (default); vllm: vLLM"
+    )
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeat for several)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens per sample (default 32)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template (the prompt as one user message)")
+    p.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template (the prompt as one user message)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, nothing else there")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype, as hf loads it), float32, bfloat16, "
-                                                   "float16 (vllm only; hf always loads the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's dtype, as hf loads it), float32, bfloat16, "
+        "float16 (vllm only; hf always loads the checkpoint's)",
+    )
     hf = p.add_argument_group("hf engine")
     hf.add_argument("--device", help="torch device (default cpu)")
     hf.add_argument("--threads", type=int, help="torch threads (default: min(4, CPUs))")
     v = p.add_argument_group("vllm engine (the rollout.vllm config section)")
-    v.add_argument("--tier", choices=("standard", "fast", "fast_fp8", "fast_spec"), help="speed tier (default standard)")
+    v.add_argument(
+        "--tier", choices=("standard", "fast", "fast_fp8", "fast_spec"), help="speed tier (default standard)"
+    )
     v.add_argument("--max-model-len", type=int, help="longest context in tokens (default: the model's)")
     v.add_argument("--kv-cache-mb", type=int, help="KV-cache size in MiB (default: from --gpu-memory-utilization)")
     v.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU (on CPU: RAM) memory (default 0.3)")
     v.add_argument("--max-num-seqs", type=int, help="most sequences per decode step (default: vLLM's)")
-    v.add_argument("--compile", action="store_true", help="CUDA graphs / torch.compile: slower start, faster decoding "
-                                                          "(default: eager, the choice for one-shot use and CPU)")
+    v.add_argument(
+        "--compile",
+        action="store_true",
+        help="CUDA graphs / torch.compile: slower start, faster decoding "
+        "(default: eager, the choice for one-shot use and CPU)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -108,8 +128,10 @@ def check_args(args) -> Path:
     """The model folder, after refusing what cannot run (GenerateError naming the fix)."""
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-        raise GenerateError(f"{model_dir} is not a HF model folder (no config.json); build one with "
-                            "`rlbus init-model DIR`, or pass a run's <run-dir>/<run_id>/model/start")
+        raise GenerateError(
+            f"{model_dir} is not a HF model folder (no config.json); build one with "
+            "`rlbus init-model DIR`, or pass a run's <run-dir>/<run_id>/model/start"
+        )
     if args.n < 1 or args.max_tokens < 1:
         raise GenerateError("--n and --max-tokens must be at least 1")
     if args.temperature < 0:
@@ -131,8 +153,10 @@ def check_args(args) -> Path:
         try:
             require_engine("vllm")
         except VLLMMissing as exc:
-            raise GenerateError(f"--engine vllm: {exc} For this command: `.venv-vllm/bin/rlbus generate "
-                                f"{model_dir} --engine vllm ...`, or --engine hf.") from None
+            raise GenerateError(
+                f"--engine vllm: {exc} For this command: `.venv-vllm/bin/rlbus generate "
+                f"{model_dir} --engine vllm ...`, or --engine hf."
+            ) from None
     return model_dir
 
 
@@ -146,9 +170,11 @@ def engine_prompts(model_dir: Path, texts: list[str], chat: bool) -> list[str] |
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not has_template(tokenizer):
-        raise GenerateError(f"--chat needs a chat template, and the tokenizer of {model_dir} has none (a char "
-                            "tokenizer?): drop --chat to give the prompt text as it is, or use a model with a "
-                            "template (`rlbus init-model DIR --tokenizer bpe`)")
+        raise GenerateError(
+            f"--chat needs a chat template, and the tokenizer of {model_dir} has none (a char "
+            "tokenizer?): drop --chat to give the prompt text as it is, or use a model with a "
+            "template (`rlbus init-model DIR --tokenizer bpe`)"
+        )
     return [prompt_ids(tokenizer, user_prompt(text)) for text in texts]
 
 
@@ -171,9 +197,15 @@ def vllm_section(args, model_dir: Path):
     from schemas.config import VLLMEngineSection
 
     dtype = (checkpoint_dtype(model_dir) or "auto") if args.dtype == "auto" else args.dtype
-    opts = dict(tier=args.tier, dtype=dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
-                kv_cache_memory_mb=args.kv_cache_mb, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_seqs=args.max_num_seqs)
+    opts = dict(
+        tier=args.tier,
+        dtype=dtype,
+        enforce_eager=not args.compile,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_mb=args.kv_cache_mb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+    )
     try:
         return VLLMEngineSection(**{k: v for k, v in opts.items() if v is not None})
     except ValidationError as exc:
@@ -195,10 +227,22 @@ def start_engine(args, model_dir: Path):
 
 def records(texts: list[str], groups) -> list[dict]:
     """The JSON objects of `--json`, one per prompt (see the module guarantees)."""
-    return [{"prompt": text, "prompt_ids": [int(t) for t in group[0].prompt_ids],
-             "samples": [{"token_ids": [int(t) for t in s.token_ids], "logprobs": [float(x) for x in s.logprobs],
-                          "text": s.text, "finish_reason": s.finish_reason} for s in group]}
-            for text, group in zip(texts, groups, strict=True)]
+    return [
+        {
+            "prompt": text,
+            "prompt_ids": [int(t) for t in group[0].prompt_ids],
+            "samples": [
+                {
+                    "token_ids": [int(t) for t in s.token_ids],
+                    "logprobs": [float(x) for x in s.logprobs],
+                    "text": s.text,
+                    "finish_reason": s.finish_reason,
+                }
+                for s in group
+            ],
+        }
+        for text, group in zip(texts, groups, strict=True)
+    ]
 
 
 def render(recs: list[dict], console, caption: str = "") -> None:
@@ -207,14 +251,23 @@ def render(recs: list[dict], console, caption: str = "") -> None:
     from rich.text import Text
 
     for i, rec in enumerate(recs):
-        table = Table(title=Text(f"prompt {i + 1}/{len(recs)} ({len(rec['prompt_ids'])} tokens): {rec['prompt']!r}"),
-                      caption=caption or None, show_lines=True)
-        for col, justify in (("#", "right"), ("finish", "left"), ("tokens", "right"), ("logprob", "right"),
-                             ("text", "left")):
+        table = Table(
+            title=Text(f"prompt {i + 1}/{len(recs)} ({len(rec['prompt_ids'])} tokens): {rec['prompt']!r}"),
+            caption=caption or None,
+            show_lines=True,
+        )
+        for col, justify in (
+            ("#", "right"),
+            ("finish", "left"),
+            ("tokens", "right"),
+            ("logprob", "right"),
+            ("text", "left"),
+        ):
             table.add_column(col, justify=justify, overflow="fold")
         for j, s in enumerate(rec["samples"]):
-            table.add_row(str(j + 1), s["finish_reason"], str(len(s["token_ids"])), f"{sum(s['logprobs']):.3f}",
-                          Text(s["text"]))
+            table.add_row(
+                str(j + 1), s["finish_reason"], str(len(s["token_ids"])), f"{sum(s['logprobs']):.3f}", Text(s["text"])
+            )
         console.print(table)
 
 
@@ -241,7 +294,7 @@ def run_engine(engine, args, prompts) -> list:
     if args.temperature > 0 or args.n == 1:
         return engine.generate(prompts, args.n, args.max_tokens, args.temperature)
     flat = engine.generate([p for p in prompts for _ in range(args.n)], 1, args.max_tokens, args.temperature)
-    return [[g[0] for g in flat[i * args.n:(i + 1) * args.n]] for i in range(len(prompts))]
+    return [[g[0] for g in flat[i * args.n : (i + 1) * args.n]] for i in range(len(prompts))]
 
 
 def generate(args) -> list[dict]:
@@ -271,6 +324,10 @@ def _run(args) -> int:
     from rich.console import Console
 
     mode = "greedy" if args.temperature <= 0 else f"temperature {args.temperature:g}"
-    render(recs, Console(), caption=f"--engine {args.engine}, {mode}, at most {args.max_tokens} new tokens"
-                                    + (", chat template" if args.chat else ""))
+    render(
+        recs,
+        Console(),
+        caption=f"--engine {args.engine}, {mode}, at most {args.max_tokens} new tokens"
+        + (", chat template" if args.chat else ""),
+    )
     return 0

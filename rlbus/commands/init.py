@@ -17,10 +17,14 @@ def register(sub) -> None:
     """Add `rlbus init` to the CLI."""
     import argparse
 
-    p = sub.add_parser("init", help="prepare a run folder (config.json, model/start, secret) for separately started workers",
-                       description="Resolve the config, build + warm-start the model into <run-dir>/<run-id>/model/start "
-                                   "(kept if it exists), create the tool secret and, with --nats-url, the run's streams.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "init",
+        help="prepare a run folder (config.json, model/start, secret) for separately started workers",
+        description="Resolve the config, build + warm-start the model into <run-dir>/<run-id>/model/start "
+        "(kept if it exists), create the tool secret and, with --nats-url, the run's streams.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="run config TOML, e.g. examples/demo.toml")
     p.add_argument("--run-id", required=True, help="run id every worker will be given")
     p.add_argument("--run-dir", default="runs", help="parent folder of runs (shared with the workers)")

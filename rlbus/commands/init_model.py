@@ -14,8 +14,12 @@ def register(sub) -> None:
     """Add `rlbus init-model` to the CLI's subparsers."""
     im = sub.add_parser("init-model", help="build a tiny HF-format causal LM (BPE or char tokenizer) locally")
     im.add_argument("out", help="output folder")
-    im.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe",
-                    help="bpe: byte-level BPE with a ChatML chat template (default); char: one id per character")
+    im.add_argument(
+        "--tokenizer",
+        choices=("bpe", "char"),
+        default="bpe",
+        help="bpe: byte-level BPE with a ChatML chat template (default); char: one id per character",
+    )
     im.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
     for flag, default in (("--hidden-size", 128), ("--num-layers", 4), ("--num-heads", 4), ("--seed", 0)):
         im.add_argument(flag, type=int, default=default)
@@ -26,8 +30,14 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of `rlbus init-model`."""
     from rlbus.model.tiny_model import build_tiny_model
 
-    path = build_tiny_model(Path(args.out), arch=args.arch, hidden_size=args.hidden_size,
-                            num_layers=args.num_layers, num_heads=args.num_heads, seed=args.seed,
-                            tokenizer=args.tokenizer)
+    path = build_tiny_model(
+        Path(args.out),
+        arch=args.arch,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+    )
     print(f"tiny model ({args.tokenizer} tokenizer) written to {path}")
     return 0

@@ -26,18 +26,27 @@ def _main(args) -> int:
     except FileNotFoundError as exc:
         print(f"rlbus report: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"report": str(path), "plots": sorted(str(p) for p in (path.parent / "plots").glob("*.png"))},
-                     indent=1))
+    print(
+        json.dumps(
+            {"report": str(path), "plots": sorted(str(p) for p in (path.parent / "plots").glob("*.png"))}, indent=1
+        )
+    )
     return 0
 
 
 def register(sub) -> None:
     """Add `rlbus report` to the `rlbus` parser."""
-    p = sub.add_parser("report", help="write a run's report.md and plots/*.png from its run store",
-                       description="Read the run store (SQLite <run>/run.db by default) and write report.md plus plots: "
-                                   "reward per domain, capability vs cost, curriculum weights, throughput and staleness.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_path", metavar="RUN_PATH", help="the run folder, <run-dir>/<run_id> (report and plots go there)")
+    p = sub.add_parser(
+        "report",
+        help="write a run's report.md and plots/*.png from its run store",
+        description="Read the run store (SQLite <run>/run.db by default) and write report.md plus plots: "
+        "reward per domain, capability vs cost, curriculum weights, throughput and staleness.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "run_path", metavar="RUN_PATH", help="the run folder, <run-dir>/<run_id> (report and plots go there)"
+    )
     p.add_argument("--db-url", help="run store URL (default: $RLBUS_DB_URL, else RUN_PATH/run.db)")
     p.add_argument("--run-id", help="run id in the store (default: the folder's name)")
     p.add_argument("--bucket-s", type=float, default=10.0, help="throughput bucket in seconds (default 10)")

@@ -80,8 +80,10 @@ def parse_sets(items: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         param = key.strip().removeprefix("verifier.")
         if not sep or not key.strip().startswith("verifier.") or not param:
-            raise RescoreError(f"--set {item!r}: expected verifier.PARAM=VALUE (a public verifier parameter of "
-                               "the trajectories, e.g. --set verifier.threshold=0.8)")
+            raise RescoreError(
+                f"--set {item!r}: expected verifier.PARAM=VALUE (a public verifier parameter of "
+                "the trajectories, e.g. --set verifier.threshold=0.8)"
+            )
         try:
             out[param] = json.loads(raw)
         except ValueError:
@@ -93,8 +95,9 @@ def retarget(traj: Trajectory, verifier: str | None, params: dict) -> Trajectory
     """The trajectory as the new verifier should see it (unchanged without overrides)."""
     if not verifier and not params:
         return traj
-    new = traj.model_copy(update={"verifier": verifier or traj.verifier,
-                                  "verifier_params": {**traj.verifier_params, **params}})
+    new = traj.model_copy(
+        update={"verifier": verifier or traj.verifier, "verifier_params": {**traj.verifier_params, **params}}
+    )
     new._wire = None  # the stored wire map no longer describes it
     return new
 
@@ -115,10 +118,19 @@ def compare(seq: int, old: Reward, new: Reward | None, error: str | None, thresh
     """One sample's row of the report."""
     traj = old.trajectory
     changed = new is None or abs(new.reward - old.reward) > CHANGE_EPS or new.status != old.status
-    return {"seq": seq, "msg_id": traj.msg_id, "task_id": traj.task_id, "sample_index": traj.sample_index,
-            "verifier": {"old": traj.verifier, "new": new.trajectory.verifier if new else None},
-            "old": _summary(old), "new": _summary(new) if new else None, "error": error,
-            "old_outcome": outcome(old, threshold), "new_outcome": outcome(new, threshold), "changed": changed}
+    return {
+        "seq": seq,
+        "msg_id": traj.msg_id,
+        "task_id": traj.task_id,
+        "sample_index": traj.sample_index,
+        "verifier": {"old": traj.verifier, "new": new.trajectory.verifier if new else None},
+        "old": _summary(old),
+        "new": _summary(new) if new else None,
+        "error": error,
+        "old_outcome": outcome(old, threshold),
+        "new_outcome": outcome(new, threshold),
+        "changed": changed,
+    }
 
 
 def tool_secret(run_path: Path) -> bytes | None:
@@ -135,8 +147,9 @@ def tool_secret(run_path: Path) -> bytes | None:
     return secret
 
 
-async def rescore_rows(access, domain: str, verifier: str | None, params: dict, limit: int | None,
-                       threshold: float) -> list[dict]:
+async def rescore_rows(
+    access, domain: str, verifier: str | None, params: dict, limit: int | None, threshold: float
+) -> list[dict]:
     """Re-score the stored samples of `domain`; one comparison row each."""
     from bus.hidden import HiddenCache
     from bus.pull import Reject, Retry
@@ -148,8 +161,15 @@ async def rescore_rows(access, domain: str, verifier: str | None, params: dict, 
         # max_deliver=1: an infrastructure failure is final at once (Reject), never retried here
         # the check comes from the run's hidden bucket (bus.checks), as in the verifier worker; the
         # operator's --verifier/--set apply after it, never the stored trajectory's own copies
-        scorer = Scorer(HiddenCache(js, access.reg), RetryPolicy(max_deliver=1), 0, js, access.reg,
-                        tool_secret(access.run_path), retarget=lambda t: retarget(t, verifier, params))
+        scorer = Scorer(
+            HiddenCache(js, access.reg),
+            RetryPolicy(max_deliver=1),
+            0,
+            js,
+            access.reg,
+            tool_secret(access.run_path),
+            retarget=lambda t: retarget(t, verifier, params),
+        )
         async for seq, old in iter_rewards(js, access.reg, domain):
             if limit is not None and len(rows) >= limit:
                 break
@@ -203,8 +223,16 @@ def check_verifier(name: str | None) -> None:
         raise RescoreError(f"--verifier: {exc}") from None
 
 
-def rescore(run_path: str | os.PathLike, domain: str, verifier: str | None = None, sets: list[str] = (),
-            limit: int | None = None, threshold: float = 0.5, nats_url: str | None = None, say=print) -> dict:
+def rescore(
+    run_path: str | os.PathLike,
+    domain: str,
+    verifier: str | None = None,
+    sets: list[str] = (),
+    limit: int | None = None,
+    threshold: float = 0.5,
+    nats_url: str | None = None,
+    say=print,
+) -> dict:
     """Re-score, write the report, and return the summary `{changed, total, confusion, changed_ids, report}`."""
     params = parse_sets(list(sets))
     check_verifier(verifier)
@@ -212,12 +240,25 @@ def rescore(run_path: str | os.PathLike, domain: str, verifier: str | None = Non
         say(f"rescoring domain {domain} of {access.describe()}")
         rows = asyncio.run(rescore_rows(access, domain, verifier, params, limit, threshold))
     changed_ids = [r["msg_id"] for r in rows if r["changed"]]
-    summary = {"changed": len(changed_ids), "total": len(rows), "confusion": confusion(rows),
-               "changed_ids": changed_ids}
-    report = {"run_id": access.run_id, "domain": domain, "created_at": time.time(), "source": access.source,
-              "verifier": verifier, "set": params, "limit": limit,
-              "pass_rule": f"correct component >= {threshold} (scalar reward when there is no correct component)",
-              **summary, "errors": sum(r["error"] is not None for r in rows), "samples": rows}
+    summary = {
+        "changed": len(changed_ids),
+        "total": len(rows),
+        "confusion": confusion(rows),
+        "changed_ids": changed_ids,
+    }
+    report = {
+        "run_id": access.run_id,
+        "domain": domain,
+        "created_at": time.time(),
+        "source": access.source,
+        "verifier": verifier,
+        "set": params,
+        "limit": limit,
+        "pass_rule": f"correct component >= {threshold} (scalar reward when there is no correct component)",
+        **summary,
+        "errors": sum(r["error"] is not None for r in rows),
+        "samples": rows,
+    }
     summary["report"] = str(write_report(access.run_path, report))
     return {**summary, "rows": rows}
 
@@ -226,15 +267,21 @@ def print_comparison(result: dict, verifier: str | None, params: dict, threshold
     """The human part of the output (everything before the last, JSON, line)."""
     rows = result["rows"]
     olds = sorted({r["verifier"]["old"] for r in rows})
-    print(f"verifier {', '.join(olds) or '-'} -> {verifier or 'same'}"
-          + (f"; params set: {json.dumps(params)}" if params else ""))
-    print(f"pass = `correct` component >= {threshold:g} (the scalar reward where a sample has no `correct`); "
-          "error = could not be scored")
+    print(
+        f"verifier {', '.join(olds) or '-'} -> {verifier or 'same'}"
+        + (f"; params set: {json.dumps(params)}" if params else "")
+    )
+    print(
+        f"pass = `correct` component >= {threshold:g} (the scalar reward where a sample has no `correct`); "
+        "error = could not be scored"
+    )
     print(f"rescored {result['total']} sample(s): {result['changed']} changed")
     c = result["confusion"]
     print(f"{'':>10}{'new pass':>10}{'new fail':>10}{'new error':>11}")
     for old in OUTCOMES[:2]:
-        print(f"{'old ' + old:>10}" + "".join(f"{c[f'{old}->{new}']:>{10 if new != 'error' else 11}}" for new in OUTCOMES))
+        print(
+            f"{'old ' + old:>10}" + "".join(f"{c[f'{old}->{new}']:>{10 if new != 'error' else 11}}" for new in OUTCOMES)
+        )
     changed = [r for r in rows if r["changed"]]
     if changed:
         print("changed samples (read one with `rlbus samples RUN_PATH --id MSG_ID --full`):")
@@ -248,8 +295,9 @@ def print_comparison(result: dict, verifier: str | None, params: dict, threshold
 
 def _main(args) -> int:
     try:
-        result = rescore(args.run_path, args.domain, args.verifier, args.set, args.limit, args.pass_threshold,
-                         args.nats_url)
+        result = rescore(
+            args.run_path, args.domain, args.verifier, args.set, args.limit, args.pass_threshold, args.nats_url
+        )
     except (RescoreError, RunReadError) as exc:
         print(f"rlbus rescore: {exc}", file=sys.stderr)
         return 2
@@ -260,20 +308,37 @@ def _main(args) -> int:
 
 def register(sub) -> None:
     """Add `rlbus rescore` to the `rlbus` parser."""
-    p = sub.add_parser("rescore", help="re-score a run's stored samples with a (changed) verifier and compare",
-                       description="Score the stored trajectories of one domain again, on the controlled side, with "
-                                   "the run's hidden data and tool records, through the verifier worker's code; print "
-                                   "how many rewards changed, the pass/fail confusion and the changed samples' ids. "
-                                   "Works on a live or a finished run; never changes the run's records.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "rescore",
+        help="re-score a run's stored samples with a (changed) verifier and compare",
+        description="Score the stored trajectories of one domain again, on the controlled side, with "
+        "the run's hidden data and tool records, through the verifier worker's code; print "
+        "how many rewards changed, the pass/fail confusion and the changed samples' ids. "
+        "Works on a live or a finished run; never changes the run's records.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_path", metavar="RUN_PATH", help="the run folder, <run-dir>/<run_id>")
     p.add_argument("--domain", required=True, metavar="D", help="the domain whose samples to re-score")
     p.add_argument("--verifier", metavar="NAME", help="score with this registered verifier instead of the samples' own")
-    p.add_argument("--set", action="append", default=[], metavar="verifier.PARAM=VALUE",
-                   help="override a public verifier parameter of every sample (VALUE as JSON, else a string); repeatable")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="verifier.PARAM=VALUE",
+        help="override a public verifier parameter of every sample (VALUE as JSON, else a string); repeatable",
+    )
     p.add_argument("--limit", type=int, metavar="N", help="re-score only the first N stored samples of the domain")
-    p.add_argument("--pass-threshold", type=float, default=0.5, metavar="T",
-                   help="pass = `correct` component >= T (the scalar reward where there is none); default 0.5")
-    p.add_argument("--nats-url", help="the run's NATS server (default: nats_url in RUN_PATH/run.json; without an "
-                                      "answering server, the run's stored JetStream is read)")
+    p.add_argument(
+        "--pass-threshold",
+        type=float,
+        default=0.5,
+        metavar="T",
+        help="pass = `correct` component >= T (the scalar reward where there is none); default 0.5",
+    )
+    p.add_argument(
+        "--nats-url",
+        help="the run's NATS server (default: nats_url in RUN_PATH/run.json; without an "
+        "answering server, the run's stored JetStream is read)",
+    )
     p.set_defaults(func=_main)

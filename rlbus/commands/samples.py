@@ -77,10 +77,17 @@ class Filters:
 
 # -- records ---------------------------------------------------------------------------
 
+
 def turn_record(t: Turn) -> dict:
     """One turn as plain JSON values (packed arrays unpacked to lists)."""
-    return {"role": t.role, "text": t.text, "token_ids": unpack_i32(t.token_ids).tolist(),
-            "logprobs": unpack_f32(t.logprobs).tolist(), "trainable": t.trainable, "policy_version": t.policy_version}
+    return {
+        "role": t.role,
+        "text": t.text,
+        "token_ids": unpack_i32(t.token_ids).tolist(),
+        "logprobs": unpack_f32(t.logprobs).tolist(),
+        "trainable": t.trainable,
+        "policy_version": t.policy_version,
+    }
 
 
 def tool_call_records(traj: Trajectory) -> list[dict]:
@@ -96,12 +103,25 @@ def tool_call_records(traj: Trajectory) -> list[dict]:
 def full_record(seq: int, rw: Reward) -> dict:
     """The `--json --full` object of a stored reward."""
     traj = rw.trajectory
-    return {"msg_id": traj.msg_id, "domain": traj.domain, "task_id": traj.task_id, "group_id": traj.group_id,
-            "sample_index": traj.sample_index, "turns": [turn_record(t) for t in traj.turns],
-            "tool_calls": tool_call_records(traj), "reward": rw.reward, "components": dict(rw.components),
-            "status": rw.status, "seq": seq, "reward_msg_id": rw.msg_id, "purpose": traj.purpose,
-            "policy_version": traj.policy_version, "verifier": traj.verifier, "finish_reason": traj.finish_reason,
-            "details": rw.details}
+    return {
+        "msg_id": traj.msg_id,
+        "domain": traj.domain,
+        "task_id": traj.task_id,
+        "group_id": traj.group_id,
+        "sample_index": traj.sample_index,
+        "turns": [turn_record(t) for t in traj.turns],
+        "tool_calls": tool_call_records(traj),
+        "reward": rw.reward,
+        "components": dict(rw.components),
+        "status": rw.status,
+        "seq": seq,
+        "reward_msg_id": rw.msg_id,
+        "purpose": traj.purpose,
+        "policy_version": traj.policy_version,
+        "verifier": traj.verifier,
+        "finish_reason": traj.finish_reason,
+        "details": rw.details,
+    }
 
 
 def _cut(text: str, n: int) -> str:
@@ -112,14 +132,28 @@ def compact_record(seq: int, rw: Reward) -> dict:
     """The `--json` object (without --full) of a stored reward."""
     traj = rw.trajectory
     prompt = next((t.text for t in traj.turns if t.role == "prompt"), "")
-    return {"seq": seq, "msg_id": traj.msg_id, "domain": traj.domain, "task_id": traj.task_id,
-            "sample_index": traj.sample_index, "purpose": traj.purpose, "policy_version": traj.policy_version,
-            "reward": rw.reward, "status": rw.status, "components": dict(rw.components),
-            "prompt": _cut(prompt, COMPACT_TEXT), "answer": traj.final_text, "turns": len(traj.turns),
-            "tool_calls": len(traj.tool_calls), "tokens": traj.tokens, "finish_reason": traj.finish_reason}
+    return {
+        "seq": seq,
+        "msg_id": traj.msg_id,
+        "domain": traj.domain,
+        "task_id": traj.task_id,
+        "sample_index": traj.sample_index,
+        "purpose": traj.purpose,
+        "policy_version": traj.policy_version,
+        "reward": rw.reward,
+        "status": rw.status,
+        "components": dict(rw.components),
+        "prompt": _cut(prompt, COMPACT_TEXT),
+        "answer": traj.final_text,
+        "turns": len(traj.turns),
+        "tool_calls": len(traj.tool_calls),
+        "tokens": traj.tokens,
+        "finish_reason": traj.finish_reason,
+    }
 
 
 # -- text ------------------------------------------------------------------------------
+
 
 def _list(values: list, full: bool, fmt=str) -> str:
     shown = values if full or len(values) <= LIST_CUT else values[:LIST_CUT]
@@ -135,31 +169,38 @@ def render(seq: int, rw: Reward, full: bool) -> list[str]:
     """The text lines of one sample."""
     traj = rw.trajectory
     comps = "  ".join(f"{k}={v:g}" for k, v in rw.components.items()) or "-"
-    lines = [f"── seq {seq}  {traj.domain}  task {traj.task_id}  sample {traj.sample_index}/{traj.group_size}  "
-             f"msg_id {traj.msg_id}",
-             f"   reward {rw.reward:.4g}  status {rw.status}  verifier {traj.verifier}  policy v{traj.policy_version}  "
-             f"{traj.purpose}  finish {traj.finish_reason}",
-             f"   components  {comps}"]
+    lines = [
+        f"── seq {seq}  {traj.domain}  task {traj.task_id}  sample {traj.sample_index}/{traj.group_size}  "
+        f"msg_id {traj.msg_id}",
+        f"   reward {rw.reward:.4g}  status {rw.status}  verifier {traj.verifier}  policy v{traj.policy_version}  "
+        f"{traj.purpose}  finish {traj.finish_reason}",
+        f"   components  {comps}",
+    ]
     if rw.details:
         lines.append(f"   details     {_text(rw.details, full)}")
     for i, t in enumerate(traj.turns):
         rec = turn_record(t)
         version = f"v{t.policy_version}" if t.policy_version >= 0 else "v-"
-        lines.append(f"   turn {i} {t.role:<9} {version:<4} trainable {int(t.trainable)}  "
-                     f"{len(rec['token_ids'])} tokens  {_text(t.text, full)}")
+        lines.append(
+            f"   turn {i} {t.role:<9} {version:<4} trainable {int(t.trainable)}  "
+            f"{len(rec['token_ids'])} tokens  {_text(t.text, full)}"
+        )
         if rec["token_ids"]:
             lines.append(f"          ids  {_list(rec['token_ids'], full)}")
         if rec["logprobs"]:
             lines.append(f"          logp {_list(rec['logprobs'], full, lambda v: f'{v:.4f}')}")
     for j, call in enumerate(tool_call_records(traj)):
         flags = "".join(f" {k}" for k in ("timed_out", "oom", "truncated") if call[k])
-        lines.append(f"   tool call {j} (turn {call['turn']}) {call['tool']} exit {call['exit_code']}{flags} "
-                     f"{call['duration_ms']:.1f} ms exec {call['exec_id'] or '-'}: {_text(call['code'], full)}")
+        lines.append(
+            f"   tool call {j} (turn {call['turn']}) {call['tool']} exit {call['exit_code']}{flags} "
+            f"{call['duration_ms']:.1f} ms exec {call['exec_id'] or '-'}: {_text(call['code'], full)}"
+        )
         lines.append(f"          result {_text(call['result'] or '', full) if call['result'] is not None else '-'}")
     return lines
 
 
 # -- command ---------------------------------------------------------------------------
+
 
 async def _show(access, filters: Filters, as_json: bool, full: bool) -> tuple[int, RewardCounts]:
     counts, shown = RewardCounts(), 0
@@ -191,30 +232,45 @@ def _main(args) -> int:
     except BrokenPipeError:  # `rlbus samples ... | head`: the reader left, the server is stopped
         sys.stderr.close()
         return 0
-    skipped = f"; {counts.skipped} undecodable message(s) skipped (seqs {counts.skipped_seqs[:5]})" if counts.skipped else ""
+    skipped = (
+        f"; {counts.skipped} undecodable message(s) skipped (seqs {counts.skipped_seqs[:5]})" if counts.skipped else ""
+    )
     print(f"{shown} sample(s) shown of {counts.read} stored reward(s) read{skipped}", file=note)
     return 0
 
 
 def register(sub) -> None:
     """Add `rlbus samples` to the `rlbus` parser."""
-    p = sub.add_parser("samples", help="print a run's scored samples (turns, token ids, logprobs, rewards) from its log",
-                       description="Print every scored sample of a run from its REWARDS stream: each turn with role, "
-                                   "text, token ids, behaviour log-probs, loss mask (trainable) and policy version; "
-                                   "tool calls with their results; reward components and verifier status. Works on "
-                                   "a live run and on a finished one; consumes and changes nothing.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "samples",
+        help="print a run's scored samples (turns, token ids, logprobs, rewards) from its log",
+        description="Print every scored sample of a run from its REWARDS stream: each turn with role, "
+        "text, token ids, behaviour log-probs, loss mask (trainable) and policy version; "
+        "tool calls with their results; reward components and verifier status. Works on "
+        "a live run and on a finished one; consumes and changes nothing.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_path", metavar="RUN_PATH", help="the run folder, <run-dir>/<run_id>")
     p.add_argument("--domain", metavar="D", help="only this domain's samples")
     p.add_argument("--version-min", type=int, metavar="N", help="only samples generated by policy version >= N")
     p.add_argument("--reward-min", type=float, metavar="X", help="only samples with reward >= X")
-    p.add_argument("--id", action="append", metavar="MSG_ID",
-                   help="only this sample (trajectory msg_id, or its reward's rw-... id); repeatable")
+    p.add_argument(
+        "--id",
+        action="append",
+        metavar="MSG_ID",
+        help="only this sample (trajectory msg_id, or its reward's rw-... id); repeatable",
+    )
     p.add_argument("--limit", type=int, metavar="N", help="stop after N samples shown")
     p.add_argument("--json", action="store_true", help="one JSON object per line (compact; see --full)")
-    p.add_argument("--full", action="store_true",
-                   help="everything: with --json the full object (every turn's token_ids and logprobs); "
-                        "as text, nothing cut")
-    p.add_argument("--nats-url", help="the run's NATS server (default: nats_url in RUN_PATH/run.json; without an "
-                                      "answering server, the run's stored JetStream is read)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="everything: with --json the full object (every turn's token_ids and logprobs); as text, nothing cut",
+    )
+    p.add_argument(
+        "--nats-url",
+        help="the run's NATS server (default: nats_url in RUN_PATH/run.json; without an "
+        "answering server, the run's stored JetStream is read)",
+    )
     p.set_defaults(func=_main)

@@ -35,8 +35,16 @@ def main(args: argparse.Namespace) -> int:
         p = arith.generate(rng, args.difficulty)
         return p.prompt, p.completion
 
-    stats = run_sft(Path(args.model), Path(args.out), batches_of(demo, args.seed, args.batch_size),
-                    seconds=args.seconds, max_steps=args.max_steps, lr=args.lr, seed=args.seed,
-                    threads=args.threads, progress=True)
+    stats = run_sft(
+        Path(args.model),
+        Path(args.out),
+        batches_of(demo, args.seed, args.batch_size),
+        seconds=args.seconds,
+        max_steps=args.max_steps,
+        lr=args.lr,
+        seed=args.seed,
+        threads=args.threads,
+        progress=True,
+    )
     print(stats)
     return 0

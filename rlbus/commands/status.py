@@ -40,17 +40,33 @@ async def collect(nats_url: str, run_id: str | None, listen: float = 2.5) -> dic
         progress = await get_json(js, reg, LEARNER_PROGRESS) or {}
         stages: dict[str, dict] = {}
         for role, counter in telemetry.STAGE_COUNTER.items():
-            stages[role] = {"workers": len(beats.metrics(role)), "total": beats.role_sum(role, counter),
-                            "rate_per_s": round(beats.gain(role, counter) / max(elapsed, 1e-6), 2)}
+            stages[role] = {
+                "workers": len(beats.metrics(role)),
+                "total": beats.role_sum(role, counter),
+                "rate_per_s": round(beats.gain(role, counter) / max(elapsed, 1e-6), 2),
+            }
         for family, role in (("TASKS", "rollout"), ("TRAJ", "verifier")):
             stages[role]["queue_depth"] = (await js.stream_info(reg.stream(family))).state.messages
         ci = await js.consumer_info(reg.stream("REWARDS"), "learner")
         stages["learner"]["queue_depth"] = ci.num_pending + ci.num_ack_pending
         stages["dlq"] = {"messages": (await js.stream_info(reg.stream("DLQ"))).state.messages}
-        workers = [{"role": m.role, "id": m.worker_id, "host": m.host, "pid": m.pid,
-                    "last_heartbeat": round(beats.latest[m.worker_id][0], 3)} for m in beats.metrics()]
-        return {"run_id": run_id, "step": int(progress.get("step", 0)), "weight_version": int(progress.get("version", 0)),
-                "stages": stages, "workers": workers}
+        workers = [
+            {
+                "role": m.role,
+                "id": m.worker_id,
+                "host": m.host,
+                "pid": m.pid,
+                "last_heartbeat": round(beats.latest[m.worker_id][0], 3),
+            }
+            for m in beats.metrics()
+        ]
+        return {
+            "run_id": run_id,
+            "step": int(progress.get("step", 0)),
+            "weight_version": int(progress.get("version", 0)),
+            "stages": stages,
+            "workers": workers,
+        }
     finally:
         await nc.close()
 
@@ -59,13 +75,17 @@ def render(status: dict):
     """A rich table of the status record."""
     from rich.table import Table
 
-    t = Table(title=f"run {status['run_id']}: step {status['step']}, weight version {status['weight_version']}",
-              title_justify="left")
+    t = Table(
+        title=f"run {status['run_id']}: step {status['step']}, weight version {status['weight_version']}",
+        title_justify="left",
+    )
     for col in ("stage", "workers", "rate/s", "total", "queue depth"):
         t.add_column(col, justify="right" if col != "stage" else "left")
     for role in telemetry.STAGE_COUNTER:
         st = status["stages"][role]
-        t.add_row(role, str(st["workers"]), f"{st['rate_per_s']:,.1f}", f"{st['total']:,.0f}", str(st.get("queue_depth", "-")))
+        t.add_row(
+            role, str(st["workers"]), f"{st['rate_per_s']:,.1f}", f"{st['total']:,.0f}", str(st.get("queue_depth", "-"))
+        )
     t.add_row("dlq", "", "", f"{status['stages']['dlq']['messages']}", "")
     w = Table(title="workers", title_justify="left")
     for col in ("role", "id", "host", "pid", "last heartbeat (s ago)"):
@@ -97,9 +117,12 @@ def main(args) -> int:
 
 def register(sub) -> None:
     """Add `rlbus status` to the CLI's subparsers."""
-    st = sub.add_parser("status", help="where a run stands: step, version, stage rates and depths, workers",
-                        description="Read a run's state from the bus (consumes nothing). Without --run-id: the single "
-                                    "active run under --run-dir, or the single run on the server.")
+    st = sub.add_parser(
+        "status",
+        help="where a run stands: step, version, stage rates and depths, workers",
+        description="Read a run's state from the bus (consumes nothing). Without --run-id: the single "
+        "active run under --run-dir, or the single run on the server.",
+    )
     st.add_argument("--run-dir", help="parent folder of runs, as with `up` (finds the server URL in run.json)")
     st.add_argument("--nats-url", help="NATS server URL")
     st.add_argument("--run-id", help="run id")

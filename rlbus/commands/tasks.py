@@ -144,8 +144,10 @@ def task_view(task) -> dict[str, Any]:
 
 
 def _print_text(task: dict[str, Any], hidden: dict[str, Any] | None) -> None:
-    print(f"domain {task['domain']}  task_id {task['task_id']}  level {task['difficulty']}  "
-          f"verifier {task['verifier']}  max_tokens {task['max_tokens']}  hidden_ref {task['hidden_ref']}")
+    print(
+        f"domain {task['domain']}  task_id {task['task_id']}  level {task['difficulty']}  "
+        f"verifier {task['verifier']}  max_tokens {task['max_tokens']}  hidden_ref {task['hidden_ref']}"
+    )
     for m in task["prompt"]:
         print(f"--- {m['role']} ---")
         print(m["content"])
@@ -186,8 +188,10 @@ def _empty_cache(cmd: str, cache_dir) -> int:
     from producers import repo_cache
 
     where = cache_dir or repo_cache.default_cache_dir()
-    print(f"rlbus tasks {cmd}: the repo task cache {where} is empty; build it with: {repo_cache.BUILD_HINT}",
-          file=sys.stderr)
+    print(
+        f"rlbus tasks {cmd}: the repo task cache {where} is empty; build it with: {repo_cache.BUILD_HINT}",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -196,8 +200,11 @@ def list_repo(args: argparse.Namespace) -> int:
     from producers import repo_cache
 
     if args.domain != REPO_DOMAIN:
-        print(f"rlbus tasks list: only --domain {REPO_DOMAIN} has a task list; other domains generate "
-              "their tasks: see `rlbus tasks show --domain D --index I`", file=sys.stderr)
+        print(
+            f"rlbus tasks list: only --domain {REPO_DOMAIN} has a task list; other domains generate "
+            "their tasks: see `rlbus tasks show --domain D --index I`",
+            file=sys.stderr,
+        )
         return 2
     tasks = repo_cache.list_tasks(args.cache_dir)
     if not tasks:
@@ -209,10 +216,14 @@ def list_repo(args: argparse.Namespace) -> int:
     width = max(len(t.task_id) for t in tasks)
     print(f"{'TASK_ID':<{width}}  {'SOURCE':<28} FILES TARGETS REGRESSION")
     for t in tasks:
-        print(f"{t.task_id:<{width}}  {t.source:<28} {len(t.files):>5} {len(t.target_tests):>7} "
-              f"{len(t.regression_tests):>10}")
-    print(f"{len(tasks)} tasks; licences: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(repo_cache.package_licences(args.cache_dir).items())))
+        print(
+            f"{t.task_id:<{width}}  {t.source:<28} {len(t.files):>5} {len(t.target_tests):>7} "
+            f"{len(t.regression_tests):>10}"
+        )
+    print(
+        f"{len(tasks)} tasks; licences: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(repo_cache.package_licences(args.cache_dir).items()))
+    )
     return 0
 
 
@@ -221,8 +232,9 @@ def show_repo(args: argparse.Namespace) -> int:
     from producers import repo_cache
 
     if not args.task_id:
-        print("rlbus tasks show: --domain repo needs --task-id ID (see `rlbus tasks list --domain repo`)",
-              file=sys.stderr)
+        print(
+            "rlbus tasks show: --domain repo needs --task-id ID (see `rlbus tasks list --domain repo`)", file=sys.stderr
+        )
         return 2
     try:
         task = repo_cache.load_task(args.task_id, args.cache_dir)
@@ -233,11 +245,22 @@ def show_repo(args: argparse.Namespace) -> int:
         return 2
     files = dict(sorted(task.files.items())) if args.files else sorted(task.files)
     if args.json:
-        print(json.dumps({"task_id": task.task_id, "issue": task.issue, "files": files,
-                          "gold_patch": task.gold_patch if args.gold_patch else None}, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "task_id": task.task_id,
+                    "issue": task.issue,
+                    "files": files,
+                    "gold_patch": task.gold_patch if args.gold_patch else None,
+                },
+                ensure_ascii=False,
+            )
+        )
         return 0
-    print(f"task_id {task.task_id}  source {task.source}  files {len(task.files)}  "
-          f"targets {len(task.target_tests)}  regression {len(task.regression_tests)}")
+    print(
+        f"task_id {task.task_id}  source {task.source}  files {len(task.files)}  "
+        f"targets {len(task.target_tests)}  regression {len(task.regression_tests)}"
+    )
     print("--- issue ---")
     print(task.issue.rstrip("\n"))
     print("--- files ---")
@@ -270,7 +293,9 @@ def scripts_repo(args: argparse.Namespace) -> int:
             from producers.repo_fixtures import fixture_tasks
 
             tasks = repo_cache.list_tasks(args.cache_dir)
-            tasks += [t for i, t in sorted(fixture_tasks().items()) if i not in {x.task_id for x in tasks}] if tasks else []
+            tasks += (
+                [t for i, t in sorted(fixture_tasks().items()) if i not in {x.task_id for x in tasks}] if tasks else []
+            )
     except repo_cache.TaskNotCached as exc:
         print(f"rlbus tasks scripts: {exc}", file=sys.stderr)
         return 2
@@ -306,15 +331,23 @@ def build_repo(args: argparse.Namespace) -> int:
     from rlbus.log import configure_logging
 
     configure_logging("tasks-build", level="WARNING")  # stdout is the per-package summary
-    limits = repo_build.BuildLimits(max_per_package=args.max_per_package, max_tries=args.max_tries,
-                                    max_targets=args.max_targets, timeout=args.timeout, seed=args.seed,
-                                    allow_degraded=args.allow_degraded_sandbox)
+    limits = repo_build.BuildLimits(
+        max_per_package=args.max_per_package,
+        max_tries=args.max_tries,
+        max_targets=args.max_targets,
+        timeout=args.timeout,
+        seed=args.seed,
+        allow_degraded=args.allow_degraded_sandbox,
+    )
     out = Path(args.out) if args.out else repo_cache.default_cache_dir()
 
     def progress(r) -> None:
         status = f"skipped: {r.skipped}" if r.skipped else f"{len(r.tasks)} tasks"
-        print(f"{r.spec}: {status} (licence {r.licence or '?'}, {r.tried} mutants tried, {r.survived} survived, "
-              f"{r.rejected} rejected, {r.seconds} s)", flush=True)
+        print(
+            f"{r.spec}: {status} (licence {r.licence or '?'}, {r.tried} mutants tried, {r.survived} survived, "
+            f"{r.rejected} rejected, {r.seconds} s)",
+            flush=True,
+        )
 
     total = 0
     for spec in args.from_sdist:
@@ -341,52 +374,80 @@ def add_task_args(p: argparse.ArgumentParser, *, domain: bool = True) -> None:
 
 def register(sub) -> None:
     """Add `tasks` to the `rlbus` subcommands."""
-    p = sub.add_parser("tasks", help="inspect the tasks a domain makes; list/build the repo task cache (no NATS)",
-                       description="Inspect tasks exactly as the sampler makes them; list, show and build the "
-                                   "repository-task cache (--domain repo).")
+    p = sub.add_parser(
+        "tasks",
+        help="inspect the tasks a domain makes; list/build the repo task cache (no NATS)",
+        description="Inspect tasks exactly as the sampler makes them; list, show and build the "
+        "repository-task cache (--domain repo).",
+    )
     tsub = p.add_subparsers(dest="tasks_command", required=True, metavar="SUBCOMMAND")
-    s = tsub.add_parser("show", help="print one task (and, with --hidden, its verifier-only payload)",
-                        description="Print task --index of --domain for run seed --seed, as the sampler makes it.",
-                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = tsub.add_parser(
+        "show",
+        help="print one task (and, with --hidden, its verifier-only payload)",
+        description="Print task --index of --domain for run seed --seed, as the sampler makes it.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_task_args(s)
     s.add_argument("--hidden", action="store_true", help="also print the hidden payload (gold answer, metadata)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     s.add_argument("--task-id", help="with --domain repo: the cached repo task to show")
     s.add_argument("--files", action="store_true", help="with --domain repo: add the public files' contents")
     s.add_argument("--gold-patch", action="store_true", help="with --domain repo: add the gold patch (unified diff)")
-    s.add_argument("--cache-dir", help="with --domain repo: the task cache (default producers/repo_tasks/ "
-                   "or $RLBUS_REPO_TASKS)")
+    s.add_argument(
+        "--cache-dir", help="with --domain repo: the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)"
+    )
     s.set_defaults(func=show)
     _register_repo(tsub)
 
 
 def _register_repo(tsub) -> None:
-    ls = tsub.add_parser("list", help="list the cached repository tasks (--domain repo)",
-                         description="List the repository tasks in the task cache.",
-                         epilog=LIST_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ls = tsub.add_parser(
+        "list",
+        help="list the cached repository tasks (--domain repo)",
+        description="List the repository tasks in the task cache.",
+        epilog=LIST_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ls.add_argument("--domain", required=True, help="repo (the only domain with a task cache)")
     ls.add_argument("--json", action="store_true", help='one object per line: {"task_id", "source", "files": N}')
     ls.add_argument("--cache-dir", help="the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
     ls.set_defaults(func=list_repo)
-    b = tsub.add_parser("build", help="build repository tasks from real packages (build time: downloads sdists, never builds them)",
-                        description="Build repository tasks by mutating packages' sources and running their suites.",
-                        epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b = tsub.add_parser(
+        "build",
+        help="build repository tasks from real packages (build time: downloads sdists, never builds them)",
+        description="Build repository tasks by mutating packages' sources and running their suites.",
+        epilog=BUILD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     b.add_argument("kind", choices=[REPO_DOMAIN], help="what to build: repo")
-    b.add_argument("--from-sdist", nargs="+", required=True, metavar="NAME==VERSION",
-                   help="pure-Python packages whose sdists carry their test suite (or a local sdist / directory)")
+    b.add_argument(
+        "--from-sdist",
+        nargs="+",
+        required=True,
+        metavar="NAME==VERSION",
+        help="pure-Python packages whose sdists carry their test suite (or a local sdist / directory)",
+    )
     b.add_argument("--out", help="the task cache to write (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
     b.add_argument("--max-per-package", type=int, default=10, help="most tasks per package (default 10)")
     b.add_argument("--max-tries", type=int, default=80, help="most mutants run per package (default 80)")
-    b.add_argument("--max-targets", type=int, default=20,
-                   help="a mutant failing more tests than this is rejected (default 20)")
+    b.add_argument(
+        "--max-targets", type=int, default=20, help="a mutant failing more tests than this is rejected (default 20)"
+    )
     b.add_argument("--timeout", type=float, default=120.0, help="wall seconds per suite run (default 120)")
     b.add_argument("--seed", type=int, default=0, help="the mutation-site shuffle seed (default 0)")
-    b.add_argument("--allow-degraded-sandbox", action="store_true",
-                   help="run the suites without bubblewrap (rlimits only; NOT isolated)")
+    b.add_argument(
+        "--allow-degraded-sandbox",
+        action="store_true",
+        help="run the suites without bubblewrap (rlimits only; NOT isolated)",
+    )
     b.set_defaults(func=build_repo)
-    sc = tsub.add_parser("scripts", help="write scripted-engine scripts for repo tasks (gold patch, or --empty)",
-                         description="Write one <task_id>.json script per repository task for rollout.engine = "
-                                     "'scripted' (rollout.scripted.dir).")
+    sc = tsub.add_parser(
+        "scripts",
+        help="write scripted-engine scripts for repo tasks (gold patch, or --empty)",
+        description="Write one <task_id>.json script per repository task for rollout.engine = "
+        "'scripted' (rollout.scripted.dir).",
+    )
     sc.add_argument("--domain", required=True, help="repo")
     sc.add_argument("--out", required=True, help="the script directory to write")
     sc.add_argument("--empty", action="store_true", help="scripts that only submit (the repository untouched)")

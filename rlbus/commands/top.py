@@ -78,9 +78,16 @@ async def collect_frame(js, reg: Registry, beats: Heartbeats, recent: int = 256)
         streams[family] = info.state.messages
         try:
             for ci in await js.consumers_info(name):
-                consumers.append({"stream": family, "name": ci.name, "pending": ci.num_pending,
-                                  "ack_pending": ci.num_ack_pending, "redelivered": ci.num_redelivered,
-                                  "waiting": ci.num_waiting})
+                consumers.append(
+                    {
+                        "stream": family,
+                        "name": ci.name,
+                        "pending": ci.num_pending,
+                        "ack_pending": ci.num_ack_pending,
+                        "redelivered": ci.num_redelivered,
+                        "waiting": ci.num_waiting,
+                    }
+                )
         except Exception:  # noqa: BLE001 - a dashboard shows what it can read
             pass
     rewards = await _recent(js, reg.stream("REWARDS"), recent, Reward)
@@ -99,22 +106,48 @@ async def collect_frame(js, reg: Registry, beats: Heartbeats, recent: int = 256)
             evals[e.domain] = e
     cur = await get_json(js, reg, CURRICULUM) or {}
     now = time.time()
-    stages = {st.role: {"workers": len(beats.metrics(st.role)), "unit": st.unit,
-                        "total": beats.role_sum(st.role, st.counter), "rate_per_s": round(beats.role_rate(st.role), 2)}
-              for st in STAGES}
-    workers = [{"role": m.role, "id": m.worker_id, "host": m.host, "pid": m.pid,
-                "age_s": round(now - beats.latest[m.worker_id][0], 1),
-                "metrics_port": int(m.values[METRICS_PORT]) if METRICS_PORT in m.values else None}
-               for m in beats.metrics()]
-    return {"run_id": reg.run_id, "time": now, "step": int(progress.get("step", 0)), "version": version,
-            "stages": stages, "streams": streams, "consumers": consumers,
-            "dead_letters": streams.get("DLQ"),
-            "rewards": {d: {"n": len(v), "mean": sum(v) / len(v)} for d, v in sorted(by_domain.items())},
-            "evals": {d: {"version": e.version, "score": e.score, "n": e.n, "purpose": e.purpose}
-                      for d, e in sorted(evals.items())},
-            "curriculum": {"version": cur.get("version"), "weights": cur.get("weights") or {},
-                           "levels": cur.get("levels") or {}},
-            "staleness": staleness, "workers": workers}
+    stages = {
+        st.role: {
+            "workers": len(beats.metrics(st.role)),
+            "unit": st.unit,
+            "total": beats.role_sum(st.role, st.counter),
+            "rate_per_s": round(beats.role_rate(st.role), 2),
+        }
+        for st in STAGES
+    }
+    workers = [
+        {
+            "role": m.role,
+            "id": m.worker_id,
+            "host": m.host,
+            "pid": m.pid,
+            "age_s": round(now - beats.latest[m.worker_id][0], 1),
+            "metrics_port": int(m.values[METRICS_PORT]) if METRICS_PORT in m.values else None,
+        }
+        for m in beats.metrics()
+    ]
+    return {
+        "run_id": reg.run_id,
+        "time": now,
+        "step": int(progress.get("step", 0)),
+        "version": version,
+        "stages": stages,
+        "streams": streams,
+        "consumers": consumers,
+        "dead_letters": streams.get("DLQ"),
+        "rewards": {d: {"n": len(v), "mean": sum(v) / len(v)} for d, v in sorted(by_domain.items())},
+        "evals": {
+            d: {"version": e.version, "score": e.score, "n": e.n, "purpose": e.purpose}
+            for d, e in sorted(evals.items())
+        },
+        "curriculum": {
+            "version": cur.get("version"),
+            "weights": cur.get("weights") or {},
+            "levels": cur.get("levels") or {},
+        },
+        "staleness": staleness,
+        "workers": workers,
+    }
 
 
 def _dash(x, fmt="{}"):
@@ -132,8 +165,11 @@ def domain_rows(frame: dict, top: int = 10) -> tuple[list[str], dict | None]:
     shown, rest = (ranked, []) if top <= 0 else (ranked[:top], ranked[top:])
     if not rest:
         return shown, None
-    return shown, {"domains": len(rest), "rewards": sum(frame["rewards"].get(d, {}).get("n", 0) for d in rest),
-                   "weight": sum(float(weights.get(d, 0.0)) for d in rest)}
+    return shown, {
+        "domains": len(rest),
+        "rewards": sum(frame["rewards"].get(d, {}).get("n", 0) for d in rest),
+        "weight": sum(float(weights.get(d, 0.0)) for d in rest),
+    }
 
 
 def domain_table(frame: dict, top: int = 10):
@@ -144,17 +180,33 @@ def domain_table(frame: dict, top: int = 10):
     levels = (frame.get("curriculum") or {}).get("levels") or {}
     weights = (frame.get("curriculum") or {}).get("weights") or {}
     shown, rest = domain_rows(frame, top)
-    title = "reward and eval by domain" + (f" (top {len(shown)} of {len(shown) + rest['domains']} by weight)"
-                                           if rest else "")
+    title = "reward and eval by domain" + (
+        f" (top {len(shown)} of {len(shown) + rest['domains']} by weight)" if rest else ""
+    )
     table = Table(title=title, title_justify="left")
-    for col in ("domain", "recent rewards", "reward mean", "eval score", "eval version", "eval purpose", "weight",
-                "level"):
+    for col in (
+        "domain",
+        "recent rewards",
+        "reward mean",
+        "eval score",
+        "eval version",
+        "eval purpose",
+        "weight",
+        "level",
+    ):
         table.add_column(col, justify="left" if col in ("domain", "eval purpose") else "right")
     for d in shown:
         r, e = frame["rewards"].get(d, {}), frame["evals"].get(d, {})
-        table.add_row(d, _dash(r.get("n")), _dash(r.get("mean"), "{:.3f}"), _dash(e.get("score"), "{:.3f}"),
-                      _dash(e.get("version")), _dash(e.get("purpose")), _dash(weights.get(d), "{:.3f}"),
-                      _dash(levels.get(d)))
+        table.add_row(
+            d,
+            _dash(r.get("n")),
+            _dash(r.get("mean"), "{:.3f}"),
+            _dash(e.get("score"), "{:.3f}"),
+            _dash(e.get("version")),
+            _dash(e.get("purpose")),
+            _dash(weights.get(d), "{:.3f}"),
+            _dash(levels.get(d)),
+        )
     if rest:
         table.add_row(f"(+{rest['domains']} more)", str(rest["rewards"]), "", "", "", "", f"{rest['weight']:.3f}", "")
     return table
@@ -166,8 +218,13 @@ def render(frame: dict, top: int = 10):
     from rich.table import Table
 
     head = Table.grid(padding=(0, 2))
-    head.add_row(f"[b]rlbus top[/b]  run {frame['run_id']}", f"step {frame['step']}", f"weight version {frame['version']}",
-                 f"dead letters {_dash(frame['dead_letters'])}", time.strftime("%H:%M:%S", time.localtime(frame["time"])))
+    head.add_row(
+        f"[b]rlbus top[/b]  run {frame['run_id']}",
+        f"step {frame['step']}",
+        f"weight version {frame['version']}",
+        f"dead letters {_dash(frame['dead_letters'])}",
+        time.strftime("%H:%M:%S", time.localtime(frame["time"])),
+    )
 
     stages = Table(title="stages", title_justify="left")
     for col in ("stage", "workers", "rate/s", "total"):
@@ -183,8 +240,15 @@ def render(frame: dict, top: int = 10):
     for c in frame["consumers"]:
         stored = "" if c["stream"] in seen else _dash(frame["streams"].get(c["stream"]))
         seen.add(c["stream"])
-        lag.add_row(c["stream"], stored, c["name"], str(c["pending"]), str(c["ack_pending"]), str(c["redelivered"]),
-                    str(c["waiting"]))
+        lag.add_row(
+            c["stream"],
+            stored,
+            c["name"],
+            str(c["pending"]),
+            str(c["ack_pending"]),
+            str(c["redelivered"]),
+            str(c["waiting"]),
+        )
     for family, n in frame["streams"].items():
         if family not in seen:
             lag.add_row(family, _dash(n), "-", "", "", "", "")
@@ -203,12 +267,15 @@ def render(frame: dict, top: int = 10):
     for col in ("role", "id", "host", "pid", "last beat", "metrics port"):
         workers.add_column(col)
     for w in frame["workers"]:
-        workers.add_row(w["role"], w["id"], w["host"], str(w["pid"]), f"{w['age_s']:.1f}s ago", _dash(w["metrics_port"]))
+        workers.add_row(
+            w["role"], w["id"], w["host"], str(w["pid"]), f"{w['age_s']:.1f}s ago", _dash(w["metrics_port"])
+        )
     return Group(head, stages, lag, quality, stale, workers)
 
 
-async def _run(url: str, run_id: str | None, once: bool, interval: float, listen: float, recent: int,
-               top: int = 10) -> int:
+async def _run(
+    url: str, run_id: str | None, once: bool, interval: float, listen: float, recent: int, top: int = 10
+) -> int:
     from rich.console import Console
     from rich.live import Live
 
@@ -224,7 +291,8 @@ async def _run(url: str, run_id: str | None, once: bool, interval: float, listen
         await asyncio.sleep(listen)
         if once:
             Console(width=120, no_color=True, force_terminal=False).print(
-                render(await collect_frame(js, reg, beats, recent), top))
+                render(await collect_frame(js, reg, beats, recent), top)
+            )
             return 0
         with Live(render(await collect_frame(js, reg, beats, recent), top), auto_refresh=False, screen=False) as live:
             while True:
@@ -251,19 +319,30 @@ def main(args) -> int:
 
 def register(sub) -> None:
     """Add `rlbus top` to the CLI's subparsers."""
-    p = sub.add_parser("top", help="live dashboard: stage rates, consumer lag, DLQ, rewards/evals, staleness, workers",
-                       description="A live terminal dashboard of one run, read from the bus (consumes nothing; works "
-                                   "with the read-only `monitor` NATS user). Without --run-id: the single active run "
-                                   "under --run-dir, or the single run on the server.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "top",
+        help="live dashboard: stage rates, consumer lag, DLQ, rewards/evals, staleness, workers",
+        description="A live terminal dashboard of one run, read from the bus (consumes nothing; works "
+        "with the read-only `monitor` NATS user). Without --run-id: the single active run "
+        "under --run-dir, or the single run on the server.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--run-dir", help="parent folder of runs, as with `up` (finds the server URL in run.json)")
-    p.add_argument("--nats-url", help="NATS server URL (credentials/TLS: RLBUS_NATS_USER, RLBUS_NATS_PASSWORD, "
-                                      "RLBUS_NATS_TLS_CA ...)")
+    p.add_argument(
+        "--nats-url",
+        help="NATS server URL (credentials/TLS: RLBUS_NATS_USER, RLBUS_NATS_PASSWORD, RLBUS_NATS_TLS_CA ...)",
+    )
     p.add_argument("--run-id", help="run id")
     p.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     p.add_argument("--listen", type=float, default=2.5, help="seconds of heartbeats to gather before the first frame")
     p.add_argument("--recent", type=int, default=256, help="recent rewards read for the domain/staleness panels")
-    p.add_argument("--top", type=int, default=10, help="domains shown in the domain panel, by curriculum weight "
-                                                       "(default 10; 0 = all); the rest are counted in one row")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        help="domains shown in the domain panel, by curriculum weight "
+        "(default 10; 0 = all); the rest are counted in one row",
+    )
     p.set_defaults(func=main)

@@ -15,31 +15,51 @@ import argparse
 import sys
 from pathlib import Path
 
-FLAG_KEYS = (("run_dir", "run.run_dir"), ("run_id", "run.run_id"), ("max_steps", "run.max_steps"),
-             ("max_minutes", "run.max_minutes"), ("nats_url", "run.nats_url"))
+FLAG_KEYS = (
+    ("run_dir", "run.run_dir"),
+    ("run_id", "run.run_id"),
+    ("max_steps", "run.max_steps"),
+    ("max_minutes", "run.max_minutes"),
+    ("nats_url", "run.nats_url"),
+)
 """`up` flag -> the config key it overrides."""
 
 
 def register(sub) -> None:
     """Add `rlbus up` to the CLI's subparsers."""
-    up = sub.add_parser("up", help="run a whole config locally (embedded NATS unless --nats-url)",
-                        description="Prepare the model (build + SFT), start NATS and every role as its own process, "
-                                    "show a live view, stop at the limits, and write <run-dir>/<run_id>/summary.json.")
+    up = sub.add_parser(
+        "up",
+        help="run a whole config locally (embedded NATS unless --nats-url)",
+        description="Prepare the model (build + SFT), start NATS and every role as its own process, "
+        "show a live view, stop at the limits, and write <run-dir>/<run_id>/summary.json.",
+    )
     up.add_argument("config", nargs="?", help="run config TOML, e.g. examples/demo.toml (optional with --resume)")
-    up.add_argument("--resume", metavar="RUN_PATH", help="continue the run in <run-dir>/<run_id> whose launcher died: "
-                    "its config, model, checkpoints and streams are reused; a CONFIG given too must match")
+    up.add_argument(
+        "--resume",
+        metavar="RUN_PATH",
+        help="continue the run in <run-dir>/<run_id> whose launcher died: "
+        "its config, model, checkpoints and streams are reused; a CONFIG given too must match",
+    )
     up.add_argument("--run-dir", help="parent folder of runs (default: run.run_dir, 'runs')")
     up.add_argument("--run-id", help="run id (default: <config>-<time>)")
     up.add_argument("--max-steps", type=int, help="stop after N learner steps")
     up.add_argument("--max-minutes", type=float, help="stop after M minutes of wall time, set-up included")
     up.add_argument("--nats-url", help="use this NATS server instead of starting an embedded one")
-    up.add_argument("--allow-degraded-sandbox", action="store_true",
-                    help="run tool calls and tests WITHOUT sandbox isolation where bubblewrap is missing "
-                         "(sets sandbox.allow_degraded=true; the console and summary.json say so)")
-    up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. learner.lr=1e-4")
-    up.add_argument("--debug", action="store_true",
-                    help="show the Python traceback when the run stops on an unexpected error (by default one "
-                         "plain line names the error and the command that continues the run)")
+    up.add_argument(
+        "--allow-degraded-sandbox",
+        action="store_true",
+        help="run tool calls and tests WITHOUT sandbox isolation where bubblewrap is missing "
+        "(sets sandbox.allow_degraded=true; the console and summary.json say so)",
+    )
+    up.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. learner.lr=1e-4"
+    )
+    up.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the Python traceback when the run stops on an unexpected error (by default one "
+        "plain line names the error and the command that continues the run)",
+    )
     up.set_defaults(func=main)
 
 

@@ -66,15 +66,18 @@ exit status: 0 verdict printed, 2 unusable input, 3 sandbox or verifier infrastr
 
 def register(sub) -> None:
     """Add `verify` to the `rlbus` subcommands."""
-    p = sub.add_parser("verify", help="score one answer locally with a verifier (no NATS)",
-                       description="Verify one answer file with a built-in verifier, locally, without NATS, "
-                                   "and print one JSON line with the reward.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "verify",
+        help="score one answer locally with a verifier (no NATS)",
+        description="Verify one answer file with a built-in verifier, locally, without NATS, "
+        "and print one JSON line with the reward.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--domain", required=True, help="verifier / domain: code, math, arith, extract (or a plugin)")
     p.add_argument("--task-id", help="problem id: a HumanEval id for code, the expression for arith")
     p.add_argument("--gold", help="gold answer: text for math, a JSON object for extract, the expression for arith")
-    p.add_argument("--answer-file", help="file with the answer to score ('-' reads stdin); "
-                                         "optional with --patch-file")
+    p.add_argument("--answer-file", help="file with the answer to score ('-' reads stdin); optional with --patch-file")
     p.add_argument("--patch-file", help="repo: file with the candidate unified diff ('-' reads stdin)")
     p.add_argument("--task-file", help="repo: a RepoTask JSON file (instead of --task-id)")
     p.add_argument("--task-cache", help="repo: the task cache dir for --task-id (default: the shipped cache)")
@@ -93,9 +96,21 @@ class InputProblem(ValueError):
 def _trajectory(domain: str, answer: str, params: dict, hidden_ref: str | None):
     from schemas import Trajectory
 
-    return Trajectory(run_id="cli", task_id=params.get("problem_id", "cli"), task_msg_id="cli", domain=domain,
-                      group_id="cli", group_size=1, sample_index=0, turns=[], verifier=domain, verifier_params=params,
-                      hidden_ref=hidden_ref, policy_version=0, final_text=answer)
+    return Trajectory(
+        run_id="cli",
+        task_id=params.get("problem_id", "cli"),
+        task_msg_id="cli",
+        domain=domain,
+        group_id="cli",
+        group_size=1,
+        sample_index=0,
+        turns=[],
+        verifier=domain,
+        verifier_params=params,
+        hidden_ref=hidden_ref,
+        policy_version=0,
+        final_text=answer,
+    )
 
 
 def _inputs(args) -> tuple[dict, dict | None]:
@@ -159,8 +174,17 @@ def verify_task(args, answer: str) -> int:
     except VerifierInfraError as exc:
         print(f"rlbus verify: verifier failure: {exc}", file=sys.stderr)
         return 3
-    print(json.dumps({"reward": reward.reward, "components": reward.components, "status": reward.status,
-                      "details": reward.details, "backend": "none"}))
+    print(
+        json.dumps(
+            {
+                "reward": reward.reward,
+                "components": reward.components,
+                "status": reward.status,
+                "details": reward.details,
+                "backend": "none",
+            }
+        )
+    )
     return 0
 
 
@@ -203,8 +227,17 @@ def verify_repo_patch(args, patch: str) -> int:
     except RepoSandboxInfraError as exc:
         print(f"rlbus verify: sandbox failure: {exc}", file=sys.stderr)
         return 3
-    print(json.dumps({"reward": verdict.reward, "components": verdict.components, "status": verdict.status,
-                      "details": verdict.details, "backend": "docker"}))
+    print(
+        json.dumps(
+            {
+                "reward": verdict.reward,
+                "components": verdict.components,
+                "status": verdict.status,
+                "details": verdict.details,
+                "backend": "docker",
+            }
+        )
+    )
     return 0
 
 
@@ -257,6 +290,15 @@ def main(args) -> int:
             print(f"rlbus verify: sandbox failure: {exc}", file=sys.stderr)
             return 3
         raise
-    print(json.dumps({"reward": verdict.reward, "components": verdict.components, "status": verdict.status,
-                      "details": verdict.details, "backend": backend}))
+    print(
+        json.dumps(
+            {
+                "reward": verdict.reward,
+                "components": verdict.components,
+                "status": verdict.status,
+                "details": verdict.details,
+                "backend": backend,
+            }
+        )
+    )
     return 0

@@ -24,17 +24,23 @@ from bus.roles import NAMES, ROLES, role
 
 def register(sub) -> None:
     """Add `rlbus worker` to the CLI's subparsers."""
-    w = sub.add_parser("worker", help="run one role as one process",
-                       description="Run exactly one role. Workers talk only over NATS; the run folder holds the prepared model.")
+    w = sub.add_parser(
+        "worker",
+        help="run one role as one process",
+        description="Run exactly one role. Workers talk only over NATS; the run folder holds the prepared model.",
+    )
     w.add_argument("role", choices=NAMES, help="which role")
     w.add_argument("--config", required=True, help="run config (TOML, or the config.json `up` writes)")
     w.add_argument("--nats-url", help="NATS server URL (default: run.nats_url, else nats://127.0.0.1:4222)")
     w.add_argument("--run-id", help="run id (default: run.run_id)")
     w.add_argument("--run-dir", help="parent folder of runs (default: run.run_dir)")
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    w.add_argument("--max-messages", type=int, metavar="N",
-                   help="stop after N units of the role's work (tests): "
-                        + "; ".join(f"{r.name}: {r.limit_unit}" for r in ROLES))
+    w.add_argument(
+        "--max-messages",
+        type=int,
+        metavar="N",
+        help="stop after N units of the role's work (tests): " + "; ".join(f"{r.name}: {r.limit_unit}" for r in ROLES),
+    )
     w.add_argument("--until-idle", type=float, help="stop after S seconds without work (tests)")
     w.set_defaults(func=main)
 
@@ -58,8 +64,14 @@ def main(args: argparse.Namespace) -> int:
 
         os.environ[ALLOW_DEGRADED_ENV] = "1"
     folder = RunFolder.of(Path(args.run_dir or cfg.run.run_dir), run_id)
-    ctx = WorkerContext(run_id=run_id, nats_url=worker_url(args, cfg), run_path=folder.path,
-                        max_messages=args.max_messages, until_idle=args.until_idle, configured_model=cfg.model.path)
+    ctx = WorkerContext(
+        run_id=run_id,
+        nats_url=worker_url(args, cfg),
+        run_path=folder.path,
+        max_messages=args.max_messages,
+        until_idle=args.until_idle,
+        configured_model=cfg.model.path,
+    )
     asyncio.run(importlib.import_module(role(args.role).module).run(cfg, ctx))
     return 0
 
@@ -70,7 +82,9 @@ def worker_url(args, cfg) -> str:
 
     url = args.nats_url or os.environ.get(NATS_URL_ENV) or cfg.run.nats_url or "nats://127.0.0.1:4222"
     if is_redacted(url):
-        sys.exit(f"rlbus worker: the NATS URL's password is redacted ('***', as the run folder keeps it); pass the "
-                 f"real URL in env {NATS_URL_ENV} or --nats-url, or a URL without credentials and the login in "
-                 "RLBUS_NATS_USER / RLBUS_NATS_PASSWORD")
+        sys.exit(
+            f"rlbus worker: the NATS URL's password is redacted ('***', as the run folder keeps it); pass the "
+            f"real URL in env {NATS_URL_ENV} or --nats-url, or a URL without credentials and the login in "
+            "RLBUS_NATS_USER / RLBUS_NATS_PASSWORD"
+        )
     return url

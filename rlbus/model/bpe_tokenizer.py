@@ -43,7 +43,7 @@ CHAT_TEMPLATE = (
     "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nTo call a function, return a JSON object with its name and arguments within "
-    "<tool_call></tool_call>:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    '<tool_call></tool_call>:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}'
     "\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages and messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -64,10 +64,18 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-SAMPLE_TOOL = {"type": "function", "function": {
-    "name": "python", "description": "Run a Python program; the value of a final expression is printed.",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The program."}},
-                   "required": ["code"]}}}
+SAMPLE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run a Python program; the value of a final expression is printed.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The program."}},
+            "required": ["code"],
+        },
+    },
+}
 
 
 def corpus_texts() -> list[str]:
@@ -88,7 +96,7 @@ def training_corpus(seed: int = 0, n: int = 4000) -> list[str]:
         texts.append("".join(t for t, _ in tool_calc.demonstration(rng, 1 + i % 3)))
     texts += corpus_texts()
     chat = "".join(f"{IM_START}{role}\n{IM_END}\n" for role in ("system", "user", "assistant", "tool"))
-    texts += [json.dumps(SAMPLE_TOOL), "<tools>\n</tools>\n<tool_call>\n{\"name\": \"python\", \"arguments\": {}}"] * 20
+    texts += [json.dumps(SAMPLE_TOOL), '<tools>\n</tools>\n<tool_call>\n{"name": "python", "arguments": {}}'] * 20
     texts += [chat] * 200
     return texts
 
@@ -98,11 +106,20 @@ def build_bpe_tokenizer(seed: int = 0, vocab_size: int = 2048) -> PreTrainedToke
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + TOOL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS + TOOL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(training_corpus(seed), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])  # decoding keeps them
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=IM_END,
-                                   clean_up_tokenization_spaces=False, model_max_length=1 << 16)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=IM_END,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 16,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -26,13 +26,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = [PAD, EOS, UNK]
@@ -125,11 +119,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = cls(config)
     gc = model.generation_config
-    gc.pad_token_id, gc.eos_token_id, gc.bos_token_id = (
-        config.pad_token_id,
-        config.eos_token_id,
-        config.bos_token_id,
-    )
+    gc.pad_token_id, gc.eos_token_id, gc.bos_token_id = (config.pad_token_id, config.eos_token_id, config.bos_token_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())

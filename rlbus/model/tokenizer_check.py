@@ -80,8 +80,10 @@ def tokenizer_problems(cfg, tokenizer) -> list[str]:
     for name, texts in domain_texts(cfg).items():
         bad = unencodable(tokenizer, texts)
         if bad:
-            lines.append(f"domain {name!r}: the tokenizer cannot encode {len(bad)} character(s): "
-                         + " ".join(repr(c) for c in bad[:40]))
+            lines.append(
+                f"domain {name!r}: the tokenizer cannot encode {len(bad)} character(s): "
+                + " ".join(repr(c) for c in bad[:40])
+            )
     return lines
 
 
@@ -91,7 +93,10 @@ def template_problems(cfg, tokenizer) -> list[str]:
 
     if has_template(tokenizer):
         return []
-    return [f"domain {name!r} has tool_format = \"json\" but the model's tokenizer has no chat template "
-            "(tokenizer_config.json `chat_template`, which declares the tools in the system turn); use a model "
-            "dir whose tokenizer has one (model.tokenizer = 'bpe' builds one), or tool_format = \"tags\""
-            for name, dc in cfg.sampler.domains.items() if dc.tool_format == "json"]
+    return [
+        f'domain {name!r} has tool_format = "json" but the model\'s tokenizer has no chat template '
+        "(tokenizer_config.json `chat_template`, which declares the tools in the system turn); use a model "
+        "dir whose tokenizer has one (model.tokenizer = 'bpe' builds one), or tool_format = \"tags\""
+        for name, dc in cfg.sampler.domains.items()
+        if dc.tool_format == "json"
+    ]

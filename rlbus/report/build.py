@@ -110,9 +110,12 @@ def throughput(rewards, bucket_s: float) -> list[tuple[float, float]]:
 def capability_cost(evals, gates, steps: dict[int, int]) -> tuple[str, dict[str, list[tuple[float, float]]]]:
     """(cost label, domain -> [(cost, score)]) with the best cost measure available."""
     cost_of = {g.version: g.cost_samples for g in gates if g.cost_samples is not None}
-    pick = [("samples trained", lambda e: cost_of.get(e.version)),
-            ("tokens", lambda e: e.cost_tokens), ("CPU seconds", lambda e: e.cost_cpu_seconds),
-            ("learner step", lambda e: steps.get(e.version, e.step))]
+    pick = [
+        ("samples trained", lambda e: cost_of.get(e.version)),
+        ("tokens", lambda e: e.cost_tokens),
+        ("CPU seconds", lambda e: e.cost_cpu_seconds),
+        ("learner step", lambda e: steps.get(e.version, e.step)),
+    ]
     for label, cost in pick:
         if evals and all(cost(e) is not None for e in evals):
             out: dict[str, list] = defaultdict(list)
@@ -122,8 +125,11 @@ def capability_cost(evals, gates, steps: dict[int, int]) -> tuple[str, dict[str,
     return "learner step", {}
 
 
-COST_MEASURES = (("tokens", "cost_tokens"), ("CPU seconds", "cost_cpu_seconds"),
-                 ("sandbox seconds", "cost_sandbox_seconds"))
+COST_MEASURES = (
+    ("tokens", "cost_tokens"),
+    ("CPU seconds", "cost_cpu_seconds"),
+    ("sandbox seconds", "cost_sandbox_seconds"),
+)
 """(label, `eval_results` column) of the cumulative costs each eval row carries (`scheduler.store`)."""
 
 
@@ -159,10 +165,15 @@ def cost_lines(evals) -> list[str]:
     lines = []
     for domain, es in sorted(per.items()):
         first, last = es[0], es[-1]
-        spent = [f"{_amount(float(v))} {label}" for label, column in COST_MEASURES
-                 if (v := getattr(last, column, None)) is not None]
-        lines.append(f"- {domain}: eval score {first.score:.3f} (v{first.version}) -> {last.score:.3f} "
-                     f"(v{last.version}) at " + (", ".join(spent) if spent else "no recorded cost"))
+        spent = [
+            f"{_amount(float(v))} {label}"
+            for label, column in COST_MEASURES
+            if (v := getattr(last, column, None)) is not None
+        ]
+        lines.append(
+            f"- {domain}: eval score {first.score:.3f} (v{first.version}) -> {last.score:.3f} "
+            f"(v{last.version}) at " + (", ".join(spent) if spent else "no recorded cost")
+        )
     return lines or ["no evaluations recorded"]
 
 
@@ -177,8 +188,9 @@ def purposes(evals) -> dict[str, str]:
     return out
 
 
-def heldout_and_train_mean(evals, trained: set[str] | None = None
-                           ) -> tuple[dict[str, list[tuple[int, float]]], list[tuple[int, float]], int]:
+def heldout_and_train_mean(
+    evals, trained: set[str] | None = None
+) -> tuple[dict[str, list[tuple[int, float]]], list[tuple[int, float]], int]:
     """(held-out domain -> [(version, score)], [(version, mean score of the trained domains
     evaluated at that version)], number of trained domains). `trained`, when given (the run
     config's sampler domains), keeps extra sets such as the forgetting guard's general set out
@@ -192,12 +204,14 @@ def heldout_and_train_mean(evals, trained: set[str] | None = None
         elif trained is None or e.domain in trained:
             train[e.version][e.domain] = e.score
     names = {d for per in train.values() for d in per}
-    return ({d: sorted(per.items()) for d, per in held.items()},
-            [(v, sum(per.values()) / len(per)) for v, per in sorted(train.items())], len(names))
+    return (
+        {d: sorted(per.items()) for d, per in held.items()},
+        [(v, sum(per.values()) / len(per)) for v, per in sorted(train.items())],
+        len(names),
+    )
 
 
-def reward_grid(rewards, max_columns: int = HEATMAP_COLUMNS
-                ) -> tuple[list[str], list[str], list[list[float | None]]]:
+def reward_grid(rewards, max_columns: int = HEATMAP_COLUMNS) -> tuple[list[str], list[str], list[list[float | None]]]:
     """(domains sorted by mean reward, highest first (ties by name); column labels; grid of
     mean ok training reward per domain and version bucket, None where a domain has none).
     Versions are bucketed into at most `max_columns` equal ranges."""
@@ -236,8 +250,10 @@ def domain_table(rewards, updates) -> list[str]:
     lines = ["| domain | tasks | rewards | mean reward | level | weight |", "|---|---|---|---|---|---|"]
     for d in names:
         v = vals.get(d, [])
-        lines.append(f"| {d} | {len(tasks.get(d, ()))} | {len(v)} | {f'{sum(v) / len(v):.3f}' if v else '-'} | "
-                     f"{levels.get(d, '-')} | {f'{weights[d]:.4f}' if d in weights else '-'} |")
+        lines.append(
+            f"| {d} | {len(tasks.get(d, ()))} | {len(v)} | {f'{sum(v) / len(v):.3f}' if v else '-'} | "
+            f"{levels.get(d, '-')} | {f'{weights[d]:.4f}' if d in weights else '-'} |"
+        )
     return lines
 
 
@@ -287,8 +303,12 @@ def plot_curriculum(path: Path, updates, t0: float) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     domains = sorted({d for u in updates for d in u.weights})
     for i, d in enumerate(domains):
-        ax.step([u.created_at - t0 for u in updates], [u.weights.get(d, 0.0) for u in updates], where="post",
-                label=d if i < TOP_LABELLED else None)
+        ax.step(
+            [u.created_at - t0 for u in updates],
+            [u.weights.get(d, 0.0) for u in updates],
+            where="post",
+            label=d if i < TOP_LABELLED else None,
+        )
     if not updates:
         _no_data(ax, "curriculum updates")
     ax.set(xlabel="seconds since start", ylabel="sampling weight", title="curriculum weights", ylim=(-0.02, 1.02))
@@ -328,8 +348,10 @@ def _eval_table(evals) -> list[str]:
         base = next((e.score for e in es if e.version == 0), None)
         best = max(es, key=lambda e: e.score)
         last = es[-1]
-        lines.append(f"| {domain} | {kind[domain]} | {last.n} | {'-' if base is None else f'{base:.3f}'} | "
-                     f"{best.score:.3f} (v{best.version}) | {last.score:.3f} (v{last.version}) |")
+        lines.append(
+            f"| {domain} | {kind[domain]} | {last.n} | {'-' if base is None else f'{base:.3f}'} | "
+            f"{best.score:.3f} (v{best.version}) | {last.score:.3f} (v{last.version}) |"
+        )
     return lines if per else ["no evaluations recorded"]
 
 
@@ -337,12 +359,14 @@ def _plateau(gates, cost_label: str) -> dict | None:
     hit = next((g for g in gates if g.plateau), None)
     if hit is None:
         return None
-    return {"at_version": hit.version, "gain_per_unit": hit.gain_per_unit,
-            "cost": hit.cost_samples if cost_label == "samples trained" else None}
+    return {
+        "at_version": hit.version,
+        "gain_per_unit": hit.gain_per_unit,
+        "cost": hit.cost_samples if cost_label == "samples trained" else None,
+    }
 
 
-def build_report(run_path: Path, db_url: str | None = None, run_id: str | None = None,
-                 bucket_s: float = 10.0) -> Path:
+def build_report(run_path: Path, db_url: str | None = None, run_id: str | None = None, bucket_s: float = 10.0) -> Path:
     """Write `<run>/report.md` and `<run>/plots/*.png`; returns the report's path."""
     from scheduler.store import (
         DB_URL_ENV,
@@ -359,8 +383,9 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     run_path = Path(run_path).resolve()
     run_id = run_id or run_path.name
     if not (db_url or os.environ.get(DB_URL_ENV)) and not (run_path / "run.db").exists():
-        raise FileNotFoundError(f"{run_path / 'run.db'} does not exist: pass the run folder (<run-dir>/<run_id>) "
-                                "or --db-url")
+        raise FileNotFoundError(
+            f"{run_path / 'run.db'} does not exist: pass the run folder (<run-dir>/<run_id>) or --db-url"
+        )
     store = open_store(db_url, run_path)
     try:
         runs = store.rows(RunRow, run_id)
@@ -393,29 +418,54 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     released = max((g.version for g in gates if g.released), default=None)
     trained = [r for r in rewards if r.purpose == "train"]
     mean_lag = sum(lag for _, lag in lags) / len(lags) if lags else None
-    md = [f"# Run {run_id}", "",
-          f"- status: {runs[0].status if runs else 'unknown'}",
-          f"- training samples scored: {len(trained)} ({sum(r.status == 'ok' for r in trained)} ok), "
-          f"dead letters: {dead}",
-          f"- weight versions: {len({v.version for v in versions})}, newest step: {max(steps.values(), default=0)}",
-          f"- released version: {'none' if released is None else released} (release gate, `scheduler.gates`)",
-          "- plateau: " + (f"detected at v{plateau['at_version']} (gain {plateau['gain_per_unit']:.4g} per 1000 "
-                           "samples)" if plateau else "not detected"),
-          f"- forgetting guard trips: {sum(g.forgetting for g in gates)}",
-          f"- mean policy-version lag of training samples: {'-' if mean_lag is None else f'{mean_lag:.2f}'}",
-          "", "## Evaluation", "", *_eval_table(evals), "",
-          "## Plots", "",
-          "![reward per domain](plots/reward_per_domain.png)", "",
-          f"![capability vs cost](plots/capability_cost.png) (cost: {label})", "",
-          "![curriculum weights](plots/curriculum.png)", "",
-          "![throughput and staleness](plots/throughput_staleness.png)", "",
-          "![held-out vs trained domains](plots/heldout_vs_train.png)", "",
-          "![mean reward by domain and version](plots/domain_heatmap.png)", "",
-          "![curriculum weights, stacked](plots/curriculum_weights.png)", "",
-          "## Capability vs cost", "",
-          "![eval score vs cumulative tokens, CPU and sandbox seconds](plots/capability_cost_curve.png)", "",
-          *cost_lines(evals), "",
-          "## Domains", "", *domain_table(rewards, updates), ""]
+    md = [
+        f"# Run {run_id}",
+        "",
+        f"- status: {runs[0].status if runs else 'unknown'}",
+        f"- training samples scored: {len(trained)} ({sum(r.status == 'ok' for r in trained)} ok), "
+        f"dead letters: {dead}",
+        f"- weight versions: {len({v.version for v in versions})}, newest step: {max(steps.values(), default=0)}",
+        f"- released version: {'none' if released is None else released} (release gate, `scheduler.gates`)",
+        "- plateau: "
+        + (
+            f"detected at v{plateau['at_version']} (gain {plateau['gain_per_unit']:.4g} per 1000 samples)"
+            if plateau
+            else "not detected"
+        ),
+        f"- forgetting guard trips: {sum(g.forgetting for g in gates)}",
+        f"- mean policy-version lag of training samples: {'-' if mean_lag is None else f'{mean_lag:.2f}'}",
+        "",
+        "## Evaluation",
+        "",
+        *_eval_table(evals),
+        "",
+        "## Plots",
+        "",
+        "![reward per domain](plots/reward_per_domain.png)",
+        "",
+        f"![capability vs cost](plots/capability_cost.png) (cost: {label})",
+        "",
+        "![curriculum weights](plots/curriculum.png)",
+        "",
+        "![throughput and staleness](plots/throughput_staleness.png)",
+        "",
+        "![held-out vs trained domains](plots/heldout_vs_train.png)",
+        "",
+        "![mean reward by domain and version](plots/domain_heatmap.png)",
+        "",
+        "![curriculum weights, stacked](plots/curriculum_weights.png)",
+        "",
+        "## Capability vs cost",
+        "",
+        "![eval score vs cumulative tokens, CPU and sandbox seconds](plots/capability_cost_curve.png)",
+        "",
+        *cost_lines(evals),
+        "",
+        "## Domains",
+        "",
+        *domain_table(rewards, updates),
+        "",
+    ]
     out = run_path / "report.md"
     out.write_text("\n".join(md))
     return out

@@ -20,7 +20,7 @@ def reward_curve(path: Path, steps: list[tuple[int, float]], evals, title: str) 
         xs, ys = zip(*sorted(steps))
         ax.plot(xs, ys, lw=0.8, alpha=0.5, label="train reward (batch mean)")
         k = max(1, len(ys) // 20)
-        smooth = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+        smooth = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
         ax.plot(xs, smooth, lw=2, label=f"train reward (moving avg {k})")
         top = max(top, max(smooth))
     per_domain = evals if isinstance(evals, dict) else {"": evals}
@@ -68,22 +68,39 @@ def _empty(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes)
 
 
-def heldout_vs_train(path: Path, heldout: dict[str, list[tuple[int, float]]], train_mean: list[tuple[int, float]],
-                     n_train: int) -> Path:
+def heldout_vs_train(
+    path: Path, heldout: dict[str, list[tuple[int, float]]], train_mean: list[tuple[int, float]], n_train: int
+) -> Path:
     """Eval score per held-out (zero-shot) domain vs weight version, next to the mean eval score
     of the trained domains at each version; up to `TOP_LABELLED` held-out domains are named."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train_mean:
-        ax.plot([v for v, _ in train_mean], [s for _, s in train_mean], "k-o", lw=2, ms=3,
-                label=f"trained domains, mean ({n_train})")
+        ax.plot(
+            [v for v, _ in train_mean],
+            [s for _, s in train_mean],
+            "k-o",
+            lw=2,
+            ms=3,
+            label=f"trained domains, mean ({n_train})",
+        )
     for i, (domain, pts) in enumerate(sorted(heldout.items())):
-        ax.plot([v for v, _ in pts], [s for _, s in pts], "--s", ms=3, lw=1,
-                label=f"held out: {domain}" if i < TOP_LABELLED else None)
+        ax.plot(
+            [v for v, _ in pts],
+            [s for _, s in pts],
+            "--s",
+            ms=3,
+            lw=1,
+            label=f"held out: {domain}" if i < TOP_LABELLED else None,
+        )
     if not heldout:
         _empty(ax, "held-out evaluations")
-    ax.set(xlabel="weight version", ylabel="eval score", title="held-out (zero-shot) vs trained domains",
-           ylim=(-0.02, 1.02))
+    ax.set(
+        xlabel="weight version",
+        ylabel="eval score",
+        title="held-out (zero-shot) vs trained domains",
+        ylim=(-0.02, 1.02),
+    )
     ax.grid(alpha=0.3)
     if heldout or train_mean:
         ax.legend(loc="best", fontsize="small")
@@ -103,8 +120,14 @@ def domain_heatmap(path: Path, domains: list[str], columns: list[str], grid: lis
         _empty(ax, "training rewards")
         return _finish(fig, path)
     data = np.array([[np.nan if x is None else x for x in row] for row in grid], dtype=float)
-    img = ax.imshow(np.ma.masked_invalid(data), aspect="auto", interpolation="nearest", cmap="viridis",
-                    vmin=0.0, vmax=max(1.0, float(np.nanmax(data)) if np.isfinite(data).any() else 1.0))
+    img = ax.imshow(
+        np.ma.masked_invalid(data),
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        vmin=0.0,
+        vmax=max(1.0, float(np.nanmax(data)) if np.isfinite(data).any() else 1.0),
+    )
     small = 4 if rows > 60 else 6 if rows > 25 else 8
     ax.set_yticks(range(rows), domains, fontsize=small)
     step = max(1, len(columns) // 20)
@@ -131,8 +154,13 @@ def curriculum_area(path: Path, times: list[float], weights: dict[str, list[floa
         labels.append(f"{len(rest)} other domains")
     colors = [plt.cm.tab20(i % 20) for i in range(len(top))] + (["0.75"] if rest else [])
     ax.stackplot(times, *bands, labels=labels, colors=colors, step="post")
-    ax.set(xlabel="seconds since start", ylabel="sampling weight (stacked)", title="curriculum weights",
-           ylim=(0.0, 1.0), xlim=(times[0], times[-1] if times[-1] > times[0] else times[0] + 1))
+    ax.set(
+        xlabel="seconds since start",
+        ylabel="sampling weight (stacked)",
+        title="curriculum weights",
+        ylim=(0.0, 1.0),
+        xlim=(times[0], times[-1] if times[-1] > times[0] else times[0] + 1),
+    )
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="x-small", frameon=False)
     return _finish(fig, path)
 

@@ -46,7 +46,9 @@ class Accounting:
     def counts(self) -> dict[str, int]:
         """Tasks per fate, plus lost."""
         c = Counter(self.fate[t] for t in self.published if t in self.fate)
-        return {k: c.get(k, 0) for k in ("trained", "filtered", "dead_lettered", "in_flight")} | {"lost": len(self.lost)}
+        return {k: c.get(k, 0) for k in ("trained", "filtered", "dead_lettered", "in_flight")} | {
+            "lost": len(self.lost)
+        }
 
 
 async def _decoded(js, stream: str, subject: str, kind, start_seq: int = 0):

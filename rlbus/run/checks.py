@@ -22,9 +22,11 @@ from rich.console import Console
 
 from schemas.config import RunConfig
 
-DEGRADED_WARNING = ("[bold red]sandbox isolation: DEGRADED: tool calls and tests run WITHOUT network or "
-                    "filesystem isolation (rlimits only), because sandbox.allow_degraded=true. "
-                    "Install bubblewrap (apt-get install -y bubblewrap) to isolate them.[/]")
+DEGRADED_WARNING = (
+    "[bold red]sandbox isolation: DEGRADED: tool calls and tests run WITHOUT network or "
+    "filesystem isolation (rlimits only), because sandbox.allow_degraded=true. "
+    "Install bubblewrap (apt-get install -y bubblewrap) to isolate them.[/]"
+)
 
 
 def check_engine(cfg: RunConfig, console: Console) -> bool:
@@ -58,8 +60,13 @@ def check_tokenizer(cfg: RunConfig, console: Console) -> bool:
     tok = run_tokenizer(cfg)
     problems = tokenizer_problems(cfg, tok)
     for problem in problems:
-        console.print(f"rlbus up: {problem}; use a tokenizer that covers them (model.tokenizer = 'bpe' "
-                      "encodes any text)", style="bold red", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"rlbus up: {problem}; use a tokenizer that covers them (model.tokenizer = 'bpe' encodes any text)",
+            style="bold red",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     missing = template_problems(cfg, tok)
     for problem in missing:
         console.print(f"rlbus up: {problem}", style="bold red", markup=False, highlight=False, soft_wrap=True)
@@ -100,10 +107,15 @@ def check_model(cfg: RunConfig, console: Console) -> bool:
     """Whether `model.path` (when set) is a local HF model folder; False after saying what to do."""
     if not cfg.model.path or (Path(cfg.model.path) / "config.json").is_file():
         return True
-    console.print(f"rlbus up: model.path {cfg.model.path!r} is not a local Hugging Face model folder (no config.json "
-                  "there); point it at a checkpoint folder, build a small one with `rlbus init-model DIR`, or leave "
-                  "model.path empty to build the tiny model", style="bold red", markup=False, highlight=False,
-                  soft_wrap=True)
+    console.print(
+        f"rlbus up: model.path {cfg.model.path!r} is not a local Hugging Face model folder (no config.json "
+        "there); point it at a checkpoint folder, build a small one with `rlbus init-model DIR`, or leave "
+        "model.path empty to build the tiny model",
+        style="bold red",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     return False
 
 
@@ -121,17 +133,27 @@ def check_domains(cfg: RunConfig, console: Console) -> bool:
         except DomainUnavailable:
             continue
         except (ValueError, OSError) as exc:
-            console.print(f"rlbus up: {exc}; fix [sampler.domains.{name}] in the config (or the --set that "
-                          "changed it), then run it again", style="bold red", markup=False, highlight=False,
-                          soft_wrap=True)
+            console.print(
+                f"rlbus up: {exc}; fix [sampler.domains.{name}] in the config (or the --set that "
+                "changed it), then run it again",
+                style="bold red",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             ok = False
     return ok
 
 
 def preflight(cfg: RunConfig, console: Console) -> str | None:
     """Every check before anything starts; the sandbox isolation, or None after printing why not."""
-    if not (check_model(cfg, console) and check_tracking(cfg, console) and check_engine(cfg, console)
-            and check_learner(cfg, console) and check_domains(cfg, console)):
+    if not (
+        check_model(cfg, console)
+        and check_tracking(cfg, console)
+        and check_engine(cfg, console)
+        and check_learner(cfg, console)
+        and check_domains(cfg, console)
+    ):
         return None
     isolation = check_sandbox(cfg, console)
     if isolation is None or not check_tokenizer(cfg, console):

@@ -49,12 +49,15 @@ DEFAULT_CONFIG = "examples/demo.toml"
 
 def env_settings(env=os.environ) -> dict:
     """The run's settings from the environment, with defaults."""
-    return {"config": env.get("RLBUS_CONFIG") or DEFAULT_CONFIG,
-            "overrides": shlex.split(env.get("RLBUS_SET", "")),
-            "run_id": env.get("RLBUS_RUN_ID") or "demo",
-            "run_dir": env.get("RLBUS_RUN_DIR") or "runs",
-            "nats_url": nats_url_with_auth(env.get("NATS_URL") or "nats://127.0.0.1:4222",
-                                           env.get("NATS_USER", ""), env.get("NATS_PASSWORD", ""))}
+    return {
+        "config": env.get("RLBUS_CONFIG") or DEFAULT_CONFIG,
+        "overrides": shlex.split(env.get("RLBUS_SET", "")),
+        "run_id": env.get("RLBUS_RUN_ID") or "demo",
+        "run_dir": env.get("RLBUS_RUN_DIR") or "runs",
+        "nats_url": nats_url_with_auth(
+            env.get("NATS_URL") or "nats://127.0.0.1:4222", env.get("NATS_USER", ""), env.get("NATS_PASSWORD", "")
+        ),
+    }
 
 
 def nats_url_with_auth(url: str, user: str = "", password: str = "") -> str:
@@ -76,8 +79,9 @@ def run_folder_of(settings: dict) -> RunFolder:
     return RunFolder.of(settings["run_dir"], settings["run_id"])
 
 
-def init_run(config: str, overrides: list[str], run_id: str, run_dir: str, nats_url: str | None = None,
-             out=print) -> Path:
+def init_run(
+    config: str, overrides: list[str], run_id: str, run_dir: str, nats_url: str | None = None, out=print
+) -> Path:
     """Prepare the run folder (config.json, model/start, secret) and, with a URL, the run's topology."""
     from rich.console import Console
 
@@ -92,8 +96,10 @@ def init_run(config: str, overrides: list[str], run_id: str, run_dir: str, nats_
     tmp = folder.config_json.with_name(folder.config_json.name + ".tmp")
     write_redacted_config(cfg, tmp)  # a db_url's password never lands in the run folder
     os.replace(tmp, folder.config_json)
-    out(f"init: run {run_id} config written to {folder.config_json} (from {config}"
-        + (f" with {' '.join(overrides)})" if overrides else ")"))
+    out(
+        f"init: run {run_id} config written to {folder.config_json} (from {config}"
+        + (f" with {' '.join(overrides)})" if overrides else ")")
+    )
     start = folder.start_model
     if start.exists():
         out(f"init: {start} exists; keeping it (the run continues)")
@@ -152,8 +158,9 @@ async def heartbeat_seen(nats_url: str, run_id: str, role: str, host: str, timeo
 
     # the one connect helper: the role's own NATS user (RLBUS_NATS_USER/PASSWORD) may
     # subscribe to its role's heartbeats (only those: not `metrics.<run>.>`); one try, no reconnects
-    nc = await connect(nats_url, name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0,
-                       allow_reconnect=False)
+    nc = await connect(
+        nats_url, name="rlbus-health", connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False
+    )
     beats = Heartbeats(run_id)
     try:
         await nc.subscribe(Registry(run_id).metrics(role), cb=beats.on_msg)

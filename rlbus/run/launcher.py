@@ -64,8 +64,18 @@ def roles_to_start(cfg: RunConfig) -> list[str]:
 class RunLoop:
     """One supervised run, in phases: watch until a stop reason, drain, account, shut down."""
 
-    def __init__(self, cfg: RunConfig, run_path: Path, t0: float, console: Console, sup: Supervisor,
-                 mon: Monitor, snap: Snapshot, keeper: ServerKeeper, nc):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_path: Path,
+        t0: float,
+        console: Console,
+        sup: Supervisor,
+        mon: Monitor,
+        snap: Snapshot,
+        keeper: ServerKeeper,
+        nc,
+    ):
         self.cfg, self.run_path, self.t0, self.console = cfg, run_path, t0, console
         self.sup, self.mon, self.snap, self.keeper, self.nc = sup, mon, snap, keeper, nc
         self.folder = RunFolder(run_path)
@@ -74,8 +84,9 @@ class RunLoop:
         self.fatal: FatalStop | None = None
         self.heartbeats = HeartbeatWatch(cfg.run.heartbeat_timeout_s, mon.last_heartbeat)
         self._log_offset = log_size(self.folder.server_log)
-        self.live = Live(render(snap), console=console, refresh_per_second=2, transient=False) \
-            if console.is_terminal else None
+        self.live = (
+            Live(render(snap), console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
+        )
         self._last_line = 0.0
         reserve = cfg.run.drain_seconds + 25.0
         self.deadline = t0 + cfg.run.max_minutes * 60 - reserve if cfg.run.max_minutes else None
@@ -126,15 +137,19 @@ class RunLoop:
             self.fatal = exc
             return exc.message
         for role, pid, quiet in self.heartbeats.hung(self.sup.procs, self.nc.is_connected):
-            self.say(f"{role} (pid {pid}) sent no heartbeat for {quiet:.0f}s (frozen?): killed and restarted; "
-                     "its unacked work is redelivered")
+            self.say(
+                f"{role} (pid {pid}) sent no heartbeat for {quiet:.0f}s (frozen?): killed and restarted; "
+                "its unacked work is redelivered"
+            )
             self.sup.kill_hung(role)
         failure = self.sup.poll()
         for note in self.sup.notes:
             self.say(note)
         self.sup.notes.clear()
         if failure:
-            self.fatal = FatalStop("crash-loop", failure, f"fix it, then continue with: {resume_command(self.run_path)}")
+            self.fatal = FatalStop(
+                "crash-loop", failure, f"fix it, then continue with: {resume_command(self.run_path)}"
+            )
         return failure
 
     async def watch(self) -> tuple[str, str | None]:
@@ -195,12 +210,29 @@ class RunLoop:
         return summary
 
 
-SUMMARY_KEYS = ("steps", "weight_versions", "tasks_published", "trained_samples", "dead_letters", "lost",
-                "trained_twice", "eval", "wall_seconds")
+SUMMARY_KEYS = (
+    "steps",
+    "weight_versions",
+    "tasks_published",
+    "trained_samples",
+    "dead_letters",
+    "lost",
+    "trained_twice",
+    "eval",
+    "wall_seconds",
+)
 
 
-async def run_up(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, t0: float, console: Console,
-                 keeper: ServerKeeper, sandbox_isolation: str | None = None) -> int:
+async def run_up(
+    cfg: RunConfig,
+    run_path: Path,
+    run_dir: Path,
+    nats_url: str,
+    t0: float,
+    console: Console,
+    keeper: ServerKeeper,
+    sandbox_isolation: str | None = None,
+) -> int:
     """Supervise a prepared run until its limits; return the exit code (1 only when it failed)."""
     reg = Registry(cfg.run.run_id)
     nc = await connect(nats_url, name="rlbus-launcher")
@@ -272,8 +304,10 @@ def _start_server(cfg: RunConfig, run_path: Path, resume: bool, console: Console
             console.print(f"reusing the run's nats-server at {url}")
             return url, AdoptedServer(url, folder.state().get("server_pid"))
     server = EmbeddedNats(folder.nats).start()
-    console.print(f"embedded nats-server {'restarted ' if resume else ''}at {server.url} "
-                  f"({'on the run' + chr(39) + 's store' if resume else 'store'} {folder.nats})")
+    console.print(
+        f"embedded nats-server {'restarted ' if resume else ''}at {server.url} "
+        f"({'on the run' + chr(39) + 's store' if resume else 'store'} {folder.nats})"
+    )
     return server.url, server
 
 
@@ -284,9 +318,14 @@ def _redacted_url_without_env(cfg: RunConfig, console: Console) -> bool:
 
     if not (cfg.run.nats_url and is_redacted(cfg.run.nats_url)) or os.environ.get(NATS_URL_ENV):
         return False
-    console.print(f"rlbus up: the run's NATS URL {cfg.run.nats_url} has its password redacted (the run folder never "
-                  f"keeps it); pass --nats-url with the real URL, or set {NATS_URL_ENV}", style="bold red",
-                  markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"rlbus up: the run's NATS URL {cfg.run.nats_url} has its password redacted (the run folder never "
+        f"keeps it); pass --nats-url with the real URL, or set {NATS_URL_ENV}",
+        style="bold red",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     return True
 
 
@@ -308,8 +347,10 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None, debu
         state = read_state(run_path)
         check_launcher_gone(state)
         stopped = stop_leftover_workers(state)
-        console.print(f"resuming run {cfg.run.run_id} → {run_path}"
-                      + (f" (stopped {len(stopped)} leftover worker(s))" if stopped else ""))
+        console.print(
+            f"resuming run {cfg.run.run_id} → {run_path}"
+            + (f" (stopped {len(stopped)} leftover worker(s))" if stopped else "")
+        )
     else:
         if not cfg.run.run_id:
             cfg.run.run_id = new_run_id(config_path)
@@ -327,9 +368,14 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None, debu
     except Exception as exc:
         if debug:
             raise
-        console.print(f"rlbus up: stopped by an unexpected error: {type(exc).__name__}: {str(exc)[:300]}; "
-                      f"continue with: {resume_command(run_path)} (add --debug to see the traceback)",
-                      style="bold red", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"rlbus up: stopped by an unexpected error: {type(exc).__name__}: {str(exc)[:300]}; "
+            f"continue with: {resume_command(run_path)} (add --debug to see the traceback)",
+            style="bold red",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return 1
     finally:
         keeper.stop()

@@ -63,9 +63,14 @@ class DomainRewards:
             self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
 
     def as_dict(self) -> dict:
-        return {"rewards": self.n, "reward_mean": round(self.total / self.n, 4) if self.n else None,
-                "statuses": self.statuses, "tool_calls": self.tool_calls,
-                "episodes_with_tool_calls": self.episodes_with_tool_calls, "tool_errors": self.tool_errors}
+        return {
+            "rewards": self.n,
+            "reward_mean": round(self.total / self.n, 4) if self.n else None,
+            "statuses": self.statuses,
+            "tool_calls": self.tool_calls,
+            "episodes_with_tool_calls": self.episodes_with_tool_calls,
+            "tool_errors": self.tool_errors,
+        }
 
 
 class Monitor:
@@ -175,7 +180,9 @@ class Monitor:
         self.plateau = await get_json(self.js, self.reg, PLATEAU)
         self.released_version = ((await get_json(self.js, self.reg, RELEASE_LATEST)) or {}).get("version")
         self.stop_requested = await get_json(self.js, self.reg, STATUS) == STOP_REQUESTED
-        self.tasks_by_domain = dict(((await get_json(self.js, self.reg, SAMPLER_PROGRESS)) or {}).get("by_domain") or {})
+        self.tasks_by_domain = dict(
+            ((await get_json(self.js, self.reg, SAMPLER_PROGRESS)) or {}).get("by_domain") or {}
+        )
         cur = await get_json(self.js, self.reg, CURRICULUM) or {}
         self.curriculum = {"weights": cur.get("weights") or {}, "levels": cur.get("levels") or {}}
         if self.evals:
@@ -189,8 +196,12 @@ def rollout_figures(mon) -> dict:
     """summary.json's `rollout`: weight versions hot-loaded (summed over rollout workers), generated
     tokens, the seconds spent rolling out, and their ratio (rollout tokens/s per worker-second)."""
     tokens, busy = mon.role_sum("rollout", TOKENS), mon.role_total("rollout", BUSY_S)
-    return {"weights_loaded": mon.role_sum("rollout", WEIGHTS_LOADED), "tokens": tokens,
-            "busy_s": round(busy, 2), "tokens_per_s": round(tokens / busy, 1) if busy > 0 else None}
+    return {
+        "weights_loaded": mon.role_sum("rollout", WEIGHTS_LOADED),
+        "tokens": tokens,
+        "busy_s": round(busy, 2),
+        "tokens_per_s": round(tokens / busy, 1) if busy > 0 else None,
+    }
 
 
 def domain_counts(mon) -> dict[str, dict]:
@@ -198,9 +209,15 @@ def domain_counts(mon) -> dict[str, dict]:
     training rewards (count, mean, statuses, tool calls) and curriculum level and weight."""
     weights, levels = mon.curriculum.get("weights") or {}, mon.curriculum.get("levels") or {}
     names = set(mon.domain_rewards) | set(mon.tasks_by_domain) | set(weights)
-    return {d: {"tasks": int(mon.tasks_by_domain.get(d, 0)),
-                **(mon.domain_rewards.get(d) or DomainRewards()).as_dict(),
-                "level": levels.get(d), "weight": weights.get(d)} for d in sorted(names)}
+    return {
+        d: {
+            "tasks": int(mon.tasks_by_domain.get(d, 0)),
+            **(mon.domain_rewards.get(d) or DomainRewards()).as_dict(),
+            "level": levels.get(d),
+            "weight": weights.get(d),
+        }
+        for d in sorted(names)
+    }
 
 
 def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = None) -> dict:
@@ -210,22 +227,38 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
     for domain, per in mon.domain_evals.items():
         last = per[max(per)]
         first = per.get(0) or (per[min(per)] if last.purpose == "heldout" else None)
-        evals[domain] = {"purpose": last.purpose, "baseline": first.score if first else None, "final": last.score,
-                         "n": last.n, "baseline_version": first.version if first else None,
-                         "final_version": last.version, "curve": {str(v): e.score for v, e in sorted(per.items())}}
+        evals[domain] = {
+            "purpose": last.purpose,
+            "baseline": first.score if first else None,
+            "final": last.score,
+            "n": last.n,
+            "baseline_version": first.version if first else None,
+            "final_version": last.version,
+            "curve": {str(v): e.score for v, e in sorted(per.items())},
+        }
     out = {
-        "run_id": snap.run_id, "steps": snap.step, "weight_versions": snap.version + 1,
+        "run_id": snap.run_id,
+        "steps": snap.step,
+        "weight_versions": snap.version + 1,
         "tasks_published": len(acc.published) if acc else int(snap.totals.get("sampler", 0)),
-        "trajectories": int(snap.totals.get("rollout", 0)), "rewards": int(snap.totals.get("verifier", 0)),
-        "trained_samples": int(snap.totals.get("learner", 0)), "dead_letters": acc.dead_letters if acc else snap.dead_letters,
-        "lost": counts.get("lost") if acc else None, "trained_twice": acc.trained_twice if acc else None,
+        "trajectories": int(snap.totals.get("rollout", 0)),
+        "rewards": int(snap.totals.get("verifier", 0)),
+        "trained_samples": int(snap.totals.get("learner", 0)),
+        "dead_letters": acc.dead_letters if acc else snap.dead_letters,
+        "lost": counts.get("lost") if acc else None,
+        "trained_twice": acc.trained_twice if acc else None,
         "learner_rollbacks": acc.rollbacks if acc else None,
-        "task_fates": counts or None, "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
-        "eval": evals, "domains": domain_counts(mon),
-        "wall_seconds": round(snap.elapsed, 1), "final": acc is not None,
-        "worker_restarts": snap.restarts, "depths": dict(snap.depths),
+        "task_fates": counts or None,
+        "filtered_reasons": dict(acc.filtered_reasons) if acc else None,
+        "eval": evals,
+        "domains": domain_counts(mon),
+        "wall_seconds": round(snap.elapsed, 1),
+        "final": acc is not None,
+        "worker_restarts": snap.restarts,
+        "depths": dict(snap.depths),
         "rollout": rollout_figures(mon),
-        "plateau": mon.plateau, "released_version": mon.released_version,
+        "plateau": mon.plateau,
+        "released_version": mon.released_version,
         "sandbox_isolation": mon.sandbox_isolation,
     }
     out.update(extra or {})

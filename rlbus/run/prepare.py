@@ -41,9 +41,16 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
     if not cfg.model.path:
         from rlbus.model.tiny_model import build_tiny_model
 
-        build_tiny_model(base, arch=cfg.model.arch, hidden_size=cfg.model.hidden_size,
-                         num_layers=cfg.model.num_layers, num_heads=cfg.model.num_heads, seed=cfg.run.seed,
-                         tokenizer=cfg.model.tokenizer, max_position_embeddings=cfg.model.max_position_embeddings)
+        build_tiny_model(
+            base,
+            arch=cfg.model.arch,
+            hidden_size=cfg.model.hidden_size,
+            num_layers=cfg.model.num_layers,
+            num_heads=cfg.model.num_heads,
+            seed=cfg.run.seed,
+            tokenizer=cfg.model.tokenizer,
+            max_position_embeddings=cfg.model.max_position_embeddings,
+        )
         console.print(f"built tiny {cfg.model.arch} model ({cfg.model.tokenizer} tokenizer) at {base}")
     if not cfg.sft.enabled:
         shutil.copytree(base, start)
@@ -53,8 +60,17 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
 
     batches = sft_batches(cfg, cfg.sft.batch_size)
     console.print(f"SFT warm start for up to {cfg.sft.seconds:.0f}s ...")
-    stats = run_sft(base, start, batches, seconds=cfg.sft.seconds, max_steps=cfg.sft.max_steps, lr=cfg.sft.lr,
-                    seed=cfg.run.seed, threads=cfg.sft.threads, progress=console.is_terminal)
+    stats = run_sft(
+        base,
+        start,
+        batches,
+        seconds=cfg.sft.seconds,
+        max_steps=cfg.sft.max_steps,
+        lr=cfg.sft.lr,
+        seed=cfg.run.seed,
+        threads=cfg.sft.threads,
+        progress=console.is_terminal,
+    )
     console.print(f"SFT done: {stats}")
     return start
 

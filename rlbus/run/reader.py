@@ -56,8 +56,11 @@ class RunAccess:
 
     def describe(self) -> str:
         """One line for the console: which run, read from where."""
-        where = ("its live nats-server at " + self.url.split("@")[-1] if self.source == "live"
-                 else f"its stored JetStream ({RunFolder(self.run_path).nats}, server stopped again at exit)")
+        where = (
+            "its live nats-server at " + self.url.split("@")[-1]
+            if self.source == "live"
+            else f"its stored JetStream ({RunFolder(self.run_path).nats}, server stopped again at exit)"
+        )
         return f"run {self.run_id}: read from {where}"
 
 
@@ -73,12 +76,16 @@ class RewardCounts:
 def run_identity(run_path: Path) -> tuple[str, RunFolder]:
     """(run_id, folder) of a run folder; RunReadError when it is not one."""
     if not run_path.is_dir():
-        raise RunReadError(f"{run_path} is not a folder: RUN_PATH is one run's folder, <run-dir>/<run_id> "
-                           "(e.g. runs/demo-20250101-120000), as `rlbus up` made it")
+        raise RunReadError(
+            f"{run_path} is not a folder: RUN_PATH is one run's folder, <run-dir>/<run_id> "
+            "(e.g. runs/demo-20250101-120000), as `rlbus up` made it"
+        )
     folder = RunFolder(run_path)
     if not folder.state() and not folder.config() and not folder.nats.is_dir():
-        raise RunReadError(f"{run_path} holds no run.json, config.json or nats/ store: is it a run folder "
-                           "(<run-dir>/<run_id>)? List runs with `ls runs/`")
+        raise RunReadError(
+            f"{run_path} holds no run.json, config.json or nats/ store: is it a run folder "
+            "(<run-dir>/<run_id>)? List runs with `ls runs/`"
+        )
     run_id = folder.recorded_run_id()
     try:
         Registry(run_id)
@@ -126,6 +133,7 @@ async def _holds_run(url: str, reg: Registry) -> bool:
 @contextmanager
 def _stop_on_sigterm() -> Iterator[None]:
     """Turn SIGTERM into SystemExit inside the block, so `finally` clauses run."""
+
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -150,8 +158,9 @@ def _store_lock(store: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunReadError(f"another `rlbus samples` or `rescore` is reading {store} right now; "
-                               "retry when it is done") from None
+            raise RunReadError(
+                f"another `rlbus samples` or `rescore` is reading {store} right now; retry when it is done"
+            ) from None
         yield
     finally:
         os.close(fd)
@@ -165,16 +174,20 @@ def _store_server(run_path: Path, run_id: str, url: str | None) -> Iterator[str]
     store = RunFolder(run_path).nats
     where = f"at {url}" if url else "(no nats_url in run.json; none given with --nats-url)"
     if not (store / "jetstream").is_dir():
-        raise RunReadError(f"no NATS server {where} holds run {run_id}, and {store} has no stored JetStream: "
-                           "start the run's server (`rlbus up --resume RUN_PATH`, or its compose stack) or "
-                           "pass --nats-url URL of the server it ran on")
+        raise RunReadError(
+            f"no NATS server {where} holds run {run_id}, and {store} has no stored JetStream: "
+            "start the run's server (`rlbus up --resume RUN_PATH`, or its compose stack) or "
+            "pass --nats-url URL of the server it ran on"
+        )
     with _store_lock(store), tempfile.TemporaryDirectory(prefix="rlbus-read-") as tmp, _stop_on_sigterm():
         running = servers_on_store(store)
         if running:
             pids = " ".join(map(str, running))
-            raise RunReadError(f"no NATS server {where} holds run {run_id}, but nats-server pid {pids} runs on its "
-                               f"store {store}, which is never opened twice: wait for it to answer or end (the "
-                               f"run's own server: `kill {pids}` once its launcher is gone) and retry")
+            raise RunReadError(
+                f"no NATS server {where} holds run {run_id}, but nats-server pid {pids} runs on its "
+                f"store {store}, which is never opened twice: wait for it to answer or end (the "
+                f"run's own server: `kill {pids}` once its launcher is gone) and retry"
+            )
         server = EmbeddedNats(store)
         server.log_path = Path(tmp) / "nats-server.log"  # the run's own log stays as it was
         try:
@@ -198,12 +211,16 @@ def reach_run(run_path: str | os.PathLike, nats_url: str | None = None) -> Itera
         yield RunAccess(run_id, run_path, url, "live")
         return
     if nats_url:
-        raise RunReadError(f"no NATS server at {nats_url} holds run {run_id} (no stream {reg.stream('REWARDS')}); "
-                           "check the URL, or leave --nats-url out to read the run's stored JetStream")
+        raise RunReadError(
+            f"no NATS server at {nats_url} holds run {run_id} (no stream {reg.stream('REWARDS')}); "
+            "check the URL, or leave --nats-url out to read the run's stored JetStream"
+        )
     with _store_server(run_path, run_id, url) as store_url:
         if not asyncio.run(_holds_run(store_url, reg)):
-            raise RunReadError(f"{folder.nats} has no stream {reg.stream('REWARDS')}: the run stored no "
-                               "rewards there (was it run against another NATS server? pass --nats-url)")
+            raise RunReadError(
+                f"{folder.nats} has no stream {reg.stream('REWARDS')}: the run stored no "
+                "rewards there (was it run against another NATS server? pass --nats-url)"
+            )
         yield RunAccess(run_id, run_path, store_url, "store")
 
 
@@ -211,11 +228,12 @@ async def reward_domains(js, reg: Registry) -> dict[str, int]:
     """Domain -> number of stored rewards, from the REWARDS stream's subject counts."""
     info = await js.stream_info(reg.stream("REWARDS"), subjects_filter=reg.all("rewards"))
     prefix = f"rewards.{reg.run_id}."
-    return {s[len(prefix):]: n for s, n in sorted((info.state.subjects or {}).items()) if s.startswith(prefix)}
+    return {s[len(prefix) :]: n for s, n in sorted((info.state.subjects or {}).items()) if s.startswith(prefix)}
 
 
-async def iter_rewards(js, reg: Registry, domain: str | None = None,
-                       counts: RewardCounts | None = None) -> AsyncIterator[tuple[int, Reward]]:
+async def iter_rewards(
+    js, reg: Registry, domain: str | None = None, counts: RewardCounts | None = None
+) -> AsyncIterator[tuple[int, Reward]]:
     """(stream sequence, Reward) of every stored reward (of `domain`), in order; reads only."""
     from bus.streams import iter_stream
 
@@ -249,5 +267,7 @@ async def check_domain(js, reg: Registry, domain: str | None) -> dict[str, int]:
     domains = await reward_domains(js, reg)
     if domain is not None and domain not in domains:
         known = ", ".join(f"{d} ({n})" for d, n in domains.items()) or "none"
-        raise RunReadError(f"run {reg.run_id} has no stored rewards of domain {domain!r}; domains with rewards: {known}")
+        raise RunReadError(
+            f"run {reg.run_id} has no stored rewards of domain {domain!r}; domains with rewards: {known}"
+        )
     return domains

@@ -60,8 +60,10 @@ def resumed_config(run_path: Path, config_path: str | None, overrides: list[str]
         ignore = {f"run.{k}" for k in LIMIT_KEYS | {"run_id", "run_dir", "nats_url"}}
         diff = sorted(k for k in set(a) | set(b) if k not in ignore and a.get(k) != b.get(k))
         if diff:
-            raise ResumeError(f"{config_path} does not match the run's config in {diff[:10]}; resume without "
-                              f"CONFIG (the run's own config.json is used) or start a new run")
+            raise ResumeError(
+                f"{config_path} does not match the run's config in {diff[:10]}; resume without "
+                f"CONFIG (the run's own config.json is used) or start a new run"
+            )
     return cfg
 
 
@@ -70,8 +72,9 @@ def read_state(run_path: Path) -> dict:
     folder = RunFolder(run_path)
     state = folder.state()
     if not state:
-        raise ResumeError(f"cannot read {folder.run_json} (missing or not a JSON object); was the run started "
-                          "with `rlbus up`?")
+        raise ResumeError(
+            f"cannot read {folder.run_json} (missing or not a JSON object); was the run started with `rlbus up`?"
+        )
     return state
 
 
@@ -94,8 +97,9 @@ def check_launcher_gone(state: dict) -> None:
     """Refuse while the recorded launcher still runs."""
     pid = state.get("launcher_pid")
     if pid and pid != os.getpid() and alive(pid, "rlbus"):
-        raise ResumeError(f"the run's launcher (pid {pid}) is still running; stop it first (kill {pid}) "
-                          "or let it finish")
+        raise ResumeError(
+            f"the run's launcher (pid {pid}) is still running; stop it first (kill {pid}) or let it finish"
+        )
 
 
 class AdoptedServer:

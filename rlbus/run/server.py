@@ -24,8 +24,10 @@ async def server_answers(url: str, timeout: float = 3.0) -> bool:
     from bus.conn import connect
 
     try:
-        nc = await asyncio.wait_for(connect(url, name="rlbus-probe", connect_timeout=timeout, max_reconnect_attempts=0,
-                                            allow_reconnect=False), timeout + 2)
+        nc = await asyncio.wait_for(
+            connect(url, name="rlbus-probe", connect_timeout=timeout, max_reconnect_attempts=0, allow_reconnect=False),
+            timeout + 2,
+        )
     except Exception:  # noqa: BLE001 - refused, unreachable, or hung: no server to reuse
         return False
     try:
@@ -42,8 +44,9 @@ async def server_reachable(url: str, timeout: float = 3.0) -> bool:
     (a TCP probe first)."""
     parsed = urlparse(url)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222),
-                                           timeout)
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout
+        )
         writer.close()
     except (OSError, asyncio.TimeoutError):
         return False
@@ -56,7 +59,7 @@ async def server_reachable(url: str, timeout: float = 3.0) -> bool:
 async def only_run(js) -> str:
     """The single run on the server (by its TASKS stream); RunNotFound otherwise."""
     names = [s.config.name for s in await js.streams_info()]
-    runs = sorted(n[len("TASKS_"):] for n in names if n.startswith("TASKS_"))
+    runs = sorted(n[len("TASKS_") :] for n in names if n.startswith("TASKS_"))
     if len(runs) != 1:
         raise RunNotFound(f"{len(runs)} runs on this server ({', '.join(runs) or 'none'}); pass --run-id")
     return runs[0]

@@ -36,10 +36,22 @@ MAX_RESTARTS = 5
 class Supervisor:
     """Worker processes of one run: start, restart, stop by PID."""
 
-    def __init__(self, run_path: Path, config_file: Path, nats_url: str, run_id: str, run_dir: Path,
-                 secret_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        run_path: Path,
+        config_file: Path,
+        nats_url: str,
+        run_id: str,
+        run_dir: Path,
+        secret_env: dict[str, str] | None = None,
+    ):
         self.run_path, self.config_file, self.nats_url, self.run_id, self.run_dir = (
-            run_path, config_file, nats_url, run_id, run_dir)
+            run_path,
+            config_file,
+            nats_url,
+            run_id,
+            run_dir,
+        )
         self.secret_env = dict(secret_env or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.server_pid: int | None = None
@@ -52,24 +64,41 @@ class Supervisor:
     def start(self, role: str) -> None:
         """Start `rlbus worker ROLE` for this run."""
         # the URL travels by environment (only this user reads /proc/<pid>/environ), never argv
-        cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(self.config_file),
-               "--run-id", self.run_id, "--run-dir", str(self.run_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "worker",
+            role,
+            "--config",
+            str(self.config_file),
+            "--run-id",
+            self.run_id,
+            "--run-dir",
+            str(self.run_dir),
+        ]
         logf = open(self.folder.log(role), "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_LAUNCHER_PID=str(os.getpid()), **self.secret_env)
         env[NATS_URL_ENV] = self.nats_url
         # idle OpenMP threads sleep instead of spinning: every role shares the cores (bench/learner_scale.py
         # measured 3-5x the CPU per step with the default spin-wait on a loaded 2-core machine)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.procs[role] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env=env)
+        self.procs[role] = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         logf.close()
         self.write_state()
 
     def write_state(self) -> None:
         """Record the server URL and every pid in `<run>/run.json` (for `rlbus dlq`, status, resume)."""
-        state = {"run_id": self.run_id, "nats_url": redact_url(self.nats_url), "launcher_pid": os.getpid(),
-                 "server_pid": self.server_pid, "workers": {role: p.pid for role, p in self.procs.items()},
-                 "updated_at": time.time()}
+        state = {
+            "run_id": self.run_id,
+            "nats_url": redact_url(self.nats_url),
+            "launcher_pid": os.getpid(),
+            "server_pid": self.server_pid,
+            "workers": {role: p.pid for role, p in self.procs.items()},
+            "updated_at": time.time(),
+        }
         self.folder.write_state(state)
 
     def poll(self) -> str | None:
@@ -80,10 +109,14 @@ class Supervisor:
             self.restarts[role] = self.restarts.get(role, 0) + 1
             log.warning("launcher.worker_exited", role=role, code=proc.returncode, restarts=self.restarts[role])
             if self.restarts[role] > MAX_RESTARTS:
-                return (f"{role} exited {self.restarts[role]} times (last code {proc.returncode}); "
-                        f"read {self.folder.log(role)}")
-            self.notes.append(f"{role} (pid {proc.pid}) exited with code {proc.returncode}: restarted "
-                              f"({self.restarts[role]} of {MAX_RESTARTS}); its unacked work is redelivered")
+                return (
+                    f"{role} exited {self.restarts[role]} times (last code {proc.returncode}); "
+                    f"read {self.folder.log(role)}"
+                )
+            self.notes.append(
+                f"{role} (pid {proc.pid}) exited with code {proc.returncode}: restarted "
+                f"({self.restarts[role]} of {MAX_RESTARTS}); its unacked work is redelivered"
+            )
             self.start(role)
         return None
 

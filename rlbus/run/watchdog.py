@@ -32,8 +32,13 @@ from rlbus.run.folder import alive
 SERVER_RESTARTS = 5
 MIN_FREE_BYTES = 8 * 1024**2
 """Below this much free disk under the store, JetStream writes fail (or soon will): stop."""
-OUT_OF_STORAGE = ("no space left on device", "insufficient storage", "resource limits exceeded",
-                  "out of resources", "will be disabled")
+OUT_OF_STORAGE = (
+    "no space left on device",
+    "insufficient storage",
+    "resource limits exceeded",
+    "out of resources",
+    "will be disabled",
+)
 """Phrases nats-server logs when its file store cannot write (lower case)."""
 
 
@@ -77,18 +82,27 @@ class ServerKeeper:
         old_pid = self.server.pid
         self.restarts += 1
         if self.restarts > SERVER_RESTARTS:
-            raise FatalStop("nats-server", f"the run's nats-server died {self.restarts} times (see "
-                            f"{self.store_dir / 'nats-server.log'})", f"continue with: {resume_command(self.run_path)}")
+            raise FatalStop(
+                "nats-server",
+                f"the run's nats-server died {self.restarts} times (see {self.store_dir / 'nats-server.log'})",
+                f"continue with: {resume_command(self.run_path)}",
+            )
         port = urlparse(self.server.url).port
         t0 = time.monotonic()
         try:
             self.server = EmbeddedNats(self.store_dir, port=port).start()
         except (RuntimeError, TimeoutError, OSError) as exc:
-            raise FatalStop("nats-server", f"the run's nats-server (pid {old_pid}) died and did not restart on "
-                            f"{self.store_dir}: {str(exc)[-300:]}", f"continue with: {resume_command(self.run_path)}") from exc
+            raise FatalStop(
+                "nats-server",
+                f"the run's nats-server (pid {old_pid}) died and did not restart on "
+                f"{self.store_dir}: {str(exc)[-300:]}",
+                f"continue with: {resume_command(self.run_path)}",
+            ) from exc
         self.restarted_at = time.monotonic()
-        return (f"nats-server (pid {old_pid}) died: restarted on the same store at {self.server.url} in "
-                f"{self.restarted_at - t0:.1f}s (pid {self.server.pid}); workers reconnect")
+        return (
+            f"nats-server (pid {old_pid}) died: restarted on the same store at {self.server.url} in "
+            f"{self.restarted_at - t0:.1f}s (pid {self.server.pid}); workers reconnect"
+        )
 
     def stop(self) -> None:
         """Stop the own server (by pid)."""
@@ -109,9 +123,12 @@ def store_full(store_dir: Path, run_path: Path, log_offset: int = 0) -> FatalSto
     used = sum(f.stat().st_size for f in js_dir.rglob("*") if f.is_file())
     need = max(256 * 1024**2, used)
     why = f" (nats-server: {logged})" if logged else ""
-    return FatalStop("store-full", f"the JetStream store at {store_dir} is out of disk space: {usage.free / 2**20:.1f} MiB "
-                     f"free of {usage.total / 2**20:.0f} MiB{why}; the store holds {used / 2**20:.1f} MiB",
-                     f"free at least {need / 2**20:.0f} MiB on that disk, then continue with: {resume_command(run_path)}")
+    return FatalStop(
+        "store-full",
+        f"the JetStream store at {store_dir} is out of disk space: {usage.free / 2**20:.1f} MiB "
+        f"free of {usage.total / 2**20:.0f} MiB{why}; the store holds {used / 2**20:.1f} MiB",
+        f"free at least {need / 2**20:.0f} MiB on that disk, then continue with: {resume_command(run_path)}",
+    )
 
 
 def log_size(path: Path) -> int:

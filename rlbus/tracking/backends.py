@@ -34,8 +34,10 @@ def check_installed(backends: list[str]) -> None:
     """Raise `TrackingUnavailable` naming the extra if a configured backend's package is missing."""
     missing = sorted({pkg for b in backends for pkg in PACKAGES[b] if not _installed(pkg)})
     if missing:
-        raise TrackingUnavailable(f"tracking.backends {list(backends)} needs the package(s) {', '.join(missing)}, "
-                                  f"which are not installed: {EXTRA}")
+        raise TrackingUnavailable(
+            f"tracking.backends {list(backends)} needs the package(s) {', '.join(missing)}, "
+            f"which are not installed: {EXTRA}"
+        )
 
 
 def open_backends(cfg, run_path: Path) -> list:

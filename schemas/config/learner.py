@@ -47,10 +47,17 @@ class LearnerSection(Section):
     """The learner (GRPO-style step)."""
 
     PLACE = "learner"
-    RENAMED = {"lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
-               "lora_target_modules": "lora.target_modules", "replay_share": "replay.share",
-               "replay_data": "replay.data", "replay_batch_size": "replay.batch_size",
-               "off_policy": "off_policy.mode", "tis_cap": "off_policy.tis_cap"}
+    RENAMED = {
+        "lora_rank": "lora.rank",
+        "lora_alpha": "lora.alpha",
+        "lora_dropout": "lora.dropout",
+        "lora_target_modules": "lora.target_modules",
+        "replay_share": "replay.share",
+        "replay_data": "replay.data",
+        "replay_batch_size": "replay.batch_size",
+        "off_policy": "off_policy.mode",
+        "tis_cap": "off_policy.tis_cap",
+    }
 
     policy: Literal["hf", "null"] = "hf"
     """`hf`: train the model; `null`: consume and account without a model (bus benchmarks)."""

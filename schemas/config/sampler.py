@@ -103,11 +103,16 @@ class DomainConfig(Section):
 
     @model_validator(mode="after")
     def _field_map_targets(self):
-        bad = [k for k, v in self.field_map.items() if not (v and (k in FIELD_TARGETS or (
-            k.partition(".")[0] in ("hidden", "params") and k.partition(".")[2])))]
+        bad = [
+            k
+            for k, v in self.field_map.items()
+            if not (v and (k in FIELD_TARGETS or (k.partition(".")[0] in ("hidden", "params") and k.partition(".")[2])))
+        ]
         if bad:
-            raise ValueError(f"field_map keys {bad} unknown (or mapped to an empty column); use "
-                             f"{list(FIELD_TARGETS)} or hidden.<key> / params.<key>")
+            raise ValueError(
+                f"field_map keys {bad} unknown (or mapped to an empty column); use "
+                f"{list(FIELD_TARGETS)} or hidden.<key> / params.<key>"
+            )
         if "gold" in self.field_map and "hidden.gold" in self.field_map:
             raise ValueError("field_map maps both gold and hidden.gold (the same field); keep one")
         if self.heldout_split and self.heldout_split == self.split:
@@ -194,8 +199,14 @@ def _unknown(field: str, name: str, known: list[str]) -> str:
     return f"{RG_PLACE}.{field}: unknown dataset {name!r} ({hint})"
 
 
-def _select(field: str, patterns: list[str], known: list[str], errors: list[str], skip=frozenset(),
-            named: set[str] | None = None) -> set[str]:
+def _select(
+    field: str,
+    patterns: list[str],
+    known: list[str],
+    errors: list[str],
+    skip=frozenset(),
+    named: set[str] | None = None,
+) -> set[str]:
     """The datasets `patterns` select (names given exactly are added to `named`)."""
     out: set[str] = set()
     for pat in patterns:
@@ -236,23 +247,39 @@ def _rg_domain(rs: ReasoningGymSet, dataset: str, heldout: bool, named: bool, er
     if not valid:
         if not named and dataset not in rs.overrides:
             return None
-        errors.append(f"{RG_PLACE}: dataset {dataset!r} has no level whose config validates in range_mode {mode!r} "
-                      f"({rg_family.level_problem(dataset, mode, extra)}); exclude it or set "
-                      f"overrides.{dataset}.params.range_mode")
+        errors.append(
+            f"{RG_PLACE}: dataset {dataset!r} has no level whose config validates in range_mode {mode!r} "
+            f"({rg_family.level_problem(dataset, mode, extra)}); exclude it or set "
+            f"overrides.{dataset}.params.range_mode"
+        )
         return None
-    fields: dict[str, Any] = dict(kind="reasoning_gym", min_level=1, max_level=len(valid), weight=rs.weight,
-                                  sft_weight=rs.sft_weight, max_tokens=rs.max_tokens, target_reward=rs.target_reward,
-                                  floor_share=rs.floor_share, pool=rs.pool, heldout=heldout, params=params)
+    fields: dict[str, Any] = dict(
+        kind="reasoning_gym",
+        min_level=1,
+        max_level=len(valid),
+        weight=rs.weight,
+        sft_weight=rs.sft_weight,
+        max_tokens=rs.max_tokens,
+        target_reward=rs.target_reward,
+        floor_share=rs.floor_share,
+        pool=rs.pool,
+        heldout=heldout,
+        params=params,
+    )
     fields.update(override)
     try:
         dc = DomainConfig(**fields)
     except ValidationError as exc:
-        errors.append(f"{RG_PLACE}.overrides.{dataset}: " + "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"] for e in exc.errors()))
+        errors.append(
+            f"{RG_PLACE}.overrides.{dataset}: "
+            + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"] for e in exc.errors())
+        )
         return None
     if dc.max_level > len(valid):
-        errors.append(f"{RG_PLACE}.overrides.{dataset}: max_level {dc.max_level} > the dataset's {len(valid)} "
-                      f"levels in range_mode {mode!r}")
+        errors.append(
+            f"{RG_PLACE}.overrides.{dataset}: max_level {dc.max_level} > the dataset's {len(valid)} "
+            f"levels in range_mode {mode!r}"
+        )
         return None
     return dc
 
@@ -338,8 +365,10 @@ class SamplerSection(Section):
                 return {**data, "domains": {}}
             domain, difficulty = data.get("domain", "arith"), data.get("difficulty", 3)
             if isinstance(domain, str) and isinstance(difficulty, int):
-                data = {**data, "domains": {domain: {"min_level": 1, "max_level": max(6, difficulty),
-                                                     "start_level": difficulty}}}
+                data = {
+                    **data,
+                    "domains": {domain: {"min_level": 1, "max_level": max(6, difficulty), "start_level": difficulty}},
+                }
         return data
 
     @model_validator(mode="after")
@@ -351,8 +380,10 @@ class SamplerSection(Section):
                 if have is None:
                     self.domains[name] = dc  # in place: no re-validation of the section
                 elif have.model_dump() != dc.model_dump():
-                    raise ValueError(f"sampler.domains.{name} is also made by {RG_PLACE} and differs from it; "
-                                     f"set its fields in {RG_PLACE}.overrides instead")
+                    raise ValueError(
+                        f"sampler.domains.{name} is also made by {RG_PLACE} and differs from it; "
+                        f"set its fields in {RG_PLACE}.overrides instead"
+                    )
         return self
 
     @model_validator(mode="after")

@@ -105,11 +105,17 @@ class SchedulerSection(Section):
 
     PLACE = "scheduler"
     RENAMED = {
-        **{f"eval_{k}": f"eval.{k}" for k in _EVAL}, "release_margin": "eval.release_margin",
-        "general_eval": "eval.general", "general_eval_level": "eval.general_level", "general_eval_n": "eval.general_n",
-        "curriculum": "curriculum.enabled", **{f"curriculum_{k}": f"curriculum.{k}" for k in _CURRICULUM},
+        **{f"eval_{k}": f"eval.{k}" for k in _EVAL},
+        "release_margin": "eval.release_margin",
+        "general_eval": "eval.general",
+        "general_eval_level": "eval.general_level",
+        "general_eval_n": "eval.general_n",
+        "curriculum": "curriculum.enabled",
+        **{f"curriculum_{k}": f"curriculum.{k}" for k in _CURRICULUM},
         **{f"forgetting_{k}": f"forgetting.{k}" for k in _FORGETTING},
-        "plateau_threshold": "plateau.threshold", "plateau_window": "plateau.window", "stop_on_plateau": "plateau.stop",
+        "plateau_threshold": "plateau.threshold",
+        "plateau_window": "plateau.window",
+        "stop_on_plateau": "plateau.stop",
     }
 
     threads: int = 1

@@ -25,5 +25,6 @@ def verify_arith(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     except ValueError as exc:
         raise VerifierInputError(str(exc)) from None
     answer = arith_answer(traj.final_text)
-    return Verdict({"correct": float(answer == gold), "format": float(answer is not None)},
-                   details=f"answer={answer!r}")
+    return Verdict(
+        {"correct": float(answer == gold), "format": float(answer is not None)}, details=f"answer={answer!r}"
+    )

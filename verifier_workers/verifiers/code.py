@@ -80,8 +80,10 @@ DEFAULT_MEMORY_MB = 256
 MAX_SOURCE_BYTES = 256 * 1024
 START, RESULT, PASS = "RLBUS-HARNESS-START", "RLBUS-RESULT ", "RLBUS-PASS "
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
-PASS_LIKE = re.compile(r"(?im)^[\s\W]*(?:all\s+tests?\s+passed|tests?\s+passed|passed|pass|ok|success)\b"
-                       r"|RLBUS-|\bPASSED\b")
+PASS_LIKE = re.compile(
+    r"(?im)^[\s\W]*(?:all\s+tests?\s+passed|tests?\s+passed|passed|pass|ok|success)\b"
+    r"|RLBUS-|\bPASSED\b"
+)
 """Lines in the candidate's own output that imitate a test runner's success report."""
 
 
@@ -146,10 +148,14 @@ class _CountAsserts(ast.NodeTransformer):
     """`assert X, M` -> `__rlbus_assert__(lambda: X, line)` (the harness counts; a failure does not abort)."""
 
     def visit_Assert(self, node: ast.Assert) -> ast.AST:
-        no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[],
-                                kwarg=None, defaults=[])
-        call = ast.Call(func=ast.Name("__rlbus_assert__", ast.Load()),
-                        args=[ast.Lambda(no_args, node.test), ast.Constant(node.lineno)], keywords=[])
+        no_args = ast.arguments(
+            posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]
+        )
+        call = ast.Call(
+            func=ast.Name("__rlbus_assert__", ast.Load()),
+            args=[ast.Lambda(no_args, node.test), ast.Constant(node.lineno)],
+            keywords=[],
+        )
         return ast.copy_location(ast.Expr(call), node)
 
 
@@ -203,8 +209,14 @@ def _run_in_sandbox(backend: str, files: list[tuple[str, bytes]], timeout_s: flo
         try:
             sb.write_files(files)  # in order, one round trip where the backend can
             # the harness, then (same exec) whether a test file exists again afterwards
-            res = sb.execute(["/bin/sh", "-c", f"python3 -I -S harness.py; rc=$?; [ -e tests.py ] && "
-                              f"echo {REAPPEARED} >&2; exit $rc"], timeout=timeout_s + 5)
+            res = sb.execute(
+                [
+                    "/bin/sh",
+                    "-c",
+                    f"python3 -I -S harness.py; rc=$?; [ -e tests.py ] && echo {REAPPEARED} >&2; exit $rc",
+                ],
+                timeout=timeout_s + 5,
+            )
         except Exception as exc:
             raise SandboxInfraError(f"{backend} sandbox failed: {type(exc).__name__}: {exc}") from exc
         return res, REAPPEARED in (res.stderr or "")
@@ -222,8 +234,9 @@ def _run_in_agent(files: list[tuple[str, bytes]], timeout_s: float, limits, imag
     from sandbox_workers.docker_oneshot import run_isolated
 
     try:
-        run = run_isolated(files, python="harness.py", timeout=timeout_s + 5, limits=limits, image=image,
-                           report=("tests.py",))
+        run = run_isolated(
+            files, python="harness.py", timeout=timeout_s + 5, limits=limits, image=image, report=("tests.py",)
+        )
     except Exception as exc:
         raise SandboxInfraError(f"docker sandbox failed: {type(exc).__name__}: {exc}") from exc
     return run.result, "tests.py" in run.exists
@@ -250,13 +263,31 @@ def verify_code(traj: Trajectory, hidden: dict | None = None, *, backend: str | 
     tests, entry, prompt, timeout_s, memory_mb = _params(traj, hidden)
     program, how = candidate_program(traj.final_text, entry, prompt)
     weights = dict(traj.reward_weights) or {"correct": 1.0}
-    return check_program(program, tests, entry, prompt=prompt, backend=backend, timeout_s=timeout_s,
-                         memory_mb=memory_mb, how=how, weights=weights)
+    return check_program(
+        program,
+        tests,
+        entry,
+        prompt=prompt,
+        backend=backend,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        how=how,
+        weights=weights,
+    )
 
 
-def check_program(program: str, tests: str, entry_point: str, *, prompt: str = "", backend: str | None = None,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB, how: str = "full",
-                  weights: dict[str, float] | None = None) -> Verdict:
+def check_program(
+    program: str,
+    tests: str,
+    entry_point: str,
+    *,
+    prompt: str = "",
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    how: str = "full",
+    weights: dict[str, float] | None = None,
+) -> Verdict:
     """Run `program` against `tests` in a fresh sandbox; raises SandboxInfraError on sandbox failure."""
     weights = weights or {"correct": 1.0}
     if not compiles(program):
@@ -266,16 +297,18 @@ def check_program(program: str, tests: str, entry_point: str, *, prompt: str = "
     nonce = secrets.token_hex(32)
     cand, test_bytes = program.encode(), counted_tests(tests).encode()
     tests_sha, cand_sha = hashlib.sha256(test_bytes).hexdigest(), hashlib.sha256(cand).hexdigest()
-    job = marshal.dumps({"nonce": nonce, "entry_point": entry_point, "prompt": prompt,
-                         "timeout_s": float(timeout_s)}, 4)
+    job = marshal.dumps(
+        {"nonce": nonce, "entry_point": entry_point, "prompt": prompt, "timeout_s": float(timeout_s)}, 4
+    )
     files = [("candidate.py", cand), ("tests.py", test_bytes), ("job.marshal", job), ("harness.py", code_harness())]
     t0 = time.perf_counter()
     res, reappeared = _run_in_sandbox(name, files, timeout_s, memory_mb)
     took = time.perf_counter() - t0
     verdict = _judge(res, nonce, tests_sha, cand_sha, reappeared)
     verdict.weights, verdict.sandbox_s = weights, took
-    verdict.details = (f"{verdict.details} [{how}; backend={name}/{res.isolation}; {took * 1000:.0f} ms]"
-                       f"{_tail(res.stderr)}")
+    verdict.details = (
+        f"{verdict.details} [{how}; backend={name}/{res.isolation}; {took * 1000:.0f} ms]{_tail(res.stderr)}"
+    )
     return verdict
 
 
@@ -287,17 +320,18 @@ def _tail(stderr: str, n: int = 600) -> str:
 def _judge(res, nonce: str, tests_sha: str, cand_sha: str, reappeared: bool) -> Verdict:
     lines = res.stdout.splitlines()
     if START not in lines:
-        raise SandboxInfraError(f"harness did not start (exit {res.exit_code}, timed_out={res.timed_out}): "
-                                f"{res.stderr.strip()[-400:]}")
+        raise SandboxInfraError(
+            f"harness did not start (exit {res.exit_code}, timed_out={res.timed_out}): {res.stderr.strip()[-400:]}"
+        )
     report: dict[str, Any] | None = None
     for ln in lines:
         if ln.startswith(RESULT):
             try:
-                report = ast.literal_eval(ln[len(RESULT):])
+                report = ast.literal_eval(ln[len(RESULT) :])
             except (ValueError, SyntaxError, MemoryError, RecursionError):
                 report = None
             report = report if isinstance(report, dict) else None
-    proofs = [ln[len(PASS):].strip() for ln in lines if ln.startswith(PASS)]
+    proofs = [ln[len(PASS) :].strip() for ln in lines if ln.startswith(PASS)]
     zero = {"correct": 0.0, "compiles": 1.0, "pass_rate": 0.0}
     if report is None:
         if res.timed_out:
@@ -323,7 +357,9 @@ def _judge(res, nonce: str, tests_sha: str, cand_sha: str, reappeared: bool) -> 
         return Verdict(comps, status="tamper", details="a pass line with a wrong proof")
     marker = PASS_LIKE.search(res.stderr)
     if marker:
-        return Verdict(comps, status="tamper", details=f"the candidate printed a pass-like line: {marker.group(0)[:80]!r}")
+        return Verdict(
+            comps, status="tamper", details=f"the candidate printed a pass-like line: {marker.group(0)[:80]!r}"
+        )
     if report.get("result") == "timeout":
         return Verdict(comps, status="timeout", details=summary)
     if report.get("result") == "pass":

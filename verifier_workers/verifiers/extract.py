@@ -112,6 +112,10 @@ def verify_extract(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     scores = [components[f"field_{n}"] for n in gold]
     extra = sorted(k for k in obj if k not in gold)
     missing = sorted(k for k in gold if k not in obj)
-    components.update(fields=sum(scores) / len(scores), json_valid=1.0, extra_fields=float(len(extra)),
-                      correct=float(all(s == 1.0 for s in scores)))
+    components.update(
+        fields=sum(scores) / len(scores),
+        json_valid=1.0,
+        extra_fields=float(len(extra)),
+        correct=float(all(s == 1.0 for s in scores)),
+    )
     return Verdict(components, details=f"missing={missing} extra={extra}")

@@ -52,6 +52,7 @@ Requirement = tuple[str, bool]
 
 # -- finding the file ------------------------------------------------------------------
 
+
 def _norm_path(p: str) -> str:
     p = p.strip()
     while p.startswith("./"):
@@ -64,7 +65,7 @@ def file_content(traj: Trajectory, path: str) -> str | None:
     if traj.artifacts:
         by_path = {_norm_path(k): v for k, v in traj.artifacts.items()}
         data = by_path.get(_norm_path(path))
-        return None if data is None else data[:MAX_BYTES + 1].decode("utf-8", errors="replace")
+        return None if data is None else data[: MAX_BYTES + 1].decode("utf-8", errors="replace")
     if sum(t.role == "assistant" for t in traj.turns) > 1:
         return None
     text = traj.final_text or ""
@@ -99,8 +100,12 @@ def _bounds(schema: dict, value: Any, at: str) -> list[Requirement]:
     for key, test in (("minimum", lambda v, b: v >= b), ("maximum", lambda v, b: v <= b)):
         if key in schema:
             out.append((f"{at} {key} {schema[key]}", number and test(value, schema[key])))
-    for key, kind, test in (("minLength", str, lambda n, b: n >= b), ("maxLength", str, lambda n, b: n <= b),
-                            ("minItems", list, lambda n, b: n >= b), ("maxItems", list, lambda n, b: n <= b)):
+    for key, kind, test in (
+        ("minLength", str, lambda n, b: n >= b),
+        ("maxLength", str, lambda n, b: n <= b),
+        ("minItems", list, lambda n, b: n >= b),
+        ("maxItems", list, lambda n, b: n <= b),
+    ):
         if key in schema:
             out.append((f"{at} {key} {schema[key]}", isinstance(value, kind) and test(len(value), schema[key])))
     return out
@@ -127,8 +132,9 @@ def check_schema(schema: dict, value: Any, at: str = "$") -> list[Requirement]:
     if "items" in schema:
         items = value if isinstance(value, list) else []
         bad = [i for i, item in enumerate(items) if not all(ok for _, ok in check_schema(schema["items"], item))]
-        out.append((f"{at}[*] match items schema" + (f" (bad: {bad[:5]})" if bad else ""),
-                    isinstance(value, list) and not bad))
+        out.append(
+            (f"{at}[*] match items schema" + (f" (bad: {bad[:5]})" if bad else ""), isinstance(value, list) and not bad)
+        )
     return out
 
 
@@ -146,8 +152,12 @@ def check_json(text: str, req: dict) -> tuple[bool, list[Requirement]]:
     return True, out
 
 
-_CELL_TYPES = {"int": int, "float": float, "str": str,
-               "bool": lambda s: {"true": True, "false": False}[s.strip().lower()]}
+_CELL_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": lambda s: {"true": True, "false": False}[s.strip().lower()],
+}
 
 
 def _cell_ok(kind: str, cell: str) -> bool:
@@ -173,7 +183,9 @@ def check_csv(text: str, req: dict) -> tuple[bool, list[Requirement]]:
     records = [dict(zip(header, r)) for r in body]
     out += [(f"column {c!r} present", c in header) for c in req.get("columns", [])]
     for col, kind in (req.get("types") or {}).items():
-        out.append((f"column {col!r} is {kind}", col in header and all(_cell_ok(kind, r.get(col, "")) for r in records)))
+        out.append(
+            (f"column {col!r} is {kind}", col in header and all(_cell_ok(kind, r.get(col, "")) for r in records))
+        )
     if "min_rows" in req:
         out.append((f"at least {req['min_rows']} rows", len(body) >= req["min_rows"]))
     if "max_rows" in req:
@@ -197,10 +209,17 @@ def _element_requirement(root: ET.Element, spec: dict) -> Requirement:
     if not isinstance(spec, dict) or not isinstance(spec.get("tag"), str):
         raise VerifierInputError(f"files: svg element requirement needs a 'tag': {spec!r}")
     lo, hi = int(spec.get("min", 1)), spec.get("max")
-    n = sum(1 for el in root.iter() if _local(str(el.tag)) == spec["tag"] and _attrs_ok(el, spec.get("attrs") or {})
-            and ("text" not in spec or spec["text"].casefold() in "".join(el.itertext()).casefold()))
-    return f"<{spec['tag']}> x{n} within [{lo}, {hi if hi is not None else 'inf'}] {spec.get('attrs') or ''}", \
-        n >= lo and (hi is None or n <= int(hi))
+    n = sum(
+        1
+        for el in root.iter()
+        if _local(str(el.tag)) == spec["tag"]
+        and _attrs_ok(el, spec.get("attrs") or {})
+        and ("text" not in spec or spec["text"].casefold() in "".join(el.itertext()).casefold())
+    )
+    return (
+        f"<{spec['tag']}> x{n} within [{lo}, {hi if hi is not None else 'inf'}] {spec.get('attrs') or ''}",
+        n >= lo and (hi is None or n <= int(hi)),
+    )
 
 
 def check_svg(text: str, req: dict) -> tuple[bool, list[Requirement]]:
@@ -218,8 +237,11 @@ def check_svg(text: str, req: dict) -> tuple[bool, list[Requirement]]:
 
 
 CHECKS = {"json": check_json, "csv": check_csv, "svg": check_svg}
-_REQUIREMENT_KEYS = {"json": ("schema", "expected"), "csv": ("columns", "types", "min_rows", "max_rows", "rows"),
-                     "svg": ("elements", "root_attrs")}
+_REQUIREMENT_KEYS = {
+    "json": ("schema", "expected"),
+    "csv": ("columns", "types", "min_rows", "max_rows", "rows"),
+    "svg": ("elements", "root_attrs"),
+}
 
 
 def task_spec(traj: Trajectory, hidden: dict | None) -> tuple[str, str, dict]:
@@ -244,10 +266,13 @@ def verify_files(traj: Trajectory, hidden: dict | None = None) -> Verdict:
         return Verdict({"exists": 0.0, "parses": 0.0, "schema": 0.0, "correct": 0.0}, details=f"no file {path!r}")
     parsed, reqs = (False, []) if len(text) > MAX_BYTES else CHECKS[fmt](text, req)
     if not parsed:
-        return Verdict({"exists": 1.0, "parses": 0.0, "schema": 0.0, "correct": 0.0},
-                       details=f"{path!r} is not valid {fmt}")
+        return Verdict(
+            {"exists": 1.0, "parses": 0.0, "schema": 0.0, "correct": 0.0}, details=f"{path!r} is not valid {fmt}"
+        )
     met = sum(ok for _, ok in reqs)
     frac = met / len(reqs) if reqs else 1.0
     unmet = [what for what, ok in reqs if not ok]
-    return Verdict({"exists": 1.0, "parses": 1.0, "schema": frac, "correct": float(not unmet)},
-                   details=f"{met}/{len(reqs)} requirements met" + (f"; unmet: {unmet[:10]}" if unmet else ""))
+    return Verdict(
+        {"exists": 1.0, "parses": 1.0, "schema": frac, "correct": float(not unmet)},
+        details=f"{met}/{len(reqs)} requirements met" + (f"; unmet: {unmet[:10]}" if unmet else ""),
+    )

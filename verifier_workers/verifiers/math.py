@@ -50,7 +50,7 @@ def last_boxed(text: str) -> str | None:
             elif c == "}":
                 depth -= 1
                 if depth == 0:
-                    return text[m.end():i].strip()
+                    return text[m.end() : i].strip()
             i += 1
     return None
 
@@ -59,7 +59,7 @@ def _strip_math(s: str) -> str:
     s = s.strip().rstrip(".").strip()
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
-            s = s[len(left):len(s) - len(right)].strip()
+            s = s[len(left) : len(s) - len(right)].strip()
     return s.rstrip(".").strip()
 
 
@@ -88,8 +88,7 @@ def _parse(expr: str, *, fallback: bool):
     from math_verify import parse
 
     parse_timeout, _ = _timeouts()
-    return parse(f"${expr}$", fallback_mode="first_match" if fallback else "no_fallback",
-                 parsing_timeout=parse_timeout)
+    return parse(f"${expr}$", fallback_mode="first_match" if fallback else "no_fallback", parsing_timeout=parse_timeout)
 
 
 def _gold_text(gold: object) -> str:
@@ -139,12 +138,14 @@ def verify_math(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     answer, format_ok = extract_answer(traj.final_text or "")
     out = answer_pool.call("verifier_workers.verifiers.math:equivalent_in_job", (gold_text, answer))
     if out.kind == "limit":
-        return Verdict({"correct": 0.0, "format": float(format_ok)}, status="answer_limit",
-                       details=f"answer={answer!r} hit the answer pool's {out.limit} limit"[:400])
+        return Verdict(
+            {"correct": 0.0, "format": float(format_ok)},
+            status="answer_limit",
+            details=f"answer={answer!r} hit the answer pool's {out.limit} limit"[:400],
+        )
     if out.kind != "ok" or not isinstance(out.value, dict):
         raise VerifierInfraError(f"math-verify failed in the answer pool: {out.error or out.value!r}"[:400])
     if not out.value.get("gold"):
         raise VerifierInputError(f"math gold does not parse: {str(raw_gold)[:200]!r}")
     correct = out.value.get("correct") is True
-    return Verdict({"correct": float(correct), "format": float(format_ok)},
-                   details=f"answer={answer!r}")
+    return Verdict({"correct": float(correct), "format": float(format_ok)}, details=f"answer={answer!r}")

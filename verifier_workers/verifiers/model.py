@@ -173,9 +173,14 @@ def verify_model(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     if m.kind == "classifier":
         s = score_classifier(m, question, response, max_length, params.get("positive_label"))
     else:
-        prompt = JUDGE_TEMPLATE.format(question=question, response=response,
-                                       reference=hidden.get("reference", "(none)"), rubric=hidden.get("rubric", "(none)"))
+        prompt = JUDGE_TEMPLATE.format(
+            question=question,
+            response=response,
+            reference=hidden.get("reference", "(none)"),
+            rubric=hidden.get("rubric", "(none)"),
+        )
         s = score_judge(m, prompt, max_length)
     threshold = float(params.get("threshold", 0.5))
-    return Verdict({"score": s, "correct": float(s >= threshold)}, weights={"score": 1.0},
-                   details=f"{m.kind} score={s:.4f}")
+    return Verdict(
+        {"score": s, "correct": float(s >= threshold)}, weights={"score": 1.0}, details=f"{m.kind} score={s:.4f}"
+    )

@@ -47,7 +47,11 @@ _scorers: OrderedDict[str, Any] = OrderedDict()
 def scorer(hidden: dict[str, Any]):
     """The dataset object that scores `hidden`'s task (VerifierInfraError when it cannot be built)."""
     name = str(hidden["dataset"])
-    level, mode, extra = int(hidden.get("level") or 1), str(hidden.get("range_mode") or "inclusive"), hidden.get("config") or {}
+    level, mode, extra = (
+        int(hidden.get("level") or 1),
+        str(hidden.get("range_mode") or "inclusive"),
+        hidden.get("config") or {},
+    )
     key = json.dumps([name, level, mode, extra], sort_keys=True, default=repr)
     with _lock:
         if key in _scorers:
@@ -58,8 +62,9 @@ def scorer(hidden: dict[str, Any]):
     try:
         ds = rg.build(name, level, mode, extra, seed=0, size=1)
     except Exception as exc:  # any failure of the third-party dataset is infra, not a reward
-        raise VerifierInfraError(f"reasoning-gym scorer {name!r} (level {level}) failed to build: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        raise VerifierInfraError(
+            f"reasoning-gym scorer {name!r} (level {level}) failed to build: {type(exc).__name__}: {exc}"
+        ) from exc
     with _lock:
         _scorers[key] = ds
         while len(_scorers) > CACHED:
@@ -80,8 +85,11 @@ WARM_REF = "verifier_workers.verifiers.reasoning_gym:scorer"
 
 
 def _entry(hidden: dict[str, Any]) -> dict:
-    return {"question": hidden["question"], "answer": rg.unpack(hidden.get("answer")),
-            "metadata": rg.unpack(hidden.get("metadata") or {})}
+    return {
+        "question": hidden["question"],
+        "answer": rg.unpack(hidden.get("answer")),
+        "metadata": rg.unpack(hidden.get("metadata") or {}),
+    }
 
 
 def score_in_job(hidden: dict[str, Any], answer: str) -> float:
@@ -142,11 +150,17 @@ def verify_reasoning_gym(traj: Trajectory, hidden: dict | None = None) -> Verdic
     try:
         value, blocked = score(hidden, answer)
     except AnswerLimit as exc:  # the answer hit a CPU / memory / wall limit: a 0 it earned, never infra
-        return Verdict({"correct": 0.0, "answer_found": 1.0}, status="answer_limit",
-                       details=f"answer={answer[:200]!r} hit the answer pool's {exc} limit"[:400])
+        return Verdict(
+            {"correct": 0.0, "answer_found": 1.0},
+            status="answer_limit",
+            details=f"answer={answer[:200]!r} hit the answer pool's {exc} limit"[:400],
+        )
     except AnswerRejected as exc:  # the policy's malformed answer: a 0 it earned, status ok
-        return Verdict({"correct": 0.0, "answer_found": 1.0, "answer_rejected": 1.0},
-                       details=f"answer={answer[:200]!r} rejected by the scorer: {exc}"[:400])
+        return Verdict(
+            {"correct": 0.0, "answer_found": 1.0, "answer_rejected": 1.0},
+            details=f"answer={answer[:200]!r} rejected by the scorer: {exc}"[:400],
+        )
     refused = f" refused={blocked[:3]}" if blocked else ""
-    return Verdict({"correct": value, "answer_found": 1.0},
-                   details=f"answer={answer[:200]!r} score={value:.4g}{refused}"[:600])
+    return Verdict(
+        {"correct": value, "answer_found": 1.0}, details=f"answer={answer[:200]!r} score={value:.4g}{refused}"[:600]
+    )

@@ -115,8 +115,10 @@ def candidate_diff(traj: Trajectory) -> str:
     """The diff to verify: the `diff` artifact (UTF-8), else the final text; a diff left by
     reference (`artifact_refs`, unresolved) raises RepoSandboxInfraError."""
     if DIFF_ARTIFACT in traj.artifact_refs and DIFF_ARTIFACT not in traj.artifacts:
-        raise RepoSandboxInfraError(f"the diff is by reference ({traj.artifact_refs[DIFF_ARTIFACT].uri}) and was not "
-                                    "resolved: score through the verifier worker (bus.payloads.resolve_artifacts)")
+        raise RepoSandboxInfraError(
+            f"the diff is by reference ({traj.artifact_refs[DIFF_ARTIFACT].uri}) and was not "
+            "resolved: score through the verifier worker (bus.payloads.resolve_artifacts)"
+        )
     raw = traj.artifacts.get(DIFF_ARTIFACT)
     if raw is not None:
         return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
@@ -181,20 +183,32 @@ def verify_repo(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     return check_patch(task, candidate_diff(traj), params=_params(traj), weights=weights)
 
 
-def check_patch(task: RepoTask, diff: str, *, params: tuple[float, int, int, float] = (DEFAULT_TIMEOUT_S, 1024, 128,
-                1.0), weights: dict[str, float] | None = None, image: str | None = None) -> Verdict:
+def check_patch(
+    task: RepoTask,
+    diff: str,
+    *,
+    params: tuple[float, int, int, float] = (DEFAULT_TIMEOUT_S, 1024, 128, 1.0),
+    weights: dict[str, float] | None = None,
+    image: str | None = None,
+) -> Verdict:
     """Verify `diff` against `task` in a fresh container; raises RepoSandboxInfraError on infrastructure failure."""
     weights = weights or {"resolved": 1.0}
     prep = prepare(task, diff)
     drops = f"dropped edits to protected paths: {', '.join(prep.patch.dropped)}\n" if prep.patch.dropped else ""
     if not prep.patch.applied:
-        why = diff.strip()[:800] if diff.startswith(EXPORT_REFUSED) else \
-            f"the diff does not apply: {'; '.join(prep.patch.errors)[:800]}"
+        why = (
+            diff.strip()[:800]
+            if diff.startswith(EXPORT_REFUSED)
+            else f"the diff does not apply: {'; '.join(prep.patch.errors)[:800]}"
+        )
         return Verdict(dict.fromkeys(COMPONENTS, 0.0), weights=weights, details=f"{drops}{why}")
     if shadow := shadowing(prep.new_top):
-        return Verdict(dict.fromkeys(COMPONENTS, 0.0) | {"applied": 1.0}, weights=weights,
-                       details=f"{drops}refused: the diff adds top-level module(s) {', '.join(shadow)} that shadow "
-                               "the standard library, pytest or the harness; rename them")
+        return Verdict(
+            dict.fromkeys(COMPONENTS, 0.0) | {"applied": 1.0},
+            weights=weights,
+            details=f"{drops}refused: the diff adds top-level module(s) {', '.join(shadow)} that shadow "
+            "the standard library, pytest or the harness; rename them",
+        )
     t0 = time.perf_counter()
     body = _run(task, prep, params, image)
     took = time.perf_counter() - t0
@@ -211,19 +225,43 @@ def _run(task: RepoTask, prep: Prepared, params: tuple[float, int, int, float], 
     timeout, memory, pids, cpus = params
     protected = protected_predicate(task)
     nonce, call = secrets.token_hex(32), secrets.token_hex(8)
-    job = {"nonce": nonce, "call": call, "files": prep.files, "harness": repo_harness(), "guard": repo_guard(),
-           "expected": prep.expected, "paths": prep.paths, "pythonpath": prep.pythonpath, "new_top": prep.new_top,
-           "deps": list(task.deps), "timeout_s": timeout, "install_timeout_s": INSTALL_TIMEOUT_S,
-           "protect_hash": sorted(task.hidden_files), "trusted_files": sorted(p for p in prep.files if protected(p))}
-    limits = Limits(memory_mb=memory, pids=pids, cpu_seconds=int(timeout + INSTALL_TIMEOUT_S) + 10, tmp_mb=256,
-                    file_size_mb=64, nofile=1024)
+    job = {
+        "nonce": nonce,
+        "call": call,
+        "files": prep.files,
+        "harness": repo_harness(),
+        "guard": repo_guard(),
+        "expected": prep.expected,
+        "paths": prep.paths,
+        "pythonpath": prep.pythonpath,
+        "new_top": prep.new_top,
+        "deps": list(task.deps),
+        "timeout_s": timeout,
+        "install_timeout_s": INSTALL_TIMEOUT_S,
+        "protect_hash": sorted(task.hidden_files),
+        "trusted_files": sorted(p for p in prep.files if protected(p)),
+    }
+    limits = Limits(
+        memory_mb=memory,
+        pids=pids,
+        cpu_seconds=int(timeout + INSTALL_TIMEOUT_S) + 10,
+        tmp_mb=256,
+        file_size_mb=64,
+        nofile=1024,
+    )
     image = image or os.environ.get("RLBUS_REPO_SANDBOX_IMAGE") or DEFAULT_IMAGE
     try:
         from sandbox_workers.docker_fresh import run_fresh
 
-        run = run_fresh(["python3", "-I", "-S", "-c", repo_harness(), "supervise"], json.dumps(job).encode(),
-                        RESULT_FILE, image=image, limits=limits, cpus=cpus,
-                        timeout=timeout + INSTALL_TIMEOUT_S + 30)
+        run = run_fresh(
+            ["python3", "-I", "-S", "-c", repo_harness(), "supervise"],
+            json.dumps(job).encode(),
+            RESULT_FILE,
+            image=image,
+            limits=limits,
+            cpus=cpus,
+            timeout=timeout + INSTALL_TIMEOUT_S + 30,
+        )
     except Exception as exc:
         raise RepoSandboxInfraError(f"repo sandbox failed: {type(exc).__name__}: {exc}") from exc
     if run.file is None:
@@ -259,10 +297,15 @@ def _judge(task: RepoTask, prep: Prepared, body: dict) -> Verdict:
     regress = [t for t in dict.fromkeys(task.regression_tests) if t not in set(targets)]
     t_ok = sum(passed.get(t) is True for t in targets)
     r_ok = sum(passed.get(t) is True for t in regress)
-    comps = {"applied": 1.0, "target_pass_rate": t_ok / len(targets),
-             "regression_pass_rate": r_ok / len(regress) if regress else 1.0}
-    lines = [f"targets {t_ok}/{len(targets)}, regression {r_ok}/{len(regress)}"
-             f" (setup {body.get('setup_s')} s, run {body.get('run_s')} s)"]
+    comps = {
+        "applied": 1.0,
+        "target_pass_rate": t_ok / len(targets),
+        "regression_pass_rate": r_ok / len(regress) if regress else 1.0,
+    }
+    lines = [
+        f"targets {t_ok}/{len(targets)}, regression {r_ok}/{len(regress)}"
+        f" (setup {body.get('setup_s')} s, run {body.get('run_s')} s)"
+    ]
     missing = body.get("missing") or []
     if missing:
         lines.append(f"no result for {len(missing)} expected test(s): {', '.join(missing[:8])}")
@@ -273,8 +316,9 @@ def _judge(task: RepoTask, prep: Prepared, body: dict) -> Verdict:
     if log:
         lines.append(f"runner output (never parsed): {log[-800:]}")
     if body.get("tamper"):
-        return Verdict(dict.fromkeys(COMPONENTS, 0.0), status="tamper",
-                       details="\n".join([f"tamper: {body['tamper']}", *lines]))
+        return Verdict(
+            dict.fromkeys(COMPONENTS, 0.0), status="tamper", details="\n".join([f"tamper: {body['tamper']}", *lines])
+        )
     resolved = t_ok == len(targets) and r_ok == len(regress) and bool(body.get("fin")) and not body.get("timed_out")
     status = "timeout" if body.get("timed_out") else "ok"
     return Verdict({"resolved": float(resolved), **comps}, status=status, details="\n".join(lines))

@@ -28,5 +28,7 @@ def verify_tool_calc(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     gold = int(m.group(1)) * int(m.group(2))
     answer = calc_answer(traj.final_text)
     used_tool = any(c.exit_code == 0 and not c.timed_out for c in traj.tool_calls)
-    return Verdict({"correct": float(answer == gold), "format": float(answer is not None),
-                    "used_tool": float(used_tool)}, details=f"answer={answer!r} calls={len(traj.tool_calls)}")
+    return Verdict(
+        {"correct": float(answer == gold), "format": float(answer is not None), "used_tool": float(used_tool)},
+        details=f"answer={answer!r} calls={len(traj.tool_calls)}",
+    )

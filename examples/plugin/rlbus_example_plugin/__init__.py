@@ -28,8 +28,10 @@ def verify_palindrome(traj: Any, hidden: dict | None = None):
         raise VerifierInputError("example_palindrome task needs int min_len and one-letter first")
     letters = "".join(c for c in (traj.final_text or "").lower() if c.isalpha())
     ok = len(letters) >= min_len and letters == letters[::-1] and letters.startswith(first.lower())
-    return Verdict({"correct": float(ok), "format": float(bool(letters)), "length": float(len(letters))},
-                   details=f"letters={letters[:40]!r}")
+    return Verdict(
+        {"correct": float(ok), "format": float(bool(letters)), "length": float(len(letters))},
+        details=f"letters={letters[:40]!r}",
+    )
 
 
 @dataclass
@@ -44,6 +46,13 @@ class PalindromeDomain:
 
         first, min_len = rng.choice(string.ascii_lowercase), 2 + level
         prompt = f"Write a palindrome of at least {min_len} letters starting with '{first}'."
-        return Drawn(finish_task(self.ctx, task_id=f"{self.ctx.name}-{level}-{index}", difficulty=level,
-                                 prompt=[ChatMessage(role="user", content=prompt)], verifier="example_palindrome",
-                                 verifier_params={"min_len": min_len, "first": first}))
+        return Drawn(
+            finish_task(
+                self.ctx,
+                task_id=f"{self.ctx.name}-{level}-{index}",
+                difficulty=level,
+                prompt=[ChatMessage(role="user", content=prompt)],
+                verifier="example_palindrome",
+                verifier_params={"min_len": min_len, "first": first},
+            )
+        )

@@ -65,7 +65,7 @@ class SlowArithReward:
         self.wait_s = 0.0
 
     def __call__(self, completions, answer, **kw) -> list[float]:
-        from bench.e2e_vs_trl import arith_reward
+        from bench.e2e_shared import arith_reward
 
         self.calls += 1
         keys = [f"trl-{self.calls}-{i}" for i in range(len(completions))]
@@ -95,7 +95,8 @@ def main() -> dict:
     a = ap.parse_args()
     from importlib.metadata import version
 
-    from bench.e2e_vs_trl import GROUP, PROMPTS_PER_STEP, accuracy, prepare_start, run_ours, run_trl
+    from bench.e2e_runs import run_ours, run_trl
+    from bench.e2e_shared import GROUP, PROMPTS_PER_STEP, accuracy, prepare_start
 
     lr, eval_n = 3e-5, 200  # as measured (throughput, not accuracy, is this bench's figure)
 

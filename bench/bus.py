@@ -115,7 +115,7 @@ def trajectory_payload_bytes() -> int:
     from rollout_workers.engines.null_engine import NullEngine
     from rollout_workers.worker import single_turn_trajectories
     from schemas.config import load_config
-    from schemas.messages import render_prompt
+    from schemas.episode import render_prompt
 
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(CONFIG)

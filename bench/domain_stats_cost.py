@@ -12,7 +12,7 @@ Measured in one run, side by side for K = 10 and K = 100 domains (`python bench/
 - `curriculum`: `Curriculum.weights()` (softmax + water-filling) and the KV value
   (`scheduler.curriculum_service.kv_value`, JSON) at K domains with 6 levels each: ms per
   publish and bytes.
-- `domain_stats`: `scheduler.store.domain_stats` (the per-domain reward statistics SQL) over
+- `domain_stats`: `scheduler.domain_stats.domain_stats` (the per-domain reward statistics SQL) over
   20 000 training rewards spread over K domains in a SQLite store, ms per call.
 
 Writes bench/results/domain_stats_cost.json. The machine may be shared: figures are medians.
@@ -175,7 +175,9 @@ def bench_curriculum() -> dict:
 
 
 def bench_domain_stats() -> dict:
-    from scheduler.store import RewardRow, domain_stats, open_store
+    from scheduler.domain_stats import domain_stats
+    from scheduler.store import open_store
+    from scheduler.store_rows import RewardRow
 
     out = {}
     for k in KS:

@@ -96,7 +96,7 @@ def main() -> dict:
         model_dir = Path(a.model) if a.model else None
         sft = None
         if model_dir is None:
-            from bench.e2e_vs_trl import prepare_start
+            from bench.e2e_shared import prepare_start
 
             model_dir, sft = prepare_start(Path(d), a.sft_seconds, 100_000, a.n)
         tiers = {t: measure_tier(model_dir, t, problems, a.max_tokens, a.group, a.repeats) for t in a.tiers.split(",")}

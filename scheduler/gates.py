@@ -264,7 +264,7 @@ class Gates:
         """Restore the baselines and the capability-cost curve after a restart."""
         import asyncio
 
-        from scheduler.store import GateCheckRow
+        from scheduler.store_rows import GateCheckRow
 
         self.baseline = dict((await get_json(self.js, self.reg, GATES_BASELINE)) or {})
         rows = await asyncio.to_thread(self.store.rows, GateCheckRow, self.reg.run_id, "version")

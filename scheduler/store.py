@@ -3,8 +3,8 @@
 Guarantees:
 - `open_store(url, run_path)` opens `<run_path>/run.db` (SQLite, WAL, busy timeout)
   unless a SQLAlchemy URL is given, or the env var `RLBUS_DB_URL` names one. A bare
-  `postgresql://` URL uses the psycopg (v3) driver. Tables are created if missing;
-  opening twice changes nothing.
+  `postgresql://` URL uses the psycopg (v3) driver. Tables (`scheduler.store_rows`) are
+  created if missing; opening twice changes nothing.
 - Every message-derived row is keyed on the message's `msg_id`, and every write is
   insert-or-ignore (`ON CONFLICT DO NOTHING` on SQLite and PostgreSQL; a per-row
   savepoint on other dialects). JetStream delivers at least once, so the same message
@@ -13,9 +13,8 @@ Guarantees:
   call returns (callers ack messages only after that).
 - Rows that are not messages are upserts with a natural key: `CostRow` on
   (run_id, stage) holds cumulative totals, `DomainStatRow` on
-  (run_id, domain, window_s, window_start) is recomputed from `RewardRow` by `domain_stats`.
-- Times are Unix seconds (float), as in the wire messages, so window arithmetic is
-  the same on every database.
+  (run_id, domain, window_s, window_start) is recomputed from `RewardRow` by
+  `scheduler.domain_stats.domain_stats`.
 - Every write (insert-or-ignore, upsert, status) that loses its connection (the database
   restarting: `OperationalError`) is retried with backoff for up to `WRITE_RETRY_S` before
   the error reaches the caller; the writes are idempotent, so a retry never duplicates.
@@ -28,7 +27,6 @@ Guarantees:
   message-derived, so a redelivered reward never counts twice; None before any reward).
 """
 
-import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -37,8 +35,20 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import JSON, Column, Field, Session, SQLModel, func, select
+from sqlmodel import Session, SQLModel, func, select
 
+from scheduler.store_rows import (
+    ADDED_COLUMNS,
+    TABLES,
+    CostRow,
+    CurriculumUpdateRow,
+    DeadLetterRow,
+    EvalResultRow,
+    GateCheckRow,
+    RewardRow,
+    RunRow,
+    WeightVersionRow,
+)
 from schemas.redact import is_redacted, redact_tree
 
 DB_URL_ENV = "RLBUS_DB_URL"
@@ -57,166 +67,6 @@ def retrying(work):
                 raise
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
-
-
-class RunRow(SQLModel, table=True):
-    """One run: its config and status."""
-
-    __tablename__ = "runs"
-    run_id: str = Field(primary_key=True)
-    config: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    started_at: float = Field(default_factory=time.time)
-    status: str = "running"
-
-
-class WeightVersionRow(SQLModel, table=True):
-    """A published policy version (from `WeightVersion`)."""
-
-    __tablename__ = "weight_versions"
-    msg_id: str = Field(primary_key=True)
-    run_id: str = Field(index=True)
-    version: int
-    step: int
-    sha256: str
-    uri: str = ""
-    created_at: float
-    metrics: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    bytes: int = 0
-
-
-class EvalResultRow(SQLModel, table=True):
-    """An evaluation of one version on one domain, with the run's cumulative cost then."""
-
-    __tablename__ = "eval_results"
-    msg_id: str = Field(primary_key=True)
-    run_id: str = Field(index=True)
-    version: int
-    step: int
-    domain: str
-    score: float
-    n: int
-    eval_set_sha256: str
-    purpose: str = "train"
-    """`train` (a trained domain) or `heldout` (a zero-shot domain, never trained on)."""
-    created_at: float = Field(default_factory=time.time)
-    cost_cpu_seconds: float | None = None
-    cost_gpu_seconds: float | None = None
-    cost_tokens: int | None = None
-    cost_sandbox_seconds: float | None = None
-    """Sandbox wall seconds of every reward recorded so far (episode tool executions + verifiers)."""
-
-
-class DomainStatRow(SQLModel, table=True):
-    """Training reward statistics of one domain over one time window."""
-
-    __tablename__ = "domain_stats"
-    run_id: str = Field(primary_key=True)
-    domain: str = Field(primary_key=True)
-    window_s: float = Field(primary_key=True)
-    window_start: float = Field(primary_key=True)
-    n: int
-    reward_mean: float
-    success_rate: float
-
-
-class DeadLetterRow(SQLModel, table=True):
-    """A dead-lettered message (the original bytes stay in the DLQ stream)."""
-
-    __tablename__ = "dead_letters"
-    msg_id: str = Field(primary_key=True)
-    run_id: str = Field(index=True)
-    stage: str
-    reason: str
-    error_type: str
-    original_subject: str
-    original_msg_id: str | None = None
-    delivery_count: int
-    task_msg_id: str | None = None
-    created_at: float
-
-
-class CurriculumUpdateRow(SQLModel, table=True):
-    """One curriculum update: domain weights and difficulty levels."""
-
-    __tablename__ = "curriculum_updates"
-    msg_id: str = Field(primary_key=True)
-    run_id: str = Field(index=True)
-    weights: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    levels: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    reason: str = ""
-    created_at: float = Field(default_factory=time.time)
-
-
-class CostRow(SQLModel, table=True):
-    """Cumulative cost of one stage of a run."""
-
-    __tablename__ = "costs"
-    run_id: str = Field(primary_key=True)
-    stage: str = Field(primary_key=True)
-    cpu_seconds: float = 0.0
-    gpu_seconds: float = 0.0
-    tokens: int = 0
-    updated_at: float = Field(default_factory=time.time)
-
-
-class RewardRow(SQLModel, table=True):
-    """One scored sample (from `Reward`), the raw material of per-domain statistics."""
-
-    __tablename__ = "rewards"
-    msg_id: str = Field(primary_key=True)
-    run_id: str = Field(index=True)
-    domain: str
-    difficulty: int
-    purpose: str = "train"
-    reward: float
-    status: str
-    policy_version: int
-    task_msg_id: str = ""
-    created_at: float
-    sandbox_seconds: float = 0.0
-    """Sandbox wall time of this sample: its episode's tool executions plus its verification's."""
-
-
-class GateCheckRow(SQLModel, table=True):
-    """The gates' verdict on one evaluated version (`scheduler.gates`): release gate,
-    forgetting guard and plateau detection. Upserted on (run_id, version)."""
-
-    __tablename__ = "gate_checks"
-    run_id: str = Field(primary_key=True)
-    version: int = Field(primary_key=True)
-    step: int = 0
-    scores: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    floors: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    passed: bool = False
-    failures: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    released: bool = False
-    cost_samples: float | None = None
-    capability: float | None = None
-    forgetting: bool = False
-    overrides: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    plateau: bool = False
-    gain_per_unit: float | None = None
-    created_at: float = Field(default_factory=time.time)
-
-
-TABLES: tuple[type[SQLModel], ...] = (
-    RunRow,
-    WeightVersionRow,
-    EvalResultRow,
-    DomainStatRow,
-    DeadLetterRow,
-    CurriculumUpdateRow,
-    CostRow,
-    RewardRow,
-    GateCheckRow,
-)
-ADDED_COLUMNS: tuple[tuple[type[SQLModel], str, str], ...] = (
-    (EvalResultRow, "purpose", "'train'"),
-    (EvalResultRow, "cost_sandbox_seconds", "NULL"),
-    (RewardRow, "sandbox_seconds", "0"),
-)
-"""(table, column, SQL default) of columns added after the first release: `Store` adds them to older
-stores (NOT NULL unless the default is NULL)."""
 
 
 def reward_sandbox_seconds(reward) -> float:
@@ -589,43 +439,3 @@ def _cost_columns(cost: dict[str, float] | None) -> dict[str, Any]:
 def open_store(url: str | None, run_path: Path) -> Store:
     """Open (creating tables if needed) the run store; see `resolve_url`."""
     return Store(_make_engine(resolve_url(url, run_path)))
-
-
-def domain_stats(
-    store: Store, run_id: str, window_s: float, *, success_threshold: float = 0.5, since: float | None = None
-) -> list[DomainStatRow]:
-    """Per-domain statistics of training rewards (purpose `train`, status `ok`) over
-    windows of `window_s` seconds aligned to the Unix epoch; a sample succeeds when its
-    reward is at least `success_threshold`. The rows are upserted into `domain_stats`
-    (recomputing is idempotent) and returned ordered by (window_start, domain)."""
-    if window_s <= 0:
-        raise ValueError(f"window_s must be > 0, got {window_s}")
-    t = RewardRow.__table__.c
-    bucket = t.created_at / window_s
-    # floor() on PostgreSQL; SQLite truncates a positive REAL cast to INTEGER (= floor)
-    index = func.floor(bucket) if store.dialect == "postgresql" else sa.cast(bucket, sa.Integer)
-    success = sa.case((t.reward >= success_threshold, 1.0), else_=0.0)
-    q = (
-        sa.select(t.domain, index.label("w"), func.count(), func.avg(t.reward), func.avg(success))
-        .where(t.run_id == run_id, t.purpose == "train", t.status == "ok")
-        .group_by(t.domain, index)
-    )
-    if since is not None:
-        q = q.where(t.created_at >= since)
-    with store.engine.connect() as conn:
-        found = conn.execute(q).all()
-    rows = [
-        {
-            "run_id": run_id,
-            "domain": d,
-            "window_start": math.floor(w) * window_s,
-            "window_s": float(window_s),
-            "n": int(n),
-            "reward_mean": float(mean),
-            "success_rate": float(rate),
-        }
-        for d, w, n, mean, rate in found
-    ]
-    rows.sort(key=lambda r: (r["window_start"], r["domain"]))
-    store.upsert(DomainStatRow, rows)
-    return [DomainStatRow(**r) for r in rows]

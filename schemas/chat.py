@@ -9,7 +9,7 @@ Guarantees:
 - A tokenizer with a chat template (`has_template`) renders prompts through it, with the
   generation prompt added and the tools' JSON schemas when `tools` is given; one without
   (the char tokenizer; engines without a tokenizer) gets the plain format,
-  `schemas.messages.render_prompt`.
+  `schemas.episode.render_prompt`.
 - `prompt_input` is what to hand an engine: token ids when templated (never re-tokenized
   by the engine), the plain text otherwise. `prompt_ids` is always ids; both tokenize the
   same text with `add_special_tokens=False`, so for a templated tokenizer they equal
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from schemas.messages import ChatMessage, render_prompt
+from schemas.episode import ChatMessage, render_prompt
 
 _MARK = "\u2063rlbus-assistant-turn\u2063"  # stands for an assistant turn's content when rendering a tool message
 

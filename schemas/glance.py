@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import msgpack
 
-from schemas.messages import SCHEMA_VERSION, DecodeError, Reward
+from schemas.envelope import SCHEMA_VERSION, DecodeError
+from schemas.episode import Reward
 
 
 class RewardGlance(NamedTuple):

@@ -20,7 +20,8 @@ from bus.subjects import Registry
 from producers.sampler import make_tasks, plan
 from scheduler.curriculum import Curriculum, DomainSpec, water_fill
 from scheduler.curriculum_service import build, kv_value, run_curriculum
-from scheduler.store import CurriculumUpdateRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import CurriculumUpdateRow
 from schemas import Reward, Trajectory, Turn
 from schemas.config import load_config
 from tests.conftest import eventually

@@ -22,7 +22,8 @@ from bus.streams import iter_stream
 from bus.subjects import Registry
 from producers.sampler import plan
 from scheduler.curriculum_service import DURABLE, run_curriculum
-from scheduler.store import CurriculumUpdateRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import CurriculumUpdateRow
 from schemas import Reward, Task, TaskFates, Trajectory, Turn, decode
 from schemas.config import load_config
 from tests.conftest import eventually, logs

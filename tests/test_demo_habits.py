@@ -14,7 +14,7 @@ import pytest
 from producers.domains import make_source, tool_calc
 from schemas.answers import arith_answer, arith_value, worked_completion
 from schemas.config import load_config
-from schemas.messages import Trajectory
+from schemas.episode import Trajectory
 from verifier_workers.verifiers.arith import verify_arith
 
 

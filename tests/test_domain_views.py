@@ -14,7 +14,8 @@ from rlbus.commands.top import domain_rows, render
 from rlbus.report.build import build_report, curriculum_series, heldout_and_train_mean, reward_grid
 from rlbus.run.live import Snapshot
 from rlbus.run.monitor import DomainRewards, Monitor, summary_dict
-from scheduler.store import EvalResultRow, RewardRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import EvalResultRow, RewardRow
 from schemas import EvalResult, RewardGlance
 
 T0 = 1_700_000_000.0

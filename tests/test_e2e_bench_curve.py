@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from bench.e2e_vs_trl import curve_blobs, plot_curves
+from bench.e2e_curves import plot_curves
+from bench.e2e_runs import curve_blobs
 from learner.retention import version_name
 
 
@@ -56,7 +57,7 @@ def test_plot_draws_both_sides(tmp_path):
 
 
 def test_curve_mean_gain_averages_each_runs_points_then_the_runs():
-    from bench.e2e_vs_trl import curve_gains
+    from bench.e2e_curves import curve_gains
 
     result = {
         "start_accuracy": 0.10,
@@ -75,7 +76,7 @@ def test_curve_mean_gain_averages_each_runs_points_then_the_runs():
 
 
 def test_time_to_target_is_the_first_point_at_or_above_start_plus_gain():
-    from bench.e2e_vs_trl import time_to_target
+    from bench.e2e_curves import time_to_target
 
     curve = [[30, 100, 0.11], [60, 200, None], [90, 300, 0.125], [240, "final", 0.10]]
     assert time_to_target(curve, 0.10, 0.02) == 90.0  # 0.125 >= 0.12; the end fell back, still reached
@@ -84,7 +85,7 @@ def test_time_to_target_is_the_first_point_at_or_above_start_plus_gain():
 
 
 def test_times_to_target_per_side_with_misses_counted_as_never():
-    from bench.e2e_vs_trl import times_to_target
+    from bench.e2e_curves import times_to_target
 
     result = {
         "start_accuracy": 0.10,
@@ -103,7 +104,7 @@ def test_times_to_target_per_side_with_misses_counted_as_never():
 
 
 def test_retarget_reads_a_recorded_result(tmp_path):
-    from bench.e2e_vs_trl import retarget
+    from bench.e2e_curves import retarget
 
     path = tmp_path / "r.json"
     path.write_text(

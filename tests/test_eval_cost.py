@@ -15,7 +15,8 @@ import sqlite3
 import pytest
 
 from scheduler.pipeline_eval import is_correct
-from scheduler.store import EvalResultRow, RewardRow, open_store, reward_sandbox_seconds
+from scheduler.store import open_store, reward_sandbox_seconds
+from scheduler.store_rows import EvalResultRow, RewardRow
 from schemas import EvalResult, Reward, ToolCall, Trajectory, Turn
 
 

@@ -24,7 +24,8 @@ from scheduler.gates import (
     regression_floors,
     release_gate,
 )
-from scheduler.store import GateCheckRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import GateCheckRow
 from schemas.config import RunConfig
 
 

@@ -20,7 +20,8 @@ from producers.eval_set import EvalSet, drawn_set
 from rlbus.model.tiny_model import build_tiny_model
 from scheduler.evaluation import EvalSuite
 from scheduler.pipeline_eval import eval_tasks
-from scheduler.store import EvalResultRow, GateCheckRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import EvalResultRow, GateCheckRow
 from schemas import ChatMessage
 from schemas.config import load_config
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.report.build import build_report, capability_cost, reward_by_domain, staleness, throughput, version_steps
-from scheduler.store import EvalResultRow, GateCheckRow, RewardRow, WeightVersionRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import EvalResultRow, GateCheckRow, RewardRow, WeightVersionRow
 from schemas import EvalResult, WeightVersion
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rollout_workers.engines.null_engine import NullEngine
 from rollout_workers.worker import single_turn_trajectories
 from schemas import ChatMessage, Task, Trajectory, Turn, decode, encode, pack_f32, pack_i32
-from schemas.messages import render_prompt
+from schemas.episode import render_prompt
 
 
 def test_one_trajectory_per_sample_with_derived_ids():

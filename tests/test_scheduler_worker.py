@@ -16,7 +16,8 @@ from bus.session import WorkerContext
 from bus.subjects import Registry
 from learner.weights import publish_version
 from rlbus.model.tiny_model import build_tiny_model
-from scheduler.store import EvalResultRow, RunRow, open_store
+from scheduler.store import open_store
+from scheduler.store_rows import EvalResultRow, RunRow
 from scheduler.worker import run
 from schemas.config import load_config
 from tests.conftest import eventually, logs

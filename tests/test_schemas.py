@@ -289,7 +289,7 @@ def test_glance_reward_refuses_what_is_not_a_reward():
 
 
 def test_render_prompt_is_the_contents_in_order():
-    from schemas.messages import render_prompt
+    from schemas.episode import render_prompt
 
     prompt = [ChatMessage(role="system", content="Answer.\n"), ChatMessage(role="user", content="1+1=")]
     assert render_prompt(prompt) == "Answer.\n1+1="

@@ -15,8 +15,10 @@ import pytest
 from bus.conn import ensure_topology
 from bus.publish import publish, publish_many
 from bus.subjects import Registry
+from scheduler.domain_stats import domain_stats
 from scheduler.recorder import FEEDS, record
-from scheduler.store import (
+from scheduler.store import open_store, resolve_url
+from scheduler.store_rows import (
     CostRow,
     CurriculumUpdateRow,
     DeadLetterRow,
@@ -25,9 +27,6 @@ from scheduler.store import (
     RewardRow,
     RunRow,
     WeightVersionRow,
-    domain_stats,
-    open_store,
-    resolve_url,
 )
 from schemas import DeadLetter, EvalResult, Reward, Trajectory, Turn, WeightVersion
 from tests.conftest import settled_consumer
@@ -202,7 +201,7 @@ def test_every_table_round_trips(store, run_id):
     (cu,) = store.rows(CurriculumUpdateRow, run_id)
     assert (cu.weights, cu.levels, cu.reason) == ({"arith": 0.7, "code": 0.3}, {"arith": 2}, "gap")
 
-    stats = __import__("scheduler.store", fromlist=["domain_stats"]).domain_stats(store, run_id, 60.0)
+    stats = domain_stats(store, run_id, 60.0)
     assert [(s.domain, s.n, s.reward_mean) for s in stats] == [("arith", 1, 0.75)]
     assert store.count(DomainStatRow, run_id) == 1
 

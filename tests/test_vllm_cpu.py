@@ -251,7 +251,7 @@ async def test_tool_episode_end_to_end_with_vllm(engine, model_dir):
     from sandbox_workers.async_sandbox import LocalAsyncSandbox
     from sandbox_workers.process import bwrap_path
     from schemas import ChatMessage, Task, unpack_i32
-    from schemas.messages import render_prompt
+    from schemas.episode import render_prompt
     from schemas.tool_protocol import tool_command, tool_turn_text
     from verifier_workers.verifiers.tool_calc import verify_tool_calc
 

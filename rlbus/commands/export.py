@@ -78,7 +78,8 @@ async def _find_version(js, reg, version: int, db_url: str | None, run_path: Pat
             found = (wv.uri, wv.sha256, wv.step)
     if found:
         return found
-    from scheduler.store import WeightVersionRow, open_store
+    from scheduler.store import open_store
+    from scheduler.store_rows import WeightVersionRow
 
     store = open_store(db_url, run_path)
     try:

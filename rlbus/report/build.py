@@ -368,8 +368,8 @@ def _plateau(gates, cost_label: str) -> dict | None:
 
 def build_report(run_path: Path, db_url: str | None = None, run_id: str | None = None, bucket_s: float = 10.0) -> Path:
     """Write `<run>/report.md` and `<run>/plots/*.png`; returns the report's path."""
-    from scheduler.store import (
-        DB_URL_ENV,
+    from scheduler.store import DB_URL_ENV, open_store
+    from scheduler.store_rows import (
         CurriculumUpdateRow,
         DeadLetterRow,
         EvalResultRow,
@@ -377,7 +377,6 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
         RewardRow,
         RunRow,
         WeightVersionRow,
-        open_store,
     )
 
     run_path = Path(run_path).resolve()

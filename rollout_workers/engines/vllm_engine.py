@@ -232,7 +232,7 @@ class VLLMEngine:
             if not ids:
                 raise ValueError(
                     f"prompt {i} of {len(prompts)} is empty ({p!r}): vLLM needs at least one prompt "
-                    "token; render the task's prompt (schemas.messages.render_prompt) or drop it"
+                    "token; render the task's prompt (schemas.episode.render_prompt) or drop it"
                 )
             out.append(ids)
         return out

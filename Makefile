@@ -89,8 +89,9 @@ lint: $(VENV)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# every benchmark script (a bench/*.py with a __main__ block; the others are its helper modules)
 bench: $(VENV)
-	@for f in bench/*.py; do case $$f in */__init__.py) ;; *) echo "== $$f"; $(BIN)/python $$f || exit 1;; esac; done
+	@for f in bench/*.py; do grep -q '__name__ == "__main__"' $$f || continue; echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -34,9 +34,7 @@ import select
 import time
 from typing import Any
 
-from sandbox_workers import (
-    docker_agent_protocol as _AGENT,  # stdlib only: the protocol's constants
-)
+from sandbox_workers import docker_agent_protocol as _AGENT  # stdlib only: the protocol's constants
 from sandbox_workers.base import MIB, ExecResult, HeadTailBuffer, Limits, decode_output
 from sandbox_workers.docker_engine import env_int, log
 from sandbox_workers.docker_pool import (

@@ -32,6 +32,23 @@ def nats_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Tiny models built once per session: `tiny_model(**build_tiny_model kwargs)` is the folder of
+    the one model with those settings. Shared: a test that would change a model copies it first."""
+    from rlbus.model.tiny_model import build_tiny_model
+
+    built: dict[tuple, Path] = {}
+
+    def get(**kwargs) -> Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", **kwargs)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """The one `rlbus up` of `make test` (tests/smoke_run.py): run once, read by several tests."""
     from tests.smoke_run import run_smoke

@@ -36,13 +36,13 @@ def vllm_test(fn):
 
 
 @pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("gen") / "bpe", tokenizer="bpe", **TINY)
+def bpe_dir(tiny_model):
+    return tiny_model(tokenizer="bpe", **TINY)
 
 
 @pytest.fixture(scope="module")
-def char_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("gen") / "char", tokenizer="char", **TINY)
+def char_dir(tiny_model):
+    return tiny_model(tokenizer="char", **TINY)
 
 
 def generate(

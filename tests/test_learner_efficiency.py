@@ -22,7 +22,6 @@ from learner.step import (
     plan_micro_batches,
     train_step,
 )
-from rlbus.model.tiny_model import build_tiny_model
 from schemas.config import LearnerSection
 from tests.test_learner_units import reward
 
@@ -30,8 +29,8 @@ TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=6
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", **TINY)
+def model_dir(tiny_model):
+    return tiny_model(**TINY)
 
 
 def samples(n_groups: int = 3, size: int = 2, seed: int = 0, domains=("arith",)) -> list[PooledSample]:

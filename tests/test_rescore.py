@@ -10,13 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_samples import (  # noqa: F401 - crafted_run is a fixture, used by name
-    _topology,
-    crafted_run,
-    rlbus,
-    store_servers,
-    store_topology,
-)
+from tests.test_samples import _topology, crafted_run, rlbus, store_servers, store_topology  # noqa: F401 - crafted_run is a fixture, used by name
 
 SUMMARY_KEYS = {"changed", "total", "confusion", "changed_ids", "report"}
 

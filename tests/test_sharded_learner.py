@@ -25,7 +25,6 @@ from transformers import AutoModelForCausalLM
 from learner.distributed import world_problem
 from learner.groups import PooledSample
 from learner.step import train_step
-from rlbus.model.tiny_model import build_tiny_model
 from schemas.config import LearnerSection
 from tests.test_learner_efficiency import needs_bf16, samples
 
@@ -36,8 +35,8 @@ EQUIV_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", **TINY)
+def model_dir(tiny_model):
+    return tiny_model(**TINY)
 
 
 def batches(n: int) -> list[list[PooledSample]]:

@@ -29,8 +29,8 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=2
 
 
 @pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("bpe") / "m", tokenizer="bpe", **TINY)
+def bpe_dir(tiny_model):
+    return tiny_model(tokenizer="bpe", **TINY)
 
 
 @pytest.fixture(scope="module")

@@ -25,16 +25,7 @@ from rlbus.model.tiny_model import build_tiny_model
 from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weight_loading import load_state_file
 from rollout_workers.weights_watch import WeightWatcher
-from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    TINY,
-    equals_snapshot,
-    load_model,
-    model_dir,
-    perturb,
-    same_weights,
-    snapshot,
-    tied,
-)
+from tests.tiny_weights import TINY, equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, tied  # noqa: F401 - model_dir is a fixture
 
 
 async def _write(tmp_path, model, name="v000001.safetensors"):

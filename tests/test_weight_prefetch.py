@@ -31,15 +31,7 @@ from learner.weights import publish_version
 from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightPrefetch, WeightVersion, encode
-from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    equals_snapshot,
-    load_model,
-    model_dir,
-    perturb,
-    same_weights,
-    snapshot,
-    until,
-)
+from tests.tiny_weights import equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, until  # noqa: F401 - model_dir is a fixture
 
 
 class GatedLearnerHash:

@@ -35,16 +35,7 @@ from rollout_workers.weight_loading import load_state_file_speculative
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, decode
 from tests.messages import make_task
-from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    equals_snapshot,
-    load_model,
-    model_dir,
-    perturb,
-    same_weights,
-    snapshot,
-    tied,
-    until,
-)
+from tests.tiny_weights import equals_snapshot, load_model, model_dir, perturb, same_weights, snapshot, tied, until  # noqa: F401 - model_dir is a fixture
 
 
 def _corrupt(path) -> None:

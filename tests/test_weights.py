@@ -19,15 +19,7 @@ from rlbus.model.tiny_model import build_tiny_model
 from rollout_workers.engines.hf_engine import HFEngine
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import WeightVersion, decode
-from tests.tiny_weights import (  # noqa: F401 - model_dir is a fixture
-    TINY,
-    load_model,
-    model_dir,
-    perturb,
-    same_weights,
-    snapshot,
-    until,
-)
+from tests.tiny_weights import TINY, load_model, model_dir, perturb, same_weights, snapshot, until  # noqa: F401 - model_dir is a fixture
 
 pytestmark = pytest.mark.usefixtures("drop_run")  # delete the run's streams afterwards
 

@@ -11,15 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlbus.model.tiny_model import build_tiny_model
-
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny qwen2 checkpoint (TINY sizes), built once per test module."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", **TINY)
+def model_dir(tiny_model):
+    """A tiny qwen2 checkpoint (TINY sizes), built once per test session (shared, read-only)."""
+    return tiny_model(**TINY)
 
 
 def load_model(path):

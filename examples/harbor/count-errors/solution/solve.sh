@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+cat /app/logs/*.log | grep -c 'ERROR' > /app/answer.txt

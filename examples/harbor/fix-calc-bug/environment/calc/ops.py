@@ -1,0 +1,17 @@
+"""Arithmetic operations."""
+
+
+def add(a, b):
+    return a + b
+
+
+def sub(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def div(a, b):
+    return a // b

@@ -1,0 +1,5 @@
+"""Text helpers."""
+
+
+def slugify(s: str) -> str:
+    raise NotImplementedError

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
+from rollout_workers.harbor_tools import CONTAINER_ARTIFACT, HarborEpisodeBox, is_harbor
 from schemas import BlobRef, Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
 from schemas.tool_protocol import (
@@ -218,7 +219,11 @@ def add_tool_turn(engine, ep: Episode, observation: str) -> None:
 
 
 async def _open(ep: Episode, open_sandbox) -> None:
-    """Open the episode's sandbox (with the task's repository in it, when it has one)."""
+    """Open the episode's sandbox (with the task's repository in it, when it has one; a Harbor
+    task's own container, `rollout_workers.harbor_tools`)."""
+    if is_harbor(ep.task):
+        ep.sandbox = await HarborEpisodeBox.open(ep.task, ep.sample_index)
+        return
     ep.sandbox = await (open_sandbox(repo=True) if ep.task.workspace else open_sandbox())
     if ep.task.workspace:
         from rollout_workers.repo_tools import setup_workspace
@@ -251,7 +256,9 @@ async def run_call(
         try:
             if ep.sandbox is None:
                 await _open(ep, open_sandbox)
-            if is_repo_call(call):
+            if is_harbor(ep.task):
+                tool, obs = call.tool, await ep.sandbox.run(call, timeout, caps)
+            elif is_repo_call(call):
                 from rollout_workers.repo_tools import run_repo_tool
 
                 tool, obs = call.tool, await run_repo_tool(ep.sandbox, call, timeout, caps)
@@ -278,12 +285,33 @@ async def run_call(
     add_tool_turn(engine, ep, obs.text)
 
 
+def harbor_limits(ep: Episode) -> None:
+    """End a Harbor episode past its `[agent].timeout_sec` (`timeout`) or `storage_mb` (`error`)."""
+    sb = ep.sandbox
+    if sb.storage_exceeded:
+        ep.done, ep.finish_reason = True, "error"
+    elif time.monotonic() - sb.started > float(ep.task.verifier_params.get("agent_timeout_s") or 1e9):
+        ep.done, ep.finish_reason = True, "timeout"
+
+
+async def _drop_container(ep: Episode) -> None:
+    """Remove the Harbor container of an episode whose batch failed (nothing will verify it)."""
+    cid = ep.artifacts.pop(CONTAINER_ARTIFACT, None)
+    if cid:
+        from sandbox_workers.harbor_box import remove_container
+
+        await asyncio.to_thread(remove_container, cid.decode())
+
+
 async def finish(ep: Episode) -> None:
     """Export the requested artifacts (a repo task's diff) and close the episode's sandbox (always)."""
     sb, ep.sandbox = ep.sandbox, None
     if sb is None:
         if ep.task.workspace:
             ep.artifacts[DIFF_ARTIFACT] = b""  # nothing was opened: nothing changed
+        return
+    if isinstance(sb, HarborEpisodeBox):
+        ep.artifacts[CONTAINER_ARTIFACT] = (await sb.handover()).encode()  # the verifier removes it
         return
     try:
         if ep.task.workspace:
@@ -332,6 +360,7 @@ async def run_episodes(
     budget = context_budget or MAX_CONTEXT_TOKENS
     limit = min(budget, getattr(engine, "max_context", None) or budget)
     episodes: list[Episode] = []
+    completed = False
     try:
         if before_turn:
             await before_turn()
@@ -354,6 +383,8 @@ async def run_episodes(
             for ep in live:  # the next turn must fit the engine's context: else the episode ends here
                 if len(ep.context) + max_tokens > limit:
                     ep.done, ep.finish_reason = True, "length"
+                elif isinstance(ep.sandbox, HarborEpisodeBox):
+                    harbor_limits(ep)
             live = [ep for ep in live if not ep.done]
             if live and deadline is not None and time.monotonic() >= deadline:
                 for ep in live:
@@ -367,8 +398,11 @@ async def run_episodes(
             nxt = await asyncio.to_thread(engine.generate, [ep.context for ep in live], 1, max_tokens, temperature)
             each = (time.perf_counter() - t0) / len(live)
             samples = [g[0] for g in nxt]
+        completed = True
     finally:
         await asyncio.gather(*(finish(ep) for ep in episodes), return_exceptions=True)
+        if not completed:
+            await asyncio.gather(*(_drop_container(ep) for ep in episodes), return_exceptions=True)
     failed = [ep for ep in episodes if ep.export_error]
     if failed:
         raise SandboxUnavailable(

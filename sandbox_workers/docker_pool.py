@@ -141,9 +141,19 @@ class FrameReader:
 class Exec(FrameReader):
     """One running exec: its id and hijacked socket, read frame by frame."""
 
-    def __init__(self, api, cid: str, argv: list[str], *, user: str, stdin: bool = False) -> None:
+    def __init__(
+        self,
+        api,
+        cid: str,
+        argv: list[str],
+        *,
+        user: str,
+        stdin: bool = False,
+        workdir: str = WORK_DIR,
+        environment: dict[str, str] | None = None,
+    ) -> None:
         self.api = api
-        self.id = api.exec_create(cid, argv, user=user, workdir=WORK_DIR, stdin=stdin)["Id"]
+        self.id = api.exec_create(cid, argv, user=user, workdir=workdir, stdin=stdin, environment=environment)["Id"]
         super().__init__(api.exec_start(self.id, socket=True))
         self.sinks: dict[int, Any] = {}
 

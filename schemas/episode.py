@@ -20,7 +20,17 @@ from schemas.envelope import Message, PackedF32, PackedI32
 from schemas.payload_ref import BlobRef
 
 Purpose = Literal["train", "eval"]
-VerifierStatus = Literal["ok", "infra_error", "tamper", "invalid", "answer_limit"]
+VerifierStatus = Literal[
+    "ok",
+    "infra_error",
+    "tamper",
+    "invalid",
+    "answer_limit",
+    "timeout",
+    "no_reward_file",
+    "bad_reward_file",
+    "storage_exceeded",
+]
 """`answer_limit`: the answer ran into the answer pool's limits (`verifier_workers.answer_pool`), reward 0."""
 
 RewardWeights = dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False)]]
@@ -137,8 +147,9 @@ class ToolCall(BaseModel):
     call has no exec_id and exit_code -1; the model got a structured error observation."""
 
 
-FinishReason = Literal["stop", "length", "max_turns", "error"]
-"""Why an episode ended: the model stopped, hit max_tokens, hit max_turns, or failed."""
+FinishReason = Literal["stop", "length", "max_turns", "error", "timeout"]
+"""Why an episode ended: the model stopped, hit max_tokens, hit max_turns, failed, or ran past
+its wall-time limit (a Harbor task's `[agent].timeout_sec`)."""
 
 
 class Trajectory(Message):

@@ -39,6 +39,10 @@ under `tags` each tool is its own tag, the main argument its body, the others at
     <run>SHELL COMMAND</run>                                 (cwd /work, the repository)
     <submit></submit>                                        (or <submit/>: the episode ends)
 
+Harbor task tools (`HARBOR_TOOLS`): `<bash timeout="N" cwd="DIR">COMMAND</bash>` runs in the
+task's own container, plus `read_file`, `write_file` and `submit` as above (paths absolute or
+relative to the container's working directory).
+
 A body's one leading newline is dropped (CONTENT and DIFF keep the rest byte for byte; PATH
 and COMMAND are stripped). Tags arguments are checked against the same JSON schemas as
 json ones (`start`/`end` must be integers), so a bad call is the same structured error.
@@ -150,22 +154,36 @@ TOOL_SPECS.update(
             ["command"],
         ),
         "submit": _fn("submit", "Submit the repository as it is now; the episode ends.", {}, []),
+        "bash": _fn(
+            "bash",
+            "Run a bash command in the task's container (cwd: the task's working directory unless "
+            "`cwd` is given); its exit code and output are returned.",
+            {
+                "command": {**_CODE, "maxLength": 65536, "description": "The bash command."},
+                "timeout": {"type": "integer", "minimum": 1, "maximum": 3600, "description": "Seconds (capped)."},
+                "cwd": {"type": "string", "minLength": 1, "maxLength": 4096, "description": "Working directory."},
+            },
+            ["command"],
+        ),
     }
 )
 TOOL_NAMES = set(TOOL_SPECS)
 REPO_TOOLS = ("list_files", "read_file", "write_file", "apply_patch", "run", "submit")
 """The repository tools, in the order a repo task offers them."""
+HARBOR_TOOLS = ("bash", "read_file", "write_file", "submit")
+"""The tools of a Harbor task's container (paths absolute, or relative to its working directory)."""
 _REPO_BODY = {
     "list_files": "path",
     "read_file": "path",
     "write_file": "content",
     "apply_patch": "unified_diff",
     "run": "command",
+    "bash": "command",
     "submit": None,
 }
 """Tags format: the argument a repository tool's tag body holds (None: no body)."""
 _VERBATIM = frozenset({"content", "unified_diff"})
-REPO_STOP_STRINGS = tuple(f"</{t}>" for t in REPO_TOOLS) + ("<submit/>",)
+REPO_STOP_STRINGS = tuple(f"</{t}>" for t in (*REPO_TOOLS, "bash")) + ("<submit/>",)
 
 
 # Runs main.py like a REPL cell: every statement, then prints repr() of a final bare
@@ -341,7 +359,7 @@ def _repo_tag_call(text: str, tools: list[str]) -> Call | None:
         return None
     m, tool, body, end = best
     args: dict = {k: html.unescape(v) for k, v in _ATTR.findall(m.group(1) or "")}
-    for key in ("start", "end"):
+    for key in ("start", "end", "timeout"):
         if key in args and re.fullmatch(r"\s*\d+\s*", args[key]):
             args[key] = int(args[key])
     field_name = _REPO_BODY[tool]

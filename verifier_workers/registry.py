@@ -53,6 +53,7 @@ BUILTINS: dict[str, str] = {
     "model": "verifier_workers.verifiers.model:verify_model",
     "reasoning_gym": "verifier_workers.verifiers.reasoning_gym:verify_reasoning_gym",
     "repo": "verifier_workers.verifiers.repo:verify_repo",
+    "harbor": "verifier_workers.verifiers.harbor:verify_harbor",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

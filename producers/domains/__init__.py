@@ -53,6 +53,7 @@ BUILTINS: dict[str, str] = {
     "sleep": "producers.domains.sleep:SleepDomain",
     "reasoning_gym": "producers.domains.reasoning_gym:ReasoningGymDomain",
     "repo": "producers.domains.repo:RepoDomain",
+    "harbor": "producers.domains.harbor:HarborDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from schemas.config.base import Section
+from schemas.config.harbor import HarborSection
 from schemas.config.learner import LearnerSection, LoraSection, OffPolicySection, ReplaySection
 from schemas.config.rollout import HFEngineSection, PoolConfig, RolloutSection, VLLMEngineSection, default_pools
 from schemas.config.run import ModelSection, RunSection, SFTSection
@@ -98,6 +99,8 @@ class RunConfig(Section):
     """Scheduler."""
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     """Experiment tracking (TensorBoard, wandb) by the `tracker` role."""
+    harbor: HarborSection = Field(default_factory=HarborSection)
+    """Harbor task directories (`kind = "harbor"` domains): image map, network, verification."""
 
     @model_validator(mode="before")
     @classmethod

@@ -51,6 +51,9 @@ class DomainConfig(Section):
     `.parquet` file, or a directory (an HF `datasets.save_to_disk` dir, or split-named files
     such as `train.jsonl`, `test-00000-of-00001.parquet`, `data/train-*.parquet`). Local
     only, never a hub name. Empty: the kind's example file (`math`: examples/data/math.jsonl)."""
+    tasks: str = ""
+    """`harbor` domains: a glob of Harbor task directories (e.g. `examples/harbor/*`), relative
+    to the working directory."""
     split: str = "train"
     """Split of `data` to train on (a single file is split `train`)."""
     field_map: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,327 @@
+"""Run a Harbor task's tests on the container an agent left, where the agent cannot reach them.
+
+`verify_episode(job, episode_cid)` (episode_cid None: an episode that opened no container,
+scored on a pristine container of the task image). Order (guaranteed):
+
+1. Storage: an episode container whose writable layer is over `storage_mb` scores 0 with
+   status `storage_exceeded`; nothing is committed.
+2. Snapshot: the engine commits the episode container (paused while it copies) to an image,
+   and lists its changes (`docker diff`). With `verify_in = "fresh"` the episode container is
+   removed at once; with `same` it keeps running (its services) until the caller removes it.
+3. A NEW test container from the snapshot: no process of the agent runs in it; `same`
+   shares the episode container's network namespace only (its services answer on localhost),
+   `fresh` has no network. Before it starts, through the engine's archive API (no program of
+   the image runs): every changed or deleted path under `job.protected` is restored from the
+   task image, `/etc/ld.so.preload` is emptied, and the trusted toolchain volume is mounted
+   read-only at `/opt/rlbus-toolchain` (`harbor_images.ensure_toolchain`).
+4. Preparation as root with the restored `/bin/sh`: paths the agent added under `protected`
+   are deleted; `/tests`, `/logs` and pytest configuration planted at `/` are removed; a fresh
+   `/logs/verifier` is made, owned by the verifier user, mode 0700. Then `tests/` is copied
+   into `/tests` (the agent never saw it).
+5. `bash /tests/test.sh` runs as `[verifier].user`, in the image's working directory, with
+   the toolchain first on PATH, `PYTHONSAFEPATH`, no user site, no pytest plugin autoload,
+   `--confcutdir=/tests`, `LD_PRELOAD` empty, plus `[verifier].env`; it is stopped at
+   `[verifier].timeout_sec`.
+6. The engine kills the test container (every process in it dies), THEN reads
+   `/logs/verifier/reward.json` (preferred) or `reward.txt` from the stopped container; a
+   file that is not a regular file (a symlink) or not an object of finite numbers / one
+   number is `bad_reward_file` (0); neither file: `no_reward_file` (0), or `timeout` (0)
+   when test.sh passed its timeout. The test container and the snapshot are removed.
+
+Engine failures raise `HarborEngineError` (infrastructure: the caller retries, then
+dead-letters; never a 0). A broken task (its verifier user missing, the toolchain volume
+incomplete) raises `VerifyRefused`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import posixpath
+import secrets
+import tarfile
+import time
+from dataclasses import dataclass, field
+
+from sandbox_workers.base import MIB
+from sandbox_workers.harbor_box import LABEL, BoxSpec, HarborBox, HarborEngineError, client, read_tar_file
+from sandbox_workers.harbor_images import TOOLCHAIN_MOUNT, ensure_toolchain
+
+REWARD_DIR = "/logs/verifier"
+PREP_DIR = "/.rlbus-verify"
+PLANTED = ("/conftest.py", "/pytest.ini", "/pyproject.toml", "/tox.ini", "/setup.cfg")
+MODE_DIR = 1 << 31  # Go's os.ModeDir in the engine's path stat
+PREP = """set -u
+[ -f {tc}/.complete ] || {{ echo "rlbus: the toolchain volume is incomplete" >&2; exit 70; }}
+while IFS= read -r p; do [ -n "$p" ] && rm -rf -- "$p"; done < {prep}/delete.txt
+rm -rf /tests /logs {planted} || exit 71
+mkdir -p /tests {rd} || exit 71
+chown {user} {rd} 2>/dev/null || {{ echo "rlbus: the verifier user {user} does not exist in the image" >&2; exit 72; }}
+chmod 0700 {rd} || exit 71
+"""
+
+
+class VerifyRefused(ValueError):
+    """The task cannot be verified as written (its fault, not the agent's nor the engine's)."""
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """What one verification needs (from the task's hidden payload and the operator's config)."""
+
+    spec: BoxSpec
+    tests: dict[str, bytes]
+    timeout_s: float = 600.0
+    user: str = "root"
+    env: dict[str, str] = field(default_factory=dict)
+    verify_in: str = "same"
+    protected: tuple[str, ...] = ()
+    toolchain_image: str = "rlbus-repo-sandbox:latest"
+
+
+@dataclass
+class VerifyRun:
+    """The outcome: reward, named components, status, and where the time went."""
+
+    reward: float
+    components: dict[str, float]
+    status: str
+    details: str
+    test_exit: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def protected_changes(changes: list[dict], roots: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
+    """(changed, deleted, added) paths under `roots` from the engine's diff of a container;
+    a path under an added or deleted directory already listed is covered by it and left out."""
+    changed: list[str] = []
+    deleted: list[str] = []
+    added: list[str] = []
+    for row in sorted(changes or [], key=lambda r: r["Path"]):
+        path, kind = row["Path"], int(row["Kind"])
+        if not _under(path, roots) or any(path.startswith(p.rstrip("/") + "/") for p in deleted + added):
+            continue
+        (changed, added, deleted)[kind if kind in (0, 1, 2) else 0].append(path)
+    return changed, deleted, added
+
+
+def _reward_env(job: VerifyJob) -> dict[str, str]:
+    env = {
+        "PATH": f"{TOOLCHAIN_MOUNT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PYTHONPATH": f"{TOOLCHAIN_MOUNT}/site",
+        "PYTHONSAFEPATH": "1",
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "PYTEST_ADDOPTS": "-p no:cacheprovider --confcutdir=/tests",
+        "LD_PRELOAD": "",
+        "LD_LIBRARY_PATH": "",
+        "HOME": "/tmp",
+        "BASH_ENV": "",
+        "ENV": "",
+    }
+    return {**env, **{k: v for k, v in job.env.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}}
+
+
+def _tar(files: dict[str, bytes], mode: int = 0o644) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for rel, data in sorted(files.items()):
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _restore(api, image: str, test_cid: str, changed: list[str], deleted: list[str]) -> None:
+    """Copy `deleted` paths (whole) and `changed` files (not directories: their changed entries
+    are listed themselves) from a created, never started container of `image` into `test_cid`."""
+    if not changed and not deleted:
+        return
+    import docker
+
+    pristine = api.create_container(image, command=["true"], entrypoint=[], network_disabled=True)["Id"]
+    try:
+        for path in deleted + changed:
+            try:
+                stream, stat = api.get_archive(pristine, path)
+            except docker.errors.NotFound:
+                continue  # not in the image: nothing to restore
+            if path in changed and int(stat.get("mode", 0)) & MODE_DIR:
+                stream.close()
+                continue
+            api.put_archive(test_cid, posixpath.dirname(path) or "/", b"".join(stream))
+    finally:
+        api.remove_container(pristine, force=True)
+
+
+def _create_test_container(api, job: VerifyJob, image: str, episode_cid: str | None, toolchain: str) -> str:
+    from docker.types import LogConfig
+
+    network = f"container:{episode_cid}" if job.verify_in == "same" and episode_cid else "none"
+    host = api.create_host_config(
+        init=True,
+        network_mode=network,
+        mem_limit=job.spec.memory_mb * MIB,
+        memswap_limit=job.spec.memory_mb * MIB,
+        nano_cpus=int(job.spec.cpus * 1e9),
+        pids_limit=job.spec.pids,
+        binds={toolchain: {"bind": TOOLCHAIN_MOUNT, "mode": "ro"}},
+        security_opt=["no-new-privileges"],
+        log_config=LogConfig(type="none"),
+    )
+    labels = {LABEL: "1", "rlbus.harbor.expires": str(int(time.time() + 3600))}
+    made = api.create_container(
+        image, command=["sleep", "infinity"], entrypoint=[], user="0:0", labels=labels, host_config=host
+    )
+    return made["Id"]
+
+
+def _read_reward(api, cid: str) -> tuple[dict[str, float] | None, str, str]:
+    """(components or None, status, details) read from the stopped test container."""
+    import docker
+
+    for name in ("reward.json", "reward.txt"):
+        try:
+            stream, _ = api.get_archive(cid, f"{REWARD_DIR}/{name}")
+        except docker.errors.NotFound:
+            continue
+        try:
+            data = read_tar_file(stream, 1 * MIB)
+        except (ValueError, tarfile.TarError) as exc:
+            return None, "bad_reward_file", f"{name}: {exc}"
+        if data is None:
+            return None, "bad_reward_file", f"{name} is not a regular file (a symlink or a directory)"
+        return parse_reward(name, data)
+    return None, "no_reward_file", "test.sh wrote neither reward.json nor reward.txt"
+
+
+def parse_reward(name: str, data: bytes) -> tuple[dict[str, float] | None, str, str]:
+    """(components with `reward` the scalar, status, details) of one reward file's bytes."""
+    text = data.decode("utf-8", "replace").strip()
+    if name == "reward.txt":
+        try:
+            value = float(text)
+        except ValueError:
+            return None, "bad_reward_file", f"reward.txt is not one number: {text[:80]!r}"
+        if not math.isfinite(value):
+            return None, "bad_reward_file", f"reward.txt is not finite: {text[:80]!r}"
+        return {"reward": value}, "ok", f"reward.txt: {value:g}"
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return None, "bad_reward_file", f"reward.json does not parse: {exc}"
+    ok = (
+        isinstance(obj, dict)
+        and obj
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in obj.values())
+    )
+    if not ok:
+        return None, "bad_reward_file", f"reward.json is not an object of finite numbers: {text[:120]!r}"
+    comps = {str(k): float(v) for k, v in obj.items()}
+    if "reward" not in comps:
+        if len(comps) != 1:
+            return None, "bad_reward_file", f"reward.json has no 'reward' key among {sorted(comps)[:8]}"
+        comps["reward"] = next(iter(comps.values()))
+    return comps, "ok", "reward.json: " + ", ".join(f"{k}={v:g}" for k, v in sorted(comps.items()))
+
+
+def _zero(status: str, details: str, timings: dict) -> VerifyRun:
+    return VerifyRun(0.0, {"reward": 0.0}, status, details, None, timings)
+
+
+def verify_episode(job: VerifyJob, episode_cid: str | None) -> VerifyRun:
+    """Score the episode's container against the task's tests (see the module docstring)."""
+    api = client().api
+    t0, timings = time.perf_counter(), {}
+    toolchain = ensure_toolchain(job.toolchain_image)
+    snapshot, changed, deleted, delete = None, [], [], []
+    if episode_cid is not None:
+        box = HarborBox.attach(episode_cid, job.spec)
+        used = box.rw_bytes()
+        if used > job.spec.storage_mb * MIB:
+            return _zero(
+                "storage_exceeded", f"the container's writable layer is {used >> 20} MiB > storage_mb", timings
+            )
+        try:
+            changed, deleted, delete = protected_changes(api.diff(episode_cid), job.protected)
+            snapshot = api.commit(episode_cid, repository="rlbus-harbor-snap", tag=secrets.token_hex(6))["Id"]
+        except Exception as exc:
+            raise HarborEngineError(f"snapshot of {episode_cid[:12]} failed: {type(exc).__name__}: {exc}") from exc
+        if job.verify_in == "fresh":
+            box.remove()
+    timings["snapshot_s"] = time.perf_counter() - t0
+    try:
+        restore = (changed, deleted, delete)
+        return _run_tests(api, job, snapshot or job.spec.image, episode_cid, toolchain, restore, timings, t0)
+    finally:
+        if snapshot is not None:
+            try:
+                api.remove_image(snapshot, force=True)
+            except Exception:  # noqa: BLE001 - a leftover snapshot costs disk, not correctness
+                pass
+
+
+def _run_tests(api, job, image, episode_cid, toolchain, restore, timings, t0) -> VerifyRun:
+    changed, deleted, delete = restore
+    t1 = time.perf_counter()
+    try:
+        cid = _create_test_container(api, job, image, episode_cid if job.verify_in == "same" else None, toolchain)
+    except Exception as exc:
+        raise HarborEngineError(f"test container did not start: {type(exc).__name__}: {exc}") from exc
+    try:
+        user = "root" if job.user in ("", "root", "0") else job.user
+        prep = PREP.format(tc=TOOLCHAIN_MOUNT, prep=PREP_DIR, rd=REWARD_DIR, user=user, planted=" ".join(PLANTED))
+        try:
+            _restore(api, job.spec.image, cid, changed, deleted)
+            if "/etc/ld.so.preload" not in delete:  # an added one (any type) is deleted in step 4
+                api.put_archive(cid, "/etc", _tar({"ld.so.preload": b""}))
+            files = {"prep.sh": prep.encode(), "delete.txt": "\n".join(delete).encode()}
+            api.put_archive(cid, "/", _tar({f"{PREP_DIR[1:]}/{k}": v for k, v in files.items()}))
+            api.start(cid)
+        except Exception as exc:
+            raise HarborEngineError(f"test container did not start: {type(exc).__name__}: {exc}") from exc
+        box = HarborBox(cid, job.spec, (api.inspect_container(cid).get("Config") or {}).get("WorkingDir") or "/")
+        timings["start_s"] = time.perf_counter() - t1
+        r = box.exec(["/bin/sh", f"{PREP_DIR}/prep.sh"], 60, cwd="/", user="root")
+        if r.exit_code in (70, 72):
+            raise VerifyRefused(r.stderr.strip()[-300:])
+        if r.exit_code != 0:
+            return _zero(
+                "tamper", f"the verifier could not prepare a clean /tests and /logs: {r.stderr[-300:]}", timings
+            )
+        box.put_tree("/tests", job.tests)
+        t2 = time.perf_counter()
+        shell = "/bin/bash" if _exists(api, cid, "/bin/bash") else "/bin/sh"
+        run = box.exec([shell, "/tests/test.sh"], job.timeout_s, user=user, env=_reward_env(job), cap=64 * 1024)
+        timings["test_s"] = time.perf_counter() - t2
+        api.kill(cid)
+        comps, status, details = _read_reward(api, cid)
+        if comps is None and run.timed_out:
+            status, details = "timeout", f"test.sh passed [verifier].timeout_sec = {job.timeout_s:g} ({details})"
+        tail = (run.stdout[-600:] + run.stderr[-400:]).strip()
+        details = f"{details}\ntest.sh exit {run.exit_code}{' (timed out)' if run.timed_out else ''}\n{tail}".strip()
+        timings["total_s"] = time.perf_counter() - t0
+        if comps is None:
+            return VerifyRun(0.0, {"reward": 0.0}, status, details, run.exit_code, timings)
+        return VerifyRun(comps["reward"], comps, "ok", details, run.exit_code, timings)
+    finally:
+        t3 = time.perf_counter()
+        try:
+            api.remove_container(cid, force=True, v=True)
+        except Exception:  # noqa: BLE001 - the reaper gets it
+            pass
+        timings["reset_s"] = time.perf_counter() - t3
+
+
+def _exists(api, cid: str, path: str) -> bool:
+    try:
+        api.get_archive(cid, path)[0].close()
+        return True
+    except Exception:  # noqa: BLE001
+        return False

@@ -7,7 +7,8 @@ Guarantees:
   Network: only when the task says `allow_internet` AND `harbor.allow_internet`.
 - `check_task` builds the image (a failure is a failed check with the build log's tail),
   scores an empty episode (a pristine container), then runs `solution/solve.sh` as the agent
-  in a fresh container and scores that. The check passes iff the oracle scores `TOP` (1.0)
+  in a fresh container (the `solution/` files under /solution, as Harbor's oracle has them)
+  and scores that. The check passes iff the oracle scores `TOP` (1.0)
   with status ok and the empty episode scores strictly less. Infrastructure failures
   propagate (never a failed check).
 - Results are cached per task content hash and the settings that change scoring
@@ -130,10 +131,15 @@ def _store(task: HarborTask, hcfg, result: CheckResult) -> None:
     tmp.replace(d / f"{cache_key(task, hcfg)}.json")
 
 
-def run_script(job: VerifyJob, script: str, timeout_s: float, run_id: str = "check") -> VerifyRun:
-    """Run `script` with bash as the agent in a fresh task container, then verify it."""
+def run_script(
+    job: VerifyJob, script: str, timeout_s: float, run_id: str = "check", files: dict[str, bytes] | None = None
+) -> VerifyRun:
+    """Run `script` with bash as the agent in a fresh task container (after `files`, e.g. the
+    task's `solution/`, are put under /solution), then verify it."""
     box = HarborBox.create(job.spec, run_id, f"script-{time.time_ns()}")
     try:
+        if files:
+            box.put_tree("/solution", files)
         box.write_file("/tmp/.rlbus-agent-script.sh", script.encode())
         box.exec(["bash", "/tmp/.rlbus-agent-script.sh"], timeout_s)
         return verify_episode(job, box.id)
@@ -161,7 +167,7 @@ def check_task(task: HarborTask, hcfg, *, store: bool = True) -> CheckResult:
     empty = verify_episode(job, None)
     if not task.oracle:
         return done(False, "no solution/solve.sh", empty=empty.reward, empty_status=empty.status)
-    oracle = run_script(job, task.oracle, task.agent_timeout_s)
+    oracle = run_script(job, task.oracle, task.agent_timeout_s, files=task.solution)
     scores = dict(oracle=oracle.reward, empty=empty.reward, oracle_status=oracle.status, empty_status=empty.status)
     if oracle.status != "ok" or oracle.reward < TOP:
         return done(False, f"the oracle scores {oracle.reward:g} ({oracle.status}), not {TOP:g}", **scores)

@@ -6,6 +6,8 @@ repository-task cache; reads no run, no NATS.
     rlbus tasks show --domain repo --task-id ID [--files] [--gold-patch] [--json] [--cache-dir DIR]
     rlbus tasks build repo --from-sdist NAME==VERSION ... [--out DIR] [--max-per-package N]
     rlbus tasks scripts --domain repo --out DIR [--empty] [--task-id ID ...] [--cache-dir DIR]
+    rlbus tasks list|show|check|scripts --domain TB --config FILE   (harbor domains: rlbus.commands.tasks_harbor)
+    rlbus tasks export harbor --domain repo --out DIR
 
 Guarantees:
 - The task comes from the sampler's own code path: the domain's source
@@ -45,6 +47,9 @@ import json
 import random
 import sys
 from typing import Any
+
+from rlbus.commands.tasks_harbor import is_harbor_domain, list_harbor, scripts_harbor, show_harbor
+from rlbus.commands.tasks_harbor import register as register_harbor
 
 EPILOG = """examples:
   rlbus tasks show --domain rg-leg_counting --seed 0 --index 7
@@ -163,6 +168,8 @@ def show(args: argparse.Namespace) -> int:
 
     if args.domain == REPO_DOMAIN:
         return show_repo(args)
+    if is_harbor_domain(args):
+        return show_harbor(args) if args.task_id else _need_task_id()
 
     try:
         _, drawn = draw(args.domain, args.seed, args.index, args.level, args.config)
@@ -199,9 +206,11 @@ def list_repo(args: argparse.Namespace) -> int:
     """Run `rlbus tasks list --domain repo` (see the module guarantees)."""
     from producers import repo_cache
 
+    if is_harbor_domain(args):
+        return list_harbor(args)
     if args.domain != REPO_DOMAIN:
         print(
-            f"rlbus tasks list: only --domain {REPO_DOMAIN} has a task list; other domains generate "
+            f"rlbus tasks list: only --domain {REPO_DOMAIN} and harbor domains have a task list; other domains generate "
             "their tasks: see `rlbus tasks show --domain D --index I`",
             file=sys.stderr,
         )
@@ -283,8 +292,10 @@ def scripts_repo(args: argparse.Namespace) -> int:
     from producers import repo_cache
     from rollout_workers.engines.scripted_engine import EMPTY_STEPS, gold_steps, write_script
 
+    if is_harbor_domain(args):
+        return scripts_harbor(args)
     if args.domain != REPO_DOMAIN:
-        print(f"rlbus tasks scripts: only --domain {REPO_DOMAIN} has scripts", file=sys.stderr)
+        print(f"rlbus tasks scripts: only --domain {REPO_DOMAIN} and harbor domains have scripts", file=sys.stderr)
         return 2
     try:
         if args.task_id:
@@ -399,6 +410,12 @@ def register(sub) -> None:
     )
     s.set_defaults(func=show)
     _register_repo(tsub)
+    register_harbor(tsub)
+
+
+def _need_task_id() -> int:
+    print("rlbus tasks show: a harbor domain needs --task-id NAME (see `rlbus tasks list`)", file=sys.stderr)
+    return 2
 
 
 def _register_repo(tsub) -> None:
@@ -411,6 +428,7 @@ def _register_repo(tsub) -> None:
     )
     ls.add_argument("--domain", required=True, help="repo (the only domain with a task cache)")
     ls.add_argument("--json", action="store_true", help='one object per line: {"task_id", "source", "files": N}')
+    ls.add_argument("--config", help='run config TOML: a kind = "harbor" domain lists its task directories')
     ls.add_argument("--cache-dir", help="the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
     ls.set_defaults(func=list_repo)
     b = tsub.add_parser(
@@ -452,5 +470,6 @@ def _register_repo(tsub) -> None:
     sc.add_argument("--out", required=True, help="the script directory to write")
     sc.add_argument("--empty", action="store_true", help="scripts that only submit (the repository untouched)")
     sc.add_argument("--task-id", action="append", default=[], help="only this task (repeatable; fixture-* ids too)")
+    sc.add_argument("--config", help='run config TOML: scripts for a kind = "harbor" domain')
     sc.add_argument("--cache-dir", help="the task cache (default producers/repo_tasks/ or $RLBUS_REPO_TASKS)")
     sc.set_defaults(func=scripts_repo)

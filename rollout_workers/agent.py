@@ -222,7 +222,7 @@ async def _open(ep: Episode, open_sandbox) -> None:
     """Open the episode's sandbox (with the task's repository in it, when it has one; a Harbor
     task's own container, `rollout_workers.harbor_tools`)."""
     if is_harbor(ep.task):
-        ep.sandbox = await HarborEpisodeBox.open(ep.task, ep.sample_index)
+        ep.sandbox = await HarborEpisodeBox.open(ep.task, ep.sample_index, getattr(open_sandbox, "recorder", None))
         return
     ep.sandbox = await (open_sandbox(repo=True) if ep.task.workspace else open_sandbox())
     if ep.task.workspace:

@@ -9,7 +9,9 @@ Guarantees:
   user in its working directory (or the call's `cwd`), for at most the call's `timeout`,
   capped by `harbor.tool_timeout_s`; `read_file` / `write_file` go through the engine's
   archive API (any path; relative ones from the working directory); observations are
-  clipped head + tail to the caller's caps, as the repo tools' are.
+  clipped head + tail to the caller's caps, as the repo tools' are, and signed by the run's
+  exec recorder (`sandbox_workers.integrity`) when the worker has one, so the verifier worker
+  checks them like any other observation.
 - After a call, a container whose writable layer passed the task's `storage_mb` ends the
   episode (`finish_reason = "error"`, the observation says why); the verifier scores it 0.
 - `handover(episode)` ends the agent's turn: no call runs after it; the container keeps
@@ -26,12 +28,11 @@ import time
 from sandbox_workers.async_sandbox import Observation
 from sandbox_workers.base import ExecResult
 from sandbox_workers.harbor_box import BoxSpec, HarborBox
-from sandbox_workers.integrity import render_observation
+from sandbox_workers.integrity import obs_caps, render_observation
 from schemas import Task
 from schemas.tool_protocol import Call
 
 CONTAINER_ARTIFACT = "harbor_container"
-DEFAULT_CAPS = (8000, 2000)
 _sweep = {"at": 0.0}
 
 
@@ -48,18 +49,19 @@ def episode_key(task: Task, sample_index: int) -> str:
 class HarborEpisodeBox:
     """The episode's container, used from the agent loop (each call on a worker thread)."""
 
-    def __init__(self, box: HarborBox, tool_timeout_s: float) -> None:
-        self.box, self.tool_timeout_s = box, tool_timeout_s
+    def __init__(self, box: HarborBox, tool_timeout_s: float, recorder=None) -> None:
+        self.box, self.tool_timeout_s, self.recorder = box, tool_timeout_s, recorder
         self.started = time.monotonic()
         self.storage_exceeded = False
 
     @classmethod
-    async def open(cls, task: Task, sample_index: int) -> HarborEpisodeBox:
+    async def open(cls, task: Task, sample_index: int, recorder=None) -> HarborEpisodeBox:
+        """Start the episode's container; `recorder` (`integrity.ExecRecorder`) signs each observation."""
         p = task.verifier_params
         spec = BoxSpec.from_params(p["harbor"])
         await asyncio.to_thread(_reap_now_and_then)
         box = await asyncio.to_thread(HarborBox.create, spec, task.run_id, episode_key(task, sample_index))
-        return cls(box, float(p.get("tool_timeout_s", 60.0)))
+        return cls(box, float(p.get("tool_timeout_s", 60.0)), recorder)
 
     async def run(self, call: Call, timeout: float | None, caps: tuple[int, int] | None) -> Observation:
         """Run one tool call (not `submit`) and its observation."""
@@ -69,8 +71,10 @@ class HarborEpisodeBox:
             if used > self.box.spec.storage_mb << 20:
                 self.storage_exceeded = True
                 result.stderr += f"\n[rlbus: the container holds {used >> 20} MiB > storage_mb; the episode ends]"
-        stdout_cap, stderr_cap = caps or DEFAULT_CAPS
-        return Observation(result, render_observation(result, stdout_cap, stderr_cap))
+        if self.recorder is None:
+            return Observation(result, render_observation(result, *obs_caps(caps)))
+        exec_id, text = await self.recorder.record(self.box.id[:12], call.code, result, caps)
+        return Observation(result, text, exec_id)
 
     def _run_sync(self, call: Call, timeout: float | None) -> ExecResult:
         args = call.args

@@ -123,6 +123,7 @@ async def sandbox_opener(cfg: RunConfig, ctx: WorkerContext, s: Session):
             cfg.sandbox, s.nc, s.reg.run_id, recorder=recorder, image=cfg.sandbox.repo_image if repo else None
         )
 
+    open_one.recorder = recorder  # Harbor episodes open their own containers and record with it too
     return open_one
 
 

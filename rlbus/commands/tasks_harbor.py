@@ -216,6 +216,41 @@ def export_harbor(args: argparse.Namespace) -> int:
     return 0
 
 
+def verify_harbor_script(args: argparse.Namespace) -> int:
+    """`rlbus verify --domain TB --config FILE --task-id NAME --script F`: one JSON line (see verify.py)."""
+    from sandbox_workers.harbor_box import HarborEngineError
+    from sandbox_workers.harbor_check import box_spec, run_script, verify_job
+    from sandbox_workers.harbor_images import TaskBuildFailed, ensure_task_image
+    from sandbox_workers.harbor_verify import VerifyRefused
+
+    cfg, _, tasks, _ = harbor_domain(args)
+    found = [t for t in tasks if args.task_id in (t.name, t.task_id)]
+    if not found:
+        print(f"rlbus verify: no task {args.task_id!r} in {args.domain}: {[t.name for t in tasks]}", file=sys.stderr)
+        return 2
+    t = found[0]
+    try:
+        script = sys.stdin.read() if args.script == "-" else Path(args.script).read_text()
+    except OSError as exc:
+        print(f"rlbus verify: cannot read --script: {exc}", file=sys.stderr)
+        return 2
+    if t.refusal:
+        print(f"rlbus verify: task {t.name} cannot run: {t.refusal}", file=sys.stderr)
+        return 2
+    try:
+        job = verify_job(t, cfg.harbor, box_spec(t, cfg.harbor, ensure_task_image(t, dict(cfg.harbor.image_map))))
+        run = run_script(job, script, t.agent_timeout_s, run_id="cli")
+    except VerifyRefused as exc:
+        print(f"rlbus verify: task {t.name} cannot be verified as written: {exc}", file=sys.stderr)
+        return 2
+    except (HarborEngineError, TaskBuildFailed) as exc:
+        print(f"rlbus verify: docker failure: {exc}", file=sys.stderr)
+        return 3
+    out = {"reward": run.reward, "components": run.components, "status": run.status, "details": run.details}
+    print(json.dumps(out | {"backend": "docker"}))
+    return 0
+
+
 def register(tsub) -> None:
     """Add `check` and `export` to `rlbus tasks` (list/show/scripts dispatch here for harbor domains)."""
     c = tsub.add_parser(

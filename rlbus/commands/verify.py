@@ -3,6 +3,7 @@
     rlbus verify --domain D [--task-id ID] [--gold G] --answer-file F [--backend docker|process]
     rlbus verify --domain rg-<dataset> --seed S --index I [--level L] [--config FILE] --answer-file F
     rlbus verify --domain repo (--task-id ID [--task-cache DIR] | --task-file T.json) --patch-file F
+    rlbus verify --domain TB --config FILE --task-id NAME --script F.sh     (a harbor domain)
 
 Guarantees:
 - Prints exactly ONE JSON line on stdout: `{"reward", "components", "status", "details",
@@ -26,6 +27,9 @@ Guarantees:
   (`producers.repo_cache.load_task`, imported only here), `--task-file` reads a RepoTask
   JSON file. The trajectory carries the diff as its `diff` artifact, exactly as the
   rollout side exports it; `backend` is `docker`. The repo sandbox failing exits 3.
+- A harbor domain (`--config` naming it, `--task-id NAME`, `--script FILE`) runs FILE with bash
+  as the agent's actions in a fresh container of the task, then verifies it exactly as the
+  `harbor` verifier does (`sandbox_workers.harbor_check.run_script`); docker failing exits 3.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def register(sub) -> None:
     p.add_argument("--task-cache", help="repo: the task cache dir for --task-id (default: the shipped cache)")
     p.add_argument("--backend", choices=("docker", "process"), help="sandbox for code (default: docker if reachable)")
     p.add_argument("--timeout", type=float, help="code: seconds the candidate may run (default 10)")
+    p.add_argument("--script", help="harbor domains (with --config): a bash file run as the agent's actions")
     from rlbus.commands.tasks import add_task_args
 
     add_task_args(p, domain=False)
@@ -253,6 +258,10 @@ def main(args) -> int:
     from verifier_workers import registry
     from verifier_workers.verdict import VerifierInputError
 
+    if args.script:
+        from rlbus.commands.tasks_harbor import verify_harbor_script
+
+        return verify_harbor_script(args)
     try:
         if args.patch_file and args.domain != "repo":
             raise InputProblem("--patch-file is for --domain repo")

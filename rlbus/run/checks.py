@@ -5,8 +5,9 @@ Guarantees:
 - `preflight(cfg, console)` runs every check in order (model folder, tracking packages,
   rollout engine, learner ranks, domain sources, sandbox isolation, tokenizer coverage)
   and returns the sandbox isolation this run gets ("bwrap", "docker" or "degraded"), or
-  None after printing each problem and what to change. It writes nothing, starts no
-  process (beyond the one probe sandbox) and touches no NATS server.
+  None after printing each problem and what to change. It writes nothing (but Harbor
+  domains' images and check cache, `rlbus.run.harbor_start`), starts no process (beyond the
+  probe sandbox and Harbor checks' containers) and touches no NATS server.
 - Sandboxes fail closed: where the configured backend cannot isolate (no usable
   bubblewrap) and `sandbox.allow_degraded` is false, the check prints the reason and the
   fix and returns None. With degraded mode allowed, `DEGRADED_WARNING` is printed in red.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from rlbus.run.harbor_start import check_harbor
 from schemas.config import RunConfig
 
 DEGRADED_WARNING = (
@@ -153,6 +155,7 @@ def preflight(cfg: RunConfig, console: Console) -> str | None:
         and check_engine(cfg, console)
         and check_learner(cfg, console)
         and check_domains(cfg, console)
+        and check_harbor(cfg, console)
     ):
         return None
     isolation = check_sandbox(cfg, console)

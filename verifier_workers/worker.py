@@ -362,15 +362,19 @@ class Scorer:
             traj = await self.bound(traj)
             forged = await self.forged(traj) if self.js is not None else []
             if forged:
+                await release_episode(traj)
                 return tamper_reward(traj, forged)
             payload = await self.hidden.get(traj.hidden_ref) if traj.hidden_ref else None
             return await self._score(traj, payload)
         except VerifierInputError as exc:
+            await release_episode(traj)
             raise Reject(f"verifier input: {exc}") from exc
         except (VerifierInfraError, HiddenDataMissing, PayloadUnavailable) as exc:
             try:
                 self.policy.fail(d.delivered, exc)
             except (Retry, Reject) as outcome:
+                if isinstance(outcome, Reject):
+                    await release_episode(traj)
                 log.warning(
                     "verifier.infra_error",
                     error=str(exc)[:500],
@@ -379,6 +383,15 @@ class Scorer:
                     outcome=type(outcome).__name__.lower(),
                 )
                 raise
+
+
+async def release_episode(traj: Trajectory) -> None:
+    """Free what an episode handed over for verification (a Harbor task's container) once its
+    outcome is final without its verifier (tamper, dead letter); the harbor verifier frees it itself."""
+    if traj.verifier == "harbor" and "harbor_container" in traj.artifacts:
+        from verifier_workers.verifiers.harbor import release
+
+        await asyncio.to_thread(release, traj)
 
 
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:

@@ -9,6 +9,8 @@ Guarantees:
   tasks out (`producers.domains.harbor`): the run goes on without them.
 - No docker engine (or another infrastructure failure) stops the run before anything
   starts, saying what to do; it never disables a task.
+- `reap_harbor_run` (the launcher's shutdown) removes the run's episode containers still
+  waiting for a verifier (a resumed run dead-letters those trajectories: "container gone").
 """
 
 from __future__ import annotations
@@ -68,3 +70,21 @@ def check_harbor(cfg: RunConfig, console: Console) -> bool:
                 f"  disabled {task_name}: {why.splitlines()[0][:160]}", style="yellow", highlight=False, markup=False
             )
     return True
+
+
+def reap_harbor_run(cfg: RunConfig, run_id: str, console: Console) -> int:
+    """Remove the run's Harbor containers (none when the run has no harbor domain); how many."""
+    if not harbor_domains(cfg):
+        return 0
+    try:
+        from sandbox_workers.harbor_box import RUN_LABEL, client, remove_container
+
+        ids = [c["Id"] for c in client().api.containers(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})]
+    except Exception as exc:  # noqa: BLE001 - the engine is gone: its containers are too
+        console.print(f"harbor: could not list the run's containers: {exc}", style="yellow", markup=False)
+        return 0
+    for cid in ids:
+        remove_container(cid)
+    if ids:
+        console.print(f"harbor: removed {len(ids)} episode container(s) no verifier took", highlight=False)
+    return len(ids)

@@ -48,6 +48,7 @@ from rlbus.report.plots import reward_curve
 from rlbus.run.accounting import account
 from rlbus.run.checks import DEGRADED_WARNING, preflight
 from rlbus.run.folder import RunFolder
+from rlbus.run.harbor_start import reap_harbor_run
 from rlbus.run.live import Snapshot, line, render
 from rlbus.run.monitor import Monitor, summary_dict
 from rlbus.run.prepare import new_run_id, prepare_model, secret_env, write_redacted_config
@@ -263,10 +264,12 @@ async def run_up(
         await run.drain(stop_reason)
         summary = await run.finish(js, reg, stop_reason, failure)
     finally:
-        # shutdown phases, in order: the live view, every worker still running, the bus connection
+        # shutdown phases, in order: the live view, every worker still running, the Harbor
+        # containers still waiting for a verifier, the bus connection
         if run.live:
             run.live.stop()
         sup.kill_all()
+        reap_harbor_run(cfg, reg.run_id, console)
         await _close(nc)
     console.print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=1))
     console.print(f"results: {folder.summary_json}, {folder.reward_curve}, logs in {folder.logs}/")

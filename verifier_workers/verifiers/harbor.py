@@ -100,3 +100,12 @@ def verify_harbor(traj: Trajectory, hidden: dict | None = None) -> Verdict:
         weights=weights,
         sandbox_s=run.timings.get("total_s", 0.0),
     )
+
+
+def release(traj: Trajectory) -> None:
+    """Remove the episode's container (its outcome is final without a verdict: tamper, dead letter)."""
+    raw = traj.artifacts.get(CONTAINER_ARTIFACT)
+    if raw is not None:
+        from sandbox_workers.harbor_box import remove_container
+
+        remove_container(raw.decode() if isinstance(raw, bytes) else str(raw))

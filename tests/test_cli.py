@@ -46,8 +46,13 @@ def test_every_command_module_registers_a_command_with_a_handler():
 
 
 def test_every_module_in_commands_is_listed():
-    """A command module left out of `COMMANDS` would be a silently absent command."""
-    files = {p.stem for p in (ROOT / "rlbus" / "commands").glob("*.py") if p.stem != "__init__"}
+    """A command module (one with `register(sub)`) left out of `COMMANDS` would be a silently
+    absent command; helper modules of a command (no `register`) are not commands."""
+    files = {
+        p.stem
+        for p in (ROOT / "rlbus" / "commands").glob("*.py")
+        if p.stem != "__init__" and "\ndef register(" in p.read_text()
+    }
     listed = {m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS if m.__name__.startswith("rlbus.commands.")}
     assert files == listed
     assert "sandbox_workers.cli" in {m.__name__ for m in cli.COMMANDS}

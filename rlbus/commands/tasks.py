@@ -48,8 +48,8 @@ import random
 import sys
 from typing import Any
 
+from rlbus.commands.tasks_harbor import add_subcommands as register_harbor
 from rlbus.commands.tasks_harbor import is_harbor_domain, list_harbor, scripts_harbor, show_harbor
-from rlbus.commands.tasks_harbor import register as register_harbor
 
 EPILOG = """examples:
   rlbus tasks show --domain rg-leg_counting --seed 0 --index 7

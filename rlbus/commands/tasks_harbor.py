@@ -251,7 +251,7 @@ def verify_harbor_script(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(tsub) -> None:
+def add_subcommands(tsub) -> None:
     """Add `check` and `export` to `rlbus tasks` (list/show/scripts dispatch here for harbor domains)."""
     c = tsub.add_parser(
         "check",

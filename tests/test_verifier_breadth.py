@@ -518,5 +518,5 @@ def test_domains_example_config_loads_every_builtin_kind():
 
     cfg = load_config(ROOT / "examples/domains.toml")
     bench_only = {"sleep"}  # the scheduling benchmark's kind, not a task domain
-    own_example = {"repo"}  # docker episodes and verifier: examples/repo.toml (tests/test_repo_episode.py)
+    own_example = {"repo", "harbor"}  # docker episodes and verifiers: examples/repo.toml, examples/harbor.toml
     assert {kind_of(n, dc) for n, dc in cfg.sampler.domains.items()} == set(BUILTINS) - bench_only - own_example

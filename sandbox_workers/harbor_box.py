@@ -81,6 +81,7 @@ class HarborBox:
     def __init__(self, cid: str, spec: BoxSpec, workdir: str) -> None:
         self.id, self.spec, self.workdir = cid, spec, workdir or "/"
         self.labels: dict[str, str] = {}
+        self.running, self.paused = True, False
         self.api = client().api
 
     @classmethod
@@ -128,7 +129,8 @@ class HarborBox:
 
     @classmethod
     def attach(cls, cid: str, spec: BoxSpec) -> HarborBox:
-        """The existing container `cid` (HarborEngineError when it is gone)."""
+        """The existing container `cid` (HarborEngineError when it is gone); `running` says
+        whether it still runs (the agent may have stopped its init), `paused` whether it is paused."""
         api = client().api
         try:
             info = api.inspect_container(cid)
@@ -136,6 +138,8 @@ class HarborBox:
             raise HarborEngineError(f"the episode's container {cid[:12]} is gone: {exc}") from exc
         box = cls(cid, spec, (info.get("Config") or {}).get("WorkingDir") or "/")
         box.labels = (info.get("Config") or {}).get("Labels") or {}
+        state = info.get("State") or {}
+        box.running, box.paused = bool(state.get("Running")), bool(state.get("Paused"))
         return box
 
     def path(self, path: str) -> str:

@@ -3,21 +3,38 @@
 `verify_episode(job, episode_cid)` (episode_cid None: an episode that opened no container,
 scored on a pristine container of the task image). Order (guaranteed):
 
-1. Storage: an episode container whose writable layer is over `storage_mb` scores 0 with
-   status `storage_exceeded`; nothing is committed.
-2. Snapshot: the engine commits the episode container (paused while it copies) to an image,
-   and lists its changes (`docker diff`). With `verify_in = "fresh"` the episode container is
-   removed at once; with `same` it keeps running (its services) until the caller removes it.
+1. Storage: the episode container is paused (nothing of the agent runs from here until the
+   snapshot is taken; one the engine cannot freeze, e.g. under a fork storm, is killed
+   instead); one whose writable layer is over `storage_mb` scores 0 with status
+   `storage_exceeded`; nothing is committed.
+2. Snapshot: the engine commits the paused container to an image and lists its changes
+   (`docker diff`). With `verify_in = "fresh"` the episode container is removed at once; with
+   `same` it resumes (its services) until the caller removes it.
 3. A NEW test container from the snapshot: no process of the agent runs in it; `same`
-   shares the episode container's network namespace only (its services answer on localhost),
-   `fresh` has no network. Before it starts, through the engine's archive API (no program of
-   the image runs): every changed or deleted path under `job.protected` is restored from the
-   task image, `/etc/ld.so.preload` is emptied, and the trusted toolchain volume is mounted
-   read-only at `/opt/rlbus-toolchain` (`harbor_images.ensure_toolchain`).
-4. Preparation as root with the restored `/bin/sh`: paths the agent added under `protected`
-   are deleted; `/tests`, `/logs` and pytest configuration planted at `/` are removed; a fresh
-   `/logs/verifier` is made, owned by the verifier user, mode 0700. Then `tests/` is copied
-   into `/tests` (the agent never saw it).
+   shares the episode container's network namespace only (its services answer on localhost;
+   an episode container that no longer runs, e.g. its init killed, shares none), `fresh` has
+   no network. The protected paths are `job.protected` plus every path outside them that a
+   symlink under them leads to, hop by hop (`/usr/lib/python3.11/sitecustomize.py` ->
+   `/etc/python3.11/...`; listed once per task image by its own `find`, without network;
+   `/` and top-level directories are never added: that would protect the agent's whole
+   workspace). Before the container starts, through the engine's archive API (no program of
+   the image runs):
+   - the episode scores 0 with status `tamper` when a directory above a protected path or
+     above the toolchain's mount point was replaced by something that is not a directory;
+     when the agent made anything at the toolchain's mount point; or when it added a path
+     under a protected one whose name the engine cannot report (not UTF-8);
+   - every changed or deleted path under the protected ones is restored from the task image:
+     a file or symlink as it was, a directory that is no longer one (a symlink, a file) whole,
+     a deleted one whole (its parents made when the agent deleted them too);
+   - `/etc/ld.so.preload` is emptied, and the trusted toolchain volume is mounted read-only
+     at `/opt/rlbus-toolchain` (`harbor_images.ensure_toolchain`).
+4. Preparation as root with the restored `/bin/sh`: paths the agent added under the
+   protected ones are deleted (each named exactly, whatever its characters); `/tests`, `/logs`,
+   pytest configuration planted at `/` (`PLANTED`: every file name pytest reads there) and
+   Python's `pyvenv.cfg` beside the system interpreters are removed; a fresh `/logs/verifier`
+   is made, owned by the verifier user, mode 0700. Then `tests/` is copied into `/tests` (the
+   agent never saw it). A verifier user the agent deleted (present in the task image) scores
+   0 with status `tamper`.
 5. `bash /tests/test.sh` runs as `[verifier].user`, in the image's working directory, with
    the toolchain first on PATH, `PYTHONSAFEPATH`, no user site, no pytest plugin autoload,
    `--confcutdir=/tests`, `LD_PRELOAD` empty, plus `[verifier].env`; it is stopped at
@@ -29,18 +46,21 @@ scored on a pristine container of the task image). Order (guaranteed):
    when test.sh passed its timeout. The test container and the snapshot are removed.
 
 Engine failures raise `HarborEngineError` (infrastructure: the caller retries, then
-dead-letters; never a 0). A broken task (its verifier user missing, the toolchain volume
-incomplete) raises `VerifyRefused`.
+dead-letters; never a 0). A broken task (its verifier user missing from the task image, the
+toolchain volume incomplete) raises `VerifyRefused`.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import math
 import posixpath
 import secrets
+import shlex
 import tarfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,16 +70,40 @@ from sandbox_workers.harbor_images import TOOLCHAIN_MOUNT, ensure_toolchain
 
 REWARD_DIR = "/logs/verifier"
 PREP_DIR = "/.rlbus-verify"
-PLANTED = ("/conftest.py", "/pytest.ini", "/pyproject.toml", "/tox.ini", "/setup.cfg")
+PLANTED = (
+    "/conftest.py",
+    "/pytest.toml",
+    "/.pytest.toml",
+    "/pytest.ini",
+    "/.pytest.ini",
+    "/pyproject.toml",
+    "/tox.ini",
+    "/setup.cfg",
+    "/pyvenv.cfg",
+    "/usr/pyvenv.cfg",
+    "/usr/local/pyvenv.cfg",
+)
+"""Removed before the tests: pytest reads its configuration from `/` (the parent of `/tests`),
+and Python a `pyvenv.cfg` beside its executable's directory (`home =` moves its stdlib)."""
 MODE_DIR = 1 << 31  # Go's os.ModeDir in the engine's path stat
+MODE_SYMLINK = 1 << 27  # Go's os.ModeSymlink
+LINKS_OUT = "/.rlbus-links"
+FIND_LINKS = (
+    f"find / -xdev -type l -printf '%p\\0%l\\0' > {LINKS_OUT} 2>/dev/null"
+    f' || find / -xdev -type l -exec sh -c \'for l; do printf "%s\\0%s\\0" "$l" "$(readlink "$l")"; done\''
+    f" sh {{}} + > {LINKS_OUT} 2>/dev/null"
+)
+"""Every symlink of the image as `path NUL target NUL` (GNU find, else POSIX find + readlink)."""
 PREP = """set -u
 [ -f {tc}/.complete ] || {{ echo "rlbus: the toolchain volume is incomplete" >&2; exit 70; }}
-while IFS= read -r p; do [ -n "$p" ] && rm -rf -- "$p"; done < {prep}/delete.txt
+{deletes}
 rm -rf /tests /logs {planted} || exit 71
 mkdir -p /tests {rd} || exit 71
 chown {user} {rd} 2>/dev/null || {{ echo "rlbus: the verifier user {user} does not exist in the image" >&2; exit 72; }}
 chmod 0700 {rd} || exit 71
 """
+_escapes: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+_escapes_lock = threading.Lock()
 
 
 class VerifyRefused(ValueError):
@@ -92,8 +136,22 @@ class VerifyRun:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+class _NetworkGone(Exception):
+    """The episode container whose network the test container was to share no longer runs."""
+
+
+class _Tamper(Exception):
+    """The agent left the container so that the protected paths cannot be restored (scores 0)."""
+
+
 def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _parents(path: str) -> list[str]:
+    """The directories above `path`, `/` excluded (`/usr/local/bin` -> `/usr`, `/usr/local`)."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def protected_changes(changes: list[dict], roots: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
@@ -108,6 +166,93 @@ def protected_changes(changes: list[dict], roots: tuple[str, ...]) -> tuple[list
             continue
         (changed, added, deleted)[kind if kind in (0, 1, 2) else 0].append(path)
     return changed, deleted, added
+
+
+def link_escapes(links: dict[str, str], roots: tuple[str, ...]) -> tuple[str, ...]:
+    """The paths outside `roots` that the symlinks under them lead to, every hop of every chain
+    (`links`: an image's symlinks, path -> target). `/` and top-level directories are not kept
+    (that would protect the agent's workspace wholesale); chains are followed through them."""
+    out: set[str] = set()
+
+    def resolve(path: str, inside: tuple[str, ...]) -> str:
+        """`path` with every symlink on it followed; the hops outside `inside` go to `out`."""
+        pending, cur, hops = [p for p in path.split("/") if p], "/", 0
+        while pending:
+            name = pending.pop(0)
+            if name == ".":
+                continue
+            if name == "..":
+                cur = posixpath.dirname(cur)
+                continue
+            nxt = posixpath.join(cur, name)
+            if nxt in links and hops < 40:
+                hops += 1
+                if not _under(nxt, inside):
+                    out.add(nxt)
+                target = links[nxt]
+                pending = [p for p in target.split("/") if p] + pending
+                cur = "/" if target.startswith("/") else cur
+                continue
+            cur = nxt
+        return cur
+
+    inside = roots + tuple(resolve(r, roots) for r in roots)  # `/bin` -> `/usr/bin` too
+    out.clear()
+    for link in sorted(links):
+        if _under(link, inside):
+            final = resolve(link, inside)
+            if not _under(final, inside):
+                out.add(final)
+    return tuple(sorted(p for p in out if p.count("/") > 1))
+
+
+def protected_roots(api, image: str, roots: tuple[str, ...]) -> tuple[str, ...]:
+    """`roots` plus `link_escapes` of the image's symlinks (listed once per image id and roots)."""
+    image_id = api.inspect_image(image)["Id"]
+    with _escapes_lock:
+        key = (image_id, roots)
+        if key not in _escapes:
+            _escapes[key] = link_escapes(_image_links(api, image), roots)
+        return roots + _escapes[key]
+
+
+def _image_links(api, image: str) -> dict[str, str]:
+    made = api.create_container(
+        image, command=["sh", "-c", FIND_LINKS], entrypoint=[], user="0:0", network_disabled=True
+    )["Id"]
+    try:
+        api.start(made)
+        api.wait(made, timeout=120)
+        try:
+            stream, _ = api.get_archive(made, LINKS_OUT)
+            raw = read_tar_file(stream, 256 * MIB) or b""
+        except Exception:  # noqa: BLE001 - no find in the image: no symlink is followed
+            raw = b""
+    finally:
+        api.remove_container(made, force=True)
+    parts = raw.decode("utf-8", "replace").split("\0")
+    return {parts[i]: parts[i + 1] for i in range(0, len(parts) - 1, 2) if parts[i].startswith("/")}
+
+
+def _stat(api, cid: str, path: str) -> dict | None:
+    """The engine's stat of `path` in container `cid` (a last-component symlink not followed);
+    None when it does not exist."""
+    resp = api.head(api._url("/containers/{0}/archive", cid), params={"path": path}, timeout=api.timeout)
+    if resp.status_code == 404:
+        return None
+    api._raise_for_status(resp)
+    return json.loads(base64.b64decode(resp.headers.get("X-Docker-Container-Path-Stat") or "e30="))
+
+
+def _kind(stat: dict | None) -> str:
+    if stat is None:
+        return "none"
+    mode = int(stat.get("mode", 0))
+    if mode & MODE_DIR:
+        return "dir"
+    if mode & MODE_SYMLINK:
+        return f"link:{stat.get('linkTarget', '')}"
+    return "file"
 
 
 def _reward_env(job: VerifyJob) -> dict[str, str]:
@@ -138,35 +283,91 @@ def _tar(files: dict[str, bytes], mode: int = 0o644) -> bytes:
     return buf.getvalue()
 
 
-def _restore(api, image: str, test_cid: str, changed: list[str], deleted: list[str]) -> None:
-    """Copy `deleted` paths (whole) and `changed` files (not directories: their changed entries
-    are listed themselves) from a created, never started container of `image` into `test_cid`."""
-    if not changed and not deleted:
-        return
+class _Pristine:
+    """A created, never started container of the task image (made on first use)."""
+
+    def __init__(self, api, image: str) -> None:
+        self.api, self.image, self.id = api, image, None
+
+    def cid(self) -> str:
+        if self.id is None:
+            self.id = self.api.create_container(self.image, command=["true"], entrypoint=[], network_disabled=True)[
+                "Id"
+            ]
+        return self.id
+
+    def close(self) -> None:
+        if self.id is not None:
+            self.api.remove_container(self.id, force=True)
+
+
+def _plan(api, test_cid: str, pristine: _Pristine, rows: list[dict], roots: tuple[str, ...]):
+    """(restore, added) for the protected `roots` from the episode's diff `rows`, or _Tamper:
+    `restore` are the paths to copy from the image (each whole), `added` those to delete."""
+    kinds = {r["Path"]: int(r["Kind"]) for r in rows or []}
+    guarded = roots + (TOOLCHAIN_MOUNT,)
+    for path in kinds:
+        if "\ufffd" in path and _under(path, roots):
+            raise _Tamper(f"{path!r} under a protected path has a name that is not UTF-8")
+        if _under(path, (TOOLCHAIN_MOUNT,)):
+            raise _Tamper(f"the agent made {path}, at the verifier's toolchain mount point")
+    gone: list[str] = []
+    for parent in sorted({p for r in guarded for p in _parents(r)}):
+        kind = kinds.get(parent)
+        if kind == 2:
+            gone.append(parent)
+        elif kind is not None:
+            now = _kind(_stat(api, test_cid, parent))
+            if now != "dir" and now != _kind(_stat(api, pristine.cid(), parent)):
+                raise _Tamper(f"{parent}, above protected paths, was replaced ({now})")
+    changed, deleted, added = protected_changes(rows, roots)
+    restore = list(deleted)
+    restore += [r for r in roots if _under(r, tuple(gone)) and r not in restore]
+    for path in changed:
+        if _kind(_stat(api, test_cid, path)) == "dir" and _kind(_stat(api, pristine.cid(), path)) == "dir":
+            continue  # a directory still: its changed entries are listed themselves
+        restore.append(path)
+    return restore, added
+
+
+def _restore(api, test_cid: str, pristine: _Pristine, paths: list[str]) -> None:
+    """Copy each of `paths` (whole) from the image into the created test container, its missing
+    parents made first; a path the image lacks is skipped."""
     import docker
 
-    pristine = api.create_container(image, command=["true"], entrypoint=[], network_disabled=True)["Id"]
-    try:
-        for path in deleted + changed:
-            try:
-                stream, stat = api.get_archive(pristine, path)
-            except docker.errors.NotFound:
-                continue  # not in the image: nothing to restore
-            if path in changed and int(stat.get("mode", 0)) & MODE_DIR:
-                stream.close()
-                continue
-            api.put_archive(test_cid, posixpath.dirname(path) or "/", b"".join(stream))
-    finally:
-        api.remove_container(pristine, force=True)
+    for path in paths:
+        try:
+            stream, _ = api.get_archive(pristine.cid(), path)
+        except docker.errors.NotFound:
+            continue  # not in the image: nothing to restore
+        parent = posixpath.dirname(path) or "/"
+        _make_dirs(api, test_cid, parent)
+        api.put_archive(test_cid, parent, b"".join(stream))
 
 
-def _create_test_container(api, job: VerifyJob, image: str, episode_cid: str | None, toolchain: str) -> str:
+def _make_dirs(api, cid: str, path: str) -> None:
+    """Make the missing directories of `path` in `cid` (existing ones, symlinks included, kept)."""
+    missing = []
+    while path != "/" and _stat(api, cid, path) is None:
+        path, name = posixpath.split(path)
+        missing.insert(0, name)
+    if not missing:
+        return
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(1, len(missing) + 1):
+            info = tarfile.TarInfo("/".join(missing[:i]))
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+    api.put_archive(cid, path, buf.getvalue())
+
+
+def _create_test_container(api, job: VerifyJob, image: str, network_of: str | None, toolchain: str) -> str:
     from docker.types import LogConfig
 
-    network = f"container:{episode_cid}" if job.verify_in == "same" and episode_cid else "none"
     host = api.create_host_config(
         init=True,
-        network_mode=network,
+        network_mode=f"container:{network_of}" if network_of else "none",
         mem_limit=job.spec.memory_mb * MIB,
         memswap_limit=job.spec.memory_mb * MIB,
         nano_cpus=int(job.spec.cpus * 1e9),
@@ -240,25 +441,39 @@ def verify_episode(job: VerifyJob, episode_cid: str | None) -> VerifyRun:
     api = client().api
     t0, timings = time.perf_counter(), {}
     toolchain = ensure_toolchain(job.toolchain_image)
-    snapshot, changed, deleted, delete = None, [], [], []
+    snapshot, rows, network_of = None, [], None
     if episode_cid is not None:
         box = HarborBox.attach(episode_cid, job.spec)
-        used = box.rw_bytes()
-        if used > job.spec.storage_mb * MIB:
-            return _zero(
-                "storage_exceeded", f"the container's writable layer is {used >> 20} MiB > storage_mb", timings
-            )
+        paused = False
         try:
-            changed, deleted, delete = protected_changes(api.diff(episode_cid), job.protected)
-            snapshot = api.commit(episode_cid, repository="rlbus-harbor-snap", tag=secrets.token_hex(6))["Id"]
+            box, paused = _freeze(api, box, job.spec)
+            network_of = episode_cid if box.running and job.verify_in == "same" else None
+            used = box.rw_bytes()
+            if used > job.spec.storage_mb * MIB:
+                return _zero(
+                    "storage_exceeded", f"the container's writable layer is {used >> 20} MiB > storage_mb", timings
+                )
+            rows = api.diff(episode_cid) or []
+            snapshot = api.commit(episode_cid, repository="rlbus-harbor-snap", tag=secrets.token_hex(6), pause=False)
+            snapshot = snapshot["Id"]
+        except HarborEngineError:
+            raise
         except Exception as exc:
             raise HarborEngineError(f"snapshot of {episode_cid[:12]} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if paused:
+                try:
+                    api.unpause(episode_cid)
+                except Exception:  # noqa: BLE001 - removed below (fresh) or by the caller
+                    pass
         if job.verify_in == "fresh":
             box.remove()
     timings["snapshot_s"] = time.perf_counter() - t0
     try:
-        restore = (changed, deleted, delete)
-        return _run_tests(api, job, snapshot or job.spec.image, episode_cid, toolchain, restore, timings, t0)
+        try:
+            return _run_tests(api, job, snapshot or job.spec.image, network_of, toolchain, rows, timings, t0)
+        except _NetworkGone:  # the episode container stopped after its snapshot: no network to share
+            return _run_tests(api, job, snapshot or job.spec.image, None, toolchain, rows, timings, t0)
     finally:
         if snapshot is not None:
             try:
@@ -267,28 +482,65 @@ def verify_episode(job: VerifyJob, episode_cid: str | None) -> VerifyRun:
                 pass
 
 
-def _run_tests(api, job, image, episode_cid, toolchain, restore, timings, t0) -> VerifyRun:
-    changed, deleted, delete = restore
-    t1 = time.perf_counter()
+def _freeze(api, box: HarborBox, spec: BoxSpec) -> tuple[HarborBox, bool]:
+    """(the box as it is now, whether it is paused): a running episode container is paused; one
+    that cannot be frozen (the cgroup freezer fails, e.g. under a fork storm) is killed, so that
+    nothing of the agent writes between the diff and the commit."""
+    if not box.running or box.paused:
+        return box, box.running  # a paused one (a verification that died half way) is resumed after
+    for _attempt in range(3):
+        try:
+            box.api.pause(box.id)
+            return box, True
+        except Exception:  # noqa: BLE001 - exited, or not freezable now
+            for _ in range(10):  # an exit racing the pause: the engine notices it soon
+                box = HarborBox.attach(box.id, spec)
+                if not box.running:
+                    return box, False
+                time.sleep(0.1)
     try:
-        cid = _create_test_container(api, job, image, episode_cid if job.verify_in == "same" else None, toolchain)
+        api.kill(box.id)
+        api.wait(box.id, timeout=30)
+    except Exception as exc:
+        raise HarborEngineError(f"{box.id[:12]} can be neither paused nor killed: {exc}") from exc
+    return HarborBox.attach(box.id, spec), False
+
+
+def _run_tests(api, job, image, network_of, toolchain, rows, timings, t0) -> VerifyRun:
+    t1 = time.perf_counter()
+    roots = tuple(job.protected)
+    if rows:
+        try:
+            roots = protected_roots(api, job.spec.image, roots)
+        except Exception as exc:
+            raise HarborEngineError(f"listing the symlinks of {job.spec.image}: {type(exc).__name__}: {exc}") from exc
+    try:
+        cid = _create_test_container(api, job, image, network_of, toolchain)
     except Exception as exc:
         raise HarborEngineError(f"test container did not start: {type(exc).__name__}: {exc}") from exc
+    pristine = _Pristine(api, job.spec.image)
     try:
         user = "root" if job.user in ("", "root", "0") else job.user
-        prep = PREP.format(tc=TOOLCHAIN_MOUNT, prep=PREP_DIR, rd=REWARD_DIR, user=user, planted=" ".join(PLANTED))
         try:
-            _restore(api, job.spec.image, cid, changed, deleted)
-            if "/etc/ld.so.preload" not in delete:  # an added one (any type) is deleted in step 4
+            restore, added = _plan(api, cid, pristine, rows, roots)
+            _restore(api, cid, pristine, restore)
+            if "/etc/ld.so.preload" not in added:  # an added one (any type) is deleted in step 4
                 api.put_archive(cid, "/etc", _tar({"ld.so.preload": b""}))
-            files = {"prep.sh": prep.encode(), "delete.txt": "\n".join(delete).encode()}
-            api.put_archive(cid, "/", _tar({f"{PREP_DIR[1:]}/{k}": v for k, v in files.items()}))
+            deletes = "\n".join(f"rm -rf -- {shlex.quote(p)}" for p in added)
+            prep = PREP.format(tc=TOOLCHAIN_MOUNT, deletes=deletes, rd=REWARD_DIR, user=user, planted=" ".join(PLANTED))
+            api.put_archive(cid, "/", _tar({f"{PREP_DIR[1:]}/prep.sh": prep.encode()}))
             api.start(cid)
+        except _Tamper as exc:
+            return _zero("tamper", f"the protected paths cannot be restored: {exc}", timings)
         except Exception as exc:
+            if network_of and not HarborBox.attach(network_of, job.spec).running:
+                raise _NetworkGone from exc
             raise HarborEngineError(f"test container did not start: {type(exc).__name__}: {exc}") from exc
         box = HarborBox(cid, job.spec, (api.inspect_container(cid).get("Config") or {}).get("WorkingDir") or "/")
         timings["start_s"] = time.perf_counter() - t1
         r = box.exec(["/bin/sh", f"{PREP_DIR}/prep.sh"], 60, cwd="/", user="root")
+        if r.exit_code == 72 and rows and _image_has_user(api, pristine, user):
+            return _zero("tamper", f"the agent deleted the verifier user {user} from the container", timings)
         if r.exit_code in (70, 72):
             raise VerifyRefused(r.stderr.strip()[-300:])
         if r.exit_code != 0:
@@ -297,7 +549,7 @@ def _run_tests(api, job, image, episode_cid, toolchain, restore, timings, t0) ->
             )
         box.put_tree("/tests", job.tests)
         t2 = time.perf_counter()
-        shell = "/bin/bash" if _exists(api, cid, "/bin/bash") else "/bin/sh"
+        shell = "/bin/bash" if _stat(api, cid, "/bin/bash") is not None else "/bin/sh"
         run = box.exec([shell, "/tests/test.sh"], job.timeout_s, user=user, env=_reward_env(job), cap=64 * 1024)
         timings["test_s"] = time.perf_counter() - t2
         api.kill(cid)
@@ -312,16 +564,19 @@ def _run_tests(api, job, image, episode_cid, toolchain, restore, timings, t0) ->
         return VerifyRun(comps["reward"], comps, "ok", details, run.exit_code, timings)
     finally:
         t3 = time.perf_counter()
-        try:
-            api.remove_container(cid, force=True, v=True)
-        except Exception:  # noqa: BLE001 - the reaper gets it
-            pass
+        for remove in (lambda: api.remove_container(cid, force=True, v=True), pristine.close):
+            try:
+                remove()
+            except Exception:  # noqa: BLE001 - the reaper gets it
+                pass
         timings["reset_s"] = time.perf_counter() - t3
 
 
-def _exists(api, cid: str, path: str) -> bool:
+def _image_has_user(api, pristine: _Pristine, user: str) -> bool:
+    """Whether the task image's /etc/passwd names `user` (read through the engine)."""
     try:
-        api.get_archive(cid, path)[0].close()
-        return True
-    except Exception:  # noqa: BLE001
+        stream, _ = api.get_archive(pristine.cid(), "/etc/passwd")
+        data = read_tar_file(stream, 16 * MIB) or b""
+    except Exception:  # noqa: BLE001 - no passwd file in the image
         return False
+    return any(line.split(b":", 1)[0] == user.encode() for line in data.splitlines())

@@ -109,6 +109,14 @@ def skip_reason(needs: tuple[str, ...]) -> str | None:
 
         if not docker_available():
             return "needs a Docker engine (none answers: `docker info`)"
+    if "harbor" in needs or "dockerd" in needs:
+        from bench import fault_harbor
+
+        checks = {"harbor": fault_harbor.skip_reason_harbor, "dockerd": fault_harbor.skip_reason_private_engine}
+        for need, why in checks.items():
+            reason = why() if need in needs else None
+            if reason:
+                return reason
     return None
 
 

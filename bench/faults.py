@@ -33,6 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import fault_harbor
 from bench.fault_env import (
     ANSWER_FLOOD_CONFIG,
     DOCKER_CONFIG,
@@ -207,6 +208,41 @@ CASES: list[Case] = [
         cleanup=lambda run, ctx: ctx["cluster"].stop(),
     ),
     Case("kill-launcher", kill("launcher"), heal=_launcher_gone),
+    # Harbor task containers (bench/fault_harbor.py): the engine restarts under episodes; a build
+    # and a test.sh that never end. The restart is of a private dockerd, never the shared one.
+    Case(
+        "harbor-engine-restart",
+        fault_harbor.restart_mid_episode,
+        # short ack waits: the retries' backoff (1x, 2x, 4x ack_wait) ends within the run, so every
+        # trajectory the restart hit is verified or dead-lettered before the final accounting
+        overrides=("verifier.ack_wait_s=15", "rollout.ack_wait_s=30", "run.max_minutes=4"),
+        needs=("docker", "root", "dockerd", "harbor"),
+        prepare=fault_harbor.prepare("engine-restart"),
+        cleanup=fault_harbor.cleanup,
+        check=fault_harbor.engine_restart_check,
+    ),
+    Case(
+        "harbor-build-hang",
+        lambda run, ctx: (
+            f"task build-hang's image build runs `sleep 600` (build_timeout_sec = {fault_harbor.BUILD_HANG_TIMEOUT_S}),"
+            " among 3 good tasks"
+        ),
+        needs=("docker", "harbor"),
+        prepare=fault_harbor.prepare("build-hang"),
+        check=fault_harbor.build_hang_check,
+        settle_steps=SETTLE_STEPS,
+    ),
+    Case(
+        "harbor-test-hang",
+        lambda run, ctx: (
+            f"domain hang's one task runs `sleep infinity` as test.sh ([verifier] timeout_sec ="
+            f" {fault_harbor.TEST_HANG_TIMEOUT_S}), half the tasks"
+        ),
+        needs=("docker", "harbor"),
+        prepare=fault_harbor.prepare("test-hang"),
+        check=fault_harbor.test_hang_check,
+        settle_steps=SETTLE_STEPS,
+    ),
 ]
 
 
@@ -356,7 +392,8 @@ DOC_HEAD = """# Reliability: the fault matrix
 Every fault either heals by itself or stops with a clear next step, and nothing is lost.
 Each row is one real run (`bench/fault_run.py`'s base config, a small variant of
 examples/smoke.toml; the sandbox, Docker, slow-verifier and cluster cases add what they
-need, see `bench/fault_env.py`) with one scripted fault put in at a seeded random point
+need, see `bench/fault_env.py`; the Harbor cases run their own tiny Harbor config, see
+`bench/fault_harbor.py`) with one scripted fault put in at a seeded random point
 after the first weight versions. `lost` and `trained_twice` come from the run's final
 per-message accounting; `recovery s` is the time from the fault to the first learner
 step after the replaced process (or the resumed run) came back; `stopped s` is the time

@@ -73,6 +73,35 @@ def test_a_fault_outside_the_bus_heals_or_stops_with_the_next_step(tmp_path, nam
     assert row["dead_letters"] == 0, row
 
 
+HARBOR = [c.fault for c in CASES if c.fault.startswith("harbor-")]
+"""Harbor task containers (bench/fault_harbor.py): a private engine restarted mid-episode, a build
+and a test.sh that never end. They need a Docker engine (skipped with the reason without one)."""
+INFRA = ("infra_error", "HarborInfraError", "HarborEngineError", "sandbox failed")
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", HARBOR)
+def test_a_harbor_fault_is_never_a_reward_and_the_run_goes_on(tmp_path, name):
+    row = run_case(_case(name), tmp_path, seed=0)
+    if "skipped" in row:
+        pytest.skip(row["skipped"])
+    _check_row(row)
+    assert row["healed"] and not row["resume_needed"] and row["steps"] > 0, row
+    if name == "harbor-engine-restart":  # the gold oracles score 1; an engine failure never scores 0
+        assert row["train_rewards_below_1"] == 0 and row["containers_left"] == 0, row
+        assert all(any(k in reason for k in INFRA) for reason in row["dead_letter_reasons"]), row
+        return
+    assert row["dead_letters"] == 0, row
+    if name == "harbor-build-hang":  # disabled at start with the reason; the engine stopped the build
+        assert row["passed_build_timeout"] and "passed build_timeout_sec" in row["console_disabled"][0], row
+        assert row["build_containers_left"] == [] and row["train_rewards_below_1"] == 0, row
+    if name == "harbor-test-hang":  # a verdict (timeout, 0) at the timeout, not an infra error, not a hang
+        assert row["hang_all_timeout_0"] and row["good_all_ok_1"], row
+        assert row["hang_verify_s"][1] < 60, row
+
+
 def test_the_server_keeper_restarts_a_killed_server_on_its_port_and_store(tmp_path):
     server = EmbeddedNats(tmp_path / "nats").start()
     keeper = ServerKeeper(server, tmp_path / "nats", tmp_path)

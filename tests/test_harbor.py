@@ -184,7 +184,7 @@ def test_reward_files_parse_strictly():
 
 
 def test_protected_changes_take_topmost_paths_only():
-    from sandbox_workers.harbor_verify import protected_changes
+    from sandbox_workers.harbor_protect import protected_changes
     from schemas.config.harbor import DEFAULT_PROTECTED
 
     diff = [

@@ -430,7 +430,7 @@ def cases(group: str):
 
 
 def test_link_escapes_follow_every_hop_out_of_the_protected_paths():
-    from sandbox_workers.harbor_verify import link_escapes
+    from sandbox_workers.harbor_protect import link_escapes
 
     links = {
         "/bin": "usr/bin",

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from rollout_workers.harbor_tools import CONTAINER_ARTIFACT, HarborEpisodeBox, is_harbor
+from rollout_workers.harbor_tools import CONTAINER_ARTIFACT, STATE_ARTIFACT, HarborEpisodeBox, is_harbor
 from schemas import BlobRef, Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
 from schemas.tool_protocol import (
@@ -311,7 +311,8 @@ async def finish(ep: Episode) -> None:
             ep.artifacts[DIFF_ARTIFACT] = b""  # nothing was opened: nothing changed
         return
     if isinstance(sb, HarborEpisodeBox):
-        ep.artifacts[CONTAINER_ARTIFACT] = (await sb.handover()).encode()  # the verifier removes it
+        cid, state = await sb.handover()  # the verifier removes the container
+        ep.artifacts[CONTAINER_ARTIFACT], ep.artifacts[STATE_ARTIFACT] = cid.encode(), state.encode()
         return
     try:
         if ep.task.workspace:

@@ -16,7 +16,8 @@ Guarantees:
   episode (`finish_reason = "error"`, the observation says why); the verifier scores it 0.
 - `handover(episode)` ends the agent's turn: no call runs after it; the container keeps
   running (its services) and its id leaves in `artifacts["harbor_container"]` for the
-  verifier, which removes it; one nobody verifies is reaped after `handover_ttl_s`.
+  verifier, with whether it still ran then (`harbor_state`: a container that stopped after
+  the handover is the engine's doing, an infrastructure error, never scored), which removes it; one nobody verifies is reaped after `handover_ttl_s`.
 - Engine failures raise (the agent loop turns them into `SandboxUnavailable`: retried).
 """
 
@@ -27,12 +28,13 @@ import time
 
 from sandbox_workers.async_sandbox import Observation
 from sandbox_workers.base import ExecResult
-from sandbox_workers.harbor_box import BoxSpec, HarborBox
+from sandbox_workers.harbor_box import BoxSpec, HarborBox, HarborEngineError
 from sandbox_workers.integrity import obs_caps, render_observation
 from schemas import Task
 from schemas.tool_protocol import Call
 
 CONTAINER_ARTIFACT = "harbor_container"
+STATE_ARTIFACT = "harbor_state"
 _sweep = {"at": 0.0}
 
 
@@ -99,9 +101,14 @@ class HarborEpisodeBox:
             return ExecResult(exit_code=1, stdout="", stderr=f"error: {exc}", isolation="docker")
         raise ValueError(f"{call.tool!r} is not a Harbor tool that runs")
 
-    async def handover(self) -> str:
-        """End the agent's turn; the container's id for the verifier (see the guarantees)."""
-        return self.box.id
+    async def handover(self) -> tuple[str, str]:
+        """End the agent's turn: (the container's id, "running" or "stopped" now) for the
+        verifier, which refuses to score a container that stopped after this (the engine's doing)."""
+        try:
+            running = (await asyncio.to_thread(HarborBox.attach, self.box.id, self.box.spec)).running
+        except HarborEngineError:
+            running = False  # gone already: the verifier finds out
+        return self.box.id, "running" if running else "stopped"
 
     async def close(self) -> None:
         """Remove the container (an episode whose batch failed: nothing will verify it)."""

@@ -87,9 +87,9 @@ class HarborBox:
     @classmethod
     def create(cls, spec: BoxSpec, run_id: str, episode: str) -> HarborBox:
         """Start the episode's container (HarborEngineError when the engine or image fails)."""
+        api = client().api  # first: `get_client` imports docker whole (a bare `docker.types` import races it)
         from docker.types import LogConfig, Ulimit
 
-        api = client().api
         labels = {
             LABEL: "1",
             RUN_LABEL: run_id,

@@ -166,7 +166,7 @@ def _tar(files: dict[str, bytes], mode: int = 0o644) -> bytes:
 
 
 def _create_test_container(api, job: VerifyJob, image: str, network_of: str | None, toolchain: str) -> str:
-    from docker.types import LogConfig
+    from docker.types import LogConfig  # `api` exists: docker is imported whole
 
     host = api.create_host_config(
         init=True,

@@ -150,10 +150,10 @@ async def test_the_service_the_agent_left_running_answers_the_tests(toolchain, c
     assert v.reward == 1.0, v.details
 
 
-async def test_a_container_that_is_not_the_episodes_is_refused_and_a_gone_one_is_infra(
+async def test_a_container_that_is_not_the_episodes_is_refused_and_a_stopped_or_gone_one_is_infra(
     toolchain, checks, tokenizer_dir, tmp_path
 ):
-    from sandbox_workers.harbor_box import remove_container
+    from sandbox_workers.harbor_box import client, remove_container
     from verifier_workers.verdict import VerifierInputError
     from verifier_workers.verifiers.harbor import HarborInfraError, verify_harbor
 
@@ -162,6 +162,10 @@ async def test_a_container_that_is_not_the_episodes_is_refused_and_a_gone_one_is
     other = traj.model_copy(update={"sample_index": 1})
     with pytest.raises(VerifierInputError, match="is not this episode's"):
         verify_harbor(other, drawn.hidden)
+    assert a.artifacts["harbor_state"] == b"running"
+    client().api.kill(a.artifacts["harbor_container"].decode())  # the engine stops it after the handover
+    with pytest.raises(HarborInfraError, match="has stopped since"):
+        verify_harbor(traj, drawn.hidden)
     remove_container(a.artifacts["harbor_container"].decode())
     with pytest.raises(HarborInfraError, match="is gone"):
         verify_harbor(traj, drawn.hidden)

@@ -8,7 +8,8 @@ docstring gives the order of verification and what the agent cannot reach.
 
 Guarantees:
 - The container must carry this run's, this episode's and this task's labels; one that does
-  not is unusable input (dead-lettered), never scored. A trajectory without the artifact
+  not is unusable input (dead-lettered), never scored. One that still ran at the handover
+  (`harbor_state`) and has stopped since was stopped by the engine: infrastructure, not scored. A trajectory without the artifact
   opened no container: a pristine container of the task image is scored (the empty episode).
 - Every key of `reward.json` is a named component; `reward` is the scalar (the weights are
   `{"reward": 1}` unless the domain sets `reward_weights`); `reward.txt` gives `reward` only.
@@ -61,9 +62,14 @@ def _container(traj: Trajectory, job) -> str | None:
     from sandbox_workers.harbor_box import EPISODE_LABEL, RUN_LABEL, TASK_LABEL, HarborBox, HarborEngineError
 
     try:
-        labels = HarborBox.attach(cid, job.spec).labels
+        box = HarborBox.attach(cid, job.spec)
     except HarborEngineError as exc:
         raise HarborInfraError(str(exc)) from exc
+    labels = box.labels
+    if traj.artifacts.get("harbor_state") == b"running" and not (box.running or box.paused):
+        raise HarborInfraError(
+            f"container {cid[:12]} ran at the handover and has stopped since (an engine restart?): not scored"
+        )
     want = {
         RUN_LABEL: traj.run_id,
         EPISODE_LABEL: f"{traj.task_id}/{traj.sample_index}",
@@ -73,6 +79,14 @@ def _container(traj: Trajectory, job) -> str | None:
     if wrong:
         raise VerifierInputError(f"container {cid[:12]} is not this episode's (labels {wrong} != {want})")
     return cid
+
+
+def _engine_error(exc: Exception) -> bool:
+    """Whether `exc` comes from talking to the docker engine (its SDK or its HTTP client)."""
+    import docker
+    import requests
+
+    return isinstance(exc, (docker.errors.DockerException, requests.exceptions.RequestException, ConnectionError))
 
 
 def verify_harbor(traj: Trajectory, hidden: dict | None = None) -> Verdict:
@@ -87,6 +101,10 @@ def verify_harbor(traj: Trajectory, hidden: dict | None = None) -> Verdict:
         run = verify_episode(job, cid)
     except (HarborEngineError, TaskBuildFailed) as exc:
         raise HarborInfraError(f"harbor verification failed: {exc}") from exc
+    except Exception as exc:
+        if _engine_error(exc):  # an engine call outside the wrapped ones (connection refused, 5xx)
+            raise HarborInfraError(f"harbor verification failed: {type(exc).__name__}: {exc}") from exc
+        raise
     except VerifyRefused as exc:
         raise VerifierInputError(f"harbor task cannot be verified as written: {exc}") from exc
     if cid is not None:

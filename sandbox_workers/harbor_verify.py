@@ -32,8 +32,10 @@ scored on a pristine container of the task image). Order (guaranteed):
    protected ones are deleted (each named exactly, whatever its characters); `/tests`, `/logs`,
    pytest configuration planted at `/` (`PLANTED`: every file name pytest reads there) and
    Python's `pyvenv.cfg` beside the system interpreters are removed; a fresh `/logs/verifier`
-   is made, owned by the verifier user, mode 0700. Then `tests/` is copied into `/tests` (the
-   agent never saw it). A verifier user the agent deleted (present in the task image) scores
+   is made, owned by the verifier user, mode 0700; `tests/` (put, with the preparation script
+   and the empty `/etc/ld.so.preload`, in one archive before the start, under a directory named
+   at random: the agent cannot have planted anything there) is moved to `/tests` (the agent
+   never saw it). A verifier user the agent deleted (present in the task image) scores
    0 with status `tamper`.
 5. `bash /tests/test.sh` runs as `[verifier].user`, in the image's working directory, with
    the toolchain first on PATH, `PYTHONSAFEPATH`, no user site, no pytest plugin autoload,
@@ -61,6 +63,7 @@ import secrets
 import shlex
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sandbox_workers.base import MIB
@@ -73,7 +76,6 @@ from sandbox_workers.harbor_protect import (
     plan_restore,
     protected_roots,
     restore_paths,
-    stat_path,
 )
 
 REWARD_DIR = "/logs/verifier"
@@ -97,7 +99,7 @@ PREP = """set -u
 [ -f {tc}/.complete ] || {{ echo "rlbus: the toolchain volume is incomplete" >&2; exit 70; }}
 {deletes}
 rm -rf /tests /logs {planted} || exit 71
-mkdir -p /tests {rd} || exit 71
+mv {prep}/tests /tests && mkdir -p {rd} || exit 71
 chown {user} {rd} 2>/dev/null || {{ echo "rlbus: the verifier user {user} does not exist in the image" >&2; exit 72; }}
 chmod 0700 {rd} || exit 71
 """
@@ -156,11 +158,17 @@ def _reward_env(job: VerifyJob) -> dict[str, str]:
 
 
 def _tar(files: dict[str, bytes], mode: int = 0o644) -> bytes:
+    """A tar of `files` (relative paths; parents as 0755 directories; `.sh` files executable)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
+        dirs = {"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)}
+        for d in sorted(dirs):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
         for rel, data in sorted(files.items()):
             info = tarfile.TarInfo(rel)
-            info.size, info.mode = len(data), mode
+            info.size, info.mode = len(data), (0o755 if rel.endswith(".sh") else mode)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
@@ -251,12 +259,14 @@ def verify_episode(job: VerifyJob, episode_cid: str | None) -> VerifyRun:
         try:
             box, paused = _freeze(api, box, job.spec)
             network_of = episode_cid if box.running and job.verify_in == "same" else None
-            used = box.rw_bytes()
+            with ThreadPoolExecutor(1) as pool:  # the engine walks the layer for both: at once
+                listing = pool.submit(api.diff, episode_cid)
+                used = box.rw_bytes()
+                rows = listing.result() or []
             if used > job.spec.storage_mb * MIB:
                 return _zero(
                     "storage_exceeded", f"the container's writable layer is {used >> 20} MiB > storage_mb", timings
                 )
-            rows = api.diff(episode_cid) or []
             snapshot = api.commit(episode_cid, repository="rlbus-harbor-snap", tag=secrets.token_hex(6), pause=False)
             snapshot = snapshot["Id"]
         except HarborEngineError:
@@ -327,11 +337,16 @@ def _run_tests(api, job, image, network_of, toolchain, rows, timings, t0) -> Ver
         try:
             restore, added = plan_restore(api, cid, pristine, rows, roots)
             restore_paths(api, cid, pristine, restore)
-            if "/etc/ld.so.preload" not in added:  # an added one (any type) is deleted in step 4
-                api.put_archive(cid, "/etc", _tar({"ld.so.preload": b""}))
             deletes = "\n".join(f"rm -rf -- {shlex.quote(p)}" for p in added)
-            prep = PREP.format(tc=TOOLCHAIN_MOUNT, deletes=deletes, rd=REWARD_DIR, user=user, planted=" ".join(PLANTED))
-            api.put_archive(cid, "/", _tar({f"{PREP_DIR[1:]}/prep.sh": prep.encode()}))
+            stage = f"{PREP_DIR}-{secrets.token_hex(8)}"  # a name the agent could not have made before
+            prep = PREP.format(
+                tc=TOOLCHAIN_MOUNT, prep=stage, deletes=deletes, rd=REWARD_DIR, user=user, planted=" ".join(PLANTED)
+            )
+            staged = {f"{stage[1:]}/prep.sh": prep.encode()}
+            staged |= {f"{stage[1:]}/tests/{rel}": data for rel, data in job.tests.items()}
+            if "/etc/ld.so.preload" not in added:  # an added one (any type) is deleted in step 4
+                staged["etc/ld.so.preload"] = b""
+            api.put_archive(cid, "/", _tar(staged))  # one archive: the preparation, the tests, the loader's file
             api.start(cid)
         except Tamper as exc:
             return _zero("tamper", f"the protected paths cannot be restored: {exc}", timings)
@@ -341,7 +356,7 @@ def _run_tests(api, job, image, network_of, toolchain, rows, timings, t0) -> Ver
             raise HarborEngineError(f"test container did not start: {type(exc).__name__}: {exc}") from exc
         box = HarborBox(cid, job.spec, (api.inspect_container(cid).get("Config") or {}).get("WorkingDir") or "/")
         timings["start_s"] = time.perf_counter() - t1
-        r = box.exec(["/bin/sh", f"{PREP_DIR}/prep.sh"], 60, cwd="/", user="root")
+        r = box.exec(["/bin/sh", f"{stage}/prep.sh"], 60, cwd="/", user="root")
         if r.exit_code == 72 and rows and image_has_user(api, pristine, user):
             return _zero("tamper", f"the agent deleted the verifier user {user} from the container", timings)
         if r.exit_code in (70, 72):
@@ -350,10 +365,9 @@ def _run_tests(api, job, image, network_of, toolchain, rows, timings, t0) -> Ver
             return _zero(
                 "tamper", f"the verifier could not prepare a clean /tests and /logs: {r.stderr[-300:]}", timings
             )
-        box.put_tree("/tests", job.tests)
         t2 = time.perf_counter()
-        shell = "/bin/bash" if stat_path(api, cid, "/bin/bash") is not None else "/bin/sh"
-        run = box.exec([shell, "/tests/test.sh"], job.timeout_s, user=user, env=_reward_env(job), cap=64 * 1024)
+        argv = ["/bin/sh", "-c", "[ -x /bin/bash ] && exec /bin/bash /tests/test.sh; exec /bin/sh /tests/test.sh"]
+        run = box.exec(argv, job.timeout_s, user=user, env=_reward_env(job), cap=64 * 1024)
         timings["test_s"] = time.perf_counter() - t2
         api.kill(cid)
         comps, status, details = _read_reward(api, cid)

@@ -4,8 +4,8 @@ empty episode (`verify_episode(job, None)`), an oracle plus hacks scores the ora
 never more, and what the agent breaks (its init killed, the toolchain's mount point, the
 verifier user) is a verdict, never an engine error (which would be retried and dropped).
 
-The hack tests are marked `docker`, skipped with the reason when no engine answers or the
-verifier's toolchain image is missing. The selected cases run concurrently (a thread pool,
+The hack tests are marked `docker`, skipped with the reason when no engine answers (the
+verifier's toolchain image is built when missing). The selected cases run concurrently (a thread pool,
 once per module); each test asserts its own case. `verify_in = "fresh"` is checked for the
 reward file, daemon and planted-file hacks. A case that would score 0 as `tamper` is never
 combined with another (the tamper verdict would hide it).
@@ -333,12 +333,9 @@ def _skip_reason() -> str:
 
     if not docker_available():
         return "no Docker engine answers (start dockerd, or set DOCKER_HOST)"
-    from sandbox_workers.harbor_box import client
+    from sandbox_workers.repo_image import ensure_repo_image
 
-    try:
-        client().api.inspect_image("rlbus-repo-sandbox:latest")
-    except Exception:
-        return "the verifier's toolchain image rlbus-repo-sandbox:latest is missing (rlbus sandbox build-image --repo)"
+    ensure_repo_image()  # the verifier's toolchain: built here (offline, from a wheelhouse), never a skip
     return ""
 
 
@@ -361,14 +358,11 @@ class Harbor:
 
     def _load(self, name: str) -> None:
         from sandbox_workers.harbor_check import box_spec, verify_job
-        from sandbox_workers.harbor_images import TaskBuildFailed, ensure_task_image
+        from sandbox_workers.harbor_images import ensure_task_image
         from schemas.harbor_task import read_task
 
         task = read_task(str(TASKS / name))
-        try:
-            image = ensure_task_image(task, dict(self.hcfg.image_map))
-        except TaskBuildFailed as exc:
-            pytest.skip(f"the fixture task {name} does not build here: {exc}")
+        image = ensure_task_image(task, dict(self.hcfg.image_map))  # a fixture that does not build is a failure
         for mode in BOTH:
             hcfg = self.hcfg.model_copy(update={"verify_in": mode})
             self.jobs[name, mode] = verify_job(task, hcfg, box_spec(task, hcfg, image))

@@ -221,35 +221,17 @@ class HarborBox:
 
     def put_tree(self, at: str, files: dict[str, bytes], mode: int = 0o644) -> None:
         """Write `files` (relative paths) under directory `at`, creating parents, through the engine."""
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            dirs = sorted({posixpath.dirname(p) for p in files} - {""})
-            for d in _with_parents(dirs):
-                info = tarfile.TarInfo(d)
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-            for rel, data in sorted(files.items()):
-                info = tarfile.TarInfo(rel)
-                info.size, info.mode = len(data), (0o755 if rel.endswith(".sh") else mode)
-                tar.addfile(info, io.BytesIO(data))
         try:
             self.mkdirs(at)
-            self.api.put_archive(self.id, at, buf.getvalue())
+            self.api.put_archive(self.id, at, tar_of(files, mode))
         except Exception as exc:
             raise HarborEngineError(f"writing under {at}: {type(exc).__name__}: {exc}") from exc
 
     def mkdirs(self, at: str) -> None:
         """Make directory `at` and its parents through the engine (an archive of directories at /)."""
         parts = [p for p in at.strip("/").split("/") if p]
-        if not parts:
-            return
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for i in range(1, len(parts) + 1):
-                info = tarfile.TarInfo("/".join(parts[:i]))
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-        self.api.put_archive(self.id, "/", buf.getvalue())
+        if parts:
+            self.api.put_archive(self.id, "/", tar_of({}, dirs=["/".join(parts)]))
 
     def rw_bytes(self) -> int:
         """Bytes in the container's writable layer (the engine's `SizeRw`)."""
@@ -267,12 +249,22 @@ class HarborBox:
             pass
 
 
-def _with_parents(dirs: list[str]) -> list[str]:
-    out: set[str] = set()
-    for d in dirs:
-        parts = d.split("/")
-        out.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return sorted(out)
+def tar_of(files: dict[str, bytes], mode: int = 0o644, dirs: list[str] | tuple[str, ...] = ()) -> bytes:
+    """A tar of `files` (relative paths; `.sh` files 0755, others `mode`) and of `dirs`, with every
+    parent directory of both as a 0755 entry (what `put_archive` extracts)."""
+    wanted = [*dirs, *(posixpath.dirname(p) for p in files)]
+    parents = {"/".join(d.split("/")[:i]) for d in wanted if d for i in range(1, d.count("/") + 2)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d in sorted(parents):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        for rel, data in sorted(files.items()):
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = len(data), (0o755 if rel.endswith(".sh") else mode)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def _text(buf: HeadTailBuffer) -> str:

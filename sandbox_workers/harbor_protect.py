@@ -18,14 +18,12 @@ Guarantees:
 from __future__ import annotations
 
 import base64
-import io
 import json
 import posixpath
-import tarfile
 import threading
 
 from sandbox_workers.base import MIB
-from sandbox_workers.harbor_box import read_tar_file
+from sandbox_workers.harbor_box import read_tar_file, tar_of
 from sandbox_workers.harbor_images import TOOLCHAIN_MOUNT
 
 MODE_DIR = 1 << 31  # Go's os.ModeDir in the engine's path stat
@@ -236,15 +234,8 @@ def _make_dirs(api, cid: str, path: str) -> None:
     while path != "/" and stat_path(api, cid, path) is None:
         path, name = posixpath.split(path)
         missing.insert(0, name)
-    if not missing:
-        return
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for i in range(1, len(missing) + 1):
-            info = tarfile.TarInfo("/".join(missing[:i]))
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(info)
-    api.put_archive(cid, path, buf.getvalue())
+    if missing:
+        api.put_archive(cid, path, tar_of({}, dirs=["/".join(missing)]))
 
 
 def image_has_user(api, pristine: Pristine, user: str) -> bool:

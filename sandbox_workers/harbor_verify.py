@@ -56,7 +56,6 @@ toolchain volume incomplete) raises `VerifyRefused`.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import secrets
@@ -67,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sandbox_workers.base import MIB
-from sandbox_workers.harbor_box import LABEL, BoxSpec, HarborBox, HarborEngineError, client, read_tar_file
+from sandbox_workers.harbor_box import LABEL, BoxSpec, HarborBox, HarborEngineError, client, read_tar_file, tar_of
 from sandbox_workers.harbor_images import TOOLCHAIN_MOUNT, ensure_toolchain
 from sandbox_workers.harbor_protect import (
     Pristine,
@@ -155,22 +154,6 @@ def _reward_env(job: VerifyJob) -> dict[str, str]:
         "ENV": "",
     }
     return {**env, **{k: v for k, v in job.env.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}}
-
-
-def _tar(files: dict[str, bytes], mode: int = 0o644) -> bytes:
-    """A tar of `files` (relative paths; parents as 0755 directories; `.sh` files executable)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        dirs = {"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)}
-        for d in sorted(dirs):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(info)
-        for rel, data in sorted(files.items()):
-            info = tarfile.TarInfo(rel)
-            info.size, info.mode = len(data), (0o755 if rel.endswith(".sh") else mode)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def _create_test_container(api, job: VerifyJob, image: str, network_of: str | None, toolchain: str) -> str:
@@ -346,7 +329,7 @@ def _run_tests(api, job, image, network_of, toolchain, rows, timings, t0) -> Ver
             staged |= {f"{stage[1:]}/tests/{rel}": data for rel, data in job.tests.items()}
             if "/etc/ld.so.preload" not in added:  # an added one (any type) is deleted in step 4
                 staged["etc/ld.so.preload"] = b""
-            api.put_archive(cid, "/", _tar(staged))  # one archive: the preparation, the tests, the loader's file
+            api.put_archive(cid, "/", tar_of(staged))  # one archive: the preparation, the tests, the loader's file
             api.start(cid)
         except Tamper as exc:
             return _zero("tamper", f"the protected paths cannot be restored: {exc}", timings)

@@ -20,6 +20,9 @@ Guarantees:
   local item is correct iff `answer(final text) == gold`; a local set without `answer` is
   a ValueError.
 - `purpose` is `heldout` for a zero-shot domain's set, else `train` (`with_purpose`).
+- `in_eval_slice(hex digest)` is the one held-out rule of every domain that holds out by
+  content (reasoning-gym questions, repository tasks, Harbor tasks): one hash bucket in
+  `EVAL_BUCKETS`, so held-out and training items are disjoint whatever the process or seed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ if TYPE_CHECKING:
     from producers.domains import Drawn
 
 Local = Literal["generate", "episodes"]
+
+EVAL_BUCKETS = 8
+"""One content-hash bucket in this many is the eval slice (never trained on)."""
+
+
+def in_eval_slice(digest: str) -> bool:
+    """Whether an item with this content hash (hex) is held out for eval."""
+    return int(digest[:8], 16) % EVAL_BUCKETS == 0
 
 
 def content_sha256(rows: list) -> str:

@@ -12,8 +12,8 @@ Guarantees:
   clipped head + tail to the caller's caps, as the repo tools' are, and signed by the run's
   exec recorder (`sandbox_workers.integrity`) when the worker has one, so the verifier worker
   checks them like any other observation.
-- After a call, a container whose writable layer passed the task's `storage_mb` ends the
-  episode (`finish_reason = "error"`, the observation says why); the verifier scores it 0.
+- After every `bash` or `write_file` call, whatever its exit code, a container whose
+  writable layer passed the task's `storage_mb` ends the episode (`finish_reason = "error"`, the observation says why); the verifier scores it 0.
 - `handover(episode)` ends the agent's turn: no call runs after it; the container keeps
   running (its services) and its id leaves in `artifacts["harbor_container"]` for the
   verifier, with whether it still ran then (`harbor_state`: a container that stopped after
@@ -68,7 +68,8 @@ class HarborEpisodeBox:
     async def run(self, call: Call, timeout: float | None, caps: tuple[int, int] | None) -> Observation:
         """Run one tool call (not `submit`) and its observation."""
         result = await asyncio.to_thread(self._run_sync, call, timeout)
-        if result.exit_code == 0 and call.tool == "bash" and self.box.spec.storage_mb:
+        # any exit code: a command that fills the disk usually fails because it did
+        if call.tool in ("bash", "write_file") and self.box.spec.storage_mb:
             used = await asyncio.to_thread(self.box.rw_bytes)
             if used > self.box.spec.storage_mb << 20:
                 self.storage_exceeded = True

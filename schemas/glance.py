@@ -31,6 +31,8 @@ class RewardGlance(NamedTuple):
     """(tool name, duration_ms) per call."""
     tool_errors: tuple[str, ...] = ()
     """The `error` kind of each refused call (`ToolCall.error`), in order."""
+    task_id: str = ""
+    """The trajectory's `task_id` (per-task counts of verifier statuses)."""
 
 
 def glance_reward(data: bytes) -> RewardGlance:
@@ -59,6 +61,7 @@ def glance_reward(data: bytes) -> RewardGlance:
             float(traj.get("generate_seconds", 0.0)),
             tuple((c["tool"], float(c.get("duration_ms", 0.0))) for c in traj.get("tool_calls") or ()),
             tuple(c["error"] for c in traj.get("tool_calls") or () if c.get("error")),
+            traj.get("task_id", ""),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DecodeError("<payload>", f"not a Reward: {type(exc).__name__}: {exc}") from None
@@ -67,6 +70,7 @@ def glance_reward(data: bytes) -> RewardGlance:
         and isinstance(glance.status, str)
         and isinstance(glance.domain, str)
         and isinstance(glance.purpose, str)
+        and isinstance(glance.task_id, str)
         and type(glance.difficulty) is int
         and all(isinstance(tool, str) for tool, _ in glance.tool_calls)
         and all(isinstance(kind, str) for kind in glance.tool_errors)

@@ -24,10 +24,10 @@ Guarantees:
   arrays become plain numbers and lists, bytes text, anything else its `repr` (one way).
   `jsonable(x)` is the plain view for people: tuples and sets as lists (sets sorted by
   repr), keys as strings.
-- `content_hash(question)` is the sha256 of the question text; `in_eval_slice(hash)` holds
-  for one hash in `EVAL_BUCKETS`: the eval problems of a domain come only from that
-  slice and training never draws from it, so the two are disjoint by content whatever
-  the process, seed or generator.
+- `content_hash(question)` is the sha256 of the question text; the eval slice is the
+  hashes for which `producers.eval_set.in_eval_slice` holds: the eval problems of a domain
+  come only from that slice and training never draws from it, so the two are disjoint by
+  content whatever the process, seed or generator.
 - `NEEDS_CARE` documents every dataset of reasoning-gym 0.1.25 that does not simply build
   and score its own gold answer at 1.0 (tests hold the list current); `EXPLICIT_ONLY` are
   never matched by a glob (they must be named).
@@ -47,9 +47,6 @@ PREFIX = "rg-"
 
 RANGE_MODES = ("inclusive", "upper_bound")
 """How a curriculum level turns a range attribute into bounds (see the module docstring)."""
-
-EVAL_BUCKETS = 8
-"""One content-hash bucket in this many is the eval slice (never trained on)."""
 
 EXPLICIT_ONLY: dict[str, str] = {
     "composite": "mixes other datasets: needs its own dataset list, not a family member",
@@ -301,8 +298,3 @@ def derive_seed(*parts: Any) -> int:
 def content_hash(question: str) -> str:
     """The sha256 (hex) of a question's text."""
     return hashlib.sha256(question.encode()).hexdigest()
-
-
-def in_eval_slice(digest: str) -> bool:
-    """Whether a question with this content hash belongs to the eval slice."""
-    return int(digest[:8], 16) % EVAL_BUCKETS == 0

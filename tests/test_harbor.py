@@ -237,3 +237,40 @@ def test_repo_tasks_export_as_harbor_directories_that_read_back(tmp_path):
     assert task.environment["Dockerfile"].startswith(b"FROM rlbus-repo-sandbox:latest")
     assert all(f"repo/{p}" in task.environment for p in repo.files)
     assert task.oracle.startswith("#!/bin/bash") and task.metadata["rlbus_task_id"] == repo.task_id
+
+
+@pytest.mark.parametrize("fmt", ["tags", "json"])
+def test_sft_from_solution_demonstrates_solve_sh_as_one_bash_call(checks, fmt):
+    import random
+
+    from producers.demos import domain_demos
+
+    plain = make_source("r1", "tb", harbor_cfg(str(FIXTURES / "*")))
+    assert not plain.demonstrable  # off unless asked for
+    with pytest.raises(ValueError, match="sft_from_solution"):
+        plain.demonstration(random.Random(0), 1)
+    sets = ["sampler.domains.tb.params.sft_from_solution=true", f'sampler.domains.tb.tool_format="{fmt}"']
+    cfg = load_config(str(CONFIG), [f'sampler.domains.tb.tasks="{FIXTURES / "*"}"', *sets, "sft.enabled=true"])
+    src = make_source("r1", "tb", cfg)
+    assert src.demonstrable and {t.name for t in src.demonstrated} == {t.name for t in src.train}
+    held_out = {t.name for t in src.eval}
+    by_prompt = {t.name: t for t in src.train}
+    rng, seen = random.Random(0), set()
+    for _ in range(40):
+        (prompt, p_trained), (call, c_trained), (submit, s_trained) = src.demonstration(rng, 1)
+        assert (p_trained, c_trained, s_trained) == (False, True, True)  # the prompt is context, the calls learned
+        name = next(n for n, t in by_prompt.items() if prompt.splitlines()[0].endswith(t.task_id))
+        assert name not in held_out
+        parsed = parse_call(call, fmt, list(HARBOR_TOOLS))
+        assert (
+            parsed.tool == "bash"
+            and not parsed.error
+            and parsed.args["command"].strip() == by_prompt[name].oracle.strip()
+        )
+        assert parse_call(submit, fmt, list(HARBOR_TOOLS)).tool == "submit"
+        seen.add(name)
+    assert len(seen) > 3
+    demos = domain_demos(cfg)
+    assert [s.ctx.name for s in demos.sources] == ["tb"]
+    batch = next(demos.batches(0, 3))
+    assert len(batch) == 3 and all(len(d) == 3 for d in batch)

@@ -182,6 +182,17 @@ async def test_the_agents_time_limit_ends_the_episode_and_it_is_still_verified(
     assert verify_harbor(ep.trajectory(), drawn.hidden).reward == 0.0
 
 
+async def test_a_failed_command_that_filled_the_disk_still_ends_the_episode(toolchain, checks, tokenizer_dir, tmp_path):
+    """storage_mb (hello-file: 256) is checked after every bash call, failed ones too."""
+    from verifier_workers.verifiers.harbor import verify_harbor
+
+    fill = "dd if=/dev/zero of=/app/fill bs=1M count=300 status=none; exit 1"
+    steps = [{"tool": "bash", "args": {"command": fill}}, {"tool": "bash", "args": {"command": "echo later"}}]
+    ep, drawn = await _episode(tokenizer_dir, tmp_path, "hello-file", steps)
+    assert ep.finish_reason == "error" and len(ep.tool_calls) == 1, (ep.finish_reason, ep.tool_calls)
+    assert verify_harbor(ep.trajectory(), drawn.hidden).reward == 0.0
+
+
 def test_rlbus_verify_runs_a_script_as_the_agent(toolchain, checks, tmp_path):
     script = tmp_path / "s.sh"
     script.write_text("printf 'Hello, Harbor!\\n' > /app/hello.txt\n")
@@ -194,3 +205,21 @@ def test_rlbus_verify_runs_a_script_as_the_agent(toolchain, checks, tmp_path):
     assert (line["reward"], line["status"], line["backend"]) == (1.0, "ok", "docker")
     bad = subprocess.run([*cmd, "--task-id", "nope", "--script", str(script)], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "no task 'nope'" in bad.stderr
+
+
+async def test_the_sft_demonstration_of_solve_sh_solves_its_task(toolchain, checks, tokenizer_dir, tmp_path):
+    """sft_from_solution: the one-call `bash` demonstration, replayed as the agent, scores the top."""
+    import random
+
+    from schemas.tool_protocol import HARBOR_TOOLS, parse_call
+    from verifier_workers.verifiers.harbor import verify_harbor
+
+    sets = [f'sampler.domains.tb.tasks="{FIXTURES / "json-from-csv"}"', "sampler.domains.tb.params.eval_tasks=[]"]
+    cfg = load_config(str(CONFIG), [*sets, "sampler.domains.tb.params.sft_from_solution=true"])
+    _, *calls = make_source("rt", "tb", cfg).demonstration(random.Random(0), 1)
+    parsed = [parse_call(text, "tags", list(HARBOR_TOOLS)) for text, _ in calls]
+    steps = [{"tool": c.tool, "args": c.args} for c in parsed]
+    assert [s["tool"] for s in steps] == ["bash", "submit"]
+    ep, drawn = await _episode(tokenizer_dir, tmp_path, "json-from-csv", steps)
+    v = verify_harbor(ep.trajectory(), drawn.hidden)
+    assert v.status == "ok" and v.reward == 1.0, v

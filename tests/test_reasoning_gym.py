@@ -17,6 +17,7 @@ import pytest
 from producers.demos import domain_demos
 from producers.domains import DomainUnavailable, TaskSkipped, make_source, make_sources
 from producers.domains.reasoning_gym import ATTEMPTS, INSTRUCTION
+from producers.eval_set import in_eval_slice
 from producers.sampler import make_tasks, skip_counts
 from schemas import Trajectory, Turn
 from schemas import rg_family as rg
@@ -288,10 +289,10 @@ def test_eval_problems_are_fixed_and_disjoint_from_training(easy):
         d.task.prompt for d in make_source("x", "rg-chain_sum", cfg).eval_problems(30, 1234)
     ]
     hashes = {rg.content_hash(d.hidden["question"]) for d in ev}
-    assert len(hashes) == len(ev) and all(rg.in_eval_slice(h) for h in hashes)
+    assert len(hashes) == len(ev) and all(in_eval_slice(h) for h in hashes)
     assert len({d.task.hidden_ref for d in ev}) == len(ev)
     train = {rg.content_hash(src.make_task(random.Random(0), 1, i).hidden["question"]) for i in range(400)}
-    assert not train & hashes and not any(rg.in_eval_slice(h) for h in train)
+    assert not train & hashes and not any(in_eval_slice(h) for h in train)
     assert src.skipped["eval_slice"] > 0  # the slice was met and skipped, not just missed
     assert {d.task.verifier for d in ev} == {"reasoning_gym"} and all(d.hidden["answer"] for d in ev)
 

@@ -262,6 +262,7 @@ def test_glance_reward_reads_what_decode_reads():
             full.trajectory.generate_seconds,
         )
         assert g.tool_calls == tuple((c.tool, c.duration_ms) for c in full.trajectory.tool_calls)
+        assert g.task_id == full.trajectory.task_id and g.task_id
 
 
 def test_glance_reward_refuses_what_is_not_a_reward():
@@ -378,3 +379,17 @@ def test_trajectory_from_task_derives_ids_and_copies_the_task():
     # no model turn at all: version -1, nothing generated
     bare = Trajectory.from_task(task, 1, turns[:1], finish_reason="error")
     assert (bare.final_text, bare.policy_version, bare.tokens) == ("", -1, 0)
+
+
+def test_harbor_statuses_are_counted_per_task_in_the_summary():
+    """A task whose tests leave no reward file is named in summary.json, not only its domain."""
+    from rlbus.run.monitor import DomainRewards
+    from schemas import glance_reward
+
+    dr = DomainRewards()
+    for task_id, status in [("a", "ok"), ("b", "no_reward_file"), ("b", "no_reward_file"), ("c", "bad_reward_file")]:
+        traj = _traj(task_id=task_id, domain="tb", verifier="harbor")
+        dr.add(glance_reward(encode(Reward(run_id=RUN, trajectory=traj, reward=0.0, status=status))))
+    s = dr.as_dict()
+    assert s["statuses"] == {"ok": 1, "no_reward_file": 2, "bad_reward_file": 1}
+    assert s["task_statuses"] == {"no_reward_file": {"b": 2}, "bad_reward_file": {"c": 1}}

@@ -8,7 +8,7 @@ held-out tasks, default 16), `eval_tasks` (names held out instead of the hash bu
 
 Guarantees:
 - A task's identity is its directory name plus its content hash (`HarborTask.task_id`);
-  held-out tasks are those whose content hash falls in one of `EVAL_BUCKETS` buckets (fewer
+  held-out tasks are those whose content hash falls in one of `eval_set.EVAL_BUCKETS` buckets (fewer
   than 2 runnable tasks: none), never drawn for training; `eval_set` gives them.
 - A directory without `instruction.md` or `task.toml`, or with a TOML error, is a config error
   naming the file, unless `harbor.skip_invalid` (then skipped, counted in `skipped`).
@@ -35,7 +35,7 @@ import structlog
 
 from bus.hidden import hidden_ref_for
 from producers.domains import DomainContext, DomainUnavailable, Drawn, finish_task
-from producers.eval_set import EvalSet, drawn_set
+from producers.eval_set import EvalSet, drawn_set, in_eval_slice
 from sandbox_workers.harbor_check import box_spec, cached_check, hidden_payload, network_for, verify_job
 from schemas import ChatMessage
 from schemas.harbor_task import HarborTask, HarborTaskError, find_tasks, read_task
@@ -43,7 +43,6 @@ from schemas.repo_task import PROMPT_FORMAT_LINE, PROMPT_TASK_LINE
 from schemas.tool_protocol import HARBOR_TOOLS, repo_call_text
 
 log = structlog.get_logger()
-EVAL_BUCKETS = 8
 
 
 def usage(tool_format: str) -> str:
@@ -128,14 +127,16 @@ class HarborDomain:
         if "eval_tasks" in p:
             eval_names = {str(x) for x in p["eval_tasks"]}
         else:
-            bucket = [t.name for t in runnable if int(t.content_hash[:8], 16) % EVAL_BUCKETS == 0]
+            bucket = [t.name for t in runnable if in_eval_slice(t.content_hash)]
             eval_names = set(bucket) if len(runnable) >= 2 else set()
         self.eval = [t for t in runnable if t.name in eval_names][: int(p.get("eval_n", 16))]
         self.train = [t for t in runnable if t.name not in eval_names]
         if not self.train:
             raise ValueError(f"sampler.domains.{self.ctx.name}: no training task left (every task is held out)")
         random.Random(f"harbor-{self.ctx.cfg.run.seed}-{self.ctx.name}").shuffle(self.train)
-        self.demonstrable = bool(p.get("sft_from_solution")) and any(t.oracle for t in self.train)
+        # one bash call can carry solve.sh, not other solution files it reads (those are not demonstrated)
+        self.demonstrated = [t for t in self.train if t.oracle and set(t.solution) == {"solve.sh"}]
+        self.demonstrable = bool(p.get("sft_from_solution")) and bool(self.demonstrated)
 
     def _drawn(self, task: HarborTask, task_id: str, level: int) -> Drawn:
         hcfg, fmt = self.ctx.cfg.harbor, self.ctx.dc.tool_format
@@ -168,8 +169,11 @@ class HarborDomain:
         return drawn_set(self.ctx.name, seed, level, drawn)
 
     def demonstration(self, rng: random.Random, level: int) -> list[tuple[str, bool | None]]:
-        """`solve.sh` as one `bash` call, then `submit` (SFT segments: prompt, then the calls)."""
-        task = rng.choice([t for t in self.train if t.oracle])
+        """`solve.sh` as one `bash` call, then `submit` (SFT segments: prompt, then the calls).
+        Only training tasks whose solution is `solve.sh` alone; never a held-out one."""
+        if not self.demonstrable:
+            raise ValueError(f"sampler.domains.{self.ctx.name}: set params.sft_from_solution = true to demonstrate")
+        task = rng.choice(self.demonstrated)
         fmt = self.ctx.dc.tool_format
         call = repo_call_text("bash", {"command": task.oracle}, fmt)
         return [(render_prompt(task, fmt), False), (call, True), (repo_call_text("submit", {}, fmt), True)]

@@ -11,7 +11,7 @@ Guarantees:
   at that level with size CHUNK and seed `derive_seed("train", run.seed, domain, level,
   v // CHUNK)`, where v = i * ATTEMPTS + attempt (dataset objects are cached, a few per
   source). Domain level L is the dataset's L-th valid curriculum level (`schemas.rg_family`).
-- Training never draws a question of the eval slice (`rg_family.in_eval_slice` of its
+- Training never draws a question of the eval slice (`eval_set.in_eval_slice` of its
   content hash) nor one longer than `max_prompt_chars`: that draw is skipped, counted in
   `skipped` (`eval_slice`, `prompt_too_long`) and the next attempt is taken; after
   ATTEMPTS the task is skipped (`TaskSkipped`). A generator that raises skips its task
@@ -46,7 +46,7 @@ import structlog
 
 from bus.hidden import hidden_ref_for
 from producers.domains import DomainContext, DomainUnavailable, Drawn, TaskSkipped, finish_task
-from producers.eval_set import EvalSet, drawn_set
+from producers.eval_set import EVAL_BUCKETS, EvalSet, drawn_set, in_eval_slice
 from schemas import ChatMessage
 from schemas import rg_family as rg
 from schemas.answers import ANSWER_CLOSE, ANSWER_OPEN
@@ -150,7 +150,7 @@ class ReasoningGymDomain:
                 )
                 raise TaskSkipped("generator_error", f"{self.dataset} level {level} index {index}: {exc}") from exc
             question = str(e["question"])
-            if rg.in_eval_slice(rg.content_hash(question)):
+            if in_eval_slice(rg.content_hash(question)):
                 self.skipped["eval_slice"] += 1
             elif self.max_prompt_chars is not None and len(question) > self.max_prompt_chars:
                 self.skipped["prompt_too_long"] += 1
@@ -207,7 +207,7 @@ class ReasoningGymDomain:
         want = min(n, self.eval_n)
         seen: set[str] = set()
         out: list[Drawn] = []
-        limit, last_new = want * rg.EVAL_BUCKETS * 2 + EVAL_PATIENCE, 0
+        limit, last_new = want * EVAL_BUCKETS * 2 + EVAL_PATIENCE, 0
         for position in range(limit):
             if len(out) >= want or position - last_new > EVAL_PATIENCE:
                 break
@@ -217,7 +217,7 @@ class ReasoningGymDomain:
                 self.skipped["eval_generator_error"] += 1
                 continue
             digest = rg.content_hash(str(e["question"]))
-            if rg.in_eval_slice(digest) and digest not in seen:
+            if in_eval_slice(digest) and digest not in seen:
                 seen.add(digest)
                 last_new = position
                 i = len(out)

@@ -9,7 +9,7 @@ Params (`sampler.domains.<d>.params`):
 - `tasks`: task ids, or `"all"` (default: every cached task; `fixture-*` ids resolve to the
   hand-written fixtures);
 - `eval_tasks`: ids held out for evaluation (never trained); default: the tasks whose content
-  hash falls in one bucket of `EVAL_BUCKETS` (fewer than 2 tasks: none held out);
+  hash falls in one bucket of `eval_set.EVAL_BUCKETS` (fewer than 2 tasks: none held out);
 - `eval_n`: most eval tasks (default 16); `cache_dir`: the task cache (default
   `producers/repo_tasks/` or `$RLBUS_REPO_TASKS`);
 - `verifier`: public `repo` verifier params (`timeout_s`, `memory_mb`, `pids`, `cpus`);
@@ -46,13 +46,12 @@ from bus.hidden import hidden_ref_for
 from bus.payloads import pack_files, payload_ref
 from bus.subjects import Registry
 from producers.domains import DomainContext, Drawn, TaskSkipped, finish_task
-from producers.eval_set import EvalSet, drawn_set
+from producers.eval_set import EvalSet, drawn_set, in_eval_slice
 from producers.repo_cache import BUILD_HINT, list_tasks, load_task
 from schemas import BlobRef, ChatMessage
 from schemas.repo_task import PROMPT_FORMAT_LINE, PROMPT_TASK_LINE, RepoTask
 from schemas.tool_protocol import REPO_TOOLS, repo_call_text
 
-EVAL_BUCKETS = 8
 MAX_LISTED_FILES = 200
 
 
@@ -97,7 +96,7 @@ def workspace_bytes(task: RepoTask) -> int:
 
 
 def _eval_bucket(task: RepoTask) -> bool:
-    return int(task.content_hash()[:8], 16) % EVAL_BUCKETS == 0
+    return in_eval_slice(task.content_hash())
 
 
 @dataclass

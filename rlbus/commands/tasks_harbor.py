@@ -92,15 +92,22 @@ def list_harbor(args: argparse.Namespace) -> int:
     return 0
 
 
+def find_task(tasks: list, task_id: str, command: str):
+    """The task named `task_id` (directory name or task id), or None after saying which exist."""
+    for t in tasks:
+        if task_id in (t.name, t.task_id):
+            return t
+    print(f"{command}: no task {task_id!r}; tasks: {[t.name for t in tasks]}", file=sys.stderr)
+    return None
+
+
 def show_harbor(args: argparse.Namespace) -> int:
     from producers.domains.harbor import disabled_reasons
 
     cfg, _, tasks, _ = harbor_domain(args)
-    found = [t for t in tasks if args.task_id in (t.name, t.task_id)]
-    if not found:
-        print(f"rlbus tasks show: no task {args.task_id!r}; tasks: {[t.name for t in tasks]}", file=sys.stderr)
+    t = find_task(tasks, args.task_id, "rlbus tasks show")
+    if t is None:
         return 2
-    t = found[0]
     row = _row(t, disabled_reasons([t], cfg.harbor)) | {
         "instruction": t.instruction,
         "tests": sorted(t.tests),
@@ -224,11 +231,9 @@ def verify_harbor_script(args: argparse.Namespace) -> int:
     from sandbox_workers.harbor_verify import VerifyRefused
 
     cfg, _, tasks, _ = harbor_domain(args)
-    found = [t for t in tasks if args.task_id in (t.name, t.task_id)]
-    if not found:
-        print(f"rlbus verify: no task {args.task_id!r} in {args.domain}: {[t.name for t in tasks]}", file=sys.stderr)
+    t = find_task(tasks, args.task_id, f"rlbus verify --domain {args.domain}")
+    if t is None:
         return 2
-    t = found[0]
     try:
         script = sys.stdin.read() if args.script == "-" else Path(args.script).read_text()
     except OSError as exc:

@@ -7,7 +7,9 @@ Guarantees:
   decode is skipped, never an error.
 - `DomainRewards` gives each domain's training rewards (count, mean, verifier statuses),
   the tool calls its episodes made, and the refused calls by kind (`tool_errors`:
-  malformed JSON, unknown tool, bad arguments).
+  malformed JSON, unknown tool, bad arguments); every status other than `ok` is also
+  counted per task (`task_statuses`: status -> task_id -> count), so a Harbor task whose
+  tests leave no reward file is named, not only its domain.
 - `summary_dict` is the run's summary.json; its accounting fields are null until the
   run stopped and `rlbus.run.accounting` counted every message. Its `domains` has one entry
   per domain sampled, scored or in the curriculum: `tasks` (published by the sampler,
@@ -51,11 +53,15 @@ class DomainRewards:
         self.tool_calls: dict[str, int] = {}
         self.episodes_with_tool_calls = 0
         self.tool_errors: dict[str, int] = {}
+        self.task_statuses: dict[str, dict[str, int]] = {}  # non-ok status -> task_id -> count
 
     def add(self, r: RewardGlance) -> None:
         self.n += 1
         self.total += r.reward
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+        if r.status != "ok":
+            by_task = self.task_statuses.setdefault(r.status, {})
+            by_task[r.task_id] = by_task.get(r.task_id, 0) + 1
         for tool, _ in r.tool_calls:
             self.tool_calls[tool] = self.tool_calls.get(tool, 0) + 1
         self.episodes_with_tool_calls += bool(r.tool_calls)
@@ -70,6 +76,7 @@ class DomainRewards:
             "tool_calls": self.tool_calls,
             "episodes_with_tool_calls": self.episodes_with_tool_calls,
             "tool_errors": self.tool_errors,
+            "task_statuses": self.task_statuses,
         }
 
 

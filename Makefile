@@ -7,12 +7,12 @@ TORCH := torch==2.13.0
 .PHONY: demo test test-e2e test-docker test-all test-slow test-vllm vllm-env lint bench clean wheelhouse images compose-env bubblewrap
 
 # The environment: torch's CPU wheel first (so nothing pulls a CUDA build), then the
-# project with its dev, bench and tracking extras.
+# project with its dev, bench, tracking and agents extras.
 $(VENV): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev,bench,tracking]'
+	$(BIN)/pip install -q -e '.[dev,bench,tracking,agents]'
 	touch $(VENV)
 
 # bubblewrap isolates the process sandbox (a Debian package, not a Python one): installed

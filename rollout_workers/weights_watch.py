@@ -170,6 +170,12 @@ class WeightWatcher:
         return True
 
     @property
+    def load_lock(self) -> asyncio.Lock:
+        """Held while weights are swapped into the engine: a generator that holds it for its engine
+        call (the OpenAI endpoint) knows the version it generated with."""
+        return self._lock
+
+    @property
     def version(self) -> int:
         """Version currently loaded in the engine (-1 before any)."""
         return self.loaded.version if self.loaded else -1

@@ -22,6 +22,9 @@ Guarantees:
   service refuses unless it is one it was configured with). When the sandbox itself fails,
   the batch's tool tasks are retried (nak with delay), never published as low-reward
   trajectories.
+- With `rollout.endpoint.enabled`, the worker serves the OpenAI-compatible endpoint
+  (`rollout_workers.endpoint`) on its engine and its current weights, from start to stop;
+  its engine calls hold the weight watcher's load lock, so a call's version is exact.
 - Payloads by reference (`rollout_workers.repo_payloads`): a task's `workspace_ref` is
   fetched and checked before its sandbox opens, an artifact over
   `rollout.artifact_inline_bytes` is stored in the payload bucket and published as a ref;
@@ -200,6 +203,13 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
         if not await watcher.wait_first(s.stop):
             return s.counters
         await watcher.maybe_load(engine)
+
+        if rc.endpoint.enabled:  # harness-owned episodes call the policy here (rollout_workers.endpoint)
+            from rollout_workers.endpoint.server import Endpoint
+
+            endpoint = Endpoint(engine, lambda: watcher.version, rc.endpoint, rc.max_context_tokens, watcher.load_lock)
+            stack.push_async_callback(endpoint.stop)
+            log.info("rollout.endpoint_serving", base_url=await endpoint.serve())
 
         open_sandbox = await sandbox_opener(cfg, ctx, s)
         workspaces = PayloadCache(s.js, s.reg)

@@ -92,6 +92,16 @@ def tool_turn_text_for(tokenizer, text: str) -> str:
     return full[full.index(_MARK) + len(_MARK) :]
 
 
+def after_assistant_text(tokenizer, messages: list[dict]) -> str:
+    """The text a chat template renders after an assistant turn for `messages` (tool results,
+    a user turn), through the next generation prompt: what follows a model turn in context.
+    The assistant turn's own close is left out when it is the tokenizer's eos (a sampled
+    turn that stopped already ends with it)."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}, *messages]
+    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return full[full.index(_MARK) + len(_MARK) :]
+
+
 def tool_turn(tokenizer, text: str) -> tuple[str, list[int]]:
     """(text, ids) of the context appended after a tool call, encoded alone."""
     rendered = tool_turn_text_for(tokenizer, text)

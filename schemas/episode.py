@@ -208,6 +208,10 @@ class Trajectory(Message):
     """Every tool call of the episode with its execution result, in order."""
     artifacts: dict[str, bytes] = Field(default_factory=dict)
     """Final files exported from the episode's sandbox (path -> bytes), for verifiers such as `files`."""
+    drift: int = 0
+    """Harness-owned episodes (`rollout_workers.endpoint`): calls whose re-rendered history did not
+    start with the ids recorded so far (retokenization, an edited history). The recorded ids were
+    kept (token in, token out); this counts how often the harness's view differed."""
     artifact_refs: dict[str, BlobRef] = Field(default_factory=dict)
     """Artifacts too large to travel inline (over `rollout.artifact_inline_bytes`: a repo episode's
     diff), by reference; a name is here or in `artifacts`, never both. The verifier worker puts

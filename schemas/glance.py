@@ -33,6 +33,8 @@ class RewardGlance(NamedTuple):
     """The `error` kind of each refused call (`ToolCall.error`), in order."""
     task_id: str = ""
     """The trajectory's `task_id` (per-task counts of verifier statuses)."""
+    drift: int = 0
+    """The trajectory's `drift` (harness calls whose history did not start with the record)."""
 
 
 def glance_reward(data: bytes) -> RewardGlance:
@@ -62,6 +64,7 @@ def glance_reward(data: bytes) -> RewardGlance:
             tuple((c["tool"], float(c.get("duration_ms", 0.0))) for c in traj.get("tool_calls") or ()),
             tuple(c["error"] for c in traj.get("tool_calls") or () if c.get("error")),
             traj.get("task_id", ""),
+            traj.get("drift", 0),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DecodeError("<payload>", f"not a Reward: {type(exc).__name__}: {exc}") from None
@@ -71,6 +74,7 @@ def glance_reward(data: bytes) -> RewardGlance:
         and isinstance(glance.domain, str)
         and isinstance(glance.purpose, str)
         and isinstance(glance.task_id, str)
+        and type(glance.drift) is int
         and type(glance.difficulty) is int
         and all(isinstance(tool, str) for tool, _ in glance.tool_calls)
         and all(isinstance(kind, str) for kind in glance.tool_errors)

@@ -275,7 +275,9 @@ def _validator(tool: str):
     return jsonschema.Draft202012Validator(schema)
 
 
-def _json_call(raw: str, end: int, tools: list[str]) -> Call:
+def _json_call(raw: str, end: int, tools: list[str], declared: dict[str, dict] | None = None) -> Call:
+    """One json call's Call; `declared` (name -> JSON-schema parameters) replaces the project's
+    own TOOL_SPECS for a caller's tools (the OpenAI endpoint's `tools=`)."""
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -285,11 +287,30 @@ def _json_call(raw: str, end: int, tools: list[str]) -> Call:
             "", "", raw, end, "malformed_json", 'expected a JSON object {"name": <tool name>, "arguments": {...}}'
         )
     name, args = obj["name"], obj.get("arguments")
-    if name not in tools or name not in TOOL_SPECS:
+    if name not in tools or name not in (TOOL_SPECS if declared is None else declared):
         return Call(name, "", raw, end, "unknown_tool", f"no tool named {name!r}; available: {sorted(tools)}")
     if args is None:
         return Call(name, "", raw, end, "bad_arguments", 'missing "arguments" (an object)')
-    return _checked(name, args, raw, end)
+    schema = None if declared is None else json.dumps(declared[name], sort_keys=True)
+    return _checked(name, args, raw, end, schema)
+
+
+@lru_cache(maxsize=256)
+def _declared_validator(schema: str):
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(json.loads(schema))
+
+
+def parse_declared_calls(text: str, declared: dict[str, dict]) -> list[Call]:
+    """Every complete json call (`<tool_call>{...}</tool_call>`) of `text`, in order, for
+    caller-declared tools (name -> JSON-schema `parameters`), by the same code as
+    `tool_format = "json"`: a malformed, unknown or schema-failing call has `error` set."""
+    calls, offset = [], 0
+    while (found := _between(text[offset:], JSON_CALL_OPEN, JSON_CALL_CLOSE)) is not None:
+        calls.append(_json_call(found[0].strip(), offset + found[1], list(declared), declared))
+        offset += found[1]
+    return calls
 
 
 def parse_call(text: str, tool_format: str, tools: list[str]) -> Call | None:
@@ -370,9 +391,11 @@ def _repo_tag_call(text: str, tools: list[str]) -> Call | None:
     return _checked(tool, args, text[m.start() : end], end)
 
 
-def _checked(name: str, args: dict, raw: str, end: int) -> Call:
-    """A Call of tool `name` with `args`, or one with `bad_arguments` when they fail its schema."""
-    problems = sorted(_validator(name).iter_errors(args), key=lambda e: list(e.absolute_path))
+def _checked(name: str, args: dict, raw: str, end: int, schema: str | None = None) -> Call:
+    """A Call of tool `name` with `args`, or one with `bad_arguments` when they fail its schema
+    (the project's spec of `name`, or `schema`: a caller's parameters as sorted JSON)."""
+    validator = _validator(name) if schema is None else _declared_validator(schema)
+    problems = sorted(validator.iter_errors(args), key=lambda e: list(e.absolute_path))
     if problems:
         first = problems[0]
         where = "arguments" + "".join(f"[{p!r}]" for p in first.absolute_path)

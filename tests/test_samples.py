@@ -308,6 +308,7 @@ def test_text_and_compact_json_of_a_live_run_and_filters(crafted_run):
         "tool_calls",
         "tokens",
         "finish_reason",
+        "drift",
     }
     assert [c["seq"] for c in compact] == list(range(1, len(run.samples) + 1))
     assert compact[0]["prompt"] == "2+3=" and compact[0]["answer"] == "5" and compact[0]["turns"] == 2

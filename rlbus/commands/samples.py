@@ -16,16 +16,18 @@ Guarantees:
   - With `--full`: `{msg_id, domain, task_id, group_id, sample_index, turns: [{role,
     text, token_ids, logprobs, trainable, policy_version}], tool_calls, reward,
     components, status}`, plus `seq`, `reward_msg_id`, `purpose`, `policy_version`,
-    `verifier`, `finish_reason`, `details`. Token ids and log-probs are lists, unpacked
+    `verifier`, `finish_reason`, `drift`, `details`. Token ids and log-probs are lists, unpacked
     from the wire's arrays: assistant turns carry one log-prob per token id. Each tool
     call is its `ToolCall` fields plus `result`, the text of the tool turn after it.
   - Without: `{seq, msg_id, domain, task_id, sample_index, purpose, policy_version,
     reward, status, components, prompt, answer, turns, tool_calls, tokens,
-    finish_reason}`, where `prompt` is the first prompt turn's text (cut at
+    finish_reason, drift}`, where `prompt` is the first prompt turn's text (cut at
     COMPACT_TEXT characters), `answer` the trajectory's `final_text`, and `turns`,
     `tool_calls` are counts.
 - Text output shows every turn with the same fields; without `--full`, long texts and
   token lists are cut (the cut is marked), with `--full` nothing is.
+- `drift` is the trajectory's count of harness calls whose re-rendered history did not
+  start with the recorded ids (`rollout_workers.endpoint`; 0 for rlbus-owned loops).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def full_record(seq: int, rw: Reward) -> dict:
         "policy_version": traj.policy_version,
         "verifier": traj.verifier,
         "finish_reason": traj.finish_reason,
+        "drift": traj.drift,
         "details": rw.details,
     }
 
@@ -149,6 +152,7 @@ def compact_record(seq: int, rw: Reward) -> dict:
         "tool_calls": len(traj.tool_calls),
         "tokens": traj.tokens,
         "finish_reason": traj.finish_reason,
+        "drift": traj.drift,
     }
 
 
@@ -173,7 +177,7 @@ def render(seq: int, rw: Reward, full: bool) -> list[str]:
         f"── seq {seq}  {traj.domain}  task {traj.task_id}  sample {traj.sample_index}/{traj.group_size}  "
         f"msg_id {traj.msg_id}",
         f"   reward {rw.reward:.4g}  status {rw.status}  verifier {traj.verifier}  policy v{traj.policy_version}  "
-        f"{traj.purpose}  finish {traj.finish_reason}",
+        f"{traj.purpose}  finish {traj.finish_reason}" + (f"  drift {traj.drift}" if traj.drift else ""),
         f"   components  {comps}",
     ]
     if rw.details:

@@ -9,7 +9,8 @@ Guarantees:
   the tool calls its episodes made, and the refused calls by kind (`tool_errors`:
   malformed JSON, unknown tool, bad arguments); every status other than `ok` is also
   counted per task (`task_statuses`: status -> task_id -> count), so a Harbor task whose
-  tests leave no reward file is named, not only its domain.
+  tests leave no reward file is named, not only its domain; `drift` counts the harness calls
+  (and episodes with one) whose re-rendered history did not start with the recorded ids.
 - `summary_dict` is the run's summary.json; its accounting fields are null until the
   run stopped and `rlbus.run.accounting` counted every message. Its `domains` has one entry
   per domain sampled, scored or in the curriculum: `tasks` (published by the sampler,
@@ -54,11 +55,14 @@ class DomainRewards:
         self.episodes_with_tool_calls = 0
         self.tool_errors: dict[str, int] = {}
         self.task_statuses: dict[str, dict[str, int]] = {}  # non-ok status -> task_id -> count
+        self.drift_calls = self.drift_episodes = 0  # harness-owned episodes (rollout_workers.endpoint)
 
     def add(self, r: RewardGlance) -> None:
         self.n += 1
         self.total += r.reward
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+        self.drift_calls += r.drift
+        self.drift_episodes += bool(r.drift)
         if r.status != "ok":
             by_task = self.task_statuses.setdefault(r.status, {})
             by_task[r.task_id] = by_task.get(r.task_id, 0) + 1
@@ -77,6 +81,7 @@ class DomainRewards:
             "episodes_with_tool_calls": self.episodes_with_tool_calls,
             "tool_errors": self.tool_errors,
             "task_statuses": self.task_statuses,
+            "drift": {"calls": self.drift_calls, "episodes": self.drift_episodes},
         }
 
 

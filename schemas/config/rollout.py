@@ -71,6 +71,42 @@ class ScriptedEngineSection(Section):
     writes gold or empty ones). Relative paths are taken from the working directory."""
 
 
+class EndpointSection(Section):
+    """The OpenAI-compatible endpoint of a rollout worker (`rollout_workers.endpoint`): agent
+    harnesses that own their loop call the policy through it, one bearer key per episode."""
+
+    enabled: bool = False
+    """Serve `/v1/chat/completions`, `/v1/completions` and `/v1/models` on the worker's engine."""
+    host: str = "127.0.0.1"
+    """Where it listens: loopback (or the sandbox network's gateway address); `0.0.0.0` is
+    refused unless `allow_any_host` (a harness could then be reached from outside)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port; 0: a free one, chosen at start."""
+    allow_any_host: bool = False
+    """Consent to a wildcard `host` (0.0.0.0 / ::)."""
+    max_episodes: int = Field(default=64, ge=1)
+    """Open episodes (minted keys) per worker at once; the next mint is refused with 429."""
+    max_n: int = Field(default=4, ge=1, le=64)
+    """Largest `n` of one request (400 past it)."""
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    """Largest request body (413 past it)."""
+    episode_timeout_s: float = Field(default=900.0, gt=0)
+    """Wall time of one episode from its key's mint; past it the episode ends with `timeout`."""
+    episode_token_budget: int = Field(default=32768, ge=1)
+    """Tokens one episode may generate in all its calls; past it the episode ends with `length`."""
+    batch_window_ms: float = Field(default=5.0, ge=0, le=1000)
+    """How long the endpoint waits to batch concurrent requests into one engine call."""
+
+    @model_validator(mode="after")
+    def _no_wildcard_without_consent(self) -> EndpointSection:
+        if self.host in ("0.0.0.0", "::", "") and not self.allow_any_host:
+            raise ValueError(
+                f"rollout.endpoint.host = {self.host!r} listens on every interface; use 127.0.0.1 or the "
+                "sandbox network's address, or set rollout.endpoint.allow_any_host = true to consent"
+            )
+        return self
+
+
 class RolloutSection(Section):
     """Rollout workers."""
 
@@ -87,6 +123,8 @@ class RolloutSection(Section):
     """The `vllm` engine's settings."""
     scripted: ScriptedEngineSection = Field(default_factory=ScriptedEngineSection)
     """The `scripted` engine's settings."""
+    endpoint: EndpointSection = Field(default_factory=EndpointSection)
+    """The OpenAI-compatible endpoint for harness-owned episodes (off by default)."""
     null_answer: str = Field(default="0", min_length=1, max_length=4096)
     """The fixed text every sample of the `null` (and `sleep`) engine answers: bus benchmarks, and the
     fault matrix's flood of answers that hit the verifier's answer limits (`answer-limit-flood`)."""

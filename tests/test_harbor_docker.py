@@ -186,7 +186,8 @@ async def test_a_failed_command_that_filled_the_disk_still_ends_the_episode(tool
     """storage_mb (hello-file: 256) is checked after every bash call, failed ones too."""
     from verifier_workers.verifiers.harbor import verify_harbor
 
-    fill = "dd if=/dev/zero of=/app/fill bs=1M count=300 status=none; exit 1"
+    # a file is capped at storage_mb (RLIMIT_FSIZE), so two files pass it; the command then fails
+    fill = "; ".join(f"dd if=/dev/zero of=/app/fill{i} bs=1M count=150 status=none" for i in (1, 2)) + "; exit 1"
     steps = [{"tool": "bash", "args": {"command": fill}}, {"tool": "bash", "args": {"command": "echo later"}}]
     ep, drawn = await _episode(tokenizer_dir, tmp_path, "hello-file", steps)
     assert ep.finish_reason == "error" and len(ep.tool_calls) == 1, (ep.finish_reason, ep.tool_calls)

@@ -275,3 +275,50 @@ async def test_with_n_choices_the_one_the_harness_continued_is_recorded(model_di
     finally:
         await ep.stop()
     assert unpack_i32(traj.turns[1].token_ids).tolist() == engine.returned[0][0][1].token_ids.tolist()[:8]
+
+
+async def test_the_rollout_worker_serves_the_endpoint_on_its_current_weights(
+    js, nats_url, run_id, tmp_path, drop_run, model_dir, monkeypatch
+):
+    """`rollout.endpoint.enabled`: the worker serves from its start to its stop, on the loaded version."""
+    from transformers import AutoModelForCausalLM
+
+    from bus.conn import ensure_topology
+    from bus.session import WorkerContext
+    from bus.subjects import Registry
+    from learner.weights import publish_version
+    from rollout_workers.worker import run as run_rollout
+
+    started: list[Endpoint] = []
+    real_serve = Endpoint.serve
+
+    async def serve_and_note(self):  # the real serve; the test only learns which endpoint started
+        url = await real_serve(self)
+        started.append(self)
+        return url
+
+    monkeypatch.setattr(Endpoint, "serve", serve_and_note)
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    await publish_version(js, reg, AutoModelForCausalLM.from_pretrained(str(model_dir)), 3, 3, {})
+    cfg = RunConfig.model_validate(
+        {"model": {"path": str(model_dir)}, "rollout": {"engine": "hf", "endpoint": {"enabled": True}}}
+    )
+    ctx = WorkerContext(
+        run_id=run_id, nats_url=nats_url, run_path=tmp_path / "run", until_idle=8.0, configured_model=str(model_dir)
+    )
+    worker = asyncio.create_task(run_rollout(cfg, ctx))
+    for _ in range(300):
+        if started or worker.done():
+            break
+        await asyncio.sleep(0.1)
+    assert started, worker.exception() if worker.done() else "the endpoint never started"
+    ep = started[0]
+    key = ep.open_episode(task())
+    models = await client(ep, key).models.list()
+    assert models.data[0].model_extra["rlbus_version"] == 3
+    await client(ep, key).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert ep.close_episode(key).policy_version == 3
+    await asyncio.wait_for(worker, 60)
+    with pytest.raises(openai.APIConnectionError):  # stopped with the worker
+        await client(ep, ep.open_episode(task(1))).models.list()

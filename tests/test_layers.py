@@ -90,6 +90,7 @@ RLBUS_ROOMS = {
     "rlbus.model": 1,
     "rlbus.tracking": 1,
     "rlbus.report": 1,
+    "rlbus.deploy": 1,
     "rlbus.run": 2,
     "rlbus.commands": 3,
     "rlbus.cli": 4,

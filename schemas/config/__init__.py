@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from schemas.config.base import Section
+from schemas.config.deploy import DeploySection
 from schemas.config.harbor import HarborSection
 from schemas.config.learner import LearnerSection, LoraSection, OffPolicySection, ReplaySection
 from schemas.config.rollout import HFEngineSection, PoolConfig, RolloutSection, VLLMEngineSection, default_pools
@@ -38,6 +39,7 @@ from schemas.config.workers import SandboxSection, VerifierSection
 __all__ = [
     "ConfigError",
     "CurriculumSection",
+    "DeploySection",
     "DomainConfig",
     "EvalSection",
     "ForgettingSection",
@@ -101,6 +103,8 @@ class RunConfig(Section):
     """Experiment tracking (TensorBoard, wandb) by the `tracker` role."""
     harbor: HarborSection = Field(default_factory=HarborSection)
     """Harbor task directories (`kind = "harbor"` domains): image map, network, verification."""
+    deploy: DeploySection = Field(default_factory=DeploySection)
+    """Deployment past one machine (`rlbus k8s render`, `rlbus slurm render`); no role reads it at run time."""
 
     @model_validator(mode="before")
     @classmethod

@@ -82,6 +82,11 @@ class EmbeddedNats:
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     @property
+    def monitor_url(self) -> str | None:
+        """The monitoring endpoint (`/varz`, `/jsz`, `/healthz`) on 127.0.0.1, None without a monitor port."""
+        return f"http://127.0.0.1:{self.monitor_port}" if self.monitor_port else None
+
+    @property
     def pid(self) -> int | None:
         """The server process's pid (None before `start`)."""
         return self.proc.pid if self.proc else None

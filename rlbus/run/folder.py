@@ -1,6 +1,6 @@
 """One run's folder, `<run-dir>/<run_id>/`: every path and file in it, in one place.
 
-    run.json        the launcher's record: run id, server URL (redacted), launcher, server
+    run.json        the launcher's record: run id, server URL (redacted), its monitoring URL, launcher, server
                     and worker pids (`Supervisor` keeps it current)
     config.json     the resolved config, URL passwords redacted (`up` and `init` write it)
     summary.json    the run's summary, current during the run, complete at the end

@@ -42,7 +42,7 @@ from rich.live import Live
 
 from bus.conn import connect, ensure_topology
 from bus.roles import start_order, stop_phases
-from bus.server import EmbeddedNats
+from bus.server import EmbeddedNats, free_port
 from bus.subjects import Registry
 from rlbus.report.plots import reward_curve
 from rlbus.run.accounting import account
@@ -246,7 +246,7 @@ async def run_up(
 
     load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
     sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir, secret_env=secret_env(cfg))
-    sup.server_pid = keeper.pid
+    sup.server_pid, sup.monitor_url = keeper.pid, keeper.monitor_url
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
     mon.sandbox_isolation = sandbox_isolation
@@ -305,8 +305,9 @@ def _start_server(cfg: RunConfig, run_path: Path, resume: bool, console: Console
         url = folder.server_url()
         if url and asyncio.run(server_answers(url)):
             console.print(f"reusing the run's nats-server at {url}")
-            return url, AdoptedServer(url, folder.state().get("server_pid"))
-    server = EmbeddedNats(folder.nats).start()
+            state = folder.state()
+            return url, AdoptedServer(url, state.get("server_pid"), state.get("monitor_url"))
+    server = EmbeddedNats(folder.nats, monitor_port=free_port()).start()  # /jsz: run.json monitor_url
     console.print(
         f"embedded nats-server {'restarted ' if resume else ''}at {server.url} "
         f"({'on the run' + chr(39) + 's store' if resume else 'store'} {folder.nats})"

@@ -105,8 +105,8 @@ def check_launcher_gone(state: dict) -> None:
 class AdoptedServer:
     """A nats-server a dead launcher left running, stopped by pid at the end."""
 
-    def __init__(self, url: str, pid: int | None) -> None:
-        self.url, self.pid = url, pid
+    def __init__(self, url: str, pid: int | None, monitor_url: str | None = None) -> None:
+        self.url, self.pid, self.monitor_url = url, pid, monitor_url
 
     def stop(self, timeout: float = 10.0) -> None:
         if not alive(self.pid, "nats-server"):

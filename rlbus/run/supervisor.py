@@ -55,6 +55,7 @@ class Supervisor:
         self.secret_env = dict(secret_env or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.server_pid: int | None = None
+        self.monitor_url: str | None = None  # the run's own nats-server monitoring endpoint
         self.restarts: dict[str, int] = {}
         self.stopping: set[str] = set()
         self.notes: list[str] = []  # what poll() did, for the console (taken by the run loop)
@@ -96,6 +97,7 @@ class Supervisor:
             "nats_url": redact_url(self.nats_url),
             "launcher_pid": os.getpid(),
             "server_pid": self.server_pid,
+            "monitor_url": self.monitor_url,  # the embedded server's /varz, /jsz (None with an external one)
             "workers": {role: p.pid for role, p in self.procs.items()},
             "updated_at": time.time(),
         }

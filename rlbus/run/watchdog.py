@@ -68,6 +68,11 @@ class ServerKeeper:
         """The current server's pid (None without an own server)."""
         return self.server.pid if self.server else None
 
+    @property
+    def monitor_url(self) -> str | None:
+        """The own server's monitoring endpoint (None without an own server or monitor port)."""
+        return getattr(self.server, "monitor_url", None) if self.server else None
+
     def dead(self) -> bool:
         """Whether the own server's process is gone."""
         if self.server is None:
@@ -90,7 +95,8 @@ class ServerKeeper:
         port = urlparse(self.server.url).port
         t0 = time.monotonic()
         try:
-            self.server = EmbeddedNats(self.store_dir, port=port).start()
+            monitor_port = getattr(self.server, "monitor_port", None)  # the same /jsz as run.json records
+            self.server = EmbeddedNats(self.store_dir, port=port, monitor_port=monitor_port).start()
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise FatalStop(
                 "nats-server",

@@ -345,3 +345,22 @@ def test_embedded_server_of_a_run_serves_jsz_and_run_json_records_it(tmp_path):
             assert resp.status == 200
     finally:
         keeper.stop()
+
+
+@pytest.mark.parametrize("replicas", ["3", "1"])
+def test_nats_server_accepts_the_rendered_config(tmp_path, replicas):
+    """The ConfigMap's nats.conf parses in nats-server itself (`-t`), users and cluster routes included,
+    with the passwords the Secret gives the server pods as environment."""
+    import os
+
+    from bus.server import nats_server_binary
+
+    out, _ = _render(tmp_path, f"deploy.nats_replicas={replicas}")
+    conf = next(d for d in _objects(out) if d["metadata"]["name"] == f"{RUN}-nats-config")["data"]["nats.conf"]
+    assert ("cluster {" in conf) == (replicas == "3")
+    path = tmp_path / "nats.conf"
+    path.write_text(conf)
+    secret = yaml.safe_load((out / "overlays" / RUN / "nats-auth.yaml").read_text())["stringData"]
+    env = dict(os.environ, POD_NAME=f"{RUN}-nats-0", **secret)
+    proc = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, proc.stdout + proc.stderr

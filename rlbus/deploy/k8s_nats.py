@@ -24,6 +24,14 @@ from rlbus.natsauth import read_env, write_env_file
 CLIENT, ROUTES, MONITOR = 4222, 6222, 8222
 
 
+def _nats_size(quantity: str) -> str:
+    """A Kubernetes quantity (`10Gi`) as a nats-server size (`10G`: nats counts in powers of 1024)."""
+    for suffix in ("Ki", "Mi", "Gi", "Ti"):
+        if quantity.endswith(suffix):
+            return quantity[: -len(suffix)] + suffix[0]
+    return quantity
+
+
 def nats_conf(ctx) -> str:
     """nats-server config of every node (env POD_NAME names the node)."""
     d = ctx.deploy
@@ -36,7 +44,7 @@ def nats_conf(ctx) -> str:
         'write_deadline: "10s"',
         "jetstream {",
         "  store_dir: /data/jetstream",
-        f"  max_file_store: {d.nats_storage.replace('Gi', 'G').replace('Mi', 'M')}",
+        f"  max_file_store: {_nats_size(d.nats_storage)}",
         "}",
     ]
     if d.nats_replicas > 1:

@@ -64,7 +64,7 @@ class DeploySection(Section):
     namespace: str = "rlbus"
     """Kubernetes namespace of the run's objects (`--namespace` overrides)."""
     nats_image: str = "nats:2.10-alpine"
-    """Image of the NATS StatefulSet (the official nats image; `rlbus-nats:latest` works too)."""
+    """Image of the NATS StatefulSet (the official nats image: its entry point runs nats-server with the args)."""
     nats_replicas: Literal[1, 3, 5] = 3
     """NATS servers (JetStream cluster; streams are created with this many replicas, at most 3)."""
     nats_storage: str = "10Gi"

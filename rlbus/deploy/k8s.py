@@ -52,14 +52,15 @@ class RenderError(ValueError):
 
 
 def run_id_problem(run_id: str) -> str | None:
-    """Why `run_id` cannot name a run's Kubernetes objects, or None."""
+    """Why `run_id` cannot name a run's Kubernetes objects (with a run id that can), or None."""
     if _DNS_LABEL.match(run_id or "") and len(run_id) <= MAX_RUN_ID:
         return None
+    fixed = re.sub(r"[^a-z0-9-]+", "-", (run_id or "").lower())[:MAX_RUN_ID].strip("-") or "run-1"
     return (
         f"--run-id {run_id!r} is not a DNS label: Kubernetes object names allow only lowercase letters a-z, "
         f"digits and '-', starting and ending with a letter or digit; the run id prefixes every object name "
-        f"(e.g. {run_id.lower()[:MAX_RUN_ID].strip('-_') or 'run'}-scheduler), so it may have at most "
-        f"{MAX_RUN_ID} characters (a DNS label has 63). Example: --run-id exp-7"
+        f"(<run-id>-scheduler, <run-id>-nats-headless), so it may have at most {MAX_RUN_ID} characters "
+        f"(a DNS label has 63). For example: --run-id {fixed}"
     )
 
 

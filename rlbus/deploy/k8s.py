@@ -13,6 +13,8 @@ Guarantees:
   so these names are never typed here.
 - The run config is a ConfigMap (URL passwords redacted, `sandbox.remote = true` as in compose); NATS
   passwords only in the Secret file, written mode 0600.
+- `deploy.service_monitor = true` adds `metrics.yaml`: a metrics Service per role workload and a
+  Prometheus Operator ServiceMonitor (`k8s_objects.metrics_objects`); off, the tree has no such CRD object.
 - `render` writes only under `out`; rendering again rewrites the same files (passwords kept).
 """
 
@@ -267,6 +269,8 @@ def overlay_files(ctx: Context, pws: dict[str, str]) -> dict[str, Any]:
         **role_objects(ctx),
         "keda.yaml": keda_objects(ctx),
     }
+    if ctx.deploy.service_monitor:
+        files["metrics.yaml"] = k8s_objects.metrics_objects(ctx, [o for objs in files.values() for o in objs])
     files["kustomization.yaml"] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",

@@ -7,6 +7,9 @@ Guarantees:
 - Probes: liveness is `rlbus-entrypoint health ROLE` (this pod's worker heartbeat is on the bus, the
   compose healthcheck); readiness is an HTTP GET of `/metrics`, which a worker serves once its session
   started.
+- Metrics (`deploy.service_monitor`): one headless Service `<run>-<role>-metrics` per role whose pods
+  serve `/metrics`, selecting exactly that role's pods, its port named `metrics`, and one Prometheus
+  Operator ServiceMonitor selecting those Services (by `rlbus.io/metrics`) on that port name.
 - Security: the roles that handle policy output without sandboxes run as uid 10001, non-root, no
   privilege escalation, every capability dropped, the runtime's seccomp profile; the three roles that
   open bwrap sandboxes (sandbox, verifier, scheduler) get what `docs/deploy.md` gives them in compose
@@ -259,3 +262,55 @@ def runs_claim(ctx) -> dict[str, Any]:
         "metadata": meta(ctx.name("runs"), ctx.run_id, "runs"),
         "spec": spec,
     }
+
+
+METRICS_LABEL = "rlbus.io/metrics"
+"""Label of the metrics Services the ServiceMonitor selects (value "true")."""
+
+
+def metrics_service(ctx, role: str) -> dict[str, Any]:
+    """A headless Service of a role's pods on the `metrics` port (what the ServiceMonitor scrapes)."""
+    md = meta(ctx.name(f"{role}-metrics"), ctx.run_id, role)
+    md["labels"][METRICS_LABEL] = "true"
+    port = ctx.deploy.metrics_port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": md,
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels(ctx.run_id, role),
+            "ports": [{"name": "metrics", "port": port, "targetPort": "metrics"}],
+        },
+    }
+
+
+def service_monitor(ctx) -> dict[str, Any]:
+    """A Prometheus Operator ServiceMonitor of the run's metrics Services (`/metrics` on port `metrics`)."""
+    md = meta(ctx.name("metrics"), ctx.run_id, "metrics")
+    md["labels"].update(ctx.deploy.service_monitor_labels)
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": md,
+        "spec": {
+            "selector": {
+                "matchLabels": {"app.kubernetes.io/name": "rlbus", "rlbus.io/run": ctx.run_id, METRICS_LABEL: "true"}
+            },
+            "namespaceSelector": {"matchNames": [ctx.namespace]},
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": ctx.deploy.service_monitor_interval}],
+        },
+    }
+
+
+def metrics_objects(ctx, workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics Services of every workload (Deployment, StatefulSet) whose pods serve `metrics`, and
+    the ServiceMonitor that selects them."""
+    roles = []
+    for obj in workloads:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        ports = [p for c in obj["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
+        if any(p["name"] == "metrics" for p in ports):
+            roles.append(obj["metadata"]["labels"]["app.kubernetes.io/component"])
+    return [*(metrics_service(ctx, role) for role in roles), service_monitor(ctx)]

@@ -94,6 +94,15 @@ class DeploySection(Section):
     sandbox_runtime_class: str = ""
     """`runtimeClassName` of the pods that open sandboxes (sandbox, verifier, scheduler): `gvisor` (runsc) or
     `kata` for a second kernel boundary around bwrap; empty = the node's default runtime."""
+    service_monitor: bool = False
+    """Render a Prometheus Operator `ServiceMonitor` (`monitoring.coreos.com/v1`, the CRD must be installed)
+    and one headless metrics Service per role (`<run>-<role>-metrics`, port `metrics`), so Prometheus scrapes
+    every pod's `/metrics`; off = no CRD object in the tree."""
+    service_monitor_labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels of the ServiceMonitor, for a Prometheus whose `serviceMonitorSelector` asks for them
+    (kube-prometheus-stack: `{release = "<helm release>"}`); empty = none."""
+    service_monitor_interval: str = Field(default="30s", pattern=r"^([0-9]+(ms|s|m|h))+$")
+    """Scrape interval of the ServiceMonitor's endpoints (a Prometheus duration: `15s`, `1m`)."""
     scale_to_zero: bool = False
     """Allow the KEDA pools' min_replicas = 0 (an idle pool costs nothing; the first task waits for a pod)."""
     polling_interval_s: int = Field(default=15, ge=1)

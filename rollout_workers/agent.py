@@ -27,6 +27,12 @@ repository's state is exported as a unified diff against the original into
 state that cannot be read back raises `SandboxUnavailable` for the batch. (A diff too large
 to travel inline is moved to the payload store afterwards, by the rollout worker.)
 
+OpenEnv tasks (an `EnvSpec` in `verifier_params["openenv"]`, `schemas.openenv_env`): each
+episode holds one environment session instead of a sandbox, opened before its first turn
+(the prompt may carry `reset()`'s observation, and MCP tools are declared from tools/list);
+every turn is an action (`rollout_workers.openenv_session`), `done` ends the episode, and the
+rewards the environment gave leave as `artifacts["openenv"]`.
+
 Guarantees:
 - A trajectory holds every turn's tokens in order; only model tokens are `trainable`
   (the learner's loss mask), prompt and tool tokens are context.
@@ -61,6 +67,7 @@ import structlog
 from rollout_workers.harbor_tools import CONTAINER_ARTIFACT, STATE_ARTIFACT, HarborEpisodeBox, is_harbor
 from schemas import BlobRef, Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
+from schemas.openenv_env import RECORD_ARTIFACT, is_openenv
 from schemas.tool_protocol import (
     TOOL_NAMES,
     Call,
@@ -188,6 +195,8 @@ def add_model_turn(
     ep.tokens += len(ids)
     ep.generate_seconds += seconds
     ep.final_text = text
+    if is_openenv(ep.task):  # every turn acts in the episode's environment (rollout_workers.openenv_session)
+        return ep.sandbox.act(ep, text, has_call, sample.finish_reason)
     wants_tool = has_call and bool(TOOL_NAMES & set(ep.task.tools))
     if not wants_tool:
         ep.done, ep.finish_reason = True, sample.finish_reason
@@ -256,7 +265,7 @@ async def run_call(
         try:
             if ep.sandbox is None:
                 await _open(ep, open_sandbox)
-            if is_harbor(ep.task):
+            if is_harbor(ep.task) or is_openenv(ep.task):
                 tool, obs = call.tool, await ep.sandbox.run(call, timeout, caps)
             elif is_repo_call(call):
                 from rollout_workers.repo_tools import run_repo_tool
@@ -309,6 +318,10 @@ async def finish(ep: Episode) -> None:
     if sb is None:
         if ep.task.workspace:
             ep.artifacts[DIFF_ARTIFACT] = b""  # nothing was opened: nothing changed
+        return
+    if is_openenv(ep.task):  # what the environment answered: the `openenv` verifier's input
+        ep.artifacts[RECORD_ARTIFACT] = sb.record()
+        await sb.close()
         return
     if isinstance(sb, HarborEpisodeBox):
         cid, state = await sb.handover()  # the verifier removes the container
@@ -365,13 +378,19 @@ async def run_episodes(
     try:
         if before_turn:
             await before_turn()
-        t0 = time.perf_counter()
-        tok = tokenizer_of(engine)
-        prompts = [prompt_input(tok, x.prompt, declared_tools(x.tool_format, x.tools)) for x in tasks]
-        groups = await asyncio.to_thread(engine.generate, prompts, n, max_tokens, temperature)
-        episodes = new_episodes(engine, tasks, groups)
-        each = (time.perf_counter() - t0) / max(1, len(episodes))
-        samples = [s for g in groups for s in g]
+        if any(map(is_openenv, tasks)):  # one environment session per episode, open before its first turn
+            from rollout_workers.openenv_session import first_turn
+
+            episodes = [Episode(task=x, sample_index=i, turns=[], context=[]) for x in tasks for i in range(n)]
+            samples, each = await first_turn(engine, episodes, sem, max_tokens, temperature)
+        else:
+            t0 = time.perf_counter()
+            tok = tokenizer_of(engine)
+            prompts = [prompt_input(tok, x.prompt, declared_tools(x.tool_format, x.tools)) for x in tasks]
+            groups = await asyncio.to_thread(engine.generate, prompts, n, max_tokens, temperature)
+            episodes = new_episodes(engine, tasks, groups)
+            each = (time.perf_counter() - t0) / max(1, len(episodes))
+            samples = [s for g in groups for s in g]
         live = episodes
         while live:
             v = version()
@@ -382,7 +401,9 @@ async def run_episodes(
             )
             live = [ep for ep, _ in calls]
             for ep in live:  # the next turn must fit the engine's context: else the episode ends here
-                if len(ep.context) + max_tokens > limit:
+                if is_openenv(ep.task) and ep.sandbox.done:  # the environment ended the episode
+                    ep.done, ep.finish_reason = True, "stop"
+                elif len(ep.context) + max_tokens > limit:
                     ep.done, ep.finish_reason = True, "length"
                 elif isinstance(ep.sandbox, HarborEpisodeBox):
                     harbor_limits(ep)

@@ -15,7 +15,8 @@ Guarantees:
   size and time budget, so long episodes never starve short ones.
 - Refused tool calls (`ToolCall.error`: malformed JSON, unknown tool, bad arguments) are
   counted per domain and kind as `tool_errors.<domain>.<kind>`.
-- Tasks that offer tools run as multi-turn agent episodes (`rollout_workers.agent`) in
+- Tasks that offer tools, and OpenEnv tasks (`schemas.openenv_env.is_openenv`: one environment
+  session per episode), run as multi-turn agent episodes (`rollout_workers.agent`); tools run in
   sandboxes from the `sandbox` config section: local (`backend`), or sessions of the
   sandbox service when `sandbox.remote`; a repository task's sandbox is from
   `sandbox.repo_image` either way (a remote one asks the service for that image, which the
@@ -62,6 +63,7 @@ from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of
 from schemas.config import PoolConfig, RunConfig
+from schemas.openenv_env import is_openenv
 
 log = structlog.get_logger()
 
@@ -151,7 +153,7 @@ async def roll_out_batch(
     by_shape: dict[tuple, list[Task]] = defaultdict(list)
     for d in batch:
         t = d.msg
-        by_shape[(bool(t.tools), t.group_size, t.max_tokens, t.temperature)].append(t)
+        by_shape[(bool(t.tools) or is_openenv(t), t.group_size, t.max_tokens, t.temperature)].append(t)
     items = []
     for (tools, n, max_tokens, temperature), tasks in by_shape.items():
         if tools:

@@ -54,6 +54,7 @@ BUILTINS: dict[str, str] = {
     "reasoning_gym": "verifier_workers.verifiers.reasoning_gym:verify_reasoning_gym",
     "repo": "verifier_workers.verifiers.repo:verify_repo",
     "harbor": "verifier_workers.verifiers.harbor:verify_harbor",
+    "openenv": "verifier_workers.verifiers.openenv:verify_openenv",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

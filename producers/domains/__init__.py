@@ -54,6 +54,7 @@ BUILTINS: dict[str, str] = {
     "reasoning_gym": "producers.domains.reasoning_gym:ReasoningGymDomain",
     "repo": "producers.domains.repo:RepoDomain",
     "harbor": "producers.domains.harbor:HarborDomain",
+    "openenv": "producers.domains.openenv:OpenEnvDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

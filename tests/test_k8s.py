@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -198,13 +199,13 @@ def test_render_refuses(tmp_path, run_id, sets, image, says):
     assert not (tmp_path / "k8s").exists()
 
 
-def test_cli_render_and_refusal(tmp_path, capsys):
-    from rlbus.cli import main
-
-    assert main(["k8s", "render", str(DEMO), "--run-id", RUN, "--out", str(tmp_path), "--image", "i:1"]) == 0
-    assert f"overlays/{RUN}/keda.yaml" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--image"):
-        main(["k8s", "render", str(DEMO), "--run-id", RUN, "--out", str(tmp_path / "x")])
+def test_cli_render_and_refusal(tmp_path):
+    # a process of its own: the CLI configures this process's logging once (to the stderr of the moment)
+    cli = [sys.executable, "-m", "rlbus.cli", "k8s", "render", str(DEMO), "--run-id", RUN]
+    done = subprocess.run([*cli, "--out", str(tmp_path), "--image", "i:1"], capture_output=True, text=True)
+    assert done.returncode == 0 and f"overlays/{RUN}/keda.yaml" in done.stdout, done.stderr
+    refused = subprocess.run([*cli, "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--image" in refused.stderr
 
 
 # -- the names and metric tests: a real nats-server with its monitoring port ----------------------------

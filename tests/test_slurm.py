@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,12 @@ def test_placement_and_auth_off(tmp_path):
         _script(2, "deploy.slurm_placement.learnr=0")
 
 
-def test_cli(tmp_path, capsys):
-    from rlbus.cli import main
-
+def test_cli(tmp_path):
+    # a process of its own: the CLI configures this process's logging once (to the stderr of the moment)
+    cli = [sys.executable, "-m", "rlbus.cli", "slurm", "render", str(DEMO)]
     out = tmp_path / "x.sbatch"
-    assert main(["slurm", "render", str(DEMO), "--nodes", "2", "--run-id", "exp7", "--out", str(out)]) == 0
+    done = subprocess.run([*cli, "--nodes", "2", "--run-id", "exp7", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
     _bash_n(out.read_text(), tmp_path)
-    with pytest.raises(SystemExit, match="at least 1"):
-        main(["slurm", "render", str(DEMO), "--nodes", "0"])
+    refused = subprocess.run([*cli, "--nodes", "0"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "at least 1" in refused.stderr

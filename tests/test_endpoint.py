@@ -16,9 +16,11 @@ import asyncio
 import json
 
 import numpy as np
-import openai
 import pytest
 import torch
+
+pytest.importorskip("openai", reason="the agents extra: pip install -e '.[agents]' (make test installs it)")
+import openai
 
 from rlbus.model.tiny_model import build_tiny_model
 from rollout_workers.endpoint.server import Endpoint

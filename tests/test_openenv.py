@@ -25,6 +25,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("openenv", reason="the agents extra: pip install -e '.[agents]' (make test installs it)")
+pytest.importorskip("fastmcp", reason="the agents extra: pip install -e '.[agents]' (make test installs it)")
 from fastmcp import FastMCP
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment

@@ -48,7 +48,9 @@ def world_problem(lc) -> str | None:
     """Why the learner section `lc` cannot start its ranks on this machine (one line that
     says what to do), or None. Checked before any rank starts: nccl needs CUDA and at most
     one rank per visible GPU; gloo at most one rank per CPU core (`os.cpu_count`); a
-    sharded learner trains a full model (no LoRA, no PCGrad, not the null policy)."""
+    sharded learner trains a full model (no LoRA, no PCGrad, not the null policy). With
+    `learner.launch = "external"` this process is one rank (the others run elsewhere): nccl
+    needs CUDA here, and the device counts of the other machines are theirs to check."""
     n = lc.world_size
     if n == 1:
         return None
@@ -66,6 +68,8 @@ def world_problem(lc) -> str | None:
     if backend == "nccl":
         if not torch.cuda.is_available():
             return "learner.backend = 'nccl' needs CUDA, which this machine lacks; set learner.backend = 'gloo' (or 'auto')"
+        if lc.launch == "external":
+            return None
         gpus = torch.cuda.device_count()
         if n > gpus:
             return (
@@ -73,7 +77,7 @@ def world_problem(lc) -> str | None:
             )
         return None
     cores = os.cpu_count() or 1
-    if n > cores:
+    if n > cores and lc.launch != "external":
         return f"learner.world_size = {n} but this machine has {cores} CPU core(s) for gloo; set learner.world_size <= {cores}"
     return None
 

@@ -18,6 +18,11 @@ Guarantees:
   parent every second) or when a collective fails.
 - The ranks' pids are in `<run>/learner_ranks.json` while they run.
 - All of rank 0's collectives run on one dedicated thread, in submission order.
+- `learner.launch = "external"` (`rendezvous`): the same commands, but no rank is a child of
+  rank 0: every rank is started from outside (pods, srun tasks) and they rendezvous at
+  MASTER_ADDR:MASTER_PORT (`learner.rendezvous.join`); rank 0 starts no process and watches
+  none (a follower's death fails rank 0's next collective, which ends rank 0; its
+  orchestrator restarts it). `learner_ranks.json` then lists rank 0 only, with `launch`.
 """
 
 from __future__ import annotations
@@ -61,8 +66,10 @@ def join_group(store, rank: int, world: int, backend: str, timeout_s: float) -> 
 class RankGroup:
     """Rank 0's handle on the learner's ranks: start them, send them commands, stop them."""
 
-    def __init__(self, lc, model_path: Path, run_path: Path, *, exit_on_rank_death: bool = True):
+    def __init__(self, lc, model_path: Path, run_path: Path, *, exit_on_rank_death: bool = True, rendezvous=None):
         from learner.distributed import resolve_backend
+
+        self.rendezvous = rendezvous  # learner.rendezvous.Rendezvous of rank 0 (external launch), else None
 
         self.lc, self.model_path, self.run_path = lc, Path(model_path), Path(run_path)
         self.world, self.backend = lc.world_size, resolve_backend(lc.backend)
@@ -112,9 +119,10 @@ class RankGroup:
     def write_pids(self) -> None:
         """`<run>/learner_ranks.json`: rank -> pid (how tests and operators find a rank)."""
         pids = {"0": os.getpid(), **{str(r): p.pid for r, p in self.children.items()}}
+        launch = "external" if self.rendezvous else "spawn"
         self.run_path.mkdir(parents=True, exist_ok=True)
         tmp = self.run_path / f"{RANKS_FILE}.tmp"
-        tmp.write_text(json.dumps({"world_size": self.world, "backend": self.backend, "pids": pids}))
+        tmp.write_text(json.dumps({"world_size": self.world, "backend": self.backend, "launch": launch, "pids": pids}))
         os.replace(tmp, self.run_path / RANKS_FILE)
 
     def watch(self) -> None:
@@ -164,8 +172,12 @@ class RankGroup:
     # ------------------------------------------------------------------ rank-0 API
 
     async def start(self) -> None:
-        """Start every rank and build rank 0's shard (returns once the group is up)."""
-        self.spawn()
+        """Start every rank (external launch: wait for them) and build rank 0's shard (returns
+        once the group is up)."""
+        if self.rendezvous:
+            self.write_pids()
+        else:
+            self.spawn()
         await self.call(self._join)
         self._keepalive = asyncio.create_task(self.keepalive())
         log.info(
@@ -178,8 +190,15 @@ class RankGroup:
     def _join(self) -> None:
         from learner.sharded import RankTrainer
 
-        join_group(self.store, 0, self.world, self.backend, self.lc.dist_timeout_s)
-        self.trainer = RankTrainer(self.lc, self.model_path, 0, self.world, self.backend)
+        if self.rendezvous:
+            from learner.rendezvous import join
+
+            join(self.rendezvous, self.lc, self.backend)
+            local = self.rendezvous.local_rank
+        else:
+            join_group(self.store, 0, self.world, self.backend, self.lc.dist_timeout_s)
+            local = None
+        self.trainer = RankTrainer(self.lc, self.model_path, 0, self.world, self.backend, local_rank=local)
 
     async def keepalive(self) -> None:
         """Ping the ranks whenever no command went out for `ping_every` seconds."""
@@ -302,14 +321,18 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def serve(trainer) -> None:
-    """Run rank 0's commands until `stop` (a failing collective raises: the rank exits)."""
+def serve(trainer, counters: dict | None = None) -> None:
+    """Run rank 0's commands until `stop` (a failing collective raises: the rank exits);
+    `counters` (optional) counts `commands` and `steps`."""
     import torch.distributed as dist
 
+    counters = {} if counters is None else counters
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         name, payload = box[0]
+        counters["commands"] = counters.get("commands", 0) + 1
+        counters["steps"] = counters.get("steps", 0) + (name == "step")
         if name == "stop":
             return
         if name == "step":

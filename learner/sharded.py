@@ -42,7 +42,7 @@ from learner.step import (
 
 
 def rank_device(backend: str, rank: int):
-    """cuda:<rank> for nccl (one node: rank = local rank), else the CPU."""
+    """cuda:<rank> for nccl (`rank` is the local rank: the rank itself on one node), else the CPU."""
     import torch
 
     if backend == "nccl":
@@ -64,7 +64,7 @@ def tied_aliases(model) -> set[str]:
 class RankTrainer:
     """This rank's sharded policy (and reference), optimizer and step."""
 
-    def __init__(self, lc, model_path: Path, rank: int, world: int, backend: str):
+    def __init__(self, lc, model_path: Path, rank: int, world: int, backend: str, local_rank: int | None = None):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -72,7 +72,7 @@ class RankTrainer:
         from learner.step import load_models
 
         self.lc, self.model_path, self.rank, self.world = lc, Path(model_path), rank, world
-        self.device = rank_device(backend, rank)
+        self.device = rank_device(backend, rank if local_rank is None else local_rank)
         self.mesh = init_device_mesh(self.device.type, (world,))
         policy, ref, self.pad_id = load_models(self.model_path, lc)
         self.aliases = tied_aliases(policy)

@@ -32,6 +32,12 @@ Guarantees:
   with `learner.ranks.RANK_DIED_EXIT`) and the restarted learner resumes from the last
   checkpoint. A configuration the machine cannot run (`learner.distributed.world_problem`)
   exits at start with one line saying what to set, before any rank starts.
+- `learner.launch = "external"` (one rank per process, started from outside: pods, srun
+  tasks): every rank runs this same worker; the environment says which rank it is
+  (`learner.rendezvous.resolve`). Rank 0 runs exactly as above, its ranks joining at
+  MASTER_ADDR:MASTER_PORT instead of being its children; ranks 1..N-1 never open a bus
+  session (`learner.rendezvous.run_follower`). A missing or bad variable, or a rendezvous
+  that times out, exits with one line naming what to set.
 """
 
 from __future__ import annotations
@@ -354,12 +360,42 @@ async def bind_learner_consumer(js, reg):
     return await js.pull_subscribe_bind(spec.durable, stream=spec.stream)
 
 
+async def external_rank(cfg: RunConfig, ctx: WorkerContext):
+    """`learner.launch = "external"`: rank 0's `Rendezvous`; on ranks 1..N-1 serve rank 0 (no bus)
+    and return None. A missing variable or a failed rendezvous exits with what to set."""
+    from learner.rendezvous import RendezvousError, resolve, run_follower
+
+    try:
+        rendezvous = resolve(cfg.learner)
+        if rendezvous.rank == 0:
+            return rendezvous
+        await asyncio.to_thread(run_follower, cfg, ctx.model_path, rendezvous)
+        return None
+    except RendezvousError as exc:
+        raise SystemExit(f"rlbus worker learner: {exc}") from None
+
+
+async def start_ranks(group) -> None:
+    """`group.start()`, a failed rendezvous (external launch) an exit with what to check."""
+    from learner.rendezvous import RendezvousError
+
+    try:
+        await group.start()
+    except RendezvousError as exc:
+        raise SystemExit(f"rlbus worker learner: {exc}") from None
+
+
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the learner until stopped (or `ctx.max_messages` steps)."""
     lc = cfg.learner
     problem = world_problem(lc)  # before the bus, before any rank: one line saying what to set
     if problem:
         raise SystemExit(f"rlbus worker learner: {problem}")
+    rendezvous = None
+    if lc.world_size > 1 and lc.launch == "external":
+        rendezvous = await external_rank(cfg, ctx)
+        if rendezvous is None:  # a follower rank: it served rank 0 until `stop`
+            return {}
     if lc.policy != "null":
         import torch
     async with worker_session("learner", cfg, ctx) as s:
@@ -377,8 +413,8 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             if lc.world_size > 1:
                 from learner.ranks import RankGroup
 
-                group = RankGroup(lc, ctx.model_path, ctx.run_path)
-                await group.start()
+                group = RankGroup(lc, ctx.model_path, ctx.run_path, rendezvous=rendezvous)
+                await start_ranks(group)
             L = Learner(s, policy, ref, optimizer, pad_id, group=group)
             await serve(L, lease, ctx.max_messages)
             if group and not lease.lost:

@@ -140,6 +140,21 @@ class LearnerSection(Section):
     learner` is rank 0 (the only one on the bus) and starts ranks 1..N-1 itself; the model
     is sharded with FSDP2, checkpoints are DCP (`checkpoints/learner.dcp/`). At most the
     CUDA devices (nccl) or CPU cores (gloo) present; not with LoRA or PCGrad."""
+    launch: Literal["auto", "spawn", "external"] = "auto"
+    """How the world_size > 1 ranks start. `spawn`: `rlbus worker learner` is rank 0 and starts
+    ranks 1..N-1 on its own machine (one node). `external`: every rank is its own `rlbus worker
+    learner` started from outside (a Kubernetes StatefulSet pod, an srun task), one per process,
+    possibly on different machines; each finds the others through torch's env:// variables
+    MASTER_ADDR / MASTER_PORT, RANK (else SLURM_PROCID, else the `-N` ordinal ending the host
+    name, as a StatefulSet pod's), WORLD_SIZE (must equal world_size when set) and LOCAL_RANK
+    (else SLURM_LOCALID, else 0) (learner/rendezvous.py). Rank 0 alone talks to the bus.
+    `auto`: `spawn` where the learner runs (`rlbus up`, `rlbus worker`); the deploy renderers
+    choose `external` for `rlbus k8s render` (one pod per rank) and for a Slurm learner larger
+    than one node."""
+    rendezvous_timeout_s: float = Field(default=600.0, gt=0.0)
+    """`launch = "external"`: how long a rank waits for all world_size ranks to join (pods of
+    one StatefulSet may start minutes apart: image pulls, scheduling) before it exits with
+    an error naming the missing ranks."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend with world_size > 1: `auto` = nccl with CUDA, else gloo."""
     dist_timeout_s: float = Field(default=120.0, gt=0.0)

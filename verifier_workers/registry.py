@@ -55,6 +55,8 @@ BUILTINS: dict[str, str] = {
     "repo": "verifier_workers.verifiers.repo:verify_repo",
     "harbor": "verifier_workers.verifiers.harbor:verify_harbor",
     "openenv": "verifier_workers.verifiers.openenv:verify_openenv",
+    "findoc": "verifier_workers.verifiers.findoc:verify_findoc",
+    "recall": "verifier_workers.verifiers.recall:verify_recall",
 }
 """Built-in verifiers, as `module:attribute`, imported on first use."""
 

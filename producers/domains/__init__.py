@@ -55,6 +55,8 @@ BUILTINS: dict[str, str] = {
     "repo": "producers.domains.repo:RepoDomain",
     "harbor": "producers.domains.harbor:HarborDomain",
     "openenv": "producers.domains.openenv:OpenEnvDomain",
+    "findoc": "producers.domains.findoc:FindocDomain",
+    "recall": "producers.domains.recall:RecallDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

@@ -123,6 +123,32 @@ def resolve(lc, env=None, hostname: str | None = None) -> Rendezvous:
     return Rendezvous(rank, lc.world_size, addr, port, local or 0, rank_from)
 
 
+LAUNCH_ENV = "RLBUS_LEARNER_LAUNCH"
+"""Set to `external` in a per-rank learner pod (the k8s render): `health learner` then checks a rank > 0
+by its `/metrics` (it has no bus heartbeat)."""
+
+
+def follower_rank(env=None, hostname: str | None = None) -> int | None:
+    """This container's rank when it is rank 1..N-1 of an external launch (env `RLBUS_LEARNER_LAUNCH` =
+    `external`; the rank as `resolve` reads it), else None (rank 0, or not an external launch)."""
+    env = os.environ if env is None else env
+    if env.get(LAUNCH_ENV) != "external":
+        return None
+    rank, _ = _rank(env, hostname if hostname is not None else socket.gethostname(), [])
+    return rank or None
+
+
+def metrics_answer(port: int, timeout: float = 5.0) -> str | None:
+    """Why this container's `/metrics` on `port` does not answer 200, or None when it does."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
+            return None if resp.status == 200 else f"/metrics answered {resp.status}"
+    except OSError as exc:
+        return f"/metrics on port {port} does not answer: {exc}"
+
+
 def _registered(store, world: int) -> list[int]:
     return [r for r in range(world) if store.check([f"{ARRIVED}{r}"])]
 

@@ -11,7 +11,9 @@ Guarantees:
 - `init` leaves the run folder as `rlbus.run.init_run.init_run` guarantees, exit 0.
 - `health ROLE` exits 0 only when a worker of ROLE in this container (same host name)
   sent a telemetry heartbeat within the last few seconds; 1 otherwise, with the reason
-  on stderr (an unreachable server is unhealthy, not a crash).
+  on stderr (an unreachable server is unhealthy, not a crash). A learner rank > 0 of a
+  per-rank pod (RLBUS_LEARNER_LAUNCH=external) talks to no bus: healthy when its
+  `/metrics` (RLBUS_METRICS_PORT) answers; its collectives time out on their own.
 - `ROLE` runs `rlbus worker ROLE` through `rlbus.cli.main`, with the NATS URL handed over
   in env `RLBUS_NATS_URL`, never argv.
 - Anything else prints the usage and exits 2 (`-h`/`--help`: the usage, exit 0).
@@ -51,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         if len(rest) != 1 or rest[0] not in ROLES:
             print(USAGE, file=sys.stderr)
             return 2
+        if rest[0] == "learner":  # a per-rank learner pod of rank > 0 has no bus heartbeat: its /metrics
+            from learner.rendezvous import follower_rank, metrics_answer
+
+            rank = follower_rank()
+            if rank is not None:
+                why = metrics_answer(int(os.environ.get("RLBUS_METRICS_PORT") or 0))
+                if why:
+                    print(f"unhealthy: learner rank {rank}: {why}", file=sys.stderr)
+                return 1 if why else 0
         try:
             ok = asyncio.run(heartbeat_seen(settings["nats_url"], settings["run_id"], rest[0], socket.gethostname()))
         except Exception as exc:  # noqa: BLE001 - unreachable server: unhealthy

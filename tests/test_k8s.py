@@ -90,9 +90,15 @@ def test_kubectl_kustomize_renders(tmp_path):
 
 def test_core_objects_validate(tmp_path):
     kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]' (kubernetes-validate)")
-    for sets in ([], ["rollout.hf.device=cuda", "deploy.learner_device=cuda", "deploy.sandbox_runtime_class=gvisor"]):
+    per_rank = ["learner.world_size=4", "deploy.learner_device=cuda", "deploy.service_monitor=true"]
+    for sets in (
+        [],
+        ["rollout.hf.device=cuda", "deploy.learner_device=cuda", "deploy.sandbox_runtime_class=gvisor"],
+        per_rank,
+        [*per_rank, "learner.launch=spawn"],
+    ):
         out, _ = _render(tmp_path, *sets)
-        docs = [d for d in _objects(out) if not d["apiVersion"].startswith("keda.sh/")]
+        docs = [d for d in _objects(out) if not d["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/"))]
         assert len(docs) > 15
         for doc in docs:
             kv.validate(doc, KUBE_VERSION, strict=True)  # raises on an unknown field or a wrong type
@@ -174,8 +180,8 @@ def test_gpus_follow_devices_and_probes_and_security(tmp_path):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and pod["nodeSelector"] == {"gpu": "h100"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     pod, c = _container(out, "learner")
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert {m["mountPath"] for m in c["volumeMounts"]} >= {f"/runs/{RUN}/checkpoints"}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1  # one pod per rank (test_learner_is_one_pod_per_rank)
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["nodeSelector"] == {"gpu": "h100"}
     assert _container(out, "verifier")[0]["runtimeClassName"] == "gvisor"
     assert "nvidia.com/gpu" not in _container(out, "verifier")[1]["resources"]["limits"]
 
@@ -365,3 +371,61 @@ def test_nats_server_accepts_the_rendered_config(tmp_path, replicas):
     env = dict(os.environ, POD_NAME=f"{RUN}-nats-0", **secret)
     proc = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def _learner(out: Path) -> tuple[dict, dict]:
+    """The learner's StatefulSet and the Service its `serviceName` names (which must exist)."""
+    objs = _objects(out)
+    sts = next(d for d in objs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == f"{RUN}-learner")
+    svc = next(d for d in objs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
+    return sts, svc
+
+
+def test_learner_is_one_pod_per_rank(tmp_path):
+    """world_size 4: four pods of one StatefulSet, started together, one GPU each, meeting at pod 0 through
+    the headless Service; each pod's rank, as learner/rendezvous.py reads it from the rendered env and its
+    host name `<sts>-N`, is its ordinal; checkpoints on the shared ReadWriteMany run folder."""
+    from learner.rendezvous import resolve
+    from schemas.config import RunConfig
+
+    out, _ = _render(tmp_path, "learner.world_size=4", "deploy.learner_device=cuda", namespace="team-a")
+    sts, svc = _learner(out)
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert spec["replicas"] == 4 and spec["podManagementPolicy"] == "Parallel"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["MASTER_ADDR"] == f"{RUN}-learner-0.{svc['metadata']['name']}.team-a.svc.cluster.local"
+    assert env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "0" and "RANK" not in env  # the rank: the ordinal
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    port = int(env["MASTER_PORT"])
+    assert {"name": "rendezvous", "port": port} in svc["spec"]["ports"]
+    assert {"name": "rendezvous", "containerPort": port} in c["ports"]
+    config = json.loads(
+        next(d for d in _objects(out) if d["kind"] == "ConfigMap" and "config.json" in d["data"])["data"]["config.json"]
+    )
+    lc = RunConfig.model_validate(config).learner
+    assert (lc.launch, lc.world_size) == ("external", 4)
+    for ordinal in range(4):
+        rv = resolve(lc, env, hostname=f"{sts['metadata']['name']}-{ordinal}")
+        assert (rv.rank, rv.world, rv.addr, rv.port) == (ordinal, 4, env["MASTER_ADDR"], port)
+    assert "volumeClaimTemplates" not in spec  # DCP: every rank writes its shards into one shared directory
+    runs = next(m for m in c["volumeMounts"] if m["name"] == "runs")
+    assert runs == {"name": "runs", "mountPath": "/runs", "readOnly": False}
+    claim = next(v for v in pod["volumes"] if v["name"] == "runs")["persistentVolumeClaim"]["claimName"]
+    pvc = next(d for d in _objects(out) if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_spawn_learner_stays_one_pod_and_one_rank_has_no_rendezvous(tmp_path):
+    out, _ = _render(tmp_path, "learner.world_size=4", "deploy.learner_device=cuda", "learner.launch=spawn")
+    sts, svc = _learner(out)
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert sts["spec"]["replicas"] == 1 and c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {f"/runs/{RUN}/checkpoints"}
+    assert "MASTER_ADDR" not in {e["name"] for e in c["env"]}
+    out, _ = _render(tmp_path / "one")
+    sts, svc = _learner(out)
+    assert sts["spec"]["replicas"] == 1 and "publishNotReadyAddresses" not in svc["spec"]

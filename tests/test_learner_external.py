@@ -191,3 +191,28 @@ def test_two_separately_started_ranks_match_one_rank(tiny_model, tmp_path):
     for m, w in zip(metrics, want_metrics):
         assert m["loss"] == pytest.approx(w["loss"], abs=1e-5) and m["samples"] == w["samples"] == 15
         assert m["micro_batches"] == w["micro_batches"] == 3  # one rank ran a zero-weighted micro-batch
+
+
+def test_health_of_a_follower_rank_is_its_metrics(monkeypatch, capsys):
+    """`rlbus-entrypoint health learner` (the pod's liveness probe) on rank > 0 of a per-rank pod: no bus
+    heartbeat there, so healthy exactly when its /metrics answers."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from bus.server import free_port
+    from learner.rendezvous import follower_rank
+    from rlbus.entrypoint import main
+
+    assert follower_rank({"RLBUS_LEARNER_LAUNCH": "external"}, "exp-7-learner-2") == 2
+    assert follower_rank({"RLBUS_LEARNER_LAUNCH": "external"}, "exp-7-learner-0") is None  # rank 0: the heartbeat
+    assert follower_rank({}, "exp-7-learner-2") is None  # not a per-rank pod
+    port = free_port()
+    for k, v in {"RLBUS_LEARNER_LAUNCH": "external", "RANK": "1", "RLBUS_METRICS_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["health", "learner"]) == 1
+    assert f"unhealthy: learner rank 1: /metrics on port {port} does not answer" in capsys.readouterr().err
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=CollectorRegistry())
+    try:
+        assert main(["health", "learner"]) == 0
+    finally:
+        server.shutdown()
+        thread.join(5)

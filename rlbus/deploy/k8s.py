@@ -13,6 +13,9 @@ Guarantees:
   so these names are never typed here.
 - The run config is a ConfigMap (URL passwords redacted, `sandbox.remote = true` as in compose); NATS
   passwords only in the Secret file, written mode 0600.
+- The learner with `learner.world_size` > 1 is one pod per rank (`k8s_objects.learner_per_rank`,
+  `learner.launch = "external"` in the ConfigMap), unless `learner.launch = "spawn"` asks for one pod
+  holding every rank.
 - `deploy.service_monitor = true` adds `metrics.yaml`: a metrics Service per role workload and a
   Prometheus Operator ServiceMonitor (`k8s_objects.metrics_objects`); off, the tree has no such CRD object.
 - `render` writes only under `out`; rendering again rewrites the same files (passwords kept).
@@ -72,6 +75,12 @@ def rollout_gpus(cfg: RunConfig) -> int:
     if rc.engine == "vllm":
         return 1
     return 1 if rc.engine == "hf" and rc.hf.device.startswith("cuda") else 0
+
+
+def per_rank_learner(cfg: RunConfig) -> bool:
+    """One learner pod per rank: `learner.world_size` > 1 unless `learner.launch = "spawn"` (one pod
+    holding every rank, e.g. one 8-GPU node); the ConfigMap then says `learner.launch = "external"`."""
+    return cfg.learner.world_size > 1 and cfg.learner.launch != "spawn"
 
 
 def device_problems(cfg: RunConfig) -> list[str]:
@@ -212,6 +221,8 @@ def run_config_map(ctx: Context) -> dict[str, Any]:
     cfg.run.run_dir = k8s_objects.RUNS
     cfg.run.nats_url = ctx.nats_url
     cfg.sandbox.remote = True  # tool calls go to the sandbox service (compose does the same)
+    if per_rank_learner(cfg):
+        cfg.learner.launch = "external"  # one pod per rank: each finds the others by env (learner/rendezvous.py)
     data = redact_tree(cfg.model_dump(mode="json"))
     return {
         "apiVersion": "v1",
@@ -229,8 +240,9 @@ def role_objects(ctx: Context) -> dict[str, list[dict[str, Any]]]:
         if role.name == "tracker" and not cfg.tracking.backends:
             continue
         if role.name == "learner":
-            gpus = cfg.learner.world_size if d.learner_device == "cuda" else 0
-            out["learner.yaml"] = k8s_objects.learner_statefulset(ctx, gpus)
+            per_rank = per_rank_learner(cfg)
+            gpus = (1 if per_rank else cfg.learner.world_size) if d.learner_device == "cuda" else 0
+            out["learner.yaml"] = k8s_objects.learner_statefulset(ctx, gpus, per_rank)
             continue
         scaling = getattr(d, role.name, None) if role.name in ("rollout", "verifier") else None
         replicas = max(1, scaling.min_replicas) if scaling else 1

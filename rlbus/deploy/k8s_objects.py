@@ -189,11 +189,15 @@ def deployment(ctx, role: str, replicas: int, gpus: int = 0) -> dict[str, Any]:
     }
 
 
-def learner_statefulset(ctx, gpus: int) -> list[dict[str, Any]]:
-    """The learner: a headless Service and a one-pod StatefulSet whose checkpoint PVC is its own.
+def learner_statefulset(ctx, gpus: int, per_rank: bool = False) -> list[dict[str, Any]]:
+    """The learner: a headless Service and its StatefulSet.
 
-    One pod holds every rank: `rlbus worker learner` is rank 0 and starts ranks 1..N-1 itself, on one
-    node (they rendezvous on 127.0.0.1), so the pod requests `learner.world_size` GPUs with CUDA."""
+    One pod (`per_rank` False): it holds every rank (`rlbus worker learner` is rank 0 and starts ranks
+    1..N-1 itself on one node) and requests `gpus` GPUs; its checkpoint PVC is its own
+    (volumeClaimTemplates). One pod per rank (`per_rank`, `learner.launch = "external"`): see
+    `learner_per_rank`."""
+    if per_rank:
+        return learner_per_rank(ctx, gpus)
     pod = pod_spec(ctx, "learner", ["learner"], gpus)
     pod["containers"][0]["volumeMounts"].append(
         {"name": "checkpoints", "mountPath": f"{RUNS}/{ctx.run_id}/checkpoints"}
@@ -208,6 +212,50 @@ def learner_statefulset(ctx, gpus: int) -> list[dict[str, Any]]:
     }
     if ctx.deploy.storage_class:
         claim["spec"]["storageClassName"] = ctx.deploy.storage_class
+    service, sts = _learner_pair(ctx, pod, replicas=1, policy="OrderedReady")  # the learner lease: one per run
+    sts["spec"]["volumeClaimTemplates"] = [claim]
+    return [service, sts]
+
+
+def learner_master_addr(ctx) -> str:
+    """MASTER_ADDR of a per-rank learner: pod 0 of the StatefulSet through its headless Service."""
+    name = ctx.name("learner")
+    return f"{name}-0.{name}.{ctx.namespace}.svc.cluster.local"
+
+
+def learner_per_rank(ctx, gpus: int) -> list[dict[str, Any]]:
+    """One learner pod per rank (`learner.launch = "external"`, learner/rendezvous.py).
+
+    - `replicas` = `learner.world_size`, `podManagementPolicy: Parallel` (every rank starts at once: the
+      rendezvous needs them all, and OrderedReady would wait for pod 0's readiness first), `gpus`
+      (0 or 1) GPUs per pod.
+    - Rendezvous: the headless Service (the StatefulSet's `serviceName`) gives pod 0 the DNS name
+      `MASTER_ADDR` (`learner_master_addr`), published before it is ready
+      (`publishNotReadyAddresses`: rank 0 listens before its readiness probe passes); MASTER_PORT is
+      `deploy.learner_master_port`, WORLD_SIZE the world size; each pod's rank is the ordinal ending its
+      host name (`<run>-learner-N`), LOCAL_RANK 0 (its one GPU).
+    - Checkpoints: the shared run folder (ReadWriteMany, mounted read-write), not a per-pod PVC: a sharded
+      (DCP) checkpoint is one directory in which every rank writes its own shards and rank 0 the
+      metadata, and a restarted rank must read the others' shards to reshard."""
+    pod = pod_spec(ctx, "learner", ["learner"], gpus)
+    c = pod["containers"][0]
+    c["env"] += [
+        {"name": "MASTER_ADDR", "value": learner_master_addr(ctx)},
+        {"name": "MASTER_PORT", "value": str(ctx.deploy.learner_master_port)},
+        {"name": "WORLD_SIZE", "value": str(ctx.cfg.learner.world_size)},
+        {"name": "LOCAL_RANK", "value": "0"},
+        {"name": "RLBUS_LEARNER_LAUNCH", "value": "external"},  # `health learner` on a rank > 0: its /metrics
+    ]
+    c["ports"].append({"name": "rendezvous", "containerPort": ctx.deploy.learner_master_port})
+    pod["securityContext"] = {"fsGroup": ROLE_UID}
+    service, sts = _learner_pair(ctx, pod, replicas=ctx.cfg.learner.world_size, policy="Parallel")
+    service["spec"]["ports"].append({"name": "rendezvous", "port": ctx.deploy.learner_master_port})
+    service["spec"]["publishNotReadyAddresses"] = True
+    return [service, sts]
+
+
+def _learner_pair(ctx, pod: dict[str, Any], replicas: int, policy: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The learner's headless Service (the StatefulSet's `serviceName`) and StatefulSet of `pod`."""
     name = ctx.name("learner")
     service = {
         "apiVersion": "v1",
@@ -225,14 +273,13 @@ def learner_statefulset(ctx, gpus: int) -> list[dict[str, Any]]:
         "metadata": meta(name, ctx.run_id, "learner"),
         "spec": {
             "serviceName": name,
-            "replicas": 1,  # the learner lease allows one per run
-            "podManagementPolicy": "OrderedReady",
+            "replicas": replicas,
+            "podManagementPolicy": policy,
             "selector": {"matchLabels": labels(ctx.run_id, "learner")},
             "template": {"metadata": {"labels": labels(ctx.run_id, "learner")}, "spec": pod},
-            "volumeClaimTemplates": [claim],
         },
     }
-    return [service, sts]
+    return service, sts
 
 
 def init_job(ctx) -> dict[str, Any]:

@@ -81,11 +81,16 @@ class DeploySection(Section):
     runs_storage_class: str = ""
     """StorageClass of the run folder; it must offer ReadWriteMany (NFS, CephFS, EFS); empty = the default."""
     checkpoint_storage: str = "50Gi"
-    """Size of the learner's checkpoint PVC (ReadWriteOnce, its own volume)."""
+    """Size of the learner's checkpoint PVC (ReadWriteOnce, its own volume) when the learner is one pod
+    (`learner.world_size = 1`, or `learner.launch = "spawn"`). One pod per rank writes its sharded (DCP)
+    checkpoints to the shared run folder instead: every rank writes its own shards into one directory."""
+    learner_master_port: int = Field(default=29500, ge=1, le=65535)
+    """One pod per learner rank: the rendezvous port rank 0 listens on (MASTER_PORT, torch's default)."""
     metrics_port: int = Field(default=9100, ge=1, le=65535)
     """Port every pod serves Prometheus `/metrics` on (env RLBUS_METRICS_PORT); the readiness probe reads it."""
     learner_device: Literal["cpu", "cuda"] = "cpu"
-    """Device of the learner pod: `cuda` requests `learner.world_size` GPUs (`nvidia.com/gpu`); `cpu` none.
+    """Device of the learner pods: `cuda` requests one GPU (`nvidia.com/gpu`) per rank's pod (one pod per rank;
+    `learner.world_size` GPUs in the one pod of `learner.launch = "spawn"`); `cpu` none.
     The learner itself takes CUDA when it sees it; `learner.backend = "nccl"` needs `cuda` here."""
     gpu_node_selector: dict[str, str] = Field(default_factory=dict)
     """nodeSelector of pods that request GPUs (e.g. `{"nvidia.com/gpu.present" = "true"}`); empty = none."""

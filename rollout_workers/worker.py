@@ -26,6 +26,9 @@ Guarantees:
 - With `rollout.endpoint.enabled`, the worker serves the OpenAI-compatible endpoint
   (`rollout_workers.endpoint`) on its engine and its current weights, from start to stop;
   its engine calls hold the weight watcher's load lock, so a call's version is exact.
+- Tasks of `kind = "agent"` domains run as harness-owned episodes (`rollout_workers.agent_harness`):
+  the worker serves the endpoint (also on a Unix socket for the sandboxes) whether or not
+  `rollout.endpoint.enabled`; their infrastructure errors retry the batch like a failed sandbox.
 - Payloads by reference (`rollout_workers.repo_payloads`): a task's `workspace_ref` is
   fetched and checked before its sandbox opens, an artifact over
   `rollout.artifact_inline_bytes` is stored in the payload bucket and published as a ref;
@@ -45,8 +48,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 
 import structlog
 
@@ -56,6 +62,7 @@ from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
 from bus.session import Session, WorkerContext, worker_session
 from rollout_workers.agent import SandboxUnavailable, run_episodes
+from rollout_workers.agent_harness import agent_domains, run_agent_tasks, socket_dir
 from rollout_workers.engines import close_engine, make_engine
 from rollout_workers.engines.sample import Sample
 from rollout_workers.repo_payloads import offload_artifacts, resolve_workspaces
@@ -142,6 +149,8 @@ async def roll_out_batch(
     counters: dict[str, float],
     budget_s: float,
     run_tool_tasks=None,
+    run_agent_tasks=None,
+    agent_domains: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Generate a batch's trajectories and publish them once every weight version they may
     come from is verified (else raise Retry for the whole batch: nothing is published).
@@ -153,9 +162,17 @@ async def roll_out_batch(
     by_shape: dict[tuple, list[Task]] = defaultdict(list)
     for d in batch:
         t = d.msg
-        by_shape[(bool(t.tools) or is_openenv(t), t.group_size, t.max_tokens, t.temperature)].append(t)
+        way = "agent" if t.domain in agent_domains else bool(t.tools) or is_openenv(t)
+        by_shape[(way, t.group_size, t.max_tokens, t.temperature)].append(t)
     items = []
     for (tools, n, max_tokens, temperature), tasks in by_shape.items():
+        if tools == "agent":  # harness-owned episodes (rollout_workers.agent_harness)
+            try:
+                items += [(reg.traj(t.domain), t) for t in await run_agent_tasks(tasks)]
+            except SandboxUnavailable as exc:
+                log.warning("rollout.agent_unavailable", error=str(exc))
+                raise Retry(delay=5.0, reason=str(exc)) from exc
+            continue
         if tools:
             try:
                 items += await run_tool_tasks(tasks, deadline)
@@ -206,12 +223,19 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             return s.counters
         await watcher.maybe_load(engine)
 
-        if rc.endpoint.enabled:  # harness-owned episodes call the policy here (rollout_workers.endpoint)
+        agents = agent_domains(cfg)
+        endpoint = uds = None
+        if rc.endpoint.enabled or agents:  # harness-owned episodes call the policy here (rollout_workers.endpoint)
             from rollout_workers.endpoint.server import Endpoint
 
             endpoint = Endpoint(engine, lambda: watcher.version, rc.endpoint, rc.max_context_tokens, watcher.load_lock)
             stack.push_async_callback(endpoint.stop)
-            log.info("rollout.endpoint_serving", base_url=await endpoint.serve())
+            if agents:  # sandboxes without a network reach it through this socket (rollout_workers.agent_harness)
+                uds = socket_dir()
+                stack.callback(shutil.rmtree, os.path.dirname(uds), True)
+            log.info(
+                "rollout.endpoint_serving", base_url=await (endpoint.serve(uds) if uds else endpoint.serve()), uds=uds
+            )
 
         open_sandbox = await sandbox_opener(cfg, ctx, s)
         workspaces = PayloadCache(s.js, s.reg)
@@ -235,6 +259,18 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             s.counters["artifacts_by_ref"] = s.counters.get("artifacts_by_ref", 0) + moved
             return [(s.reg.traj(ep.task.domain), ep.trajectory()) for ep in episodes]
 
+        async def agent_tasks(tasks: list[Task]) -> list[Trajectory]:
+            tasks = await resolve_workspaces(tasks, workspaces)
+            trajs = await run_agent_tasks(endpoint, cfg, tasks, uds, slots=rc.sandbox_slots)
+            by_id = {t.task_id: t for t in tasks}  # offload_artifacts reads ep.task, edits the artifacts in place
+            shims = [
+                SimpleNamespace(task=by_id[t.task_id], artifacts=t.artifacts, artifact_refs=t.artifact_refs)
+                for t in trajs
+            ]
+            moved = await offload_artifacts(s.js, s.reg, shims, rc.artifact_inline_bytes)
+            s.counters["artifacts_by_ref"] = s.counters.get("artifacts_by_ref", 0) + moved
+            return trajs
+
         async def handle(batch: list[Delivery], budget_s: float):
             return await roll_out_batch(
                 batch,
@@ -245,6 +281,8 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
                 counters=s.counters,
                 budget_s=budget_s,
                 run_tool_tasks=run_tool_tasks,
+                run_agent_tasks=agent_tasks,
+                agent_domains=agents,
             )
 
         async def serve(pool: str, pc: PoolConfig) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -166,6 +167,11 @@ class LocalAsyncSandbox(AsyncSandbox):
             return Observation(result, render_observation(result, *obs_caps(caps)))
         exec_id, text = await self._recorder.record(self.session, cmd, result, caps)
         return Observation(result, text, exec_id)
+
+    async def execute_with(self, cmd: list[str] | str, timeout: float | None = None, **options) -> ExecResult:
+        """`execute` with the backend's own options (the process backend's `ro_binds`, `env`:
+        an agent harness's binds and variables), unrecorded: the caller owns what it runs."""
+        return await self._call(functools.partial(self._sandbox.execute, cmd, timeout, **options))
 
     async def read_file(self, path: str) -> bytes:
         return await self._call(self._sandbox.read_file, path)

@@ -294,19 +294,29 @@ class ProcessSandbox(Sandbox):
         # only syscalls run in the child; used only when a cgroup must be joined first
         return subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, **kw)
 
-    def execute(self, cmd: list[str] | str, timeout: float | None = None) -> ExecResult:
-        """Run `cmd` in the sandbox; see the module docstring for the guarantees."""
+    def execute(
+        self,
+        cmd: list[str] | str,
+        timeout: float | None = None,
+        *,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        """Run `cmd` in the sandbox; see the module docstring for the guarantees. `ro_binds`
+        (bwrap only; (host, inside) pairs bound read-only) and `env` (added to the cleared
+        environment) are for agent harnesses (`rollout_workers.agent_harness`)."""
         self._require_started()
         if self.isolation == "degraded" and not self.allow_degraded:  # start refuses first; never reached
             raise SandboxRefused(refusal_message("degraded without permission"))
         timeout = self.default_timeout if timeout is None else timeout
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        extra = env
         env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", MARKER_ENV: self.marker}
         if self.isolation == "bwrap":
-            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv, INNER_UID)
+            argv = bwrap_argv(self._bwrap, self.workdir, self.limits, self.marker, argv, INNER_UID, ro_binds, extra)
             cwd = "/"
         else:
-            env.update(HOME=self.workdir, TMPDIR=self.workdir, PYTHONDONTWRITEBYTECODE="1")
+            env.update(HOME=self.workdir, TMPDIR=self.workdir, PYTHONDONTWRITEBYTECODE="1", **(extra or {}))
             cwd = self.workdir
         oom_before = self._oom_kills()
         t0 = time.monotonic()

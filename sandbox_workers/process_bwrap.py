@@ -51,7 +51,21 @@ def system_binds() -> tuple[str, ...]:
     return tuple(args)
 
 
-def bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str, argv: list[str], inner_uid: int) -> list[str]:
+def bwrap_argv(
+    bwrap: str,
+    workdir: str,
+    limits: Limits,
+    marker: str,
+    argv: list[str],
+    inner_uid: int,
+    ro_binds: tuple[tuple[str, str], ...] = (),
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """The command line (see the module guarantees); `ro_binds`: extra (host path, inside path)
+    pairs bound read-only (an agent harness's libraries, its task file, the endpoint's socket);
+    `env`: extra variables set after the cleared environment (they may override HOME)."""
+    extra = [a for host, inside in ro_binds for a in ("--ro-bind", host, inside)]
+    extra_env = [a for k, v in (env or {}).items() for a in ("--setenv", k, v)]
     return [
         bwrap,
         "--as-pid-1",
@@ -78,6 +92,7 @@ def bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str, argv: list
         "--bind",
         workdir,
         WORK_DIR,
+        *extra,
         "--remount-ro",
         "/",
         "--chdir",
@@ -101,6 +116,7 @@ def bwrap_argv(bwrap: str, workdir: str, limits: Limits, marker: str, argv: list
         "--setenv",
         MARKER_ENV,
         marker,
+        *extra_env,
         "--",
         *INIT_SHIM,
         *argv,

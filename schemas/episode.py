@@ -30,8 +30,10 @@ VerifierStatus = Literal[
     "no_reward_file",
     "bad_reward_file",
     "storage_exceeded",
+    "harness_error",
 ]
-"""`answer_limit`: the answer ran into the answer pool's limits (`verifier_workers.answer_pool`), reward 0."""
+"""`answer_limit`: the answer ran into the answer pool's limits (`verifier_workers.answer_pool`), reward 0.
+`harness_error`: an agent harness crashed after the policy acted (`schemas.agent_task`), reward 0."""
 
 RewardWeights = dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False)]]
 """Component name -> finite weight (ints allowed, bools and strings not)."""

@@ -53,6 +53,7 @@ from bus.publish import publish_many
 from bus.pull import Delivery, Reject, Retry, run_pull_stream
 from bus.session import WorkerContext, worker_session
 from schemas import Reward, Trajectory
+from schemas.agent_task import HARNESS_ERROR, agent_record
 from schemas.config import RunConfig, VerifierSection
 from verifier_workers import registry
 from verifier_workers.errors import VerifierCrash, VerifierInfraError
@@ -143,13 +144,21 @@ def run_verifier(traj: Trajectory, hidden: dict | None) -> Verdict:
 
 def score(traj: Trajectory, hidden: dict | None = None, embed: Trajectory | None = None) -> Reward:
     """Verify one trajectory and compose its Reward (which embeds `embed`, default `traj`: the
-    trajectory as it arrived when `traj` is its copy with artifacts resolved).
+    trajectory as it arrived when `traj` is its copy with artifacts resolved). A harness-owned
+    episode whose harness crashed after the policy acted (`schemas.agent_task`) scores 0 with
+    status `harness_error` and the harness's stderr tail, without running the verifier.
 
     Raises VerifierInputError (unusable task) or VerifierInfraError (retry later).
     """
     t0 = time.perf_counter()
-    verdict = run_verifier(traj, hidden)
-    reward, components = compose_reward(traj, verdict)
+    record = agent_record(traj)
+    if record is not None and record.get("status") == HARNESS_ERROR:  # the harness crashed after the policy acted
+        reward, components = 0.0, {"correct": 0.0, **process_components(traj)}
+        verdict = Verdict(components, status=HARNESS_ERROR, details=f"harness exit {record.get('exit_code')}: "
+                          f"{str(record.get('stderr_tail', ''))[-1500:]}")  # fmt: skip
+    else:
+        verdict = run_verifier(traj, hidden)
+        reward, components = compose_reward(traj, verdict)
     traj = embed if embed is not None else traj
     return Reward(
         run_id=traj.run_id,

@@ -55,6 +55,7 @@ BUILTINS: dict[str, str] = {
     "repo": "producers.domains.repo:RepoDomain",
     "harbor": "producers.domains.harbor:HarborDomain",
     "openenv": "producers.domains.openenv:OpenEnvDomain",
+    "agent": "producers.domains.agent:AgentDomain",
     "findoc": "producers.domains.findoc:FindocDomain",
     "recall": "producers.domains.recall:RecallDomain",
 }

@@ -92,6 +92,8 @@ class EndpointEpisode:
     pending: Pending | None = None
     finish_reason: str = ""
     """"" while open; then why it ended (`stop`, `length`, `timeout`, `error`)."""
+    infra_error: str = ""
+    """Why the engine failed a call of this episode ("" when none did): not the policy's doing."""
 
     @property
     def ended(self) -> bool:
@@ -209,6 +211,11 @@ class EpisodeTable:
             if ep.ended:
                 raise EpisodeEnded(f"the episode ended ({ep.finish_reason})")
             return ep
+
+    def episode(self, key: str) -> EndpointEpisode | None:
+        """The open episode of `key`, ended or not (its owner's view; None when closed)."""
+        with self._lock:
+            return self._open.get(key_hash(key))
 
     def close(self, key: str, tokenizer, reason: str = "stop") -> Trajectory:
         """End the episode of `key` (its pending choice settled) and give its Trajectory."""

@@ -69,8 +69,8 @@ class Endpoint:
         self.engine_lock = engine_lock or asyncio.Lock()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.app = self._routes()
-        self.server = None
-        self.base_url = ""
+        self.server = self.uds_server = None
+        self.base_url = self.uds = ""
         self._tasks: list[asyncio.Task] = []
 
     # episodes ---------------------------------------------------------------------------
@@ -169,7 +169,11 @@ class Endpoint:
             raise ContextExhausted("the episode ran past rollout.endpoint.episode_timeout_s; it ended with `timeout`")
         future = asyncio.get_running_loop().create_future()
         await self.queue.put((list(ep.context), sampling, room, future))
-        samples, version, gen_s = await future
+        try:
+            samples, version, gen_s = await future
+        except Exception as exc:  # the engine failed: the episode's owner treats it as infrastructure
+            ep.infra_error = ep.infra_error or f"{type(exc).__name__}: {exc}"
+            raise
         prompt_len = len(ep.context)
         choices, kept = [], []
         for i, s in enumerate(samples):
@@ -247,8 +251,11 @@ class Endpoint:
         return self.engine.generate(contexts, n, max_tokens, temperature)
 
     # serving ----------------------------------------------------------------------------
-    async def serve(self) -> str:
-        """Start listening (see the guarantees); the base URL (`http://host:port/v1`)."""
+    async def serve(self, uds: str | None = None) -> str:
+        """Start listening (see the guarantees); the base URL (`http://host:port/v1`). With
+        `uds`, the same app is also served on that Unix socket (mode 0666: the key is the
+        credential), which sandboxes without a network reach through a bound relay
+        (`rollout_workers.agent_harness`)."""
         import uvicorn
 
         # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say TCP; without it each
@@ -262,10 +269,14 @@ class Endpoint:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
         self.server = uvicorn.Server(config)
         self._tasks = [asyncio.create_task(self._batcher()), asyncio.create_task(self.server.serve(sockets=[sock]))]
-        while not self.server.started:
-            if self._tasks[1].done():
-                self._tasks[1].result()  # raises why it could not start
-            await asyncio.sleep(0.01)
+        await _started(self.server, self._tasks[1])
+        if uds:
+            self.uds_server = uvicorn.Server(
+                uvicorn.Config(self.app, uds=uds, log_level="warning", lifespan="off", access_log=False)
+            )
+            self._tasks.append(asyncio.create_task(self.uds_server.serve()))
+            await _started(self.uds_server, self._tasks[2])
+            self.uds = uds
         host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
         self.base_url = f"http://{host}:{port}/v1"
         return self.base_url
@@ -273,12 +284,23 @@ class Endpoint:
     async def stop(self) -> None:
         """Stop serving: the server first (no new calls), then the batcher."""
         try:
-            if self.server is not None:
-                self.server.should_exit = True
-                await asyncio.wait_for(self._tasks[1], timeout=10)
+            for server, task in zip((self.server, self.uds_server), self._tasks[1:], strict=False):
+                if server is not None:
+                    server.should_exit = True
+                    await asyncio.wait_for(task, timeout=10)
         finally:
-            self._tasks[0].cancel()
+            if self._tasks:  # none when serve() failed before starting anything
+                self._tasks[0].cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _started(server, task: asyncio.Task) -> None:
+    """Wait until uvicorn `server` listens (raising why, when its task ended first)."""
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("the endpoint's server ended before it started listening")
+        await asyncio.sleep(0.01)
 
 
 class _Cut:

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
+from schemas.config.agent import AgentSection
 from schemas.config.base import Section
 from schemas.config.deploy import DeploySection
 from schemas.config.harbor import HarborSection
@@ -37,6 +38,7 @@ from schemas.config.tracking import TrackingSection
 from schemas.config.workers import SandboxSection, VerifierSection
 
 __all__ = [
+    "AgentSection",
     "ConfigError",
     "CurriculumSection",
     "DeploySection",
@@ -103,6 +105,8 @@ class RunConfig(Section):
     """Experiment tracking (TensorBoard, wandb) by the `tracker` role."""
     harbor: HarborSection = Field(default_factory=HarborSection)
     """Harbor task directories (`kind = "harbor"` domains): image map, network, verification."""
+    agent: AgentSection = Field(default_factory=AgentSection)
+    """Harness-owned episodes (`kind = "agent"` domains): where harnesses may run, their limits."""
     deploy: DeploySection = Field(default_factory=DeploySection)
     """Deployment past one machine (`rlbus k8s render`, `rlbus slurm render`); no role reads it at run time."""
 

@@ -92,9 +92,28 @@ class DomainConfig(Section):
     """Measured mean episode seconds (per level, KV `durations`) above which tasks go to the `long` pool."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Domain-specific options (see the domain's docstring)."""
+    wraps: str = ""
+    """`kind = "agent"` domains: the kind whose tasks (and verifier) the harness works on
+    (`repo`, `math`, `tool_calc`, ...); its own options are this domain's `params`."""
+    command: list[str] = Field(default_factory=list)
+    """`kind = "agent"` domains: the harness command run per episode in the episode's sandbox;
+    `{task_file}` is replaced by the path of the public task JSON (also `RLBUS_TASK_FILE`)."""
     heldout: bool = False
     """Zero-shot domain: never sampled for training; the scheduler evaluates it every
     `scheduler.eval.every_versions` with the same pipeline (`eval.<domain>`, purpose `heldout`)."""
+
+    @model_validator(mode="after")
+    def _agent_fields(self):
+        if self.kind == "agent":
+            if not self.wraps or self.wraps == "agent":
+                raise ValueError(
+                    'kind = "agent" needs wraps = "<kind>": the kind whose tasks the harness solves (repo, math, ...)'
+                )
+            if not self.command or not all(isinstance(a, str) and a for a in self.command):
+                raise ValueError('kind = "agent" needs command = ["<harness>", ..., "{task_file}"] (non-empty strings)')
+        elif self.wraps or self.command:
+            raise ValueError('wraps and command belong to kind = "agent" domains; set kind = "agent" or remove them')
+        return self
 
     @model_validator(mode="after")
     def _levels_ordered(self):

@@ -1,0 +1,36 @@
+"""`[agent]`: the operator's settings for harness-owned episodes (`kind = "agent"` domains)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.config.base import Section
+
+
+class AgentSection(Section):
+    """How `kind = "agent"` harnesses run (every agent domain shares it)."""
+
+    PLACE = "agent"
+    allow_host: bool = False
+    """Run harnesses as plain host processes (rlimits and a dedicated uid only: they see this
+    host's network and files) where the bubblewrap sandbox is unavailable. Off: such an
+    episode is refused (retried, then dead-lettered). On: the console says so in red."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Wall time of one harness run; past it every process of the harness is killed and the
+    episode ends with `timeout` (verified as it stands)."""
+    memory_mb: int = Field(default=4096, ge=64)
+    """Address-space limit of the harness's processes (a Python harness with its libraries
+    needs far more than a tool call's `sandbox.memory_mb`)."""
+    pids: int = Field(default=256, ge=8)
+    """Most processes and threads of one harness."""
+    python_path: list[str] = Field(default_factory=lambda: ["purelib"])
+    """Host directories bound read-only into the sandbox and put on the harness's PYTHONPATH
+    (the sandbox's `python3` is the system one). `purelib`: the rollout worker's own
+    site-packages (where the `agents` extra put `openai` and `mini-swe-agent`); [] for none."""
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_COST_TRACKING": "ignore_errors"}
+    )
+    """Extra variables of every harness (the defaults keep mini-swe-agent's litellm offline);
+    `OPENAI_*`, `RLBUS_TASK_FILE`, `PYTHONPATH` and `HOME` are set by rlbus and win."""
+    stderr_chars: int = Field(default=4000, ge=200, le=65536)
+    """Tail of the harness's stderr kept with a `harness_error`."""

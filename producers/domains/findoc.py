@@ -116,9 +116,12 @@ class FindocDomain:
         return build(rng, self.counter, longctx.length_of(self.levels, level), family)
 
     def _drawn(self, doc: Document, level: int, task_id: str, key: str) -> Drawn:
-        if doc.tokens > self.budget:
+        if level in self.too_long or doc.tokens > self.budget:
             self.skipped["prompt_too_long"] += 1
-            raise TaskSkipped("prompt_too_long", f"{task_id}: {doc.tokens} tokens > max_prompt_tokens {self.budget}")
+            raise TaskSkipped(
+                "prompt_too_long",
+                f"{task_id}: {doc.tokens} tokens (level length {longctx.length_of(self.levels, level)}) > max_prompt_tokens {self.budget}",
+            )
         task = finish_task(
             self.ctx,
             task_id=task_id,
@@ -150,6 +153,6 @@ class FindocDomain:
         out = []
         for i in range(min(n, self.eval_n)):
             doc = self.document("eval", level, i, seed)
-            if doc.tokens <= self.budget:
+            if level not in self.too_long and doc.tokens <= self.budget:
                 out.append(self._drawn(doc, level, f"{self.ctx.name}-eval-{level}-{i}", f"eval-{seed}-{level}-{i}"))
         return drawn_set(self.ctx.name, seed, level, out)

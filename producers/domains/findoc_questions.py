@@ -20,10 +20,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from producers.domains.findoc_gen import LABELS, Filing, money
+from producers.domains.findoc_gen import LABELS, TABLES, Filing, money
 from schemas.answers import ANSWER_CLOSE, ANSWER_OPEN
 
 FAMILIES = ("extraction", "calculation", "conclusion")
+TABLE_OF = {key: name for name, (_, keys) in TABLES.items() for key in keys}
+"""The table each consolidated line is shown in."""
 REL_TOL = 0.01
 """Relative tolerance of a calculation's answer."""
 
@@ -66,8 +68,7 @@ def _seg_lookup(f: Filing, seg: str, year: int, what: str) -> tuple[int, str]:
 
 def _line_lookup(f: Filing, key: str, year: int) -> tuple[int, str]:
     value = f.lines[(key, year)]
-    table = {"total_equity": "balance", "long_term_debt": "balance", "total_assets": "balance"}.get(key)
-    unit = f.bs_unit if table == "balance" else "millions"
+    unit = f.bs_unit if TABLE_OF[key] == "balance" else "millions"
     shown = money(value, unit)
     conv = f" = ${money(value)} million" if unit == "thousands" else " million"
     return value, f"{LABELS[key]} {year}: {shown} (in {unit}){conv}"
@@ -93,7 +94,7 @@ def extraction(rng: random.Random, f: Filing) -> Question:
         )
         value, lookup = _line_lookup(f, key, year)
         text = f"What was {f.company}'s {LABELS[key].lower()} in fiscal {year}?"
-        needs = ("income", "balance", "cash")
+        needs = (TABLE_OF[key],)
     text += " Answer in millions of US dollars."
     hidden = {"family": "extraction", "gold": _m(value), "unit": "million", "derivation": lookup}
     return Question("extraction", text, needs, hidden, f"Lookup: {lookup}.\n{_answer(_fmt(_m(value), 1))}")

@@ -17,9 +17,10 @@ Guarantees:
   minus the task's generation budget: a prompt over it cannot be generated from.
 - `fit(...)` keeps every essential block and adds optional ones, in the order given, while
   the whole prompt stays within the target; the result is checked with one full count.
-- `check_levels(...)` raises `DomainUnavailable` when no configured level's document fits
-  the budget (the run goes on without the domain, with the reason); otherwise it returns the
-  levels that do not fit, whose tasks the source refuses and counts (`prompt_too_long`).
+- `check_levels(...)` raises `DomainUnavailable` when no configured level's length (or probe
+  document) fits the budget (the run goes on without the domain, with the reason); otherwise
+  it returns the levels that do not fit: the source refuses every task drawn at one of them,
+  and any single document over the budget, and counts them (`prompt_too_long`).
 """
 
 from __future__ import annotations
@@ -154,10 +155,10 @@ def fit(
 
 
 def check_levels(ctx: DomainContext, levels: tuple[int, ...], budget: int, probe) -> list[int]:
-    """The configured levels whose documents exceed `budget` (`probe(level)` is a fitted
-    prompt's token count); `DomainUnavailable` when that is every level."""
+    """The configured levels whose length, or whose probe document (`probe(level)`: a fitted
+    prompt's token count), exceeds `budget`; `DomainUnavailable` when that is every level."""
     dc = ctx.dc
-    over = {lvl: probe(lvl) for lvl in range(dc.min_level, dc.max_level + 1)}
+    over = {lvl: max(probe(lvl), length_of(levels, lvl)) for lvl in range(dc.min_level, dc.max_level + 1)}
     too_long = [lvl for lvl, n in over.items() if n > budget]
     if len(too_long) == len(over):
         raise DomainUnavailable(

@@ -130,9 +130,12 @@ class RecallDomain:
         return layout(rng, self.counter, longctx.length_of(self.levels, level), variant, position)
 
     def _drawn(self, lay: Layout, level: int, position: float, task_id: str, key: str) -> Drawn:
-        if lay.tokens > self.budget:
+        if level in self.too_long or lay.tokens > self.budget:
             self.skipped["prompt_too_long"] += 1
-            raise TaskSkipped("prompt_too_long", f"{task_id}: {lay.tokens} tokens > max_prompt_tokens {self.budget}")
+            raise TaskSkipped(
+                "prompt_too_long",
+                f"{task_id}: {lay.tokens} tokens (level length {longctx.length_of(self.levels, level)}) > max_prompt_tokens {self.budget}",
+            )
         task = finish_task(
             self.ctx,
             task_id=task_id,
@@ -182,6 +185,6 @@ class RecallDomain:
         for i in range(min(n, self.eval_n)):
             lvl, position = levels[(i // 10) % len(levels)], (i % 10 + 0.5) / 10
             lay = self.layout("eval", lvl, i, position, seed)
-            if lay.tokens <= self.budget:
+            if lvl not in self.too_long and lay.tokens <= self.budget:
                 out.append(self._drawn(lay, lvl, position, f"{self.ctx.name}-eval-{lvl}-{i}", f"eval-{seed}-{lvl}-{i}"))
         return drawn_set(self.ctx.name, seed, level, out)

@@ -1,0 +1,199 @@
+"""Reward-model math and model handling: the Bradley-Terry loss, pair encoding, micro-batched
+accumulation, held-out scoring and the Hugging Face export.
+
+Sources: Bradley & Terry 1952 (paired comparisons); the pairwise reward-model loss of
+Ouyang et al. 2022, arXiv:2203.02155, -log sigmoid(r_chosen - r_rejected); the margin of
+Touvron et al. 2023 (Llama 2), arXiv:2307.09288, subtracted inside the sigmoid; the
+centring term of Eisenstein et al. 2023, arXiv:2312.09244, coef * mean((r_c + r_r)^2).
+
+Guarantees:
+- `bt_loss` is the mean over pairs of -log sigmoid(r_c - r_r - margin), plus
+  `center_coef * mean((r_c + r_r)^2)`; both are sums over pairs divided by the batch's
+  pair count, so `accumulate` over length-sorted micro-batches of whole pairs gives the
+  one-batch loss and gradient up to float rounding.
+- `encode_pairs` tokenizes each side as the `model` verifier's classifier does
+  (`tokenizer(question, response)`, truncated from the left to `max_length`), so a pair
+  trains on exactly what serving scores; an over-long side is truncated, never dropped,
+  and counted (`Encoded.truncated`: pairs with a truncated side; `both_truncated`).
+- `load_reward_model` turns a causal LM (or a one-label classifier) into a one-label
+  `AutoModelForSequenceClassification` with `pad_token_id` set; an architecture that
+  transformers has no sequence-classification head for raises `RmModelError` naming it.
+- `export` writes a plain HF directory (LoRA merged) plus the tokenizer and its chat
+  template, which `AutoModelForSequenceClassification.from_pretrained` loads as-is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from learner.rm_data import Pair, render
+
+
+class RmModelError(ValueError):
+    """The base model cannot become a reward model (the message names its architecture)."""
+
+
+@dataclass
+class Encoded:
+    """Token ids of every pair: chosen[i], rejected[i], margin[i]."""
+
+    chosen: list[list[int]]
+    rejected: list[list[int]]
+    margin: list[float]
+    truncated: int = 0
+    both_truncated: int = 0
+    lengths: list[int] = field(default_factory=list)  # per pair: the longer side
+
+
+def bt_loss(r_chosen, r_rejected, margin=None, center_coef: float = 0.0, *, pairs: int | None = None):
+    """Bradley-Terry loss of reward tensors (module guarantees); `pairs` is the normaliser
+    (default: this call's pair count; `accumulate` passes the whole batch's)."""
+    import torch.nn.functional as F
+
+    n = pairs if pairs is not None else r_chosen.shape[0]
+    diff = r_chosen - r_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff).sum() / n
+    if center_coef:
+        loss = loss + center_coef * ((r_chosen + r_rejected) ** 2).sum() / n
+    return loss
+
+
+def encode_pairs(tokenizer, pairs: list[Pair], max_length: int) -> Encoded:
+    """Token ids of both sides of every pair, as served (module guarantees)."""
+    tokenizer.truncation_side = "left"
+    out = Encoded([], [], [p.margin for p in pairs])
+    cut: dict[str, list[bool]] = {}
+    for side in ("chosen", "rejected"):
+        cut[side] = []
+        for pair in pairs:
+            text, text_pair = render(tokenizer, pair, side)
+            ids = tokenizer(text, text_pair)["input_ids"]
+            cut[side].append(len(ids) > max_length)
+            if len(ids) > max_length:  # as the verifier truncates; then the left end, whatever the strategy left
+                ids = tokenizer(text, text_pair, truncation=True, max_length=max_length)["input_ids"][-max_length:]
+            getattr(out, side).append(ids)
+    out.lengths = [max(len(c), len(r)) for c, r in zip(out.chosen, out.rejected)]
+    out.truncated = sum(a or b for a, b in zip(cut["chosen"], cut["rejected"]))
+    out.both_truncated = sum(a and b for a, b in zip(cut["chosen"], cut["rejected"]))
+    return out
+
+
+def padded(rows: list[list[int]], pad_id: int, device):
+    """Right-padded input_ids and attention_mask (the classifier pools the last real token)."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def rewards(model, rows: list[list[int]], pad_id: int, device):
+    """One forward: the scalar reward of each row (float32)."""
+    ids, mask = padded(rows, pad_id, device)
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+def plan_pairs(enc: Encoded, rows: list[int], max_tokens: int) -> list[list[int]]:
+    """Length-sorted micro-batches of whole pairs (`learner.step.plan_micro_batches` on the
+    longer side; both sides count, so a micro-batch runs at most `max_tokens` positions)."""
+    from learner.step import plan_micro_batches
+
+    chunks = plan_micro_batches([enc.lengths[i] for i in rows], max(1, max_tokens // 2))
+    return [[rows[j] for j in c] for c in chunks]
+
+
+def micro_loss(model, enc: Encoded, rows: list[int], n_pairs: int, center_coef: float, pad_id: int, device):
+    """(loss tensor scaled to the batch's `n_pairs`, chosen rewards, rejected rewards) of `rows`."""
+    import torch
+
+    r = rewards(model, [enc.chosen[i] for i in rows] + [enc.rejected[i] for i in rows], pad_id, device)
+    rc, rr = r[: len(rows)], r[len(rows) :]
+    margin = torch.tensor([enc.margin[i] for i in rows], dtype=torch.float32, device=device)
+    return bt_loss(rc, rr, margin, center_coef, pairs=n_pairs), rc.detach(), rr.detach()
+
+
+def accumulate(model, enc: Encoded, jobs: list[tuple[list[int], bool]], n_pairs: int, cfg, ctx, device, scale=1.0):
+    """Backward every job's loss (a job: (rows, real); a padding job is zero-weighted, as
+    `learner.sharded` pads ranks); `cfg` has `center_coef` and `pad_id`. Returns (loss sum,
+    correct pairs) of the real jobs."""
+    loss_sum, correct = 0.0, 0
+    for rows, real in jobs:
+        with ctx():
+            loss, rc, rr = micro_loss(model, enc, rows, n_pairs, cfg.center_coef, cfg.pad_id, device)
+        (loss * (scale if real else 0.0)).backward()
+        if real:
+            loss_sum += float(loss.detach())
+            correct += int((rc > rr).sum())
+    return loss_sum, correct
+
+
+def score_all(model, enc: Encoded, pad_id: int, device, ctx, max_tokens: int) -> tuple[list[float], list[float]]:
+    """Rewards of every pair's sides, without gradients, in length-sorted micro-batches."""
+    import torch
+
+    rc, rr = [0.0] * len(enc.chosen), [0.0] * len(enc.chosen)
+    with torch.no_grad():
+        for rows in plan_pairs(enc, list(range(len(enc.chosen))), max_tokens):
+            with ctx():
+                _, c, r = micro_loss(model, enc, rows, len(rows), 0.0, pad_id, device)
+            for k, i in enumerate(rows):
+                rc[i], rr[i] = float(c[k]), float(r[k])
+    return rc, rr
+
+
+def load_reward_model(base: str | Path, *, lora_rank: int = 0, lora_alpha: float = 16.0, seed: int = 0):
+    """(model, tokenizer): a one-label sequence classifier on `base` (module guarantees)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    base = Path(base)
+    if not (base / "config.json").exists():
+        raise RmModelError(f"base model {str(base)!r} is not a Hugging Face model directory (no config.json)")
+    config = AutoConfig.from_pretrained(base, local_files_only=True)
+    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        raise RmModelError(
+            f"base model {str(base)!r} (architecture {config.architectures}, model_type {config.model_type!r}) "
+            "has no sequence-classification head in transformers; start from a decoder LM such as qwen2 or llama"
+        )
+    if getattr(config, "num_labels", 1) != 1 and any(
+        a.endswith("ForSequenceClassification") for a in config.architectures or []
+    ):
+        raise RmModelError(f"base model {str(base)!r} is a {config.num_labels}-label classifier; a reward model has 1")
+    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)  # the new score head's initialisation
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base, num_labels=1, pad_token_id=tokenizer.pad_token_id, local_files_only=True, dtype=torch.float32
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(
+            r=lora_rank, lora_alpha=lora_alpha, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS", bias="none"
+        )
+        model = get_peft_model(model, cfg)
+    return model, tokenizer
+
+
+def export(model, tokenizer, out: Path) -> Path:
+    """Write the reward model as a plain HF classifier directory (LoRA merged); returns `out`."""
+    from learner.lora import is_lora
+
+    if is_lora(model):
+        model = model.merge_and_unload()
+    model.config.num_labels = 1
+    model.config.pad_token_id = tokenizer.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

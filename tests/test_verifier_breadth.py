@@ -519,5 +519,5 @@ def test_domains_example_config_loads_every_builtin_kind():
     cfg = load_config(ROOT / "examples/domains.toml")
     bench_only = {"sleep"}  # the scheduling benchmark's kind, not a task domain
     # docker episodes and verifiers (examples/repo.toml, examples/harbor.toml); a live environment server (examples/openenv.toml)
-    own_example = {"repo", "harbor", "openenv"}
+    own_example = {"repo", "harbor", "openenv", "findoc", "recall"}  # long documents: examples/long_context.toml
     assert {kind_of(n, dc) for n, dc in cfg.sampler.domains.items()} == set(BUILTINS) - bench_only - own_example

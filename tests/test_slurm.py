@@ -77,3 +77,39 @@ def test_cli(tmp_path):
     _bash_n(out.read_text(), tmp_path)
     refused = subprocess.run([*cli, "--nodes", "0"], capture_output=True, text=True)
     assert refused.returncode != 0 and "at least 1" in refused.stderr
+
+
+def test_a_learner_larger_than_a_node_is_one_task_per_rank(tmp_path):
+    """world_size 4 on nodes of 2 GPUs: one srun step of 4 tasks (learner.launch = external) over 2 nodes,
+    MASTER_ADDR the step's first node (task 0 there: block distribution), WORLD_SIZE 4; `rlbus init`
+    writes learner.launch = external into the run's config; each task's env resolves to its rank."""
+    from learner.rendezvous import resolve
+
+    sets = ("learner.world_size=4", "deploy.slurm_gpus_per_node=2")
+    text = _script(4, *sets)
+    _bash_n(text, tmp_path)
+    assert slurm.learner_nodes(load_config(DEMO, list(sets))) == 2
+    step = re.search(r"srun (--nodes=\d+ --ntasks=\d+ .*)\\\n\s+rlbus worker learner ", text)
+    assert step, text
+    args = step.group(1)
+    first, second = map(int, re.search(r'-w "\$\{NODES\[(\d+)\]\},\$\{NODES\[(\d+)\]\}"', args).groups())
+    assert second == first + 1 and first + 1 < 4
+    assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --distribution=block" in args
+    assert f"--export=ALL,MASTER_ADDR=${{NODES[{first}]}},MASTER_PORT=29500,WORLD_SIZE=4" in args
+    assert "--set learner.launch=external" in next(x for x in text.splitlines() if "rlbus init" in x)
+    steps = re.findall(r'srun --nodes=1 --ntasks=1 -w "\$\{NODES\[(\d+)\]\}".*\n\s+rlbus worker (\w+) ', text)
+    assert "learner" not in {role for _, role in steps}  # not also a one-task learner
+    lc = load_config(DEMO, [*sets, "learner.launch=external"]).learner
+    for procid in range(4):  # what srun gives task `procid` (block: 2 per node)
+        env = {"MASTER_ADDR": "node1", "MASTER_PORT": "29500", "WORLD_SIZE": "4"}
+        env.update(SLURM_PROCID=str(procid), SLURM_LOCALID=str(procid % 2))
+        rv = resolve(lc, env, hostname="node1")
+        assert (rv.rank, rv.local_rank, rv.world) == (procid, procid % 2, 4)
+
+
+def test_a_learner_within_a_node_stays_one_spawning_task_and_too_few_nodes_is_an_error(tmp_path):
+    text = _script(2, "learner.world_size=2", "deploy.slurm_gpus_per_node=2")
+    assert re.search(r'srun --nodes=1 --ntasks=1 -w "\$\{NODES\[\d\]\}".*\n\s+rlbus worker learner ', text)
+    assert "learner.launch=external" not in text and "MASTER_ADDR" not in text
+    with pytest.raises(ValueError, match="need 4 nodes .* raise --nodes to at least"):
+        _script(2, "learner.world_size=8", "deploy.slurm_gpus_per_node=2")

@@ -8,6 +8,12 @@ Guarantees:
   `deploy.nats_auth` (the default) each step logs in as its role's user, its password from a file of
   the run folder that only the job's user reads (`rlbus.natsauth write-env`).
 - The run folder (`--run-dir`) must be a filesystem every node shares; `rlbus init` prepares it once.
+- A learner larger than one node (`learner.world_size` > `deploy.slurm_gpus_per_node` with
+  `learner.launch = "auto"`, or `learner.launch = "external"`) is one srun step of `world_size` tasks,
+  one rank each (`learner.launch = "external"`, written into the run's config by `rlbus init`): block
+  distribution over `learner_nodes` consecutive nodes, rank = SLURM_PROCID, device = SLURM_LOCALID,
+  MASTER_ADDR = the step's first node (where task 0 runs), MASTER_PORT = `deploy.learner_master_port`,
+  WORLD_SIZE exported to the step. Otherwise the learner is one task that spawns its ranks (one node).
 - The script is text only: nothing here talks to Slurm.
 """
 
@@ -27,8 +33,23 @@ def roles_of(cfg: RunConfig) -> list[str]:
     return [r.name for r in ROLES if r.name != "tracker" or cfg.tracking.backends]
 
 
+def external_learner(cfg: RunConfig) -> bool:
+    """The learner runs as one srun task per rank (see the module guarantees)."""
+    lc, gpn = cfg.learner, cfg.deploy.slurm_gpus_per_node
+    if lc.world_size == 1 or lc.launch == "spawn":
+        return False
+    return lc.launch == "external" or bool(gpn and lc.world_size > gpn)
+
+
+def learner_nodes(cfg: RunConfig) -> int:
+    """Nodes the learner's step spans: ceil(world_size / slurm_gpus_per_node) for an external learner
+    with GPUs per node set, else 1."""
+    gpn = cfg.deploy.slurm_gpus_per_node
+    return -(-cfg.learner.world_size // gpn) if external_learner(cfg) and gpn else 1
+
+
 def placement(cfg: RunConfig, nodes: int) -> dict[str, int]:
-    """Role -> node index (0..nodes-1)."""
+    """Role -> node index (0..nodes-1); the learner's is the first of its `learner_nodes` nodes."""
     fixed = dict(cfg.deploy.slurm_placement)
     bad = {r: i for r, i in fixed.items() if not 0 <= i < nodes}
     unknown = sorted(set(fixed) - set(roles_of(cfg)))
@@ -38,14 +59,22 @@ def placement(cfg: RunConfig, nodes: int) -> dict[str, int]:
             f"{' ' if bad and unknown else ''}{f'node indexes {bad} outside 0..{nodes - 1}' if bad else ''}"
         )
     out: dict[str, int] = {}
-    gpu_next, cpu_next = nodes - 1, 0
+    gpu_next, cpu_next, span = nodes - 1, 0, learner_nodes(cfg)
     for role in roles_of(cfg):
         if role in fixed:
             out[role] = fixed[role]
+        elif role == "learner" and span > 1:  # the last `span` nodes not yet taken by a GPU role
+            out[role], gpu_next = max(0, gpu_next - span + 1), gpu_next - span
         elif role in GPU_ROLES:
             out[role], gpu_next = gpu_next % nodes, gpu_next - 1
         else:
             out[role], cpu_next = cpu_next % nodes, cpu_next + 1
+    if "learner" in out and out["learner"] + span > nodes:
+        raise ValueError(
+            f"the learner's {cfg.learner.world_size} ranks need {span} nodes of {cfg.deploy.slurm_gpus_per_node} "
+            f"GPUs from node {out['learner']}, but the job has {nodes}: raise --nodes to at least "
+            f"{out['learner'] + span} or lower learner.world_size"
+        )
     return out
 
 
@@ -119,6 +148,23 @@ def _role_step(role: str, node: int, auth: bool) -> list[str]:
     ]
 
 
+def _learner_step(cfg: RunConfig, node: int, auth: bool) -> list[str]:
+    """The srun step of an external learner: one task per rank on `learner_nodes` nodes from `node`."""
+    lc, span = cfg.learner, learner_nodes(cfg)
+    hosts = ",".join(f"${{NODES[{node + i}]}}" for i in range(span))
+    per_node = -(-lc.world_size // span)
+    env = f"ALL,MASTER_ADDR=${{NODES[{node}]}},MASTER_PORT={cfg.deploy.learner_master_port},WORLD_SIZE={lc.world_size}"
+    return [
+        f"# learner: {lc.world_size} ranks, one task each (rank = SLURM_PROCID), on nodes {node}..{node + span - 1};"
+        f" rank 0 on node {node} (MASTER_ADDR)",
+        f"{login('learner', auth)}srun --nodes={span} --ntasks={lc.world_size} --ntasks-per-node={per_node}"
+        f' --distribution=block -w "{hosts}" --export={env} \\',
+        '    rlbus worker learner --config "$CONFIG" --run-id "$RUN_ID" --run-dir "$RUN_DIR") \\',
+        '    > "$RUN_DIR/$RUN_ID/learner.$SLURM_JOB_ID.log" 2>&1 &',
+        "PIDS+=($!)",
+    ]
+
+
 def render(
     cfg: RunConfig, run_id: str, nodes: int, config_path: str, overrides: list[str] | None = None, run_dir: str = "runs"
 ) -> str:
@@ -132,7 +178,8 @@ def render(
     places = placement(cfg, nodes)
     auth = cfg.deploy.nats_auth
     lines = _header(cfg, run_id, nodes) + [""] + _server(cfg, run_id, run_dir) + [""]
-    sets = "".join(f" --set {shlex.quote(o)}" for o in ["sandbox.remote=true", *(overrides or [])])
+    forced = ["sandbox.remote=true"] + (["learner.launch=external"] if external_learner(cfg) else [])
+    sets = "".join(f" --set {shlex.quote(o)}" for o in [*forced, *(overrides or [])])
     lines += [
         "# once: config.json, model/start, the tool secret and the run's streams (as admin)",
         f'{login("admin", auth)}rlbus init {shlex.quote(config_path)} --run-id "$RUN_ID" --run-dir "$RUN_DIR"{sets}'
@@ -144,7 +191,10 @@ def render(
     started = [r for r in start_order(cfg) if r in places]
     started += [r for r in places if r not in started]
     for role in started:
-        lines += _role_step(role, places[role], auth)
+        if role == "learner" and external_learner(cfg):
+            lines += _learner_step(cfg, places[role], auth)
+        else:
+            lines += _role_step(role, places[role], auth)
     lines += [
         "",
         "# the run ends when the learner does (run.max_steps / run.max_minutes); then stop the rest",

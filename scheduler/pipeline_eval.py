@@ -28,6 +28,9 @@ Guarantees:
   (tokens, CPU seconds, sandbox seconds: `scheduler.store`).
 - The version a round reports is the policy version most of its trajectories were
   generated with (weights may change during a round); the range is logged.
+- Per domain, the round also scores the groups of its items by `GROUP_PARAMS` (public task
+  params such as a needle's `position_bucket` or a document's `length`): `groups`, published
+  with each domain's `EvalResult` and shown in summary.json's `eval`.
 - A round is abandoned, and reports nothing, as soon as the caller's `stop` event is set:
   at shutdown the rollout and verifier workers are stopped first, so a round in flight
   (for instance one whose tasks a killed worker held until `ack_wait`) could never finish,
@@ -76,6 +79,30 @@ def eval_tasks(suite, run_id: str, round_id: int, only: list[str] | None = None)
     return out
 
 
+GROUP_PARAMS = ("position_bucket", "length")
+"""Public task params (`Task.verifier_params`) a round also reports scores by, per domain
+(`PipelineEval.groups`): long-context domains record the needle's position bucket and the
+document's length there (`producers.domains.recall`, `findoc`)."""
+
+
+def group_scores(tasks: list[Task], got: dict[str, Reward]) -> dict[str, dict[str, dict[str, float]]]:
+    """{domain: {param: {value: fraction correct}}} over the round's tasks that carry a
+    `GROUP_PARAMS` param (a task whose reward is missing counts as wrong, as in the domain score)."""
+    total: dict[tuple[str, str, str], int] = Counter()
+    right: dict[tuple[str, str, str], int] = Counter()
+    for t in tasks:
+        r = got.get(t.msg_id)
+        for p in GROUP_PARAMS:
+            if p in t.verifier_params:
+                key = (t.domain, p, str(t.verifier_params[p]))
+                total[key] += 1
+                right[key] += r is not None and is_correct(r)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (domain, p, value), n in sorted(total.items()):
+        out.setdefault(domain, {}).setdefault(p, {})[value] = right[(domain, p, value)] / n
+    return out
+
+
 SUCCESS_COMPONENTS = ("correct", "resolved")
 """The component that says a problem was solved, first found wins; else the scalar reward."""
 
@@ -112,6 +139,7 @@ class PipelineEval:
         self.next_round = int(time.time())  # unique across scheduler restarts
         self._sub = None
         self.last: dict = {}  # the last round: tasks published, rewards received
+        self.groups: dict = {}  # the last completed round's `group_scores`
         self.hidden_stored: set[str] = set()
         self.payloads_stored: set[str] = set()
         self.checks_stored: dict[str, bytes] = {}
@@ -192,6 +220,7 @@ class PipelineEval:
         for r in rnd.got.values():
             got[r.trajectory.domain] += 1
             right[r.trajectory.domain] += is_correct(r)
+        self.groups = group_scores(tasks, rnd.got)
         scores = {}
         for name in names:
             s = self.suite.sets[name]

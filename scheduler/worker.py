@@ -178,7 +178,7 @@ class SchedulerWorker:
             return  # stopping: the final evaluation in `work` scores the newest version locally
         scores, version = result
         version = asked if version is None else version
-        await self._record_scores(scores, version, watcher.steps.get(version, 0), None)
+        await self._record_scores(scores, version, watcher.steps.get(version, 0), None, groups=self.pipeline.groups)
         self.last_eval = max(asked, version)
 
     async def _pipeline_only_round(self) -> None:
@@ -192,7 +192,9 @@ class SchedulerWorker:
             return
         scores, version = result
         version = self.watcher.newest.version if version is None else version
-        await self._record_scores(scores, version, self.watcher.steps.get(version, 0), None, gated=False)
+        await self._record_scores(
+            scores, version, self.watcher.steps.get(version, 0), None, gated=False, groups=self.pipeline.groups
+        )
 
     async def _evaluate_engine(self, version: int, step: int, metrics: dict | None = None) -> None:
         """Score the engine's current weights as `version` locally. A sandbox that fails under
@@ -226,10 +228,11 @@ class SchedulerWorker:
         )
 
     async def _record_scores(
-        self, scores: dict, version: int, step: int, metrics: dict | None, gated: bool = True
+        self, scores: dict, version: int, step: int, metrics: dict | None, gated: bool = True, groups=None
     ) -> None:
-        """Publish one `EvalResult` per domain (with its purpose); when `gated`, run the gates
-        on the gated sets' scores and count the evaluation."""
+        """Publish one `EvalResult` per domain (with its purpose, and a pipeline round's per-group
+        scores, `PipelineEval.groups`); when `gated`, run the gates on the gated sets' scores and
+        count the evaluation."""
         s, suite = self.s, self.suite
         for domain, (score, n, digest) in scores.items():
             purpose = suite.purpose(domain)
@@ -245,6 +248,7 @@ class SchedulerWorker:
                     n=n,
                     eval_set_sha256=digest,
                     purpose=purpose,
+                    groups=(groups or {}).get(domain, {}),
                 ),
             )
             s.counters[f"eval_{domain}"] = score
@@ -256,6 +260,7 @@ class SchedulerWorker:
                 n=n,
                 mode=self.ec.eval.mode,
                 purpose=purpose,
+                **({"groups": groups[domain]} if groups and domain in groups else {}),
             )
         if not gated:
             return

@@ -127,6 +127,10 @@ class EvalResult(Message):
     """Content hash of the eval set."""
     purpose: Literal["train", "heldout"] = "train"
     """`heldout`: a zero-shot domain (`sampler.domains.<d>.heldout`), never trained on; `train`: a trained domain."""
+    groups: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Fraction correct per group of the set's items, by the public task params the pipeline groups
+    by (`scheduler.pipeline_eval.GROUP_PARAMS`: a recall needle's `position_bucket`, a long-context
+    task's `length`): {param: {value: score}}; empty when the items carry none or scoring was local."""
 
 
 class TaskFate(BaseModel):

@@ -119,3 +119,26 @@ def test_curriculum_walks_the_lengths(tmp_path, tokenizer_dir):
     for level in (1, 2, 3):
         params = src.make_task(random.Random(0), level, 0).task.verifier_params
         assert params["length"] == (512, 1024, 2048)[level - 1] and params["tokens"] <= params["length"]
+
+
+def test_pipeline_eval_scores_by_position_bucket_and_length(tmp_path, tokenizer_dir):
+    """`scheduler.pipeline_eval.group_scores` over a recall eval set: the items answered right
+    are the first bucket's, so that bucket scores 1, the others 0, and each length 1/10."""
+    from scheduler.pipeline_eval import group_scores
+
+    src = make_source("r1", "recall", config(tmp_path, tokenizer_dir, kind="recall", max_level=2, eval_n=20))
+    items = src.eval_set(20, seed=3).items
+    tasks = [it.task.model_copy(update={"msg_id": f"ev1.recall.{i}"}) for i, it in enumerate(items)]
+    got = {}
+    for task, it in zip(tasks, items):
+        bucket = task.verifier_params["position_bucket"]
+        lay_answer = "; ".join(f"{k}={v}" for k, v in it.hidden["gold"].items())
+        answer = it.hidden["gold"]["value"] if list(it.hidden["gold"]) == ["value"] else lay_answer
+        text = f"<answer>{answer}</answer>" if bucket == "0-10" else "<answer>nothing</answer>"
+        if task.verifier_params["length"] == 1024 and bucket == "50-60":
+            continue  # a reward that never came: counted wrong
+        got[task.msg_id] = score(as_trajectory(task, text), round_trip(it.hidden))
+    groups = group_scores(tasks, got)["recall"]
+    assert groups["position_bucket"]["0-10"] == 1.0 and groups["position_bucket"]["50-60"] == 0.0
+    assert set(groups["position_bucket"]) == {bucket_of((i + 0.5) / 10) for i in range(10)}
+    assert groups["length"] == {"512": 0.1, "1024": 0.1}

@@ -247,6 +247,7 @@ def summary_dict(snap: Snapshot, mon: Monitor, acc=None, extra: dict | None = No
             "baseline_version": first.version if first else None,
             "final_version": last.version,
             "curve": {str(v): e.score for v, e in sorted(per.items())},
+            **({"groups": last.groups} if last.groups else {}),
         }
     out = {
         "run_id": snap.run_id,

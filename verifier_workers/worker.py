@@ -32,6 +32,9 @@ Guarantees:
   verifier never stalls acks and in_progress; 0 runs them all on the loop thread.
 - Each trajectory is acked as soon as its own Reward is out: a slow one never holds back
   the others.
+- A verifier with a `batched` hook (the `model` verifier) is scored through
+  `rm_serving.RmBatcher` (`verifier.rm`: batch size, timeout, normalisation): one call
+  for the trajectories this worker holds, each still getting its own Reward or failure.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from schemas.agent_task import HARNESS_ERROR, agent_record
 from schemas.config import RunConfig, VerifierSection
 from verifier_workers import registry
 from verifier_workers.errors import VerifierCrash, VerifierInfraError
+from verifier_workers.rm_serving import RmBatcher
 from verifier_workers.verdict import Verdict, VerifierInputError, compose
 
 log = structlog.get_logger()
@@ -142,22 +146,30 @@ def run_verifier(traj: Trajectory, hidden: dict | None) -> Verdict:
         raise VerifierCrash(f"verifier {traj.verifier!r} crashed: {type(exc).__name__}: {exc}") from exc
 
 
-def score(traj: Trajectory, hidden: dict | None = None, embed: Trajectory | None = None) -> Reward:
+def score(
+    traj: Trajectory,
+    hidden: dict | None = None,
+    embed: Trajectory | None = None,
+    verdict: Verdict | None = None,
+    t0: float | None = None,
+) -> Reward:
     """Verify one trajectory and compose its Reward (which embeds `embed`, default `traj`: the
     trajectory as it arrived when `traj` is its copy with artifacts resolved). A harness-owned
     episode whose harness crashed after the policy acted (`schemas.agent_task`) scores 0 with
     status `harness_error` and the harness's stderr tail, without running the verifier.
 
+    `verdict` (with the time `t0` it was asked at): already computed (`rm_serving.RmBatcher`).
+
     Raises VerifierInputError (unusable task) or VerifierInfraError (retry later).
     """
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     record = agent_record(traj)
     if record is not None and record.get("status") == HARNESS_ERROR:  # the harness crashed after the policy acted
         reward, components = 0.0, {"correct": 0.0, **process_components(traj)}
         verdict = Verdict(components, status=HARNESS_ERROR, details=f"harness exit {record.get('exit_code')}: "
                           f"{str(record.get('stderr_tail', ''))[-1500:]}")  # fmt: skip
     else:
-        verdict = run_verifier(traj, hidden)
+        verdict = run_verifier(traj, hidden) if verdict is None else verdict
         reward, components = compose_reward(traj, verdict)
     traj = embed if embed is not None else traj
     return Reward(
@@ -304,6 +316,7 @@ class Scorer:
         secret: bytes | None = None,
         retarget=None,
         limits: VerifierSection | None = None,
+        run_path=None,
     ) -> None:
         self.hidden, self.policy, self.concurrency = hidden, policy, concurrency
         self.limits = limits or VerifierSection()
@@ -316,6 +329,20 @@ class Scorer:
         self.js, self.reg, self.secret = js, reg, secret
         self.inline_policy = InlinePolicy()
         self.inline_calls = 0
+        rm = self.limits.rm  # batched verifiers (the `model` one) go through the batcher
+        batching = rm.batch_size > 1 or rm.normalize != "none"
+        self.batcher = RmBatcher(rm, self.executor, run_path) if batching else None
+
+    async def _batched(self, fn, traj: Trajectory, payload: dict | None, embed: Trajectory) -> Reward:
+        """Score through the batcher (`verifier_workers.rm_serving`); failures as `run_verifier`'s."""
+        t0 = time.perf_counter()
+        try:
+            verdict = await self.batcher.verdict(fn, traj, payload)
+        except (VerifierInputError, VerifierInfraError):
+            raise
+        except Exception as exc:
+            raise VerifierCrash(f"verifier {traj.verifier!r} crashed: {type(exc).__name__}: {exc}") from exc
+        return score(traj, payload, embed, verdict=verdict, t0=t0)
 
     async def forged(self, traj: Trajectory) -> list:
         """Observation blocks of `traj` that no recorded execution vouches for."""
@@ -338,6 +365,9 @@ class Scorer:
             if self.js is None:
                 raise VerifierInfraError("trajectory has artifacts by reference but this scorer has no bus connection")
             traj = await resolve_artifacts(self.js, self.reg, traj)
+        batched = RmBatcher.batched_fn(registry.get(traj.verifier)) if self.batcher is not None else None
+        if batched is not None:
+            return await self._batched(batched, traj, payload, embed)
         if self.concurrency <= 0:
             return score(traj, payload, embed)
         if self.inline_policy.inline(traj.verifier):
@@ -415,7 +445,14 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
 
         secret = load_secret() or load_or_create_secret(ctx.run_path)
         scorer = Scorer(
-            HiddenCache(s.js, s.reg), retry_policy(vc, spec), vc.concurrency, s.js, s.reg, secret, limits=vc
+            HiddenCache(s.js, s.reg),
+            retry_policy(vc, spec),
+            vc.concurrency,
+            s.js,
+            s.reg,
+            secret,
+            limits=vc,
+            run_path=ctx.run_path,
         )
 
         async def handle(d: Delivery) -> None:
@@ -451,4 +488,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             stop=s.stop,
             counters=s.counters,
         )
+        if scorer.batcher is not None:
+            scorer.batcher.close()
+            s.counters["rm_batches"] = scorer.batcher.batches
         return s.counters

@@ -44,6 +44,20 @@ class SandboxSection(Section):
     """Service: most sessions one sandbox worker holds at once."""
 
 
+class RmServingSection(Section):
+    """How a verifier worker serves reward models (the `model` verifier; `verifier_workers.rm_serving`)."""
+
+    PLACE = "verifier.rm"
+    batch_size: int = Field(default=32, ge=1)
+    """Trajectories scored in one forward; 1 scores each alone, in the worker's threads."""
+    batch_timeout_s: float = Field(default=0.01, ge=0)
+    """How long the first trajectory of a batch waits for more before the batch runs anyway."""
+    normalize: Literal["none", "running", "group"] = "none"
+    """`score` becomes the logit normalised by the running mean/std of every logit this worker scored
+    (`running`, kept in the run folder and restored on restart) or by its group's mean/std among the
+    batch's trajectories (`group`); `none` keeps sigmoid(logit)."""
+
+
 class VerifierSection(Section):
     """Verifier workers."""
 
@@ -73,3 +87,5 @@ class VerifierSection(Section):
     """Answer pool: address space one answer's scoring may add to the pool's template process."""
     answer_wall_s: float = Field(default=10.0, gt=0)
     """Answer pool: wall seconds one answer's scoring may take before its job is killed."""
+    rm: RmServingSection = Field(default_factory=RmServingSection)
+    """Reward-model serving: batching and normalisation of the `model` verifier."""

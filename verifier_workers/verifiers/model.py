@@ -18,13 +18,21 @@ The hidden payload may hold `reference` (a gold answer) and `rubric` for the jud
 
 Guarantees:
 - Components: `score` in [0, 1] and `correct` (1.0 iff score >= `threshold`, default
-  0.5). The default scalar is `score` (a config can weight `correct` instead).
+  0.5), plus `logit` (the raw reward) for a one-label classifier. The default scalar is
+  `score` (a config can weight `correct` instead; `verifier.rm.normalize` replaces
+  `score` with a normalised logit, `verifier_workers.rm_serving`).
+- `verify_model_batch` scores many trajectories with one forward per model (rows
+  right-padded, each pooled at its own last token), equal to scoring them one by one up to
+  float rounding; `verify_model` is a batch of one. The verifier worker batches through
+  `verify_model.batched`.
 - Input is truncated from the left to `max_length` tokens (default 1024, capped by the
   model's positions), so the response and the judge's "Answer:" are always seen.
-- Each (path, kind) is loaded once per process (thread-safe) in eval mode, float32, CPU.
+- Each (path, kind) is loaded once per process (thread-safe) in eval mode, float32, CPU,
+  and again when its config.json changes (a model re-exported in place).
 - No model configured raises `VerifierInputError` (the task is unusable); a configured
   path that is absent or fails to load raises `VerifierInfraError` (this node lacks the
-  model: retried, then dead-lettered). Empty or odd responses are scored, status "ok".
+  model: retried, then dead-lettered), also when a directory that scored before has gone
+  missing since. Empty or odd responses are scored, status "ok".
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ class Loaded:
 
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, str], Loaded] = {}
+_cache: dict[tuple[str, str, int], Loaded] = {}
 
 
 def model_path(params: dict) -> str:
@@ -113,6 +121,8 @@ def _load(path: Path, kind: str) -> Loaded:
     except (OSError, ValueError) as exc:
         raise VerifierInfraError(f"reward model {str(path)!r} failed to load as {kind}: {exc}") from exc
     tokenizer.truncation_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
     yes, no = _first_token_ids(tokenizer, YES_FORMS), _first_token_ids(tokenizer, NO_FORMS)
     if kind == "causal" and not (yes - no and no - yes):
         raise VerifierInputError(f"judge model {str(path)!r}: its tokenizer cannot tell Yes from No")
@@ -126,7 +136,11 @@ def load(path: str, kind: str | None = None) -> Loaded:
     if not p.is_dir():
         raise VerifierInfraError(f"reward model directory {path!r} not found on this node")
     resolved = kind_of(p, kind)
-    key = (str(p.resolve()), resolved)
+    try:
+        stamp = (p / "config.json").stat().st_mtime_ns
+    except OSError as exc:
+        raise VerifierInfraError(f"reward model directory {path!r} vanished while loading: {exc}") from exc
+    key = (str(p.resolve()), resolved, stamp)  # a model re-exported in place is loaded again
     with _lock:
         if key not in _cache:
             _cache[key] = _load(p, resolved)
@@ -140,47 +154,123 @@ def _question(traj: Trajectory) -> str:
     return next((t.text for t in traj.turns if t.role == "prompt"), "")
 
 
-def score_classifier(m: Loaded, question: str, response: str, max_length: int, positive: int | None) -> float:
-    """Probability that the reward model calls the response good."""
+def classifier_logits(m: Loaded, questions: list[str], responses: list[str], max_length: int):
+    """One forward over (question, response) pairs, right-padded (the head pools each row's
+    last real token, so a row scores as it would alone); a [rows, labels] float tensor."""
     import torch
 
-    enc = m.tokenizer(question, response, return_tensors="pt", truncation=True, max_length=max_length)
+    enc = m.tokenizer(
+        questions, responses, return_tensors="pt", truncation=True, max_length=max_length, padding=True,
+        padding_side="right",
+    )  # fmt: skip
     with torch.inference_mode():
-        logits = m.model(**enc).logits[0].float()
+        return m.model(**enc).logits.float()
+
+
+def classifier_score(logits, positive: int | None) -> float:
+    """Probability that the reward model calls the response good, from one row of logits."""
+    import torch
+
     if logits.numel() == 1:
         return float(torch.sigmoid(logits[0]))
     label = logits.numel() - 1 if positive is None else int(positive)
     return float(torch.softmax(logits, -1)[label])
 
 
-def score_judge(m: Loaded, prompt: str, max_length: int) -> float:
-    """P(yes) / (P(yes) + P(no)) of the judge's next token."""
+def score_classifier(m: Loaded, question: str, response: str, max_length: int, positive: int | None) -> float:
+    """Probability that the reward model calls the response good."""
+    return classifier_score(classifier_logits(m, [question], [response], max_length)[0], positive)
+
+
+def judge_scores(m: Loaded, prompts: list[str], max_length: int) -> list[float]:
+    """P(yes) / (P(yes) + P(no)) of the judge's next token, one right-padded forward."""
     import torch
 
-    enc = m.tokenizer(prompt, return_tensors="pt", truncation=True, max_length=max_length)
+    enc = m.tokenizer(
+        prompts, return_tensors="pt", truncation=True, max_length=max_length, padding=True, padding_side="right"
+    )
     with torch.inference_mode():
-        probs = torch.softmax(m.model(**enc).logits[0, -1].float(), -1)
-    yes, no = float(probs[m.yes_ids].sum()), float(probs[m.no_ids].sum())
-    return yes / (yes + no) if yes + no > 0 else 0.5
+        logits = m.model(**enc).logits.float()
+    last = enc["attention_mask"].sum(dim=1) - 1
+    probs = torch.softmax(logits[torch.arange(len(prompts)), last], -1)
+    out = []
+    for row in probs:
+        yes, no = float(row[m.yes_ids].sum()), float(row[m.no_ids].sum())
+        out.append(yes / (yes + no) if yes + no > 0 else 0.5)
+    return out
+
+
+def score_judge(m: Loaded, prompt: str, max_length: int) -> float:
+    """P(yes) / (P(yes) + P(no)) of the judge's next token."""
+    return judge_scores(m, [prompt], max_length)[0]
+
+
+def _verdict(kind: str, s: float, threshold: float, logit: float | None) -> Verdict:
+    components = {"score": s, "correct": float(s >= threshold)}
+    if logit is not None:
+        components["logit"] = logit
+    return Verdict(components, weights={"score": 1.0}, details=f"{kind} score={s:.4f}")
+
+
+def _group_key(traj: Trajectory) -> tuple:
+    p = traj.verifier_params
+    return (model_path(p), p.get("judge"), int(p.get("max_length", DEFAULT_MAX_LENGTH)), p.get("positive_label"))
+
+
+def _score_group(items: list[tuple[Trajectory, dict | None]]) -> list[Verdict]:
+    """One forward for trajectories that share model, kind, max_length and label."""
+    params = items[0][0].verifier_params
+    m = load(model_path(params), params.get("judge"))
+    max_length = min(int(params.get("max_length", DEFAULT_MAX_LENGTH)), m.max_positions)
+    questions = [_question(t) for t, _ in items]
+    responses = [t.final_text or "" for t, _ in items]
+    thresholds = [float(t.verifier_params.get("threshold", 0.5)) for t, _ in items]
+    if m.kind == "classifier":
+        logits = classifier_logits(m, questions, responses, max_length)
+        positive = params.get("positive_label")
+        return [
+            _verdict(m.kind, classifier_score(row, positive), th, float(row[0]) if row.numel() == 1 else None)
+            for row, th in zip(logits, thresholds)
+        ]
+    prompts = [
+        JUDGE_TEMPLATE.format(
+            question=q,
+            response=r,
+            reference=(h or {}).get("reference", "(none)"),
+            rubric=(h or {}).get("rubric", "(none)"),
+        )
+        for q, r, (_, h) in zip(questions, responses, items)
+    ]
+    return [_verdict(m.kind, s, th, None) for s, th in zip(judge_scores(m, prompts, max_length), thresholds)]
+
+
+def verify_model_batch(items: list[tuple[Trajectory, dict | None]]) -> list[Verdict | Exception]:
+    """Score many trajectories: one forward per (model, kind, max_length, label) group; each
+    item's Verdict, or the exception that item (or its whole group: a missing model) raised."""
+    out: list[Verdict | Exception | None] = [None] * len(items)
+    groups: dict[tuple, list[int]] = {}
+    for i, (traj, _) in enumerate(items):
+        try:
+            groups.setdefault(_group_key(traj), []).append(i)
+        except (VerifierInputError, TypeError, ValueError) as exc:
+            out[i] = exc if isinstance(exc, VerifierInputError) else VerifierInputError(f"model verifier params: {exc}")
+    for idx in groups.values():
+        try:
+            verdicts = _score_group([items[i] for i in idx])
+        except Exception as exc:  # noqa: BLE001 (the group shares the failure: a missing model dir is infra)
+            verdicts = [exc] * len(idx)
+        for i, v in zip(idx, verdicts):
+            out[i] = v
+    return out  # type: ignore[return-value]
 
 
 def verify_model(traj: Trajectory, hidden: dict | None = None) -> Verdict:
-    """Score the final answer with the configured reward model or judge."""
-    params, hidden = traj.verifier_params, hidden or {}
-    m = load(model_path(params), params.get("judge"))
-    max_length = min(int(params.get("max_length", DEFAULT_MAX_LENGTH)), m.max_positions)
-    question, response = _question(traj), traj.final_text or ""
-    if m.kind == "classifier":
-        s = score_classifier(m, question, response, max_length, params.get("positive_label"))
-    else:
-        prompt = JUDGE_TEMPLATE.format(
-            question=question,
-            response=response,
-            reference=hidden.get("reference", "(none)"),
-            rubric=hidden.get("rubric", "(none)"),
-        )
-        s = score_judge(m, prompt, max_length)
-    threshold = float(params.get("threshold", 0.5))
-    return Verdict(
-        {"score": s, "correct": float(s >= threshold)}, weights={"score": 1.0}, details=f"{m.kind} score={s:.4f}"
-    )
+    """Score the final answer with the configured reward model or judge (a batch of one)."""
+    result = verify_model_batch([(traj, hidden)])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+verify_model.batched = verify_model_batch  # type: ignore[attr-defined]
+"""The verifier worker's batching hook (`verifier_workers.rm_serving`)."""

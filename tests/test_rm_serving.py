@@ -1,0 +1,132 @@
+"""Reward-model serving (issue 32, item 4): the `model` verifier scored in batches by the
+verifier worker's `RmBatcher`, normalisation, and a reward model that goes missing mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+
+import pytest
+
+from schemas.config import VerifierSection
+from tests.test_rm import TINY, rm_traj
+from verifier_workers.errors import VerifierInfraError
+
+ANSWERS = ["7", "no 9", "seven, I think", "", "a much longer answer " * 6, "x", "12", "no"]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory, tiny_model):
+    """An exported (untrained) reward model: `learner.rm`'s classifier on a tiny LM."""
+    from learner.rm import export, load_reward_model
+
+    model, tok = load_reward_model(tiny_model(**TINY))
+    return export(model, tok, tmp_path_factory.mktemp("rm") / "model")
+
+
+def scorer(**rm):
+    from verifier_workers.worker import RetryPolicy, Scorer
+
+    return Scorer(None, RetryPolicy(max_deliver=3), concurrency=2, limits=VerifierSection(rm=rm))
+
+
+def test_batched_scores_equal_unbatched(rm_dir, tiny_model):
+    from verifier_workers.verifiers.model import verify_model, verify_model_batch
+
+    judge = str(tiny_model(**TINY))  # a causal LM: the judge path batches too
+    for path in (str(rm_dir), judge):
+        trajs = [rm_traj(a, question="3+4=", model_path=path) for a in ANSWERS]
+        batched = verify_model_batch([(t, None) for t in trajs])
+        for t, b in zip(trajs, batched):
+            one = verify_model(t)
+            assert b.components.keys() == one.components.keys()
+            assert all(b.components[k] == pytest.approx(one.components[k], abs=1e-5) for k in one.components)
+
+
+def test_the_worker_scores_a_batch_in_one_call_with_the_unbatched_rewards(rm_dir):
+    from verifier_workers.worker import score
+
+    trajs = [rm_traj(a, question="3+4=", model_path=str(rm_dir)) for a in ANSWERS]
+    s = scorer(batch_size=8, batch_timeout_s=5.0)  # the 8th trajectory fills the batch: no wait
+
+    async def run():
+        return await asyncio.gather(*(s._score(t, None) for t in trajs))
+
+    rewards = asyncio.run(run())
+    assert s.batcher.batches == 1 and s.batcher.items == 8
+    for t, r in zip(trajs, rewards):
+        assert r.msg_id == f"rw-{t.msg_id}" and r.reward == pytest.approx(score(t).reward, abs=1e-5)
+    s2 = scorer(batch_size=64, batch_timeout_s=0.05)  # fewer than a batch: the timeout runs them
+
+    async def few():
+        return await asyncio.wait_for(asyncio.gather(*(s2._score(t, None) for t in trajs[:3])), 10)
+
+    asyncio.run(few())
+    assert s2.batcher.batches == 1 and s2.batcher.items == 3
+    assert scorer(batch_size=1).batcher is None  # batch 1, no normalisation: the per-trajectory path
+
+
+def test_a_reward_model_gone_mid_run_is_an_infra_error_never_a_zero(rm_dir, tmp_path):
+    from bus.pull import Reject, Retry
+
+    moved = tmp_path / "rm"
+    shutil.copytree(rm_dir, moved)
+    s = scorer(batch_size=4, batch_timeout_s=0.01)
+    trajs = [rm_traj(a, model_path=str(moved)) for a in ANSWERS[:4]]
+
+    async def run():
+        return await asyncio.gather(*(s._score(t, None) for t in trajs), return_exceptions=True)
+
+    assert all(r.reward > 0 for r in asyncio.run(run()))
+    shutil.rmtree(moved)  # loaded and cached, then gone: not scored from the cache
+    out = asyncio.run(run())
+    assert all(isinstance(r, VerifierInfraError) and "not found" in str(r) for r in out)
+    with pytest.raises(Retry):
+        s.policy.fail(1, out[0])
+    with pytest.raises(Reject) as dead:
+        s.policy.fail(3, out[0])
+    assert dead.value.error_type == "infra_error"
+
+
+def test_running_normalisation_is_checkpointed_and_restored(rm_dir, tmp_path):
+    from verifier_workers.rm_serving import STATE_FILE, Normalizer
+    from verifier_workers.verifiers.model import verify_model_batch
+
+    items = [(rm_traj(a, model_path=str(rm_dir)), None) for a in ANSWERS]
+    raw = verify_model_batch(items)
+    logits = [v.components["logit"] for v in raw]
+    norm = Normalizer("running", tmp_path / STATE_FILE)
+    out = norm.apply(items, raw)
+    mean = sum(logits) / len(logits)
+    std = math.sqrt(sum((x - mean) ** 2 for x in logits) / len(logits))
+    for v, x in zip(out, logits):
+        assert v.components["score"] == pytest.approx((x - mean) / std, abs=1e-6) and v.components["logit"] == x
+    assert [v.components["correct"] for v in out] == [v.components["correct"] for v in raw]
+    norm.save()
+    back = Normalizer("running", tmp_path / STATE_FILE)
+    assert back.state() == norm.state() and back.stats[str(rm_dir)].count == len(ANSWERS)
+    again = back.apply(items[:1], raw[:1])  # a restarted worker continues with the saved statistics
+    assert back.stats[str(rm_dir)].count == len(ANSWERS) + 1 and again[0].components["score"] != 0.0
+
+
+def test_group_normalisation_centres_each_group_of_the_batch(rm_dir):
+    from verifier_workers.rm_serving import Normalizer
+    from verifier_workers.verifiers.model import verify_model_batch
+
+    groups = ["a", "a", "a", "b", "b", "c"]
+    items = [(rm_traj(ans, group=g, model_path=str(rm_dir)), None) for ans, g in zip(ANSWERS, groups)]
+    out = Normalizer("group").apply(items, verify_model_batch(items))
+    for g in ("a", "b"):
+        zs = [v.components["score"] for v, gg in zip(out, groups) if gg == g]
+        assert sum(zs) == pytest.approx(0.0, abs=1e-6) and sum(z * z for z in zs) / len(zs) == pytest.approx(
+            1.0, abs=1e-4
+        )
+    assert out[-1].components["score"] == 0.0  # alone in its batch: no group to compare with
+    assert Normalizer("none").apply(items, out) is out
+
+
+def test_rm_serving_config_refuses_unknown_modes():
+    with pytest.raises(ValueError, match="normalize"):
+        VerifierSection(rm={"normalize": "zscore"})
+    assert VerifierSection().rm.batch_size == 32 and VerifierSection().rm.normalize == "none"

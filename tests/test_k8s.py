@@ -429,3 +429,38 @@ def test_spawn_learner_stays_one_pod_and_one_rank_has_no_rendezvous(tmp_path):
     out, _ = _render(tmp_path / "one")
     sts, svc = _learner(out)
     assert sts["spec"]["replicas"] == 1 and "publishNotReadyAddresses" not in svc["spec"]
+
+
+CHART_KEYS = ROOT / "tests" / "data" / "nats_chart_values_keys.txt"
+"""Key paths of the NATS chart's values.yaml (its header names the chart version and commit they come from)."""
+
+
+def _key_paths(tree: dict, prefix: str = "") -> list[str]:
+    """Dotted key paths of a values tree; below a `merge` / `patch` key the chart takes anything."""
+    out = []
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        out.append(path)
+        if isinstance(value, dict) and key not in ("merge", "patch"):
+            out += _key_paths(value, path)
+    return out
+
+
+@pytest.mark.parametrize("sets", [[], ["deploy.nats_replicas=1", "deploy.storage_class=fast"]])
+def test_helm_values_use_only_chart_keys(tmp_path, sets):
+    """The rendered values.yaml sets only keys the official chart has (a misspelt key would be ignored by
+    helm silently), and the auth include follows the chart's documented `$include` + configMap pattern."""
+    chart = {line for line in CHART_KEYS.read_text().splitlines() if line and not line.startswith("#")}
+    assert {"config.cluster.replicas", "config.jetstream.fileStore.pvc.size", "configMap.merge"} <= chart
+    out, _ = _render(tmp_path, *sets)
+    values = yaml.safe_load((out / "overlays" / RUN / "values.yaml").read_text())
+    paths = _key_paths(values)
+    assert len(paths) >= 12 and not sorted(set(paths) - chart), sorted(set(paths) - chart)
+    include = values["config"]["merge"]["$include"]
+    from bus.auth import server_auth_config
+
+    # the included file is in the chart's ConfigMap, intact (values.yaml once indented it as badly as
+    # its key: not YAML at all)
+    assert values["configMap"]["merge"]["data"][include] == server_auth_config([RUN])
+    assert values["config"]["cluster"]["enabled"] is (values["config"]["cluster"]["replicas"] > 1)
+    assert _key_paths({"config": {"jetstream": {"filestore": {}}}})[-1] not in chart  # the check can fail

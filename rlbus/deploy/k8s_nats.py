@@ -174,7 +174,7 @@ def config_map(ctx) -> dict[str, Any]:
 def helm_values(ctx) -> str:
     """A documented `values.yaml` for the official chart (https://github.com/nats-io/k8s, chart `nats`)."""
     authz = server_auth_config([ctx.run_id]).rstrip("\n")
-    indented = "\n".join("      " + line for line in authz.splitlines())
+    indented = "\n".join("        " + line for line in authz.splitlines())  # deeper than the key `auth.conf: |` (6)
     d = ctx.deploy
     return f"""# values.yaml for the official NATS Helm chart: the production alternative to nats.yaml.
 #   helm repo add nats https://nats-io.github.io/k8s/helm/charts/
@@ -184,7 +184,8 @@ def helm_values(ctx) -> str:
 # The chart names its client Service after the release, so the roles' NATS_URL
 # (nats://{ctx.name("nats")}:{CLIENT}) and KEDA's monitoring endpoint stay the same when the
 # release is called {ctx.name("nats")}. Rendered by `rlbus k8s render` for run {ctx.run_id}.
-# Not checked against the chart here (no cluster, no helm): read `helm show values nats/nats` first.
+# Its keys are checked against the chart's values.yaml (nats 2.14.2, tests/data/nats_chart_values_keys.txt);
+# not installed here (no cluster, no helm): compare with `helm show values nats/nats` of your chart version.
 config:
   cluster:
     enabled: {"true" if d.nats_replicas > 1 else "false"}

@@ -54,6 +54,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from rich.console import Console
 from rich.table import Table
 
+from bench.bus_profile import PROFILERS, cprofile_prefix, start_py_spy, write_summaries
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.roles import in_start_order
 from bus.server import EmbeddedNats
@@ -62,6 +63,7 @@ from bus.telemetry import STAGE_COUNTER, Heartbeats
 from schemas import encode
 
 RESULT = ROOT / "bench" / "results" / "bus.json"
+Profile = tuple[Path, str] | None  # (output dir, profiler) of `--profile`
 ROLES = in_start_order(STAGE_COUNTER)  # the pipeline's roles, as `rlbus up` starts them: the learner first
 
 GROUP_SIZE = 8
@@ -154,13 +156,15 @@ def cpu_ms_per(before: dict[str, float | None], after: dict[str, float | None], 
 class Workers:
     """The real worker processes, started and stopped by PID."""
 
-    def __init__(self, config: Path, url: str, run_id: str, run_dir: Path, log_dir: Path):
+    def __init__(self, config: Path, url: str, run_id: str, run_dir: Path, log_dir: Path, profile: Profile = None):
         self.config, self.url, self.run_id, self.run_dir, self.log_dir = config, url, run_id, run_dir, log_dir
+        self.profile = profile
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, role: str) -> None:
         cmd = [
             sys.executable,
+            *cprofile_prefix(*(self.profile or (None, "")), role),
             "-m",
             "rlbus.cli",
             "worker",
@@ -198,7 +202,7 @@ class Workers:
         except FileNotFoundError:
             return "(no log)"
 
-    def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
+    def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
         """SIGTERM every worker (sampler first), then SIGKILL what is left; return exit codes."""
         for role in reversed(ROLES):
             p = self.procs.get(role)
@@ -214,13 +218,13 @@ class Workers:
         return {role: p.returncode for role, p in self.procs.items()}
 
 
-async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -> dict:
+async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console, profile: Profile = None) -> dict:
     run_id = f"bench{int(time.time())}"
     config = tmp / "bench_bus.toml"
     config.write_text(CONFIG)
     log_dir = tmp / "logs"
     log_dir.mkdir()
-    workers = Workers(config, url, run_id, tmp / "runs", log_dir)
+    workers = Workers(config, url, run_id, tmp / "runs", log_dir, profile)
     reg = Registry(run_id)
     nc = await nats.connect(url, name="bench-bus-observer")
     js = nc.jetstream(timeout=10)
@@ -255,12 +259,17 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console) -
         await asyncio.sleep(SETTLE_S)
         pids = {**{r: p.pid for r, p in workers.procs.items()}, "nats-server": server_pid}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        spies = []
+        if profile is not None and profile[1] == "py-spy":  # sample exactly the window
+            spies = start_py_spy({r: p.pid for r, p in workers.procs.items()}, profile[0], WINDOW_S)
         p0, tele0, w0 = await progress(), tele.per_role(), time.monotonic()
         console.print(f"ours: first step after {first_trained_s:.1f}s; measuring {WINDOW_S:.0f}s window ...")
         while time.monotonic() - w0 < WINDOW_S:
             workers.check_alive()
             await asyncio.sleep(1.0)
         p1, tele1, w1 = await progress(), tele.per_role(), time.monotonic()
+        for spy in spies:
+            await asyncio.to_thread(spy.wait, 60)
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         streams = {}
         for fam in ("TASKS", "TRAJ", "REWARDS", "DLQ"):
@@ -365,7 +374,9 @@ async def measure_peer(url: str, server_pid: int, payload_bytes: int, console: C
 
 
 # ---------------------------------------------------------------------------- main
-async def main() -> dict:
+async def main(profile: Profile = None) -> dict:
+    """Run the bench; with `profile` (dir, profiler), the workers are profiled (bench/bus_profile.py),
+    and the result goes to that dir (bench/results/bus.json is left alone)."""
     console = Console()
     payload_bytes = trajectory_payload_bytes()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-bus-") as d:
@@ -374,7 +385,7 @@ async def main() -> dict:
         try:
             console.print(f"nats-server at {server.url} (store {server.store_dir})")
             peer_before = await measure_peer(server.url, server.proc.pid, payload_bytes, console, "BENCHPEER1")
-            ours = await measure_ours(server.url, server.proc.pid, tmp, console)
+            ours = await measure_ours(server.url, server.proc.pid, tmp, console, profile)
             peer_after = await measure_peer(server.url, server.proc.pid, payload_bytes, console, "BENCHPEER2")
         finally:
             server.stop()
@@ -424,8 +435,13 @@ async def main() -> dict:
         "load_avg": os.getloadavg(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    result_path = RESULT if profile is None else profile[0] / "bus_profiled.json"
+    if profile is not None:
+        result["command"] = f"python bench/bus.py --profile {profile[0]} --profiler {profile[1]}"
+        result["profiled"] = f"workers profiled with {profile[1]}: rates are below unprofiled ones"
+        write_summaries(profile[0])
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
 
     table = Table(title="bus: null-model pipeline vs raw JetStream (same server, same run)")
     for col in ("side", "rate", "unit", "detail"):
@@ -465,9 +481,19 @@ async def main() -> dict:
             ", ".join(f"{k} {v:.3f}" for k, v in pc.items()),
         )
     console.print(table)
-    console.print(f"wrote {RESULT.relative_to(ROOT)}")
+    console.print(f"wrote {result_path}")
     return result
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    import argparse
+
+    ap = argparse.ArgumentParser(description="bus benchmark: null-model pipeline vs raw JetStream")
+    ap.add_argument("--profile", type=Path, help="profile the workers; profiles, summaries and the result go here")
+    ap.add_argument("--profiler", choices=PROFILERS, default="py-spy", help="see bench/bus_profile.py")
+    args = ap.parse_args()
+    prof: Profile = None
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        prof = (args.profile.resolve(), args.profiler)
+    asyncio.run(main(prof))

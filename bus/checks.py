@@ -33,6 +33,7 @@ import msgpack
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from bus.cache import LoadOnce
 from bus.hidden import HiddenDataMissing, hidden_ref_for
 from bus.subjects import Registry
 from schemas import Task, Trajectory
@@ -109,20 +110,26 @@ def bind(traj: Trajectory, check: TaskCheck) -> tuple[Trajectory, list[str]]:
 
 class CheckCache:
     """Per-process cache of checks read from the hidden bucket (a key's check changes only when
-    its publisher's config does; `max_entries` bounds the memory)."""
+    its publisher's config does; `max_entries` bounds the memory). The `group_size` trajectories
+    of a task, verified at once, read its check from the bucket once (`bus.cache.LoadOnce`),
+    through one bucket handle."""
 
     def __init__(self, js: JetStreamContext, reg: Registry, max_entries: int = 65536) -> None:
         self.js, self.reg, self.max_entries = js, reg, max_entries
-        self._data: dict[str, TaskCheck] = {}
+        self._kv = None
+        self._checks: LoadOnce[tuple[str, str], TaskCheck] = LoadOnce(self._load, max_entries)
 
     async def get(self, domain: str, task_id: str) -> TaskCheck:
         """The check of `domain`'s task `task_id` (HiddenDataMissing when none was stored)."""
+        return await self._checks.get((domain, task_id))
+
+    async def _load(self, ident: tuple[str, str]) -> TaskCheck:
+        domain, task_id = ident
         key = check_key(domain, task_id)
-        if key in self._data:
-            return self._data[key]
-        kv = await self.js.key_value(self.reg.hidden_bucket)
+        if self._kv is None:
+            self._kv = await self.js.key_value(self.reg.hidden_bucket)
         try:
-            entry = await kv.get(key)
+            entry = await self._kv.get(key)
         except (KeyNotFoundError, NotFoundError):
             entry = None
         if entry is None or not entry.value:
@@ -132,10 +139,6 @@ class CheckCache:
                 "run's sampler or scheduler, which store it first (bus.checks.put_checks)"
             )
         try:
-            check = TaskCheck.unpack(entry.value)
+            return TaskCheck.unpack(entry.value)
         except Exception as exc:  # msgpack raises several types; a bad record is infra
             raise HiddenDataMissing(f"check {key!r} in bucket {self.reg.hidden_bucket!r} is unreadable: {exc}") from exc
-        if len(self._data) >= self.max_entries:
-            self._data.pop(next(iter(self._data)))
-        self._data[key] = check
-        return check

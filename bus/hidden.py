@@ -33,6 +33,7 @@ import msgpack
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from bus.cache import LoadOnce
 from bus.subjects import Registry
 
 _SAFE = re.compile(r"[^A-Za-z0-9_\-=]")
@@ -102,15 +103,12 @@ async def get_hidden(js: JetStreamContext, reg: Registry, ref: str) -> dict[str,
 
 
 class HiddenCache:
-    """Per-process cache in front of `get_hidden` (hidden data never changes within a run)."""
+    """Per-process cache in front of `get_hidden` (hidden data never changes within a run); the
+    trajectories of one task, verified at once, read it once (`bus.cache.LoadOnce`)."""
 
     def __init__(self, js: JetStreamContext, reg: Registry, max_entries: int = 4096) -> None:
         self.js, self.reg, self.max_entries = js, reg, max_entries
-        self._data: dict[str, dict[str, Any]] = {}
+        self._data: LoadOnce[str, dict[str, Any]] = LoadOnce(lambda ref: get_hidden(js, reg, ref), max_entries)
 
     async def get(self, ref: str) -> dict[str, Any]:
-        if ref not in self._data:
-            if len(self._data) >= self.max_entries:
-                self._data.pop(next(iter(self._data)))
-            self._data[ref] = await get_hidden(self.js, self.reg, ref)
-        return self._data[ref]
+        return await self._data.get(ref)

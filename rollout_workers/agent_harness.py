@@ -72,9 +72,10 @@ def python_dirs(ac) -> list[str]:
     return [sysconfig.get_paths()["purelib"] if p == "purelib" else str(Path(p).resolve()) for p in ac.python_path]
 
 
-def harness_argv(command: list[str], task_file: str) -> list[str]:
-    """The domain's command with `{task_file}` replaced."""
-    return [a.replace("{task_file}", task_file) for a in command]
+def harness_argv(command: list[str], task_file: str, instruction: str) -> list[str]:
+    """The domain's command with `{task_file}` (the task file's path) and `{task}` (its
+    `instruction`: for harnesses that take the task as an argument, as `mini -t`) replaced."""
+    return [a.replace("{task_file}", task_file).replace("{task}", instruction) for a in command]
 
 
 async def _open_sandbox(ac) -> LocalAsyncSandbox:
@@ -115,7 +116,7 @@ def _episode_dir(task: Task) -> Path:
     return d
 
 
-def _invocation(sb, ac, command, epdir: Path, key: str, uds: str, base_url: str):
+def _invocation(sb, ac, command, epdir: Path, key: str, uds: str, base_url: str, instruction: str):
     """(argv, ro_binds, env) of the harness run in `sb` (bwrap: inside paths; else host paths)."""
     boxed = sb.isolation == "bwrap"
     pydirs = python_dirs(ac)
@@ -129,7 +130,7 @@ def _invocation(sb, ac, command, epdir: Path, key: str, uds: str, base_url: str)
         route = ["--sock", SOCK_INSIDE]
     else:
         binds, route = (), ["--url", base_url]
-    argv = ["python3", f"{here}/agent_launch.py", *route, "--", *harness_argv(command, task_file)]
+    argv = ["python3", f"{here}/agent_launch.py", *route, "--", *harness_argv(command, task_file, instruction)]
     return argv, binds, env
 
 
@@ -155,7 +156,8 @@ async def run_one(endpoint, cfg, task: Task, sample_index: int, uds: str) -> Tra
         except Exception as exc:
             raise SandboxUnavailable(f"harness sandbox failed for task {task.task_id}: {exc}") from exc
         epdir = _episode_dir(task)
-        argv, binds, env = _invocation(sb, ac, command, epdir, key, uds, endpoint.base_url)
+        instruction = public_task(task)["instruction"]
+        argv, binds, env = _invocation(sb, ac, command, epdir, key, uds, endpoint.base_url, instruction)
         t0 = time.monotonic()
         res = await sb.execute_with(argv, ac.timeout_s, ro_binds=binds, env=env)
         seconds = time.monotonic() - t0

@@ -19,6 +19,10 @@ Guarantees:
   episode is recognised on later turns by its context, which always starts with the ids
   this engine produced for it before (token in, token out), so G samples of one task and
   any number of tasks in one batch are told apart exactly.
+- A prompt holding mini-swe-agent's action fence (```` ```mswea_bash_command ````: a harness
+  calling through the endpoint) gets steps as mini-swe-agent actions (`mswea_command`: the
+  patch through `patch -p1`, `submit` as its `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`),
+  each turn ending with EOS like a chat model's.
 - A step is written with `schemas.tool_protocol.repo_call_text` (or a raw `text`); a turn
   that calls a tool ends right after the call, a turn without one (past the script's end:
   "(script finished)", or a prompt with no script: "(no script for TASK)") ends with EOS.
@@ -35,13 +39,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shlex
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from rollout_workers.engines.sample import Sample
-from schemas.repo_task import PROMPT_FORMAT_RE, PROMPT_TASK_RE
+from schemas.repo_task import PROMPT_FORMAT_RE, PROMPT_TASK_LINE, PROMPT_TASK_RE
 from schemas.tool_protocol import repo_call_text
 
 MAX_TRACKED = 1024
@@ -81,10 +87,42 @@ EMPTY_STEPS: list[dict] = [{"tool": "submit", "args": {}}]
 """An empty script: submit the repository untouched."""
 
 
+MSWEA = "mswea"
+"""mini-swe-agent's text action format (its `mini_textbased` config): one bash block per turn."""
+MSWEA_FENCE = "```mswea_bash_command"
+MSWEA_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+"""The command that ends a mini-swe-agent run (its first output line, alone)."""
+_HEREDOC = "RLBUS_SCRIPT_EOF"
+
+
+def mswea_command(tool: str, args: dict) -> str:
+    """The shell command doing what repository tool `tool` does (the harness runs it in /work)."""
+    if tool == "apply_patch":
+        diff = str(args["unified_diff"])
+        diff += "" if diff.endswith("\n") else "\n"
+        return f"cat > /tmp/rlbus.diff <<'{_HEREDOC}'\n{diff}{_HEREDOC}\npatch -p1 --batch < /tmp/rlbus.diff"
+    if tool == "write_file":
+        text = str(args["content"])
+        text += "" if text.endswith("\n") else "\n"
+        return f"cat > {shlex.quote(str(args['path']))} <<'{_HEREDOC}'\n{text}{_HEREDOC}"
+    if tool == "run":
+        return str(args["command"])
+    if tool == "read_file":
+        return f"cat {shlex.quote(str(args['path']))}"
+    if tool == "list_files":
+        return f"find {shlex.quote(str(args.get('path', '.')))} -type f"
+    if tool == "submit":
+        return MSWEA_SUBMIT
+    raise ValueError(f"{tool!r} is not a repository tool")
+
+
 def step_text(step: dict, tool_format: str) -> str:
-    """The turn text of one script step."""
+    """The turn text of one script step (`mswea`: mini-swe-agent's THOUGHT + one bash block)."""
     if "text" in step:
         return str(step["text"])
+    if tool_format == MSWEA:
+        command = mswea_command(str(step["tool"]), dict(step.get("args") or {}))
+        return f"THOUGHT: scripted step {step['tool']}.\n\n{MSWEA_FENCE}\n{command}\n```"
     return repo_call_text(str(step["tool"]), dict(step.get("args") or {}), tool_format)
 
 
@@ -136,6 +174,9 @@ class ScriptedEngine:
         text = self.decode(ids)
         task = PROMPT_TASK_RE.search(text)
         fmt = PROMPT_FORMAT_RE.search(text)
+        if MSWEA_FENCE in text:  # a mini-swe-agent harness's prompt: its template puts text before the task line
+            task = task or re.search(re.escape(PROMPT_TASK_LINE) + r"(\S+)", text)
+            return (task.group(1) if task else "", MSWEA, 0)
         return (task.group(1) if task else "", fmt.group(1) if fmt else "tags", 0)
 
     def _turn(self, task_id: str, fmt: str, step: int) -> tuple[str, bool]:
@@ -155,7 +196,7 @@ class ScriptedEngine:
             task_id, fmt, step = self._locate(ids)
             text, is_call = self._turn(task_id, fmt, step)
             gen = self.encode(text)
-            if not is_call and self.eos_id is not None:
+            if (not is_call or fmt == MSWEA) and self.eos_id is not None:  # a harness's turn ends with EOS
                 gen = np.concatenate([gen, np.asarray([self.eos_id], dtype=np.int32)])
             reason = "stop"
             if len(gen) > max_new_tokens:

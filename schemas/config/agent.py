@@ -28,9 +28,14 @@ class AgentSection(Section):
     (the sandbox's `python3` is the system one). `purelib`: the rollout worker's own
     site-packages (where the `agents` extra put `openai` and `mini-swe-agent`); [] for none."""
     env: dict[str, str] = Field(
-        default_factory=lambda: {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_COST_TRACKING": "ignore_errors"}
+        default_factory=lambda: {
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "MSWEA_CONFIGURED": "true",
+        }
     )
-    """Extra variables of every harness (the defaults keep mini-swe-agent's litellm offline);
+    """Extra variables of every harness (the defaults keep mini-swe-agent and its litellm offline
+    and non-interactive);
     `OPENAI_*`, `RLBUS_TASK_FILE`, `PYTHONPATH` and `HOME` are set by rlbus and win."""
     stderr_chars: int = Field(default=4000, ge=200, le=65536)
     """Tail of the harness's stderr kept with a `harness_error`."""

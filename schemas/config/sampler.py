@@ -97,7 +97,8 @@ class DomainConfig(Section):
     (`repo`, `math`, `tool_calc`, ...); its own options are this domain's `params`."""
     command: list[str] = Field(default_factory=list)
     """`kind = "agent"` domains: the harness command run per episode in the episode's sandbox;
-    `{task_file}` is replaced by the path of the public task JSON (also `RLBUS_TASK_FILE`)."""
+    `{task_file}` is replaced by the path of the public task JSON (also `RLBUS_TASK_FILE`),
+    `{task}` by its instruction text (for harnesses taking the task as an argument, `mini -t`)."""
     heldout: bool = False
     """Zero-shot domain: never sampled for training; the scheduler evaluates it every
     `scheduler.eval.every_versions` with the same pipeline (`eval.<domain>`, purpose `heldout`)."""

@@ -26,6 +26,13 @@ What it measures (run with no arguments: `python bench/bus.py`):
   (from /proc), per trajectory; and of the peer process + server per peer message. This
   is less sensitive to other load on the machine than the rates.
 
+- MESSAGES: each connection's in/out message counts from the server's /connz over the
+  window, per trajectory (`ours_detail.nats_msgs_per_trajectory`; bench/bus_profile.py).
+
+`--profile DIR [--profiler py-spy|cprofile]` profiles the workers (bench/bus_profile.py;
+the committed profiles and how they read: bench/results/profiles/README.md) and writes the
+result there instead.
+
 Writes bench/results/bus.json with ours, peer, ratio (ours/peer; the design target is
 >= 0.3) and the details, and prints a table. The machine may be shared, so absolute
 numbers are noisy; both sides run in the same invocation on the same server.
@@ -54,10 +61,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from rich.console import Console
 from rich.table import Table
 
-from bench.bus_profile import PROFILERS, cprofile_prefix, start_py_spy, write_summaries
+from bench.bus_profile import PROFILERS, connz, cprofile_prefix, msgs_per_trajectory, start_py_spy, write_summaries
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.roles import in_start_order
-from bus.server import EmbeddedNats
+from bus.server import EmbeddedNats, free_port
 from bus.subjects import Registry
 from bus.telemetry import STAGE_COUNTER, Heartbeats
 from schemas import encode
@@ -218,7 +225,8 @@ class Workers:
         return {role: p.returncode for role, p in self.procs.items()}
 
 
-async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console, profile: Profile = None) -> dict:
+async def measure_ours(server: EmbeddedNats, tmp: Path, console: Console, profile: Profile = None) -> dict:
+    url, server_pid = server.url, server.proc.pid
     run_id = f"bench{int(time.time())}"
     config = tmp / "bench_bus.toml"
     config.write_text(CONFIG)
@@ -262,12 +270,14 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console, p
         spies = []
         if profile is not None and profile[1] == "py-spy":  # sample exactly the window
             spies = start_py_spy({r: p.pid for r, p in workers.procs.items()}, profile[0], WINDOW_S)
+        conn0 = await asyncio.to_thread(connz, server.monitor_url)
         p0, tele0, w0 = await progress(), tele.per_role(), time.monotonic()
         console.print(f"ours: first step after {first_trained_s:.1f}s; measuring {WINDOW_S:.0f}s window ...")
         while time.monotonic() - w0 < WINDOW_S:
             workers.check_alive()
             await asyncio.sleep(1.0)
         p1, tele1, w1 = await progress(), tele.per_role(), time.monotonic()
+        conn1 = await asyncio.to_thread(connz, server.monitor_url)
         for spy in spies:
             await asyncio.to_thread(spy.wait, 60)
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
@@ -295,6 +305,7 @@ async def measure_ours(url: str, server_pid: int, tmp: Path, console: Console, p
         "warmup_s": round(first_trained_s + SETTLE_S, 1),
         "stage_rates_wall": stages,
         "cpu_ms_per_trajectory": cpu_ms_per(cpu0, cpu1, trained),
+        "nats_msgs_per_trajectory": msgs_per_trajectory(conn0, conn1, trained),
         "cpu_util_in_window": {
             k: (round((cpu1[k] - cpu0[k]) / wall, 3) if cpu0[k] is not None and cpu1[k] is not None else None)
             for k in cpu1
@@ -381,11 +392,11 @@ async def main(profile: Profile = None) -> dict:
     payload_bytes = trajectory_payload_bytes()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-bus-") as d:
         tmp = Path(d)
-        server = EmbeddedNats(tmp / "nats").start()
+        server = EmbeddedNats(tmp / "nats", monitor_port=free_port()).start()
         try:
             console.print(f"nats-server at {server.url} (store {server.store_dir})")
             peer_before = await measure_peer(server.url, server.proc.pid, payload_bytes, console, "BENCHPEER1")
-            ours = await measure_ours(server.url, server.proc.pid, tmp, console, profile)
+            ours = await measure_ours(server, tmp, console, profile)
             peer_after = await measure_peer(server.url, server.proc.pid, payload_bytes, console, "BENCHPEER2")
         finally:
             server.stop()

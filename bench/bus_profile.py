@@ -1,4 +1,10 @@
-"""Profiling the worker processes of bench/bus.py (`python bench/bus.py --profile DIR`).
+"""Profiling the worker processes of bench/bus.py (`python bench/bus.py --profile DIR`), and
+counting the NATS messages each role sends and receives per trajectory (every run).
+
+Message counts: the server's `/connz` monitoring endpoint, read before and after the window,
+gives each connection's in_msgs (what the client published: messages, acks, API requests)
+and out_msgs (what the server delivered to it: fetched messages, replies); connections are
+named `rlbus-<role>` by `bus.session`.
 
 Two profilers, both writing into DIR, one file set per worker role:
 - `py-spy` (default): attaches to each running worker for exactly the measurement window
@@ -16,12 +22,14 @@ Two profilers, both writing into DIR, one file set per worker role:
 from __future__ import annotations
 
 import io
+import json
 import pstats
 import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from urllib.request import urlopen
 
 PROFILERS = ("py-spy", "cprofile")
 PY_SPY_RATE = 100
@@ -101,3 +109,33 @@ def write_summaries(profile_dir: Path, top: int = 60) -> list[Path]:
             path.write_text(text)
             written.append(path)
     return written
+
+
+def connz(monitor_url: str | None) -> dict[str, dict[str, int]]:
+    """in_msgs/out_msgs/in_bytes/out_bytes per connection name (summed over same-named ones);
+    {} without a monitor URL or when the endpoint does not answer."""
+    if not monitor_url:
+        return {}
+    try:
+        with urlopen(f"{monitor_url}/connz?limit=4096", timeout=5) as r:
+            conns = json.load(r).get("connections") or []
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for c in conns:
+        agg = out.setdefault(c.get("name") or f"cid{c.get('cid')}", {})
+        for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes"):
+            agg[k] = agg.get(k, 0) + int(c.get(k, 0))
+    return out
+
+
+def msgs_per_trajectory(before: dict, after: dict, trajectories: int) -> dict[str, dict[str, float]]:
+    """Per connection name: (after - before) in_msgs and out_msgs per trajectory."""
+    if not trajectories:
+        return {}
+    return {
+        name: {
+            k: round((a.get(k, 0) - before.get(name, {}).get(k, 0)) / trajectories, 3) for k in ("in_msgs", "out_msgs")
+        }
+        for name, a in sorted(after.items())
+    }

@@ -26,6 +26,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -81,17 +82,27 @@ def check_key(domain: str, task_id: str) -> str:
 
 async def put_checks(js: JetStreamContext, reg: Registry, tasks: list[Task], written: dict[str, bytes]) -> int:
     """Store the check of every task whose key does not already hold it (`written`: key -> packed
-    check, what this process stored so far; updated). Returns how many were written."""
-    kv, n = None, 0
+    check, what this process stored so far; updated for each stored one). Returns how many were
+    written. The puts are pipelined (one flush, their acks awaited together); it returns only when
+    every one is stored, and raises if any failed (those are written again by the next call)."""
+    todo: dict[str, bytes] = {}
     for task in tasks:
         key, packed = check_key(task.domain, task.task_id), TaskCheck.of(task).pack()
-        if written.get(key) == packed:
-            continue
-        kv = kv or await js.key_value(reg.hidden_bucket)
+        if written.get(key) != packed:
+            todo[key] = packed
+    if not todo:
+        return 0
+    kv = await js.key_value(reg.hidden_bucket)
+
+    async def put(key: str, packed: bytes) -> None:
         await kv.put(key, packed)
         written[key] = packed
-        n += 1
-    return n
+
+    results = await asyncio.gather(*(put(k, v) for k, v in todo.items()), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return len(todo)
 
 
 def forged_fields(traj: Trajectory, check: TaskCheck) -> list[str]:

@@ -80,3 +80,31 @@ def test_oldest_entry_dropped_past_max_entries():
         assert 1 not in cache and 2 in cache and 3 in cache and len(cache) == 2
 
     asyncio.run(main())
+
+
+async def test_checks_pipelined_put_then_one_read_per_task(js, run_id):
+    """put_checks stores every new check (pipelined) and skips unchanged ones; the verifier's
+    CheckCache reads a task's check once for all its concurrent trajectories."""
+    from bus.checks import CheckCache, TaskCheck, check_key, put_checks
+    from bus.conn import ensure_topology
+    from bus.hidden import HiddenDataMissing
+    from bus.subjects import Registry
+    from tests.messages import make_task
+
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    tasks = [make_task(run_id, task_id=f"t{i}") for i in range(20)]
+    written: dict[str, bytes] = {}
+    assert await put_checks(js, reg, tasks, written) == 20
+    assert await put_checks(js, reg, tasks, written) == 0  # unchanged: nothing rewritten
+    kv = await js.key_value(reg.hidden_bucket)
+    for t in tasks:
+        stored = TaskCheck.unpack((await kv.get(check_key(t.domain, t.task_id))).value)
+        assert stored == TaskCheck.of(t)
+
+    cache = CheckCache(js, reg)
+    got = await asyncio.gather(*(cache.get(t.domain, t.task_id) for t in tasks for _ in range(8)))
+    assert got == [TaskCheck.of(t) for t in tasks for _ in range(8)]
+    assert cache._checks.loads == 20  # one bucket read per task, not per trajectory
+    with pytest.raises(HiddenDataMissing, match="no check for task 'never'"):
+        await cache.get(tasks[0].domain, "never")

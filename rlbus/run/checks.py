@@ -49,6 +49,12 @@ def check_learner(cfg: RunConfig, console: Console) -> bool:
     from learner.distributed import world_problem
 
     problem = world_problem(cfg.learner)
+    if cfg.learner.world_size > 1 and cfg.learner.launch == "external":
+        problem = (
+            "learner.launch = 'external' means every learner rank is started from outside (pods of `rlbus k8s "
+            "render`, srun tasks of `rlbus slurm render`), but `rlbus up` starts one learner; set "
+            "learner.launch = 'auto' (rank 0 starts the others on this machine)"
+        )
     if problem:
         console.print(f"rlbus up: {problem}", style="bold red", markup=False, highlight=False, soft_wrap=True)
     return problem is None

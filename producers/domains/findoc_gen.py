@@ -84,19 +84,8 @@ def _series(rng: random.Random, start_lo: int, start_hi: int, years: int, drift:
     return out
 
 
-def make_filing(rng: random.Random) -> Filing:
-    """A company's filing (see the module guarantees)."""
-    company, peer = rng.sample(COMPANIES, 2)
-    last = rng.randint(2019, 2025)
-    years = (last - 2, last - 1, last)
-    segments = tuple(rng.sample(SEGMENTS, 3))
-    seg_revenue, seg_oi = {}, {}
-    for s in segments:
-        revs = _series(rng, 2_000, 40_000, 3, 0.15)
-        margin = rng.uniform(0.06, 0.28)
-        for y, r in zip(years, revs):
-            margin = min(0.35, max(0.02, margin + rng.uniform(-0.04, 0.04)))
-            seg_revenue[(s, y)], seg_oi[(s, y)] = r, round(r * margin)
+def _consolidated(rng: random.Random, years, segments, seg_revenue: dict, seg_oi: dict) -> dict[tuple[str, int], int]:
+    """The consolidated lines of each year, from the segments' figures and a few drawn ratios."""
     lines: dict[tuple[str, int], int] = {}
     for y in years:
         rev = sum(seg_revenue[(s, y)] for s in segments)
@@ -129,6 +118,23 @@ def make_filing(rng: random.Random) -> Filing:
                 ("free_cash_flow", y): ocf + capex,
             }
         )
+    return lines
+
+
+def make_filing(rng: random.Random) -> Filing:
+    """A company's filing (see the module guarantees)."""
+    company, peer = rng.sample(COMPANIES, 2)
+    last = rng.randint(2019, 2025)
+    years = (last - 2, last - 1, last)
+    segments = tuple(rng.sample(SEGMENTS, 3))
+    seg_revenue, seg_oi = {}, {}
+    for s in segments:
+        revs = _series(rng, 2_000, 40_000, 3, 0.15)
+        margin = rng.uniform(0.06, 0.28)
+        for y, r in zip(years, revs):
+            margin = min(0.35, max(0.02, margin + rng.uniform(-0.04, 0.04)))
+            seg_revenue[(s, y)], seg_oi[(s, y)] = r, round(r * margin)
+    lines = _consolidated(rng, years, segments, seg_revenue, seg_oi)
     peer_lines = {}
     for y in years:
         prev = lines[("revenue", y)]

@@ -17,6 +17,12 @@ Guarantees:
   the CLI and `[model] tokenizer` default to `bpe`) has no chat template. The directory loads back offline with
   `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
 - The same arguments (including `seed`) always give the same weights.
+- `rope_scaling=(kind, factor)` (`ROPE_KINDS`: linear, dynamic, yarn; factor > 1) writes
+  HF's `rope_scaling` into the config: the model takes `max_position_embeddings` positions,
+  its rotary embedding scaled by `factor` from an original context of
+  `max_position_embeddings // factor` (`original_max_position_embeddings`, recorded with the
+  rest in `rlbus_model.json`). `parse_rope_scaling("linear:4")` reads the CLI's form; anything
+  else is a ValueError naming the form.
 """
 
 from __future__ import annotations
@@ -77,6 +83,37 @@ def make_tokenizer(kind: str, seed: int = 0) -> PreTrainedTokenizerFast:
     raise ValueError(f"unknown tokenizer {kind!r}: expected 'bpe' or 'char'")
 
 
+ROPE_KINDS = ("linear", "dynamic", "yarn")
+"""RoPE scaling kinds a tiny model may be built with (HF `rope_scaling.rope_type`)."""
+
+
+def parse_rope_scaling(spec: str) -> tuple[str, float]:
+    """`KIND:FACTOR` (e.g. `linear:4`, `yarn:2.5`) as (kind, factor); ValueError naming the form."""
+    kind, _, factor = spec.partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = 0.0
+    if kind not in ROPE_KINDS or not value > 1.0:
+        raise ValueError(
+            f"rope scaling {spec!r}: expected KIND:FACTOR with KIND one of {list(ROPE_KINDS)} and FACTOR > 1, e.g. linear:4"
+        )
+    return kind, value
+
+
+def rope_config(max_position_embeddings: int, rope_scaling: tuple[str, float] | None) -> dict:
+    """The config fields of a rope scaling (empty without one)."""
+    if rope_scaling is None:
+        return {}
+    kind, factor = parse_rope_scaling(f"{rope_scaling[0]}:{rope_scaling[1]}")
+    original = int(max_position_embeddings // factor)
+    if original < 16:
+        raise ValueError(
+            f"rope scaling {kind}:{factor} leaves {original} original positions of {max_position_embeddings}; use fewer"
+        )
+    return {"rope_scaling": {"rope_type": kind, "factor": factor, "original_max_position_embeddings": original}}
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -88,11 +125,13 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     seed: int = 0,
     tokenizer: str = "char",
+    rope_scaling: tuple[str, float] | None = None,
 ) -> Path:
     """Build, save and return the directory of a randomly initialised tiny causal LM.
 
     `intermediate_size` defaults to 4 * hidden_size (SwiGLU MLP, as in both archs).
     """
+    rope = rope_config(max_position_embeddings, rope_scaling)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kind = tokenizer
@@ -109,6 +148,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
+        **rope,
     )
     if arch == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
@@ -134,6 +174,7 @@ def build_tiny_model(
         "intermediate_size": config.intermediate_size,
         "max_position_embeddings": max_position_embeddings,
         "seed": seed,
+        **rope,
     }
     (out / "rlbus_model.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

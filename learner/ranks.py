@@ -201,11 +201,33 @@ class RankGroup:
         self.trainer = RankTrainer(self.lc, self.model_path, 0, self.world, self.backend, local_rank=local)
 
     async def keepalive(self) -> None:
-        """Ping the ranks whenever no command went out for `ping_every` seconds."""
+        """Ping the ranks whenever no command went out for `ping_every` seconds. External launch:
+        a failed ping is a lost rank (`peer_lost`); spawn mode's watcher sees a dead child first."""
         while not self.closing:
             await asyncio.sleep(1.0)
             if time.monotonic() - self.last_command >= self.ping_every and not self.closing:
-                await self.call(self.command, "ping")
+                try:
+                    await self.call(self.command, "ping")
+                except Exception as exc:
+                    if self.closing or not self.rendezvous:
+                        raise
+                    self.peer_lost(exc)
+                    return
+
+    def peer_lost(self, exc: BaseException) -> None:
+        """External launch: a collective with the other ranks failed (one died or hung): log it and
+        (by default) exit with `RANK_DIED_EXIT`, so every rank restarts and meets again at a fresh
+        rendezvous (a restarted rank cannot join this group: its rank number is taken here)."""
+        self.dead = f"a learner rank left the group: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        log.error(
+            "learner.rank_died",
+            error=self.dead,
+            why="a rank died: stopping this rank 0; the ranks meet again and resume from the last checkpoint",
+        )
+        if self.exit_on_rank_death:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(RANK_DIED_EXIT)
 
     async def step(self, batch: dict, lc, loss_scale: float = 1.0) -> dict[str, float]:
         """One sharded update on the packed `batch`; the step's metrics."""

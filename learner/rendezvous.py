@@ -179,7 +179,9 @@ def wait_for_ranks(store, rv: Rendezvous, timeout_s: float, poll_s: float = 0.2)
     if store.add(f"{ARRIVED}{rv.rank}", 1) > 1:
         raise RendezvousError(
             f"learner rank {rv.rank} joined twice: two processes claim rank {rv.rank} (check RANK / the pod "
-            "ordinals: every rank 0..world_size-1 exactly once)"
+            "ordinals: every rank 0..world_size-1 exactly once), or this rank restarted while rank 0 still runs "
+            "the group it left (rank 0 exits at its next collective, within learner.dist_timeout_s; then the "
+            "ranks meet again)"
         )
     deadline = time.monotonic() + timeout_s
     while True:

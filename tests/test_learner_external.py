@@ -234,3 +234,46 @@ def test_rlbus_up_refuses_an_external_learner():
     assert not check_learner(cfg, Console(file=out, width=400))
     assert "rlbus up: learner.launch = 'external'" in out.getvalue() and "set learner.launch = 'auto'" in out.getvalue()
     assert check_learner(load_config(ROOT / "examples" / "smoke.toml", ["learner.world_size=2"]), Console(file=out))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_rank_0_notices_a_lost_rank_while_idle(tiny_model, tmp_path):
+    """SIGKILL of rank 1 (a pod lost) while rank 0 waits for rewards: rank 0's keepalive ping fails and
+    rank 0 stops (`peer_lost`; in the worker it exits with RANK_DIED_EXIT) instead of keeping a group a
+    restarted rank 1 could never rejoin."""
+    from bus.server import free_port
+    from learner.ranks import RankGroup
+    from tests.test_sharded_learner import TINY
+
+    model_dir = tiny_model(**TINY)
+    lc = LearnerSection(world_size=2, launch="external", backend="gloo", dist_timeout_s=6, rendezvous_timeout_s=120)
+    variables = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=2)
+    rank1 = subprocess.Popen(
+        _worker_cli(tmp_path, model_dir, {}, "learner.dist_timeout_s=6"),
+        cwd=ROOT,
+        env={**os.environ, **variables, "RANK": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    async def rank0() -> str | None:
+        rv = resolve(lc, {**variables, "RANK": "0"}, "h")
+        group = RankGroup(lc, model_dir, tmp_path / "run0", exit_on_rank_death=False, rendezvous=rv)
+        await group.start()
+        try:
+            rank1.kill()
+            rank1.wait(10)
+            deadline = time.monotonic() + 60
+            while group.dead is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            return group.dead
+        finally:
+            group.abort()
+
+    try:
+        dead = asyncio.run(rank0())
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+    assert dead and dead.startswith("a learner rank left the group"), dead

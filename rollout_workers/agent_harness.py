@@ -1,7 +1,8 @@
 """Harness-owned episodes (`kind = "agent"` domains): one harness process per episode, in a sandbox.
 
 Per episode (each sample of each task), `run_agent_tasks`:
-1. mints the episode's key on the worker's endpoint (`rollout_workers.endpoint`);
+1. mints the episode's key on the worker's endpoint (`rollout_workers.endpoint`); each call
+   generates at most the task's `max_tokens` (the domain's), whatever the harness asks;
 2. opens a process sandbox (bubblewrap: no network, a dedicated uid, rlimits `agent.*`) with
    the task's repository in `/work` when it has one;
 3. runs `rollout_workers/agent_launch.py` there with the domain's `command` (`{task_file}`
@@ -142,7 +143,7 @@ async def run_one(endpoint, cfg, task: Task, sample_index: int, uds: str) -> Tra
     """One harness-owned episode of `task` (see the module guarantees)."""
     ac, command = cfg.agent, cfg.sampler.domains[task.domain].command
     try:
-        key = endpoint.open_episode(task, sample_index)
+        key = endpoint.open_episode(task, sample_index, call_tokens=task.max_tokens)
     except Exception as exc:
         raise SandboxUnavailable(f"no endpoint episode for task {task.task_id}: {exc}") from exc
     sb, epdir, closed = None, None, False

@@ -167,3 +167,29 @@ async def test_harness_that_cannot_start_is_infra(engine, harness_dir):
     cfg = config(harness_dir, "ok", command=["/nonexistent/harness", "{task_file}"])
     with pytest.raises(SandboxUnavailable, match="could not start"):
         await run(engine, cfg)
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_reply_still_records_the_new_messages(engine):
+    """mini-swe-agent drops a reply it cannot parse and sends only its format error: the endpoint
+    records that message after the reply it kept (counted as drift), so the context is whole."""
+    import openai
+
+    from schemas import Task
+    from schemas.chat import user_prompt
+
+    task = Task(run_id="ep", task_id="t", domain="d", group_size=1, prompt=user_prompt("x"), verifier="arith")
+    ep = Endpoint(engine, lambda: 1, RunConfig().rollout.endpoint.model_copy(update={"enabled": True}), 512)
+    await ep.serve()
+    try:
+        key = ep.open_episode(task, call_tokens=4)
+        c = openai.AsyncOpenAI(base_url=ep.base_url, api_key=key, max_retries=0)
+        first = [{"role": "user", "content": "hello"}]
+        r = await c.chat.completions.create(model="m", messages=first, max_tokens=50)
+        assert r.usage.completion_tokens <= 4  # the episode's per-call cap wins over the request
+        await c.chat.completions.create(model="m", messages=[*first, {"role": "user", "content": "FORMAT ERROR"}])
+        traj = ep.close_episode(key)
+    finally:
+        await ep.stop()
+    assert [t.role for t in traj.turns] == ["prompt", "assistant", "tool", "assistant"]
+    assert "FORMAT ERROR" in traj.turns[2].text and traj.drift == 1

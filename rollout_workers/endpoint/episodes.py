@@ -92,6 +92,10 @@ class EndpointEpisode:
     pending: Pending | None = None
     finish_reason: str = ""
     """"" while open; then why it ended (`stop`, `length`, `timeout`, `error`)."""
+    sent: list[dict] = field(default_factory=list)
+    """The messages of the last chat call (what the next call's new messages are told from)."""
+    call_tokens: int | None = None
+    """Most tokens one call may generate (the agent kind: the domain's `max_tokens`); None: no cap."""
     infra_error: str = ""
     """Why the engine failed a call of this episode ("" when none did): not the policy's doing."""
 

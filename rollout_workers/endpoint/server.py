@@ -74,9 +74,12 @@ class Endpoint:
         self._tasks: list[asyncio.Task] = []
 
     # episodes ---------------------------------------------------------------------------
-    def open_episode(self, task, sample_index: int = 0) -> str:
-        """A fresh key for one episode of `task` (TooManyEpisodes past `max_episodes`)."""
-        return self.episodes.open(task, sample_index)[0]
+    def open_episode(self, task, sample_index: int = 0, call_tokens: int | None = None) -> str:
+        """A fresh key for one episode of `task` (TooManyEpisodes past `max_episodes`);
+        `call_tokens`: most tokens one call may generate, whatever the request asks."""
+        key, ep = self.episodes.open(task, sample_index)
+        ep.call_tokens = call_tokens
+        return key
 
     def close_episode(self, key: str, reason: str = "stop"):
         """End the episode of `key`: its Trajectory (the reason kept if a limit ended it first)."""
@@ -108,6 +111,7 @@ class Endpoint:
             )
             ep.settle(messages, self.tokenizer)
             delta = self._delta(ep, messages)
+            ep.sent = messages
             return await self._complete(ep, rendered, delta, sampling, declared, chat=True)
 
         @app.post("/v1/completions")
@@ -146,11 +150,19 @@ class Endpoint:
         return body
 
     def _delta(self, ep, messages: list[dict]) -> list[int]:
-        """Ids of the messages after the last assistant one, framed to follow a model turn."""
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-        if last is None or not ep.turns:
+        """Ids of the messages after the last assistant one, framed to follow a model turn. When
+        that assistant message was already sent before (the harness dropped the last reply, as
+        mini-swe-agent does on a format error), the messages after the previous call's are new."""
+        if not ep.turns:
             return []
-        text = after_assistant_text(self.tokenizer, messages[last + 1 :])
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        known = 0  # how many leading messages the previous call already sent
+        while known < min(len(ep.sent), len(messages)) and ep.sent[known] == messages[known]:
+            known += 1
+        new = messages[last + 1 :] if last >= known else messages[known:]
+        if not new:
+            return []
+        text = after_assistant_text(self.tokenizer, new)
         eos = self.tokenizer.eos_token or ""
         if eos and ep.context and ep.context[-1] == self.tokenizer.eos_token_id and text.startswith(eos):
             text = text[len(eos) :]
@@ -160,7 +172,8 @@ class Endpoint:
     async def _complete(self, ep, rendered, delta, sampling: Sampling, declared, chat: bool):
         t0 = time.monotonic()
         drifted = ep.extend(rendered, delta, self.tokenizer)
-        room = ep.room(sampling.max_tokens or self.cfg.episode_token_budget)
+        asked = sampling.max_tokens or self.cfg.episode_token_budget
+        room = ep.room(min(asked, ep.call_tokens or asked))
         if room <= 0:
             ep.finish_reason = "length"
             raise ContextExhausted("the episode's context limit or token budget is reached; it ended with `length`")

@@ -19,9 +19,11 @@ Guarantees:
   is a `RendezvousError` saying which ranks are missing and what to check; no rank hangs.
 - Every rank builds its trainer from rank 0's learner section (broadcast once joined), so the
   shards, optimizer and reference agree even where a rank's own config file differs.
-- A follower rank exits 0 after rank 0's `stop`, and non-zero when a collective fails (rank 0
-  died or hung past `learner.dist_timeout_s`); its orchestrator restarts it, and it joins the
-  restarted rank 0 (which resumes from the last checkpoint).
+- A follower rank exits 0 after rank 0's `stop`, and with `learner.ranks.RANK_DIED_EXIT` (logged
+  as `learner.rank_died`) when a collective fails (rank 0 died, or hung past
+  `learner.dist_timeout_s`); its orchestrator restarts it, and it joins the restarted rank 0
+  (which resumes from the last checkpoint). Rank 0 likewise exits when a rank is lost
+  (`learner.ranks.RankGroup.peer_lost`).
 - A follower serves `/metrics` (counters `rank`, `commands`, `steps`) where the run serves them
   (`run.metrics_port` / RLBUS_METRICS_PORT), so a pod's readiness probe and scrape work on
   every rank.
@@ -230,7 +232,7 @@ def run_follower(cfg, model_path: Path, rv: Rendezvous) -> int:
     """Rank 1..N-1 of an external launch: join, build this rank's shard, serve rank 0 until `stop`."""
     from bus.telemetry import start_metrics_server
     from learner.distributed import resolve_backend
-    from learner.ranks import _leave, serve
+    from learner.ranks import RANK_DIED_EXIT, _leave, serve
     from learner.sharded import RankTrainer
 
     lc = cfg.learner
@@ -239,7 +241,16 @@ def run_follower(cfg, model_path: Path, rv: Rendezvous) -> int:
     backend = resolve_backend(lc.backend)
     lc = join(rv, lc, backend)
     trainer = RankTrainer(lc, Path(model_path), rv.rank, rv.world, backend, local_rank=rv.local_rank)
-    serve(trainer, counters)
+    try:
+        serve(trainer, counters)
+    except RuntimeError as exc:  # torch's DistBackendError / DistNetworkError: rank 0 (or another rank) left
+        log.error(
+            "learner.rank_died",
+            rank=rv.rank,
+            error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            why="a collective with the other ranks failed: exiting so every rank restarts and meets again",
+        )
+        raise SystemExit(RANK_DIED_EXIT) from None
     _leave()
     log.info("learner.rank_stopped", rank=rv.rank, commands=int(counters["commands"]))
     return 0

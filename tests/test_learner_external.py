@@ -277,3 +277,65 @@ def test_rank_0_notices_a_lost_rank_while_idle(tiny_model, tmp_path):
         if rank1.poll() is None:
             rank1.kill()
     assert dead and dead.startswith("a learner rank left the group"), dead
+
+
+RANK0 = """
+import asyncio, sys
+from learner.ranks import RankGroup
+from learner.rendezvous import resolve
+from schemas.config import LearnerSection
+
+async def main():
+    lc = LearnerSection(world_size=2, launch="external", backend="gloo", rendezvous_timeout_s=120)
+    group = RankGroup(lc, sys.argv[1], sys.argv[2], rendezvous=resolve(lc))
+    await group.start()
+    print("up", flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_follower_exits_with_rank_died_when_rank_0_goes(tiny_model, tmp_path):
+    """SIGKILL of rank 0 (its pod lost): rank 1, the real pod command, logs `learner.rank_died` and exits
+    with RANK_DIED_EXIT at once (its collective fails), so its pod restarts and meets the new rank 0."""
+    from bus.server import free_port
+    from learner.ranks import RANK_DIED_EXIT
+    from tests.test_sharded_learner import TINY
+
+    model_dir = tiny_model(**TINY)
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0)
+    variables = {**os.environ, **env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=2)}
+    rank1 = subprocess.Popen(
+        _worker_cli(tmp_path, model_dir, {}),
+        cwd=ROOT,
+        env={**variables, "RANK": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    rank0 = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir), str(tmp_path / "run0")],
+        cwd=ROOT,
+        env={**variables, "RANK": "0", "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while rank0.stdout.readline().strip() != "up":  # skip the log lines
+            assert rank0.poll() is None
+        rank0.kill()
+        rank0.wait(10)
+        started = time.monotonic()
+        log = rank1.communicate(timeout=60)[0]
+        waited = time.monotonic() - started
+    finally:
+        for p in (rank0, rank1):
+            if p.poll() is None:
+                p.kill()
+    assert rank1.returncode == RANK_DIED_EXIT, log[-2000:]
+    assert "learner.rank_died" in log and "learner.rank_stopped" not in log, log[-2000:]
+    assert waited < 30, waited  # not the 120 s collective timeout: the closed connection ends it

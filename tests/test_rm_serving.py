@@ -37,11 +37,26 @@ def test_batched_scores_equal_unbatched(rm_dir, tiny_model):
     judge = str(tiny_model(**TINY))  # a causal LM: the judge path batches too
     for path in (str(rm_dir), judge):
         trajs = [rm_traj(a, question="3+4=", model_path=path) for a in ANSWERS]
-        batched = verify_model_batch([(t, None) for t in trajs])
-        for t, b in zip(trajs, batched):
-            one = verify_model(t)
-            assert b.components.keys() == one.components.keys()
-            assert all(b.components[k] == pytest.approx(one.components[k], abs=1e-5) for k in one.components)
+        ones = [verify_model(t) for t in trajs]
+        for max_padding in (1.0, 0.25):  # one forward; length buckets
+            batched = verify_model_batch([(t, None) for t in trajs], max_padding=max_padding)
+            for b, one in zip(batched, ones):
+                assert b.components.keys() == one.components.keys()
+                assert all(b.components[k] == pytest.approx(one.components[k], abs=1e-5) for k in one.components)
+
+
+def test_length_buckets_bound_the_padding():
+    from verifier_workers.verifiers.model import length_buckets
+
+    lengths = [5, 100, 7, 90, 6, 50, 95, 8]
+    assert length_buckets(lengths, 1.0) == [[1, 6, 3, 5, 7, 2, 4, 0]]  # one forward, longest first
+    for bound in (0.0, 0.1, 0.25, 0.5):
+        chunks = length_buckets(lengths, bound)
+        assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+        for c in chunks:
+            width = max(lengths[i] for i in c)
+            assert 1 - sum(lengths[i] for i in c) / (len(c) * width) <= bound + 1e-9
+    assert len(length_buckets(lengths, 0.25)) < len(lengths)
 
 
 def test_the_worker_scores_a_batch_in_one_call_with_the_unbatched_rewards(rm_dir):
@@ -130,3 +145,16 @@ def test_rm_serving_config_refuses_unknown_modes():
     with pytest.raises(ValueError, match="normalize"):
         VerifierSection(rm={"normalize": "zscore"})
     assert VerifierSection().rm.batch_size == 32 and VerifierSection().rm.normalize == "none"
+
+
+def test_bench_rm_serving_runs_and_checks_equal_rewards(tmp_path):
+    import json
+
+    from bench.rm_serving import main
+
+    out = tmp_path / "rm_serving.json"
+    args = ["--trajectories", "8", "--repeats", "1", "--hidden", "32", "--layers", "1", "--batch-size", "4"]
+    assert main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["max_abs_reward_diff"] < 1e-4 and result["batched"]["calls"] == 2
+    assert result["unbatched"]["calls"] == 8 and result["speedup"] > 0 and result["speedup_buckets"] > 0

@@ -1,11 +1,12 @@
 """Reward-model serving in the verifier worker: batching across the trajectories one worker
 holds, and reward normalisation kept on the controlled side.
 
-A verifier that has a `batched` attribute (`fn.batched(items) -> [Verdict | Exception]`,
-today only the `model` verifier) is called through `RmBatcher` instead of once per
-trajectory: trajectories wait until `verifier.rm.batch_size` of them are queued or the
-first has waited `verifier.rm.batch_timeout_s`, then one call (one forward per model)
-scores them all in the worker's verify threads.
+A verifier that has a `batched` attribute (`fn.batched(items, max_padding=...) ->
+[Verdict | Exception]`, today only the `model` verifier) is called through `RmBatcher`
+instead of once per trajectory: trajectories wait until `verifier.rm.batch_size` of them
+are queued or the first has waited `verifier.rm.batch_timeout_s`, then one call scores
+them all in the worker's verify threads (one forward per model, or per length bucket
+with `verifier.rm.max_padding` < 1).
 
 Guarantees:
 - Every submitted trajectory gets exactly its own item's outcome: its Verdict, or the
@@ -26,6 +27,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -134,6 +136,7 @@ class RmBatcher:
 
     def __init__(self, section, executor, run_path: Path | None = None):
         self.size, self.timeout_s = section.batch_size, section.batch_timeout_s
+        self.max_padding = section.max_padding
         self.executor = executor
         self.norm = Normalizer(section.normalize, run_path / STATE_FILE if run_path is not None else None)
         self.pending: dict[object, list] = {}  # batched fn -> [(traj, hidden, future)]
@@ -173,7 +176,8 @@ class RmBatcher:
     async def run(self, fn, queue: list) -> None:
         items = [(t, h) for t, h, _ in queue]
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self.executor, fn, items)
+            call = functools.partial(fn, items, max_padding=self.max_padding)
+            results = await asyncio.get_running_loop().run_in_executor(self.executor, call)
             if len(results) != len(items):
                 raise RuntimeError(f"batched verifier returned {len(results)} results for {len(items)} items")
             results = self.norm.apply(items, results)

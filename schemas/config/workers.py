@@ -52,6 +52,9 @@ class RmServingSection(Section):
     """Trajectories scored in one forward; 1 scores each alone, in the worker's threads."""
     batch_timeout_s: float = Field(default=0.01, ge=0)
     """How long the first trajectory of a batch waits for more before the batch runs anyway."""
+    max_padding: float = Field(default=1.0, ge=0)
+    """Padded share of positions one forward may have: a batch is sorted by length and cut where a forward
+    would pad more (0.25: at most a quarter padding). 1 (the default) runs one forward per batch and model."""
     normalize: Literal["none", "running", "group"] = "none"
     """`score` becomes the logit normalised by the running mean/std of every logit this worker scored
     (`running`, kept in the run folder and restored on restart) or by its group's mean/std among the

@@ -21,9 +21,10 @@ Guarantees:
   0.5), plus `logit` (the raw reward) for a one-label classifier. The default scalar is
   `score` (a config can weight `correct` instead; `verifier.rm.normalize` replaces
   `score` with a normalised logit, `verifier_workers.rm_serving`).
-- `verify_model_batch` scores many trajectories with one forward per model (rows
-  right-padded, each pooled at its own last token), equal to scoring them one by one up to
-  float rounding; `verify_model` is a batch of one. The verifier worker batches through
+- `verify_model_batch` scores many trajectories with one forward per model, or one per
+  length bucket when `max_padding` < 1 (rows right-padded, each pooled at its own last
+  token), equal to scoring them one by one up to float rounding; `verify_model` is a
+  batch of one. The verifier worker batches through
   `verify_model.batched`.
 - Input is truncated from the left to `max_length` tokens (default 1024, capped by the
   model's positions), so the response and the judge's "Answer:" are always seen.
@@ -154,17 +155,44 @@ def _question(traj: Trajectory) -> str:
     return next((t.text for t in traj.turns if t.role == "prompt"), "")
 
 
-def classifier_logits(m: Loaded, questions: list[str], responses: list[str], max_length: int):
-    """One forward over (question, response) pairs, right-padded (the head pools each row's
-    last real token, so a row scores as it would alone); a [rows, labels] float tensor."""
+def length_buckets(lengths: list[int], max_padding: float) -> list[list[int]]:
+    """Row indices sorted longest first and cut so that no forward pads more than
+    `max_padding` of its positions (>= 1: a single forward for all rows)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    real = 0
+    for i in order:
+        cur = chunks[-1] if chunks else None
+        if cur is not None and 1.0 - (real + lengths[i]) / ((len(cur) + 1) * max(1, lengths[cur[0]])) <= max_padding:
+            cur.append(i)
+            real += lengths[i]
+        else:
+            chunks.append([i])
+            real = lengths[i]
+    return chunks
+
+
+def row_logits(m: Loaded, rows: list[list[int]], max_padding: float = 1.0) -> list:
+    """Each row's logits (the classifier's pooled row; the judge's last position), from
+    right-padded forwards of length buckets (`length_buckets`): the head and the causal
+    mask see each row's real tokens only, so a row scores as it would alone."""
     import torch
 
-    enc = m.tokenizer(
-        questions, responses, return_tensors="pt", truncation=True, max_length=max_length, padding=True,
-        padding_side="right",
-    )  # fmt: skip
-    with torch.inference_mode():
-        return m.model(**enc).logits.float()
+    pad = m.tokenizer.pad_token_id
+    rows = [r or [pad] for r in rows]
+    out: list = [None] * len(rows)
+    for chunk in length_buckets([len(r) for r in rows], max_padding):
+        width = max(len(rows[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for k, i in enumerate(chunk):
+            ids[k, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+            mask[k, : len(rows[i])] = 1
+        with torch.inference_mode():
+            logits = m.model(input_ids=ids, attention_mask=mask).logits.float()
+        for k, i in enumerate(chunk):
+            out[i] = logits[k] if m.kind == "classifier" else logits[k, len(rows[i]) - 1]
+    return out
 
 
 def classifier_score(logits, positive: int | None) -> float:
@@ -177,32 +205,25 @@ def classifier_score(logits, positive: int | None) -> float:
     return float(torch.softmax(logits, -1)[label])
 
 
-def score_classifier(m: Loaded, question: str, response: str, max_length: int, positive: int | None) -> float:
-    """Probability that the reward model calls the response good."""
-    return classifier_score(classifier_logits(m, [question], [response], max_length)[0], positive)
-
-
-def judge_scores(m: Loaded, prompts: list[str], max_length: int) -> list[float]:
-    """P(yes) / (P(yes) + P(no)) of the judge's next token, one right-padded forward."""
+def judge_score(m: Loaded, logits) -> float:
+    """P(yes) / (P(yes) + P(no)) from the judge's next-token logits."""
     import torch
 
-    enc = m.tokenizer(
-        prompts, return_tensors="pt", truncation=True, max_length=max_length, padding=True, padding_side="right"
-    )
-    with torch.inference_mode():
-        logits = m.model(**enc).logits.float()
-    last = enc["attention_mask"].sum(dim=1) - 1
-    probs = torch.softmax(logits[torch.arange(len(prompts)), last], -1)
-    out = []
-    for row in probs:
-        yes, no = float(row[m.yes_ids].sum()), float(row[m.no_ids].sum())
-        out.append(yes / (yes + no) if yes + no > 0 else 0.5)
-    return out
+    probs = torch.softmax(logits, -1)
+    yes, no = float(probs[m.yes_ids].sum()), float(probs[m.no_ids].sum())
+    return yes / (yes + no) if yes + no > 0 else 0.5
+
+
+def score_classifier(m: Loaded, question: str, response: str, max_length: int, positive: int | None) -> float:
+    """Probability that the reward model calls the response good."""
+    ids = m.tokenizer(question, response, truncation=True, max_length=max_length)["input_ids"]
+    return classifier_score(row_logits(m, [ids])[0], positive)
 
 
 def score_judge(m: Loaded, prompt: str, max_length: int) -> float:
     """P(yes) / (P(yes) + P(no)) of the judge's next token."""
-    return judge_scores(m, [prompt], max_length)[0]
+    ids = m.tokenizer(prompt, truncation=True, max_length=max_length)["input_ids"]
+    return judge_score(m, row_logits(m, [ids])[0])
 
 
 def _verdict(kind: str, s: float, threshold: float, logit: float | None) -> Verdict:
@@ -217,8 +238,8 @@ def _group_key(traj: Trajectory) -> tuple:
     return (model_path(p), p.get("judge"), int(p.get("max_length", DEFAULT_MAX_LENGTH)), p.get("positive_label"))
 
 
-def _score_group(items: list[tuple[Trajectory, dict | None]]) -> list[Verdict]:
-    """One forward for trajectories that share model, kind, max_length and label."""
+def _score_group(items: list[tuple[Trajectory, dict | None]], max_padding: float) -> list[Verdict]:
+    """Trajectories that share model, kind, max_length and label, scored in length buckets."""
     params = items[0][0].verifier_params
     m = load(model_path(params), params.get("judge"))
     max_length = min(int(params.get("max_length", DEFAULT_MAX_LENGTH)), m.max_positions)
@@ -226,11 +247,11 @@ def _score_group(items: list[tuple[Trajectory, dict | None]]) -> list[Verdict]:
     responses = [t.final_text or "" for t, _ in items]
     thresholds = [float(t.verifier_params.get("threshold", 0.5)) for t, _ in items]
     if m.kind == "classifier":
-        logits = classifier_logits(m, questions, responses, max_length)
+        rows = m.tokenizer(questions, responses, truncation=True, max_length=max_length)["input_ids"]
         positive = params.get("positive_label")
         return [
             _verdict(m.kind, classifier_score(row, positive), th, float(row[0]) if row.numel() == 1 else None)
-            for row, th in zip(logits, thresholds)
+            for row, th in zip(row_logits(m, rows, max_padding), thresholds)
         ]
     prompts = [
         JUDGE_TEMPLATE.format(
@@ -241,12 +262,19 @@ def _score_group(items: list[tuple[Trajectory, dict | None]]) -> list[Verdict]:
         )
         for q, r, (_, h) in zip(questions, responses, items)
     ]
-    return [_verdict(m.kind, s, th, None) for s, th in zip(judge_scores(m, prompts, max_length), thresholds)]
+    rows = m.tokenizer(prompts, truncation=True, max_length=max_length)["input_ids"]
+    return [
+        _verdict(m.kind, judge_score(m, lg), th, None) for lg, th in zip(row_logits(m, rows, max_padding), thresholds)
+    ]
 
 
-def verify_model_batch(items: list[tuple[Trajectory, dict | None]]) -> list[Verdict | Exception]:
-    """Score many trajectories: one forward per (model, kind, max_length, label) group; each
-    item's Verdict, or the exception that item (or its whole group: a missing model) raised."""
+def verify_model_batch(
+    items: list[tuple[Trajectory, dict | None]], max_padding: float = 1.0
+) -> list[Verdict | Exception]:
+    """Score many trajectories: per (model, kind, max_length, label) group, one forward
+    (`max_padding` >= 1) or one per length bucket padded at most `max_padding`
+    (`length_buckets`); each item's Verdict, or the exception that item (or its whole group:
+    a missing model) raised."""
     out: list[Verdict | Exception | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     for i, (traj, _) in enumerate(items):
@@ -256,7 +284,7 @@ def verify_model_batch(items: list[tuple[Trajectory, dict | None]]) -> list[Verd
             out[i] = exc if isinstance(exc, VerifierInputError) else VerifierInputError(f"model verifier params: {exc}")
     for idx in groups.values():
         try:
-            verdicts = _score_group([items[i] for i in idx])
+            verdicts = _score_group([items[i] for i in idx], max_padding)
         except Exception as exc:  # noqa: BLE001 (the group shares the failure: a missing model dir is infra)
             verdicts = [exc] * len(idx)
         for i, v in zip(idx, verdicts):

@@ -15,7 +15,8 @@ then:
 
 The tree: base/ (namespace, service account) and overlays/<run-id>/ (NATS StatefulSet + Secret +
 config, the run config ConfigMap, the run folder PVC, the init Job, a Deployment per role, the
-learner StatefulSet with its checkpoint PVC, KEDA ScaledObjects for rollout and verifier, and
+learner StatefulSet (one pod with its checkpoint PVC; with learner.world_size > 1 one pod per
+rank, meeting at pod 0 through a headless Service, checkpoints on the run folder PVC), KEDA ScaledObjects for rollout and verifier, and
 values.yaml for the official NATS Helm chart). nats-auth.yaml and nats-passwords.env hold the
 NATS passwords (mode 0600; rendering again keeps them): never commit them.
 

@@ -95,12 +95,12 @@ def run_side(
     return asyncio.run(go())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="an exported reward model (default: build a tiny one)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--trajectories", type=int, default=256)
+    p.add_argument("--trajectories", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-words", type=int, default=124, help="answers are 4..this many words")
     p.add_argument("--concurrency", type=int, default=4)
@@ -108,38 +108,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench/results/rm_serving.json"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def measure(trajs: list, args: argparse.Namespace) -> dict:
+    """Every side after a warm-up, interleaved `repeats` times: {side: figures and rewards}."""
+    plan = (
+        ("unbatched", 1, 1.0),
+        ("batched", args.batch_size, 1.0),
+        ("batched_buckets", args.batch_size, args.max_padding),
+    )
+    for _, bs, mp in plan:  # warm-up: load the model, first forwards
+        run_side(trajs[:8], bs, args.concurrency, mp)
+    runs: dict[str, list] = {name: [] for name, _, _ in plan}
+    for _ in range(args.repeats):  # interleaved: every side sees the same machine load
+        for name, bs, mp in plan:
+            runs[name].append(run_side(trajs, bs, args.concurrency, mp))
+    sides = {}
+    for name, bs, mp in plan:
+        secs = [r[0] for r in runs[name]]
+        sides[name] = {
+            "batch_size": bs,
+            "max_padding": mp,
+            "seconds_median": statistics.median(secs),
+            "trajectories_per_s": len(trajs) / statistics.median(secs),
+            "seconds_all": secs,
+            "calls": runs[name][0][2],
+            "rewards": runs[name][0][1],
+        }
+    return sides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else build_rm(Path(tmp), args.hidden, args.layers)
-        trajs = trajectories(model_dir, args.trajectories, args.max_words)
-        plan = (
-            ("unbatched", 1, 1.0),
-            ("batched", args.batch_size, 1.0),
-            ("batched_buckets", args.batch_size, args.max_padding),
-        )
-        for _, bs, mp in plan:  # warm-up: load the model, first forwards
-            run_side(trajs[:8], bs, args.concurrency, mp)
-        runs: dict[str, list] = {name: [] for name, _, _ in plan}
-        for _ in range(args.repeats):  # interleaved: every side sees the same machine load
-            for name, bs, mp in plan:
-                runs[name].append(run_side(trajs, bs, args.concurrency, mp))
-        sides = {}
-        for name, bs, mp in plan:
-            secs = [r[0] for r in runs[name]]
-            sides[name] = {
-                "batch_size": bs,
-                "max_padding": mp,
-                "seconds_median": statistics.median(secs),
-                "trajectories_per_s": args.trajectories / statistics.median(secs),
-                "seconds_all": secs,
-                "calls": runs[name][0][2],
-                "rewards": runs[name][0][1],
-            }
+        sides = measure(trajectories(model_dir, args.trajectories, args.max_words), args)
     base = sides["unbatched"]["rewards"]
     diff = max(abs(a - b) for side in ("batched", "batched_buckets") for a, b in zip(base, sides[side]["rewards"]))
+    rate = {k: v["trajectories_per_s"] for k, v in sides.items()}
     result = {
         "trajectories": args.trajectories,
         "answer_words": [4, args.max_words],
@@ -149,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "model": args.model or f"tiny qwen2 classifier, hidden {args.hidden}, {args.layers} layers (bpe)",
         "max_abs_reward_diff": diff,
-        "speedup": sides["batched"]["trajectories_per_s"] / sides["unbatched"]["trajectories_per_s"],
-        "speedup_buckets": sides["batched_buckets"]["trajectories_per_s"] / sides["unbatched"]["trajectories_per_s"],
+        "speedup": rate["batched"] / rate["unbatched"],
+        "speedup_buckets": rate["batched_buckets"] / rate["unbatched"],
         **{k: {kk: vv for kk, vv in v.items() if kk != "rewards"} for k, v in sides.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,13 @@ async def _open_sandbox(ac) -> LocalAsyncSandbox:
         executor.shutdown(wait=False)
         raise
     if sb.isolation != "bwrap":
+        if not ac.allow_host:  # degraded by sandbox.allow_degraded or its env var: not consent for harnesses
+            await asyncio.get_running_loop().run_in_executor(executor, sb.close)
+            executor.shutdown(wait=False)
+            raise SandboxUnavailable(
+                "bubblewrap is unavailable, so the harness would run as a plain host process: install bubblewrap "
+                "(apt-get install -y bubblewrap), or set agent.allow_host = true to consent"
+            )
         log.warning("agent.host_process", reason="no bubblewrap; allowed by agent.allow_host")
     return LocalAsyncSandbox(sb, executor)
 
@@ -139,6 +146,39 @@ def _tail(text: str, n: int) -> str:
     return text[-n:]
 
 
+def _outcome(ep, res, task: Task) -> tuple[str, str, int]:
+    """(status, finish reason, calls) of a finished harness run, or SandboxUnavailable when it
+    is an infrastructure error (see the module guarantees)."""
+    calls = len(ep.calls) if ep is not None else 0
+    if ep is not None and ep.infra_error:
+        raise SandboxUnavailable(f"the endpoint's engine failed for task {task.task_id}: {ep.infra_error}")
+    if res.exit_code == NOT_STARTED_CODE and NOT_STARTED in res.stderr:
+        raise SandboxUnavailable(f"harness of task {task.task_id}: {_tail(res.stderr, 400).strip()}")
+    if calls == 0:  # nothing of the policy's to score or train on: the harness's own failure
+        raise SandboxUnavailable(
+            f"harness of task {task.task_id} ended (exit {res.exit_code}) without calling the policy: "
+            f"{_tail(res.stderr, 400).strip()}"
+        )
+    if res.timed_out:
+        return "timeout", "timeout", calls
+    if res.exit_code == 0:
+        return "ok", "stop", calls
+    return HARNESS_ERROR, "error", calls
+
+
+async def _export(sb, task: Task) -> dict[str, bytes]:
+    """A repository task's diff (`artifacts["diff"]`, as rlbus-owned repo episodes export it)."""
+    if not task.workspace:
+        return {}
+    from rollout_workers.repo_tools import export_diff
+
+    try:
+        diff, _ = await export_diff(sb, task.workspace)
+    except Exception as exc:
+        raise SandboxUnavailable(f"final repository state of task {task.task_id}: {exc}") from exc
+    return {DIFF_ARTIFACT: diff.encode()}
+
+
 async def run_one(endpoint, cfg, task: Task, sample_index: int, uds: str) -> Trajectory:
     """One harness-owned episode of `task` (see the module guarantees)."""
     ac, command = cfg.agent, cfg.sampler.domains[task.domain].command
@@ -162,32 +202,8 @@ async def run_one(endpoint, cfg, task: Task, sample_index: int, uds: str) -> Tra
         t0 = time.monotonic()
         res = await sb.execute_with(argv, ac.timeout_s, ro_binds=binds, env=env)
         seconds = time.monotonic() - t0
-        ep = endpoint.episodes.episode(key)
-        calls = len(ep.calls) if ep is not None else 0
-        if ep is not None and ep.infra_error:
-            raise SandboxUnavailable(f"the endpoint's engine failed for task {task.task_id}: {ep.infra_error}")
-        if res.exit_code == NOT_STARTED_CODE and NOT_STARTED in res.stderr:
-            raise SandboxUnavailable(f"harness of task {task.task_id}: {_tail(res.stderr, 400).strip()}")
-        if res.timed_out:
-            status, reason = "timeout", "timeout"
-        elif res.exit_code == 0:
-            status, reason = "ok", "stop"
-        else:
-            status, reason = HARNESS_ERROR, "error"
-        if calls == 0:  # nothing of the policy's to score or train on: the harness's own failure
-            raise SandboxUnavailable(
-                f"harness of task {task.task_id} ended (exit {res.exit_code}) without calling the policy: "
-                f"{_tail(res.stderr, 400).strip()}"
-            )
-        artifacts = {}
-        if task.workspace:
-            from rollout_workers.repo_tools import export_diff
-
-            try:
-                diff, _ = await export_diff(sb, task.workspace)
-            except Exception as exc:
-                raise SandboxUnavailable(f"final repository state of task {task.task_id}: {exc}") from exc
-            artifacts[DIFF_ARTIFACT] = diff.encode()
+        status, reason, calls = _outcome(endpoint.episodes.episode(key), res, task)
+        artifacts = await _export(sb, task)
         record = {
             "status": status,
             "exit_code": res.exit_code,

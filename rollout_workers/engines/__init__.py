@@ -67,7 +67,7 @@ def require_engine(kind: str) -> None:
 
 def make_engine(config: RolloutSection, model_path: str, **vllm_options: Any):
     """The engine `config.engine` names, started on the model at `model_path`: `hf` with
-    `config.hf` (device, threads), `vllm` with `config.vllm` (tier and engine options;
+    `config.hf` (device, threads, prefix reuse), `vllm` with `config.vllm` (tier and engine options;
     `vllm_options`, e.g. `seed` or `stop`, override them), `scripted` with
     `config.scripted.dir`, `null`/`sleep` answering `config.null_answer`.
 
@@ -87,7 +87,8 @@ def make_engine(config: RolloutSection, model_path: str, **vllm_options: Any):
     if kind == "hf":
         from rollout_workers.engines.hf_engine import HFEngine
 
-        return HFEngine(model_path, config.hf.device, config.hf.threads)
+        hf = config.hf
+        return HFEngine(model_path, hf.device, hf.threads, hf.prefix_reuse, hf.prefix_cache_entries)
     if kind == "vllm":
         require_engine(kind)
         from rollout_workers.engines.vllm_engine import VLLMEngine

@@ -17,19 +17,37 @@ Guarantees (the engine contract of `rollout_workers.engines`, plus):
   the verify-first path would decline, or for tied weights that swapping cannot keep.
   While one is unsettled, every other load raises RuntimeError (it would overwrite the
   weights being verified, or the ones a rollback restores).
+- `prefix_reuse` (`rollout.hf.prefix_reuse`): the KV cache of each generated row (its prompt
+  and generation) is kept in a bounded `prefix_cache.PrefixCache` (`prefix_cache_entries`
+  sequences, least recently used evicted); a later call whose token-id prompt starts with a
+  kept sequence's ids feeds only the new suffix, still all rows in ONE batched `generate`
+  (each row's reused keys/values left-padded in the cache, its suffix left-padded after
+  them; positions follow the attention mask, so a row's positions are those of its own
+  tokens). A prompt sharing nothing is prefilled in full. Generated ids and behaviour
+  log-probs equal the no-reuse path's within float tolerance (tests/test_prefix_reuse.py),
+  sampled ones under the same torch seed too. Every weight load clears the cache, and
+  nothing is kept or reused while a speculative load is unsettled.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from rollout_workers.engines.prefix_cache import PrefixCache
 from rollout_workers.engines.sample import Sample
 
 
 class HFEngine:
     """A causal LM from a local HF directory, generating with transformers."""
 
-    def __init__(self, model_path: str, device: str = "cpu", threads: int = 1):
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        threads: int = 1,
+        prefix_reuse: bool = False,
+        prefix_cache_entries: int = 64,
+    ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,11 +62,19 @@ class HFEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         """Longest context (prompt + generation) the model takes; the agent loop ends an episode before it."""
+        self.prefix = PrefixCache(prefix_cache_entries) if prefix_reuse else None
+        """Kept KV caches of recent rows (None: every prompt is prefilled in full)."""
 
     def _check_settled(self) -> None:
-        pending = getattr(self, "_speculative", None)
-        if pending is not None and not pending.settled:
+        if self._unsettled():
+            pending = self._speculative
             raise RuntimeError(f"speculative load of {pending.path} not verified yet: commit or roll it back first")
+        if self.prefix is not None:  # new weights: the kept keys/values are another policy's
+            self.prefix.clear()
+
+    def _unsettled(self) -> bool:
+        pending = getattr(self, "_speculative", None)
+        return pending is not None and not pending.settled
 
     def load_weights(self, blob: bytes) -> None:
         """Hot-load a safetensors blob into the model: full weights, or a LoRA adapter, which
@@ -128,7 +154,15 @@ class HFEngine:
         torch = self.torch
         greedy = temperature <= 0
         repeat = greedy and n > 1
-        enc = self.encode_batch([p for p in prompts for _ in range(n)] if repeat else prompts)
+        rows = [p for p in prompts for _ in range(n)] if repeat else prompts
+        keep = self.prefix is not None and not self._unsettled()
+        enc, cache, used = None, None, []
+        if keep and rows and not isinstance(rows[0], str) and (n == 1 or repeat):
+            enc, cache, used = self._reuse_batch(rows)
+        if enc is None:
+            enc = self.encode_batch(rows)
+        if cache is not None:
+            enc = {**enc, "cache": cache}
         with torch.no_grad():
             out = self.model.generate(
                 **enc,
@@ -156,13 +190,19 @@ class HFEngine:
         )
         lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, gen.shape[1]))
         gen_np, logp_np, len_np = gen.cpu().numpy(), logp.cpu().numpy(), lengths.cpu().numpy()
+        if keep:
+            self._remember(enc, out, len_np, used)
         texts = self.tokenizer.batch_decode(
             [row[: min(L, f)] for row, L, f in zip(gen_np, len_np, first_eos.cpu().numpy())], skip_special_tokens=True
         )
+        return self._samples(enc, len(prompts), n, repeat, gen_np, logp_np, len_np, texts, has_eos)
+
+    def _samples(self, enc, count, n, repeat, gen_np, logp_np, len_np, texts, has_eos) -> list[list[Sample]]:
+        """Per prompt, its n `Sample`s from the batch's outputs."""
         mask = enc["attention_mask"].cpu().numpy().astype(bool)
         ids = enc["input_ids"].cpu().numpy()
         result: list[list[Sample]] = []
-        for p in range(len(prompts)):
+        for p in range(count):
             row = p * n if repeat else p  # the prompt's (first) row of the encoded batch
             prompt_ids = ids[row][mask[row]].astype(np.int32)
             group = []
@@ -180,3 +220,58 @@ class HFEngine:
                 )
             result.append(group)
         return result
+
+    def _reuse_batch(self, rows: list[list[int]]):
+        """(input_ids/attention_mask, the batched cache, the entry keys used) for token-id rows:
+        per row its longest kept prefix (left-padded to the longest such prefix, in the cache)
+        then its new suffix (left-padded after it). (None, None, []) when no row reuses anything."""
+        torch = self.torch
+        hits = [self.prefix.lookup(r) for r in rows]
+        width_p = max(k for k, _, _ in hits)
+        if width_p == 0:
+            return None, None, []
+        width_s = max(len(r) - k for r, (k, _, _) in zip(rows, hits, strict=True))
+        ids = torch.full((len(rows), width_p + width_s), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        first = next(e for _, e, _ in hits if e is not None)
+        layers = []
+        for k0, v0 in first.kv:
+            shape = (len(rows), k0.shape[0], width_p, k0.shape[2])
+            layers.append((k0.new_zeros(shape), v0.new_zeros(shape)))
+        for i, (r, (k, entry, _)) in enumerate(zip(rows, hits, strict=True)):
+            tail = torch.as_tensor(np.asarray(r[k:], dtype=np.int64))
+            ids[i, width_p + width_s - len(tail) :] = tail
+            mask[i, width_p + width_s - len(tail) :] = 1
+            if k:
+                ids[i, width_p - k : width_p] = torch.as_tensor(entry.ids[:k])
+                mask[i, width_p - k : width_p] = 1
+                for (kk, vv), (ke, ve) in zip(layers, entry.kv, strict=True):
+                    kk[i, :, width_p - k :] = ke[:, :k]
+                    vv[i, :, width_p - k :] = ve[:, :k]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=[(k.to(self.device), v.to(self.device)) for k, v in layers])
+        enc = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        return enc, cache, [key for _, _, key in hits if key is not None]
+
+    def _remember(self, enc, out, len_np, used) -> None:
+        """Keep each output row's real ids (prompt and generation, no padding) with their keys and
+        values; the entries these rows continued are dropped (the new ones cover them)."""
+        torch = self.torch
+        cache = out.cache
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        length = kv[0][0].shape[2]  # the last generated token was never fed: not in the cache
+        rows = out.sequences.shape[0]
+        mask = enc["attention_mask"].repeat_interleave(rows // enc["attention_mask"].shape[0], dim=0)
+        width = mask.shape[1]
+        full = torch.cat([mask.bool(), torch.ones((rows, length - width), dtype=torch.bool, device=mask.device)], 1)
+        for key in used:
+            self.prefix.drop(key)
+        for i in range(rows):
+            real = full[i].clone()
+            real[width + int(len_np[i]) :] = False  # padding after the row's end-of-sequence
+            pos = real.nonzero().squeeze(1)
+            self.prefix.put(
+                out.sequences[i, :length][pos].cpu().numpy(),
+                [(k[i][:, pos].detach().clone(), v[i][:, pos].detach().clone()) for k, v in kv],
+            )

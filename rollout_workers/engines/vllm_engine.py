@@ -134,14 +134,16 @@ def llm_kwargs(
     kv_cache_memory_mb: int | None,
     gpu_memory_utilization: float,
     max_num_seqs: int | None,
+    prefix_caching: bool = True,
 ) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments for these options (unset ones left to vLLM)."""
+    """`vllm.LLM` keyword arguments for these options (unset ones left to vLLM);
+    `prefix_caching` is vLLM's `enable_prefix_caching`."""
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
         tokenizer=str(model_path),
         seed=seed,
         dtype=dtype,
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         gpu_memory_utilization=gpu_memory_utilization,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=EXTENSION,
@@ -173,6 +175,7 @@ class VLLMEngine:
         kv_cache_memory_mb: int | None = None,
         gpu_memory_utilization: float = 0.3,
         max_num_seqs: int | None = None,
+        prefix_caching: bool = True,
         stop: Sequence[str] = STOP_STRINGS,
         **extra,
     ):
@@ -191,6 +194,7 @@ class VLLMEngine:
             kv_cache_memory_mb=kv_cache_memory_mb,
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs,
+            prefix_caching=prefix_caching,
         )
         kwargs.update(extra)
         self.llm = LLM(**kwargs)
@@ -212,6 +216,7 @@ class VLLMEngine:
             kv_cache_memory_mb=section.kv_cache_memory_mb,
             gpu_memory_utilization=section.gpu_memory_utilization,
             max_num_seqs=section.max_num_seqs,
+            prefix_caching=section.prefix_caching,
         )
         opts.update(overrides)
         return cls(model_path, section.tier, **opts)

@@ -35,6 +35,12 @@ class HFEngineSection(Section):
     """torch device of the model (`cpu`, `cuda`, `cuda:1`)."""
     threads: int = Field(default=1, ge=1)
     """torch threads of the rollout process (only the hf engine computes with torch)."""
+    prefix_reuse: bool = True
+    """Keep each generated row's KV cache and, when a later prompt (a multi-turn episode's next
+    turn) starts with its ids, prefill only the new suffix; outputs equal a full prefill's
+    (`rollout_workers.engines.hf_engine`). Costs the kept caches' memory."""
+    prefix_cache_entries: int = Field(default=64, ge=1)
+    """Most sequences whose KV cache is kept (least recently used dropped first); about one per live episode."""
 
 
 class VLLMEngineSection(Section):
@@ -61,6 +67,9 @@ class VLLMEngineSection(Section):
     weights, activations and KV cache when `kv_cache_memory_mb` is unset."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Most sequences decoded in one step (a batch's prompts x samples); None: vLLM's default."""
+    prefix_caching: bool = True
+    """vLLM's automatic prefix caching (`enable_prefix_caching`): a prompt's blocks already in the
+    KV cache (a multi-turn episode's history, a group's shared prompt) are not computed again."""
 
 
 class ScriptedEngineSection(Section):

@@ -65,6 +65,9 @@ HARNESS = textwrap.dedent(
     if mode == "crash":
         sys.stderr.write("Traceback: the harness fell over on the model's action\\n")
         sys.exit(3)
+    if mode == "hang":
+        import time
+        time.sleep(600)
     """
 )
 
@@ -80,7 +83,7 @@ def harness_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def config(harness_dir: Path, mode: str, command=None) -> RunConfig:
+def config(harness_dir: Path, mode: str, command=None, timeout_s: float = 60) -> RunConfig:
     cmd = command or ["python3", "-m", "tiny_harness", mode, "{task_file}"]
     return RunConfig.model_validate(
         {
@@ -88,7 +91,7 @@ def config(harness_dir: Path, mode: str, command=None) -> RunConfig:
                 "group_size": 1,
                 "domains": {"m": {"kind": "agent", "wraps": "math", "command": cmd, "max_tokens": 8}},
             },
-            "agent": {"timeout_s": 60, "python_path": ["purelib", str(harness_dir)]},
+            "agent": {"timeout_s": timeout_s, "python_path": ["purelib", str(harness_dir)]},
         }
     )
 
@@ -193,3 +196,12 @@ async def test_a_dropped_reply_still_records_the_new_messages(engine):
         await ep.stop()
     assert [t.role for t in traj.turns] == ["prompt", "assistant", "tool", "assistant"]
     assert "FORMAT ERROR" in traj.turns[2].text and traj.drift == 1
+
+
+@pytest.mark.asyncio
+async def test_a_harness_past_its_timeout_is_killed_and_verified_as_it_stands(engine, harness_dir):
+    drawn, (traj,), _ = await run(engine, config(harness_dir, "hang", timeout_s=4))
+    rec = json.loads(traj.artifacts[AGENT_ARTIFACT])
+    assert rec["status"] == "timeout" and rec["calls"] == 1 and 4 <= rec["seconds"] < 15, rec
+    assert traj.finish_reason == "timeout"
+    assert score(traj, drawn[0].hidden).status == "ok"  # scored by the wrapped verifier, as it stands

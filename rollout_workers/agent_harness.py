@@ -6,7 +6,7 @@ Per episode (each sample of each task), `run_agent_tasks`:
 2. opens a process sandbox (bubblewrap: no network, a dedicated uid, rlimits `agent.*`) with
    the task's repository in `/work` when it has one;
 3. runs `rollout_workers/agent_launch.py` there with the domain's `command` (`{task_file}`
-   replaced), within `agent.timeout_s`. The environment is cleared, then: `OPENAI_API_KEY`
+   and `{task}` replaced), within `agent.timeout_s`. The environment is cleared, then: `OPENAI_API_KEY`
    (the episode's key), `OPENAI_BASE_URL` (a relay on the sandbox's own loopback to the
    endpoint's Unix socket, bound in at `SOCK_INSIDE`), `RLBUS_TASK_FILE` (the public task,
    `schemas.agent_task.public_task`, bound read-only with the launcher at `AGENT_DIR`),
@@ -26,7 +26,9 @@ Guarantees:
   failure behind the endpoint, a sandbox that cannot open (no bubblewrap and no
   `agent.allow_host`), a repository state that cannot be exported.
 - Without bubblewrap, harnesses run as plain host processes only with `agent.allow_host`
-  (rlimits and a dedicated uid only); the console says so in red, once per process.
+  (rlimits and a dedicated uid only; `sandbox.allow_degraded` is no consent); the console
+  says so in red, once per process. Harnesses run in bubblewrap whatever `sandbox.backend` is
+  (docker harness containers are not built).
 - The harness never gets the hidden payload, the NATS credentials or another episode's key;
   its key reaches only its own episode and is closed (409 afterwards) when the episode ends.
 - Every sandbox and episode directory is removed, every key closed, whatever happens.

@@ -83,20 +83,27 @@ GROUP_PARAMS = ("position_bucket", "length")
 """Public task params (`Task.verifier_params`) a round also reports scores by, per domain
 (`PipelineEval.groups`): long-context domains record the needle's position bucket and the
 document's length there (`producers.domains.recall`, `findoc`)."""
+JOINT_GROUPS = (("length", "position_bucket"),)
+"""Param pairs also scored jointly, as param `"length|position_bucket"` with values `"<length>|<bucket>"`
+(the recall heatmap of `rlbus report`), for tasks that carry both."""
 
 
 def group_scores(tasks: list[Task], got: dict[str, Reward]) -> dict[str, dict[str, dict[str, float]]]:
     """{domain: {param: {value: fraction correct}}} over the round's tasks that carry a
-    `GROUP_PARAMS` param (a task whose reward is missing counts as wrong, as in the domain score)."""
+    `GROUP_PARAMS` param, and the `JOINT_GROUPS` pairs they carry both of (a task whose reward
+    is missing counts as wrong, as in the domain score)."""
     total: dict[tuple[str, str, str], int] = Counter()
     right: dict[tuple[str, str, str], int] = Counter()
     for t in tasks:
         r = got.get(t.msg_id)
-        for p in GROUP_PARAMS:
-            if p in t.verifier_params:
-                key = (t.domain, p, str(t.verifier_params[p]))
-                total[key] += 1
-                right[key] += r is not None and is_correct(r)
+        params = t.verifier_params
+        keys = [(p, str(params[p])) for p in GROUP_PARAMS if p in params]
+        keys += [
+            ("|".join(j), "|".join(str(params[p]) for p in j)) for j in JOINT_GROUPS if all(p in params for p in j)
+        ]
+        for p, value in keys:
+            total[(t.domain, p, value)] += 1
+            right[(t.domain, p, value)] += r is not None and is_correct(r)
     out: dict[str, dict[str, dict[str, float]]] = {}
     for (domain, p, value), n in sorted(total.items()):
         out.setdefault(domain, {}).setdefault(p, {})[value] = right[(domain, p, value)] / n

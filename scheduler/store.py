@@ -69,6 +69,11 @@ def retrying(work):
             delay = min(2 * delay, 4.0)
 
 
+def episode_tokens(trajectory) -> int:
+    """Tokens of a trajectory's turns (prompt, model, tool: its context at the end); packed int32 ids."""
+    return sum(len(t.token_ids) // 4 for t in trajectory.turns)
+
+
 def reward_sandbox_seconds(reward) -> float:
     """A `Reward`'s sandbox wall seconds: its episode's executed tool calls plus its verifier's own."""
     episode = sum(c.duration_ms for c in reward.trajectory.tool_calls if not c.error) / 1000.0
@@ -242,6 +247,7 @@ class Store:
                     "task_msg_id": r.trajectory.task_msg_id,
                     "created_at": r.created_at,
                     "sandbox_seconds": reward_sandbox_seconds(r),
+                    "tokens": episode_tokens(r.trajectory),
                 }
                 for r in rewards
             ],
@@ -288,6 +294,7 @@ class Store:
                     "purpose": e.purpose,
                     "created_at": e.created_at,
                     "cost_sandbox_seconds": sandbox[e.run_id],
+                    "groups": dict(getattr(e, "groups", None) or {}),
                     **_cost_columns(costs[e.run_id]),
                 }
                 for e in results

@@ -64,6 +64,8 @@ class EvalResultRow(SQLModel, table=True):
     cost_tokens: int | None = None
     cost_sandbox_seconds: float | None = None
     """Sandbox wall seconds of every reward recorded so far (episode tool executions + verifiers)."""
+    groups: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False, default={}))
+    """`EvalResult.groups`: {param: {value: fraction correct}} (long-context position bucket, length)."""
 
 
 class DomainStatRow(SQLModel, table=True):
@@ -135,6 +137,8 @@ class RewardRow(SQLModel, table=True):
     created_at: float
     sandbox_seconds: float = 0.0
     """Sandbox wall time of this sample: its episode's tool executions plus its verification's."""
+    tokens: int = 0
+    """Tokens of the episode's context at its end: prompt, model and tool turns (`rlbus report`'s cost per episode)."""
 
 
 class GateCheckRow(SQLModel, table=True):
@@ -174,6 +178,8 @@ ADDED_COLUMNS: tuple[tuple[type[SQLModel], str, str], ...] = (
     (EvalResultRow, "purpose", "'train'"),
     (EvalResultRow, "cost_sandbox_seconds", "NULL"),
     (RewardRow, "sandbox_seconds", "0"),
+    (EvalResultRow, "groups", "'{}'"),
+    (RewardRow, "tokens", "0"),
 )
 """(table, column, SQL default) of columns added after the first release: `Store` adds them to older
 stores (NOT NULL unless the default is NULL)."""

@@ -20,7 +20,10 @@ Guarantees:
   weights over time, from `curriculum_updates`), `capability_cost_curve.png` (the capability-cost
   curve: eval score per domain vs the cumulative cost recorded with each eval, one panel per
   measure: tokens, CPU seconds, sandbox seconds; a repo domain's score is its completion
-  rate). With many domains, line plots name at most
+  rate), and the long-context views (`rlbus.report.longctx`): `accuracy_vs_length.png` (eval accuracy
+  per document length from `eval_results.groups`), `recall_heatmap.png` (recall accuracy per length
+  x needle position bucket), `tokens_vs_reward.png` (mean training reward vs tokens per episode,
+  `rewards.tokens`: the per-episode capability-cost curve). With many domains, line plots name at most
   `rlbus.report.plots.TOP_LABELLED` of them.
 - `report.md` is rewritten on every call (idempotent); it links the plots by relative
   path and lists evals (purpose, baseline, best, final), the released version, the plateau,
@@ -35,7 +38,17 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from rlbus.report.plots import TOP_LABELLED, capability_cost_curves, curriculum_area, domain_heatmap, heldout_vs_train
+from rlbus.report.longctx import length_accuracy, longctx_lines, recall_grid, tokens_reward
+from rlbus.report.plots import (
+    TOP_LABELLED,
+    accuracy_vs_length,
+    capability_cost_curves,
+    curriculum_area,
+    domain_heatmap,
+    heldout_vs_train,
+    recall_heatmap,
+    tokens_vs_reward,
+)
 
 HEATMAP_COLUMNS = 60
 
@@ -413,6 +426,10 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     domain_heatmap(plots / "domain_heatmap.png", *reward_grid(rewards))
     curriculum_area(plots / "curriculum_weights.png", *curriculum_series(updates, t0))
     capability_cost_curves(plots / "capability_cost_curve.png", cost_curves(evals))
+    by_length, grids, per_episode = length_accuracy(evals), recall_grid(evals), tokens_reward(rewards)
+    accuracy_vs_length(plots / "accuracy_vs_length.png", by_length)
+    recall_heatmap(plots / "recall_heatmap.png", grids)
+    tokens_vs_reward(plots / "tokens_vs_reward.png", per_episode)
 
     released = max((g.version for g in gates if g.released), default=None)
     trained = [r for r in rewards if r.purpose == "train"]
@@ -459,6 +476,16 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
         "![eval score vs cumulative tokens, CPU and sandbox seconds](plots/capability_cost_curve.png)",
         "",
         *cost_lines(evals),
+        "",
+        "## Long context",
+        "",
+        "![eval accuracy vs document length](plots/accuracy_vs_length.png)",
+        "",
+        "![recall by length and needle position](plots/recall_heatmap.png)",
+        "",
+        "![training reward vs tokens per episode](plots/tokens_vs_reward.png)",
+        "",
+        *longctx_lines(by_length, grids, per_episode),
         "",
         "## Domains",
         "",

@@ -183,3 +183,85 @@ def capability_cost_curves(path: Path, curves: dict[str, dict[str, list[tuple[fl
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
     return _finish(fig, path)
+
+
+# -- long context (`rlbus.report.longctx`) -----------------------------------------------------
+def accuracy_vs_length(path: Path, series: dict[str, tuple[int, list[tuple[float, float]]]]) -> Path:
+    """Eval accuracy per document length (log2 axis), one line per domain (its newest eval with
+    length groups); up to `TOP_LABELLED` domains named."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if not series:
+        _empty(ax, "length groups")
+    for i, (domain, (version, pts)) in enumerate(series.items()):
+        ax.plot(
+            [x for x, _ in pts],
+            [y for _, y in pts],
+            "-o",
+            ms=4,
+            label=f"{domain} (v{version})" if i < TOP_LABELLED else None,
+        )
+    if series:
+        ax.set_xscale("log", base=2)
+        ax.legend(loc="best", fontsize="small")
+    ax.set(xlabel="document length (tokens)", ylabel="eval accuracy", title="accuracy vs length", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
+def recall_heatmap(path: Path, grids: dict) -> Path:
+    """Recall accuracy per (document length, needle position bucket), one panel per domain (its
+    newest eval with joint groups), each cell annotated; empty cells blank."""
+    import numpy as np
+
+    plt = _pyplot()
+    panels = max(1, min(4, len(grids)))
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.8), dpi=110, squeeze=False)
+    if not grids:
+        _empty(axes[0][0], "recall cells (length x position)")
+        return _finish(fig, path)
+    for ax, (domain, (version, lengths, buckets, grid)) in zip(axes[0], list(grids.items())[:panels]):
+        data = np.array([[np.nan if x is None else x for x in row] for row in grid], dtype=float)
+        img = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap="RdYlGn", vmin=0.0, vmax=1.0, origin="lower")
+        for (r, c), v in np.ndenumerate(data):
+            if np.isfinite(v):
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(buckets)), buckets, fontsize=6, rotation=45)
+        ax.set_yticks(range(len(lengths)), lengths, fontsize=7)
+        ax.set(
+            xlabel="needle position (% of the document)",
+            ylabel="length (tokens)",
+            title=f"{domain} recall (v{version})",
+        )
+        fig.colorbar(img, ax=ax, fraction=0.05, pad=0.02)
+    return _finish(fig, path)
+
+
+def tokens_vs_reward(path: Path, series: dict[str, list[tuple[float, float, int]]]) -> Path:
+    """The per-episode capability-cost curve: mean training reward vs tokens per episode (log
+    axis, shared log-spaced bins), one line per domain; marker size grows with the bin's samples."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if not series:
+        _empty(ax, "episode tokens")
+    for i, (domain, pts) in enumerate(sorted(series.items())):
+        line = ax.plot(
+            [x for x, _, _ in pts], [y for _, y, _ in pts], "-", lw=1, label=domain if i < TOP_LABELLED else None
+        )
+        ax.scatter(
+            [x for x, _, _ in pts],
+            [y for _, y, _ in pts],
+            s=[8 + 4 * min(n, 30) for _, _, n in pts],
+            color=line[0].get_color(),
+        )
+    if series:
+        ax.set_xscale("log")
+        ax.legend(loc="best", fontsize="small")
+    ax.set(
+        xlabel="tokens per episode",
+        ylabel="mean training reward",
+        title="reward vs tokens per episode",
+        ylim=(-0.02, 1.02),
+    )
+    ax.grid(alpha=0.3)
+    return _finish(fig, path)

@@ -205,3 +205,19 @@ async def test_a_harness_past_its_timeout_is_killed_and_verified_as_it_stands(en
     assert rec["status"] == "timeout" and rec["calls"] == 1 and 4 <= rec["seconds"] < 15, rec
     assert traj.finish_reason == "timeout"
     assert score(traj, drawn[0].hidden).status == "ok"  # scored by the wrapped verifier, as it stands
+
+
+def test_rlbus_up_checks_agent_domains_at_start(harness_dir):
+    from rich.console import Console
+
+    from rlbus.run.checks import check_agent
+
+    console = Console(record=True, width=200)
+    assert check_agent(config(harness_dir, "ok"), console)  # bubblewrap is here
+    bad = config(harness_dir, "ok").model_copy(
+        update={"agent": RunConfig().agent.model_copy(update={"python_path": ["/nope"]})}
+    )
+    assert (
+        not check_agent(bad, console)
+        and "agent.python_path directories ['/nope'] do not exist" in console.export_text()
+    )

@@ -11,6 +11,8 @@ Guarantees:
 - Sandboxes fail closed: where the configured backend cannot isolate (no usable
   bubblewrap) and `sandbox.allow_degraded` is false, the check prints the reason and the
   fix and returns None. With degraded mode allowed, `DEGRADED_WARNING` is printed in red.
+- `kind = "agent"` domains need bubblewrap for their harnesses, or `agent.allow_host` (said in
+  red), and existing `agent.python_path` directories.
 - A domain that is unavailable here (`DomainUnavailable`) is not a problem: the sampler
   leaves it out and reports it.
 """
@@ -153,6 +155,36 @@ def check_domains(cfg: RunConfig, console: Console) -> bool:
     return ok
 
 
+def check_agent(cfg: RunConfig, console: Console) -> bool:
+    """`kind = "agent"` domains: harnesses need bubblewrap, or the operator's `agent.allow_host`
+    (then said in red), and every `agent.python_path` directory must exist."""
+    if not any(dc.kind == "agent" for dc in cfg.sampler.domains.values()):
+        return True
+    from sandbox_workers.base import SandboxRefused
+    from sandbox_workers.factory import probe_isolation
+
+    missing = [p for p in cfg.agent.python_path if p != "purelib" and not Path(p).is_dir()]
+    if missing:
+        console.print(f"[bold red]rlbus up: agent.python_path directories {missing} do not exist[/]", highlight=False)
+        return False
+    try:
+        probe_isolation("process", False)
+    except SandboxRefused as exc:
+        if not cfg.agent.allow_host:
+            console.print(
+                f"[bold red]rlbus up: agent harnesses need bubblewrap ({exc}); or set agent.allow_host = true "
+                "to run them as plain host processes[/]",
+                highlight=False,
+            )
+            return False
+        console.print(
+            "[bold red]agent harnesses: PLAIN HOST PROCESSES (agent.allow_host = true; no bubblewrap): they see "
+            "this host's network and files, a local NATS bus included[/]",
+            highlight=False,
+        )
+    return True
+
+
 def preflight(cfg: RunConfig, console: Console) -> str | None:
     """Every check before anything starts; the sandbox isolation, or None after printing why not."""
     if not (
@@ -162,6 +194,7 @@ def preflight(cfg: RunConfig, console: Console) -> str | None:
         and check_learner(cfg, console)
         and check_domains(cfg, console)
         and check_harbor(cfg, console)
+        and check_agent(cfg, console)
     ):
         return None
     isolation = check_sandbox(cfg, console)

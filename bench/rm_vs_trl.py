@@ -1,0 +1,197 @@
+"""Reward-model training, ours (`rlbus train-rm`) vs TRL `RewardTrainer`, one run.
+
+What it measures (`python bench/rm_vs_trl.py`, a few minutes on 2 cores):
+
+- Both sides train the SAME tiny base model (`rlbus.model.tiny_model`, char tokenizer,
+  `--hidden`, `--layers`; each side loads its own copy from the same directory) on the
+  SAME preference pairs: arithmetic prompts `a+b=` (two-digit a, b), chosen the sum,
+  rejected the product or the difference (the wrong operation), `--pairs` of them, split once into
+  train.jsonl / test.jsonl by `learner.rm_data`'s content hash; both sides train on train
+  and are scored on test.
+- Same optimisation: `--steps` AdamW steps of `--batch-size` pairs, lr `--lr`, no weight
+  decay, betas (0.9, 0.999), gradient clipping 1.0, warmup min(50, steps/10) steps then
+  cosine to 10% of lr (TRL: `cosine_with_min_lr`, `min_lr_rate` 0.1), fp32, no
+  activation checkpointing (TRL's default is on: turned off), the same torch threads
+  (`--threads`, default 1: on this shared 2-core machine 2 intra-op threads made our step
+  8x slower, 0.68 s vs 0.084 s, from contention alone).
+- OURS: `learner.rm_train.run` (what `rlbus train-rm` runs), pairs/s from its summary
+  (training loop time), held-out accuracy from its `rm_report.json`.
+- PEER: TRL `RewardTrainer` with `RewardConfig` as above (`max_length` the same; TRL
+  appends EOS to each side, concatenates prompt + response and drops over-long pairs;
+  none is over-long here). pairs/s = steps x batch / `train_runtime`; held-out accuracy
+  per pair on test (`trl_accuracy`: r_chosen > r_rejected, each side as TRL tokenizes it;
+  TRL's own `eval_accuracy`, a mean of per-batch means, is recorded next to it).
+- The sides alternate `--rounds` times (ours, TRL, ours, TRL, ...) so machine load hits both;
+  the median pairs/s and the mean accuracy are reported, `ratio` = ours / TRL pairs/s.
+
+Writes bench/results/rm_vs_trl.json (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_data(root: Path, n: int, seed: int) -> tuple[Path, Path]:
+    """train.jsonl and test.jsonl of arithmetic preference pairs, split by content hash."""
+    from learner.rm_data import Pair
+
+    rng = random.Random(seed)
+    train, test = [], []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        wrong = a * b if rng.random() < 0.5 else a - b
+        row = {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(wrong)}
+        pair = Pair(row["prompt"], row["chosen"], row["rejected"])
+        (test if int(pair.key()[:8], 16) / 0xFFFFFFFF < 0.15 else train).append(row)
+    for name, rows in (("train", train), ("test", test)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "train.jsonl", root / "test.jsonl"
+
+
+def ours(base: Path, train: Path, test: Path, out: Path, args) -> dict:
+    from learner.rm_train import RmConfig, run
+
+    cfg = RmConfig(
+        data=[str(train), str(test)],
+        model=str(base),
+        out=str(out),
+        dtype="fp32",
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        max_length=args.max_length,
+        heldout_split="test",
+        eval_every=0,
+        save_every=0,
+        progress=False,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    report = run(cfg)
+    return {"pairs_per_s": report["pairs_per_s"], "heldout_accuracy": report["heldout_accuracy"]}
+
+
+def trl_side(base: Path, train: Path, test: Path, out: Path, args) -> dict:
+    import datasets
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, pad_token_id=tok.pad_token_id)
+    config = RewardConfig(
+        output_dir=str(out),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=max(1, min(50, args.steps // 10)),
+        max_length=args.max_length,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=10**6,
+        seed=args.seed,
+        dataloader_num_workers=0,
+    )
+    load = lambda p: datasets.load_dataset("json", data_files=str(p), split="train")
+    trainer = RewardTrainer(
+        model=model, args=config, train_dataset=load(train), eval_dataset=load(test), processing_class=tok
+    )
+    metrics = trainer.train().metrics
+    return {
+        "pairs_per_s": args.steps * args.batch_size / metrics["train_runtime"],
+        "heldout_accuracy": trl_accuracy(trainer.model, tok, test),
+        "trl_eval_accuracy": trainer.evaluate()["eval_accuracy"],
+    }
+
+
+def trl_accuracy(model, tok, test: Path) -> float:
+    """Per-pair held-out accuracy of TRL's model, each side scored as TRL trained it
+    (prompt + response + EOS, one sequence); TRL's own `eval_accuracy` is a mean of batch means."""
+    import torch
+
+    model.eval()
+    rows = [json.loads(line) for line in test.read_text().splitlines()]
+    wins = 0
+    with torch.no_grad():
+        for r in rows:
+            c, rj = (tok(r["prompt"] + r[k] + tok.eos_token, return_tensors="pt") for k in ("chosen", "rejected"))
+            wins += float(model(**c).logits[0, 0]) > float(model(**rj).logits[0, 0])
+    return wins / len(rows)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pairs", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench/results/rm_vs_trl.json"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import torch
+
+    from rlbus.model.tiny_model import build_tiny_model
+
+    torch.set_num_threads(args.threads)
+    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base = build_tiny_model(root / "base", hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
+        train, test = make_data(root, args.pairs, args.seed)
+        for k in range(args.rounds):  # alternate: load from other processes hits both sides
+            for name, fn in (("ours", ours), ("trl", trl_side)):
+                t0 = time.perf_counter()
+                r = fn(base, train, test, root / f"{name}{k}", args)
+                runs[name].append({**r, "wall_s": time.perf_counter() - t0})
+                print(name, k, runs[name][-1], flush=True)
+    summary = {
+        name: {
+            "pairs_per_s_median": statistics.median(r["pairs_per_s"] for r in rs),
+            "heldout_accuracy_mean": statistics.mean(r["heldout_accuracy"] for r in rs),
+            "runs": rs,
+        }
+        for name, rs in runs.items()
+    }
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "cpus": os.cpu_count(),
+        "loadavg_1m_end": os.getloadavg()[0],
+        "ratio": summary["ours"]["pairs_per_s_median"] / summary["trl"]["pairs_per_s_median"],
+        **summary,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("ours", "trl")}, indent=2))
+    for name in ("ours", "trl"):
+        print(name, {k: v for k, v in summary[name].items() if k != "runs"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -96,7 +96,7 @@ def longctx_lines(lengths: dict, grids: dict, cost: dict) -> list[str]:
         )
         if worst is not None:
             lines.append(
-                f"- {d} recall (v{version}): {len(lens)} lengths x {len(buckets)} position buckets; "
+                f"- {d} by length x needle position (v{version}): {len(lens)} lengths x {len(buckets)} buckets; "
                 f"weakest cell length {worst[1]}, position {worst[2]}%: {worst[0]:.2f}"
             )
     for d, points in cost.items():

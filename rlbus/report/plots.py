@@ -231,7 +231,7 @@ def recall_heatmap(path: Path, grids: dict) -> Path:
         ax.set(
             xlabel="needle position (% of the document)",
             ylabel="length (tokens)",
-            title=f"{domain} recall (v{version})",
+            title=f"{domain}: accuracy by length x position (v{version})",
         )
         fig.colorbar(img, ax=ax, fraction=0.05, pad=0.02)
     return _finish(fig, path)

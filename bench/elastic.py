@@ -29,6 +29,7 @@ Writes bench/results/elastic.json (the timeline and the figures) and bench/resul
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -455,7 +456,22 @@ def summarize(result: dict) -> dict:
     return {"phases": phases}
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's command line: it has no knobs but where the results go."""
+    ap = argparse.ArgumentParser(
+        description=(
+            "A rollout pool scaled by KEDA's nats-jetstream formula (pending + ack pending of the "
+            "TASKS consumer over lagThreshold, clamped to min/max) under a 1x/10x tidal task load; "
+            "scale-down stops a worker by SIGTERM (it drains). Reports replicas and backlog per phase, "
+            "lost and trained twice (both must be 0); about 2.5 minutes."
+        )
+    )
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="folder for elastic.json/.png")
+    return ap.parse_args(argv)
+
+
 def main() -> int:
+    args = parse_args()
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-elastic-") as tmp:
         result = asyncio.run(run_tide(Path(tmp)))
     acc = result["accounting"]
@@ -476,7 +492,7 @@ def main() -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    results = ROOT / "bench" / "results"
+    results = args.out
     results.mkdir(parents=True, exist_ok=True)
     (results / "elastic.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(result, results / "elastic.png")

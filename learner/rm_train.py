@@ -289,7 +289,7 @@ def train(cfg: RmConfig, rank: int = 0, world: int = 1) -> dict | None:
     acc = "-"
     bar = _bar(cfg.progress and rank == 0)
     task = bar.add_task("rm", total=t.total_steps, completed=start, loss=float("nan"), pps=0.0, acc=acc)
-    t0, pairs, step_s = time.monotonic(), 0, 0.0
+    t0, pairs, step_s, scores = time.monotonic(), 0, 0.0, None
     with bar:
         for step in range(start, stop_at):
             ts = time.monotonic()
@@ -300,13 +300,15 @@ def train(cfg: RmConfig, rank: int = 0, world: int = 1) -> dict | None:
             done = step + 1
             if cfg.save_every and done % cfg.save_every == 0 or done == stop_at:
                 t.save({"step": done, "losses": losses})
-            if cfg.eval_every and done % cfg.eval_every == 0 and t.held_enc.chosen:
-                acc = f"{accuracy(*t.evaluate()):.3f}"
+            scores = None
+            if t.held_enc.chosen and (cfg.eval_every and done % cfg.eval_every == 0 or done == t.total_steps):
+                scores = t.evaluate()  # the last step's is the report's
+                acc = f"{accuracy(*scores):.3f}"
             bar.update(task, completed=done, loss=loss, pps=pairs / max(1e-9, time.monotonic() - t0), acc=acc)
     seconds = time.monotonic() - t0
     if stop_at < t.total_steps:
         return {"stopped_at": stop_at, "total_steps": t.total_steps} if rank == 0 else None
-    rc, rr = t.evaluate()
+    rc, rr = scores if start < stop_at and scores is not None else t.evaluate()
     out = Path(cfg.out) / "model"
     t.export(out)
     if rank != 0:

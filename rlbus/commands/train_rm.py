@@ -61,9 +61,14 @@ def register(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `rlbus train-rm`."""
+    from transformers.utils import logging as hf_logging
+
     from learner.rm import RmModelError
     from learner.rm_data import RmDataError
     from learner.rm_train import RmConfig, run
+
+    hf_logging.set_verbosity_error()  # the head's "newly initialized" report is expected here
+    hf_logging.disable_progress_bar()  # the command shows its own
 
     try:
         cfg = RmConfig(

@@ -289,13 +289,20 @@ def test_cli_reports_bad_data_with_exit_2(tmp_path, tiny_model, capsys):
 
 
 @pytest.mark.e2e
-def test_two_fsdp_ranks_train_and_export(tmp_path, tiny_model):
-    """`--world-size 2` (gloo): both ranks step, the export is a plain classifier."""
+def test_two_fsdp_ranks_train_the_one_rank_weights(tmp_path, tiny_model):
+    """`--world-size 2` (gloo): both ranks step, the export is a plain classifier whose weights
+    are the one-rank run's up to float rounding (the gradient is the same average)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
     from learner.rm_train import run
 
     data = write_jsonl(tmp_path / "prefs.jsonl", rows(24))
-    report = run(cfg(tmp_path, tiny_model(**TINY), [data], world_size=2, max_steps=3, save_every=2))
-    assert report["world_size"] == 2 and report["steps"] == 3
-    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "out/model").config.num_labels == 1
+    base = tiny_model(**TINY)
+    one = run(cfg(tmp_path / "one", base, [data], max_steps=3, micro_batch_tokens=32))
+    two = run(cfg(tmp_path / "two", base, [data], world_size=2, max_steps=3, save_every=2, micro_batch_tokens=32))
+    assert two["world_size"] == 2 and two["steps"] == 3 and one["heldout_pairs"] == two["heldout_pairs"]
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "two/out/model").config.num_labels == 1
+    a, b = (load_file(tmp_path / f"{k}/out/model/model.safetensors") for k in ("one", "two"))
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

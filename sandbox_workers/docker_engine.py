@@ -205,6 +205,12 @@ def register_pool(key: tuple, make: Callable[[], WarmPool], size: int) -> WarmPo
     return pool
 
 
+def unregister_pool(key: tuple) -> WarmPool | None:
+    """The pool registered under `key`, removed from the registry (the caller shuts it down)."""
+    with _pools_lock:
+        return _pools.pop(key, None)
+
+
 def unregister_pools() -> list[WarmPool]:
     """Every registered pool, each removed from the registry (the caller shuts them down)."""
     with _pools_lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from schemas.config.base import Section
@@ -11,6 +13,14 @@ class AgentSection(Section):
     """How `kind = "agent"` harnesses run (every agent domain shares it)."""
 
     PLACE = "agent"
+    sandbox: Literal["auto", "bwrap", "docker"] = "auto"
+    """Where each harness runs. `docker`: a per-episode container of `sandbox.image`
+    (`sandbox.repo_image` for repository tasks) with the docker backend's isolation (no
+    network, read-only root, memory/pids limits, every capability dropped, uid 65534), the
+    episode's files, the endpoint's socket and `python_path` bound read-only; an engine that
+    does not answer is an infrastructure error (retried), never a host process. `bwrap`: the
+    bubblewrap process sandbox (`allow_host` below). `auto`: docker when `sandbox.backend`
+    resolves to docker (`auto` backends: once per process), else bwrap."""
     allow_host: bool = False
     """Run harnesses as plain host processes (rlimits and a dedicated uid only: they see this
     host's network and files) where the bubblewrap sandbox is unavailable. Off: such an
@@ -26,7 +36,9 @@ class AgentSection(Section):
     python_path: list[str] = Field(default_factory=lambda: ["purelib"])
     """Host directories bound read-only into the sandbox and put on the harness's PYTHONPATH
     (the sandbox's `python3` is the system one). `purelib`: the rollout worker's own
-    site-packages (where the `agents` extra put `openai` and `mini-swe-agent`); [] for none."""
+    site-packages (where the `agents` extra put `openai` and `mini-swe-agent`); [] for none.
+    In docker the image's `python3` must have this interpreter's major.minor version (both
+    3.11 by default; checked once per image and process, else an error naming both)."""
     env: dict[str, str] = Field(
         default_factory=lambda: {
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",

@@ -107,3 +107,21 @@ def test_config_reaches_the_engines(model_dir):
     assert llm_kwargs("m", "standard", **opts)["enable_prefix_caching"] is True
     assert llm_kwargs("m", "standard", prefix_caching=False, **opts)["enable_prefix_caching"] is False
     assert RolloutSection.model_validate({"vllm": {"prefix_caching": False}}).vllm.prefix_caching is False
+
+
+def test_a_call_a_weight_load_overlapped_keeps_nothing(model_dir):
+    engine = HFEngine(str(model_dir), prefix_reuse=True)
+    blob = (model_dir / "model.safetensors").read_bytes()
+    generate = engine.model.generate
+
+    def spanning(**kwargs):  # new weights arrive while the batch is generating
+        out = generate(**kwargs)
+        engine.load_weights(blob)
+        return out
+
+    engine.model.generate = spanning
+    engine.generate([[7, 8, 9, 10, 11]], 1, 6, 0.0)
+    assert len(engine.prefix) == 0
+    engine.model.generate = generate
+    engine.generate([[7, 8, 9, 10, 11]], 1, 6, 0.0)
+    assert len(engine.prefix) == 1

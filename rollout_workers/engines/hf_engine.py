@@ -25,8 +25,9 @@ Guarantees (the engine contract of `rollout_workers.engines`, plus):
   them; positions follow the attention mask, so a row's positions are those of its own
   tokens). A prompt sharing nothing is prefilled in full. Generated ids and behaviour
   log-probs equal the no-reuse path's within float tolerance (tests/test_prefix_reuse.py),
-  sampled ones under the same torch seed too. Every weight load clears the cache, and
-  nothing is kept or reused while a speculative load is unsettled.
+  sampled ones under the same torch seed too. Every weight load clears the cache, a call
+  that a load overlapped keeps nothing, and nothing is kept or reused while a speculative
+  load is unsettled. The cache is thread-safe (concurrent calls from a worker's pools).
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ class HFEngine:
         """Longest context (prompt + generation) the model takes; the agent loop ends an episode before it."""
         self.prefix = PrefixCache(prefix_cache_entries) if prefix_reuse else None
         """Kept KV caches of recent rows (None: every prompt is prefilled in full)."""
+        self._weights_seen = 0  # weight loads so far: a call that spans one keeps nothing
 
     def _check_settled(self) -> None:
         if self._unsettled():
             pending = self._speculative
             raise RuntimeError(f"speculative load of {pending.path} not verified yet: commit or roll it back first")
         if self.prefix is not None:  # new weights: the kept keys/values are another policy's
+            self._weights_seen += 1
             self.prefix.clear()
 
     def _unsettled(self) -> bool:
@@ -156,6 +159,7 @@ class HFEngine:
         repeat = greedy and n > 1
         rows = [p for p in prompts for _ in range(n)] if repeat else prompts
         keep = self.prefix is not None and not self._unsettled()
+        weights = getattr(self, "_weights_seen", 0)
         enc, cache, used = None, None, []
         if keep and rows and not isinstance(rows[0], str) and (n == 1 or repeat):
             enc, cache, used = self._reuse_batch(rows)
@@ -190,7 +194,7 @@ class HFEngine:
         )
         lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, gen.shape[1]))
         gen_np, logp_np, len_np = gen.cpu().numpy(), logp.cpu().numpy(), lengths.cpu().numpy()
-        if keep:
+        if keep and weights == self._weights_seen and not self._unsettled():
             self._remember(enc, out, len_np, used)
         texts = self.tokenizer.batch_decode(
             [row[: min(L, f)] for row, L, f in zip(gen_np, len_np, first_eos.cpu().numpy())], skip_special_tokens=True

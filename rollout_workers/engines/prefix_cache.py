@@ -7,6 +7,8 @@ Guarantees:
 - `lookup(ids)` returns the entry sharing the longest common prefix with `ids` and that
   prefix's length, capped at `len(ids) - 1` (the last prompt token is always fed again: its
   logits start the generation); 0 and None when nothing is shared.
+- Thread-safe: every method holds one lock (a worker's pools may generate concurrently);
+  an entry's tensors are never changed once stored.
 - Bounded: at most `max_entries` entries, least recently used evicted first; `clear()`
   empties it (the engine clears it whenever its weights change: a cache of other weights
   would give other log-probs).
@@ -14,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,38 +51,43 @@ class PrefixCache:
         self._next = 0
         self.hits = 0
         self.reused_tokens = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def clear(self) -> None:
         """Drop every entry."""
-        self.entries.clear()
+        with self._lock:
+            self.entries.clear()
 
     def lookup(self, ids) -> tuple[int, Entry | None, int | None]:
         """(shared prefix length, entry, its key) for `ids`: the entry with the longest common
         prefix, capped at len(ids) - 1; (0, None, None) when none shares a token."""
         ids = np.asarray(ids, dtype=np.int64)
         best, best_key = 0, None
-        for key, entry in self.entries.items():
-            k = common_prefix(entry.ids, ids)
-            if k > best:
-                best, best_key = k, key
-        best = min(best, len(ids) - 1)
-        if best <= 0 or best_key is None:
-            return 0, None, None
-        self.entries.move_to_end(best_key)
-        self.hits += 1
-        self.reused_tokens += best
-        return best, self.entries[best_key], best_key
+        with self._lock:
+            for key, entry in self.entries.items():
+                k = common_prefix(entry.ids, ids)
+                if k > best:
+                    best, best_key = k, key
+            best = min(best, len(ids) - 1)
+            if best <= 0 or best_key is None:
+                return 0, None, None
+            self.entries.move_to_end(best_key)
+            self.hits += 1
+            self.reused_tokens += best
+            return best, self.entries[best_key], best_key
 
     def drop(self, key: int) -> None:
         """Forget one entry (one a longer sequence now covers)."""
-        self.entries.pop(key, None)
+        with self._lock:
+            self.entries.pop(key, None)
 
     def put(self, ids, kv: list[tuple]) -> None:
         """Store one sequence (evicting the least recently used past `max_entries`)."""
-        self.entries[self._next] = Entry(np.asarray(ids, dtype=np.int64), kv)
-        self._next += 1
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        with self._lock:
+            self.entries[self._next] = Entry(np.asarray(ids, dtype=np.int64), kv)
+            self._next += 1
+            while len(self.entries) > self.max_entries:
+                self.entries.popitem(last=False)

@@ -3,7 +3,9 @@ model class pointed at the endpoint) solving a repository task through `kind = "
 
 The scripted engine answers in mini-swe-agent's action format (one ```mswea_bash_command block:
 the gold patch through `patch -p1`, then `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); the
-harness runs in the bubblewrap sandbox with the repository in /work; the rollout side exports the
+harness runs in the bubblewrap sandbox or in its own container of `sandbox.repo_image`
+(`agent.sandbox`, both parametrised; the repository image has no `patch` binary, so there the
+gold script writes the files the gold patch changes) with the repository in /work; the rollout side exports the
 repository's diff and the `repo` verifier scores it in docker: reward 1.0. The empty script
 (submit only) scores 0. Marked `docker` (the repo verifier's containers).
 """
@@ -49,7 +51,7 @@ def repo_image():
     shutdown_pools()
 
 
-def config(model, scripts) -> RunConfig:
+def config(model, scripts, box: str = "bwrap") -> RunConfig:
     return RunConfig.model_validate(
         {
             "model": {"path": str(model)},
@@ -66,7 +68,7 @@ def config(model, scripts) -> RunConfig:
                     }
                 },
             },
-            "agent": {"timeout_s": 180},
+            "agent": {"timeout_s": 180, "sandbox": box},
         }
     )
 
@@ -85,19 +87,39 @@ async def episode(cfg: RunConfig, model):
     return drawn, traj
 
 
+def gold_file_steps(task) -> list[dict]:
+    """The gold patch as `write_file` steps (the files it changes, in their gold state; made
+    here with the host's `patch`), then `submit`: the repository image has no `patch` binary."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        for path, text in task.files.items():
+            (Path(d) / path).parent.mkdir(parents=True, exist_ok=True)
+            (Path(d) / path).write_text(text)
+        subprocess.run(["patch", "-p1", "--batch", "-s"], input=task.gold_patch, text=True, cwd=d, check=True)
+        changed = sorted(p for p in task.files if (Path(d) / p).read_text() != task.files[p])
+        steps = [{"tool": "write_file", "args": {"path": p, "content": (Path(d) / p).read_text()}} for p in changed]
+    assert changed, "the gold patch changes no file"
+    return [*steps, {"tool": "submit", "args": {}}]
+
+
 @pytest.mark.asyncio
 @docker_only
+@pytest.mark.parametrize("box", ["bwrap", "docker"])
 @pytest.mark.parametrize("script", ["gold", "empty"])
-async def test_mini_swe_agent_scripted_gold_patch_scores_one(script, tmp_path, tiny_model, repo_image):
+async def test_mini_swe_agent_scripted_gold_patch_scores_one(script, box, tmp_path, tiny_model, repo_image):
     from producers.repo_cache import load_task
 
     task = load_task(TASK)
-    write_script(tmp_path, TASK, gold_steps(task.gold_patch) if script == "gold" else EMPTY_STEPS)
+    gold = gold_steps(task.gold_patch) if box == "bwrap" else gold_file_steps(task)
+    write_script(tmp_path, TASK, gold if script == "gold" else EMPTY_STEPS)
     model = tiny_model(tokenizer="bpe", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=16384)
-    drawn, traj = await episode(config(model, tmp_path), model)
+    drawn, traj = await episode(config(model, tmp_path, box), model)
     rec = json.loads(traj.artifacts[AGENT_ARTIFACT])
-    assert rec["status"] == "ok" and rec["isolation"] == "bwrap", rec
-    assert rec["calls"] == (2 if script == "gold" else 1) and traj.drift == 0
+    assert rec["status"] == "ok" and rec["isolation"] == box, rec
+    assert rec["calls"] == (len(gold) if script == "gold" else 1) and traj.drift == 0
     assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in traj.turns[-1].text
     diff = traj.artifacts["diff"].decode()
     assert (diff.strip() == task.gold_patch.strip()) if script == "gold" else diff == ""

@@ -4,7 +4,16 @@ Params (`[sampler.domains.<name>.params]`): `lengths` (token length per level, d
 `longctx.DEFAULT_LENGTHS`), `families` (any of extraction, calculation, conclusion; default
 all three, in turn by index), `tokenizer` (a local tokenizer folder; default the run's, see
 `longctx.TokenCounter`), `max_prompt_tokens` (default: the engine's context minus the
-generation budget), `eval_n` (16). Anything else is refused at start-up.
+generation budget), `eval_n` (16), `agentic` (false; see below). Anything else is refused at start-up.
+
+Agentic variant (`agentic = true`, issue 33 item 4): the same document is not in the prompt but
+the file `FILE` in the episode's sandbox (`Task.workspace`); the prompt holds the question, the
+document's size and how to read it with the repository tools `read_file` (start/end lines) and
+`run` (e.g. `grep -n`), in the domain's `tool_format` (`schemas.tool_protocol`); the tools are
+`AGENTIC_TOOLS`. The answer is the final turn's `<answer>`, as in the plain kind. A document
+longer than the prompt budget is published (it is never in the context at once); the episode's
+context budget and `max_turns` (at least 2, else refused at start-up) bound what the policy reads. The prompt names the task as
+repository tasks do (`schemas.repo_task.PROMPT_TASK_LINE`), so `scripted` replays work.
 
 Guarantees:
 - A task is a pure function of (`run.seed`, domain, level, index) and the params: the
@@ -38,8 +47,13 @@ from producers.domains.findoc_questions import FAMILIES, Question, ask
 from producers.eval_set import EvalSet, drawn_set
 from schemas import ChatMessage
 from schemas.answers import ANSWER_CLOSE, ANSWER_OPEN
+from schemas.repo_task import PROMPT_FORMAT_LINE, PROMPT_TASK_LINE
+from schemas.tool_protocol import repo_call_text
 
-PARAMS = ("lengths", "families", "tokenizer", "max_prompt_tokens", "eval_n")
+PARAMS = ("lengths", "families", "tokenizer", "max_prompt_tokens", "eval_n", "agentic")
+FILE = "filing.md"
+"""The agentic variant's document, in the sandbox's work dir."""
+AGENTIC_TOOLS = ("read_file", "run")
 INSTRUCTION = (
     f"Read the filing above and answer the question. Figures in the notes supersede the tables. "
     f"Give your final answer inside {ANSWER_OPEN}{ANSWER_CLOSE} tags."
@@ -55,6 +69,8 @@ class Document:
     question: Question
     tokens: int
     blocks: tuple[str, ...]
+    body: str = ""
+    """The filing's kept blocks as text (the agentic variant's file)."""
 
 
 def render(blocks: list[gen.Block], question: str) -> list[ChatMessage]:
@@ -78,7 +94,32 @@ def build(rng: random.Random, counter: longctx.TokenCounter, length: int, family
     optional = [tables[n] for n in ("income", "segments", "note", "balance", "cash", "peer") if n not in q.needs]
     optional += [b for b in paragraphs if b.kind != "section"]
     prompt, kept, tokens = longctx.fit(counter, lambda bs: render(bs, q.text), essential, optional, length)
-    return Document(prompt, q, tokens, tuple(b.kind for b in kept if b.kind not in ("filler", "section")))
+    body = "\n\n".join(b.text for b in sorted(kept, key=lambda b: b.order))
+    return Document(prompt, q, tokens, tuple(b.kind for b in kept if b.kind not in ("filler", "section")), body)
+
+
+def agentic_prompt(doc: Document, task_id: str, tool_format: str) -> list[ChatMessage]:
+    """The agentic variant's prompt: the question, the file and how to read it (no document)."""
+    lines = doc.body.count("\n") + 1
+    examples = [
+        repo_call_text("run", {"command": f"grep -n -i 'revenue' {FILE}"}, tool_format),
+        repo_call_text("read_file", {"path": FILE, "start": 1, "end": 40}, tool_format),
+    ]
+    return [
+        ChatMessage(
+            role="user",
+            content=(
+                f"{PROMPT_TASK_LINE}{task_id}\n{PROMPT_FORMAT_LINE}{tool_format}\n\n"
+                f"A company's filing is the file {FILE} in your working directory ({lines} lines, "
+                f"about {doc.tokens} tokens: read the parts you need). Search it and read line ranges "
+                "with one tool call per turn, for example:\n"
+                + "\n".join(examples)
+                + f"\n\nQuestion: {doc.question.text}\n\nFigures in the notes supersede the tables. "
+                f"When you know the answer, reply without a tool call and give it inside "
+                f"{ANSWER_OPEN}{ANSWER_CLOSE} tags."
+            ),
+        )
+    ]
 
 
 @dataclass
@@ -103,7 +144,13 @@ class FindocDomain:
         self.levels = longctx.lengths(self.ctx)
         self.counter = longctx.TokenCounter.of(self.ctx)
         self.budget = longctx.prompt_budget(self.ctx, self.counter)
-        self.too_long = longctx.check_levels(self.ctx, self.levels, self.budget, self._probe)
+        self.agentic = bool(params.get("agentic", False))
+        if self.agentic and self.ctx.dc.max_turns < 2:
+            raise ValueError(
+                f"sampler.domains.{name}: params.agentic reads the filing with tool calls, one per turn; "
+                f"set max_turns >= 2 (e.g. 8), not {self.ctx.dc.max_turns}"
+            )
+        self.too_long = [] if self.agentic else longctx.check_levels(self.ctx, self.levels, self.budget, self._probe)
 
     def _probe(self, level: int) -> int:
         return self.document("probe", level, 0).tokens
@@ -116,7 +163,13 @@ class FindocDomain:
         return build(rng, self.counter, longctx.length_of(self.levels, level), family)
 
     def _drawn(self, doc: Document, level: int, task_id: str, key: str) -> Drawn:
-        if level in self.too_long or doc.tokens > self.budget:
+        extra: dict = {"prompt": doc.prompt}
+        if self.agentic:
+            fmt = self.ctx.dc.tool_format
+            extra = dict(
+                prompt=agentic_prompt(doc, task_id, fmt), workspace={FILE: doc.body}, tools=list(AGENTIC_TOOLS)
+            )
+        elif level in self.too_long or doc.tokens > self.budget:
             self.skipped["prompt_too_long"] += 1
             raise TaskSkipped(
                 "prompt_too_long",
@@ -127,7 +180,6 @@ class FindocDomain:
             task_id=task_id,
             difficulty=level,
             verifier="findoc",
-            prompt=doc.prompt,
             verifier_params={
                 "family": doc.question.family,
                 "level": level,
@@ -135,6 +187,7 @@ class FindocDomain:
                 "tokens": doc.tokens,
             },
             hidden_ref=hidden_ref_for(self.ctx.name, key),
+            **extra,
         )
         return Drawn(task, dict(doc.question.hidden))
 

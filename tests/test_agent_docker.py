@@ -135,3 +135,28 @@ async def test_no_engine_is_an_infrastructure_error_never_a_host_process(engine,
     cfg = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"sandbox": "docker", "allow_host": True})})
     with pytest.raises(SandboxUnavailable, match="no Docker engine answers"):
         await run(engine, cfg)
+
+
+@docker_only
+@pytest.mark.asyncio
+async def test_a_harness_past_its_timeout_is_killed_in_its_container(engine, harness_dir, sandbox_image):
+    drawn, (traj,), _ = await run(engine, docker_config(config(harness_dir, "hang", timeout_s=4)))
+    rec = json.loads(traj.artifacts[AGENT_ARTIFACT])
+    assert rec["status"] == "timeout" and rec["calls"] == 1 and rec["isolation"] == "docker", rec
+    assert 4 <= rec["seconds"] < 15 and traj.finish_reason == "timeout"
+    assert score(traj, drawn[0].hidden).status == "ok" and harness_containers() == []
+
+
+@docker_only
+def test_rlbus_up_checks_the_harness_images(harness_dir, sandbox_image):
+    from rich.console import Console
+
+    from rlbus.run.checks import check_agent
+
+    console = Console(record=True, width=300)
+    cfg = docker_config(config(harness_dir, "ok"))
+    assert check_agent(cfg, console)
+    bad = cfg.model_copy(update={"sandbox": cfg.sandbox.model_copy(update={"image": "rlbus-no-such-image:latest"})})
+    assert not check_agent(bad, console)
+    said = console.export_text()
+    assert "agent harnesses run in docker" in said and "rlbus sandbox build-image" in said, said

@@ -156,10 +156,12 @@ def check_domains(cfg: RunConfig, console: Console) -> bool:
 
 
 def check_agent(cfg: RunConfig, console: Console) -> bool:
-    """`kind = "agent"` domains: harnesses need bubblewrap, or the operator's `agent.allow_host`
-    (then said in red), and every `agent.python_path` directory must exist."""
+    """`kind = "agent"` domains: every `agent.python_path` directory must exist; harnesses in
+    docker (`agent.sandbox`) need an engine holding the images they use; in bwrap they need
+    bubblewrap, or the operator's `agent.allow_host` (then said in red)."""
     if not any(dc.kind == "agent" for dc in cfg.sampler.domains.values()):
         return True
+    from rollout_workers.agent_harness import harness_sandbox
     from sandbox_workers.base import SandboxRefused
     from sandbox_workers.factory import probe_isolation
 
@@ -167,6 +169,16 @@ def check_agent(cfg: RunConfig, console: Console) -> bool:
     if missing:
         console.print(f"[bold red]rlbus up: agent.python_path directories {missing} do not exist[/]", highlight=False)
         return False
+    if harness_sandbox(cfg) == "docker":
+        try:
+            for image in {cfg.sandbox.image, cfg.sandbox.repo_image}:
+                probe_isolation("docker", image=image)
+        except Exception as exc:  # noqa: BLE001 - no engine, no image: refuse and say why
+            console.print(
+                f"[bold red]rlbus up: agent harnesses run in docker (agent.sandbox): {exc}[/]", highlight=False
+            )
+            return False
+        return True
     try:
         probe_isolation("process", False)
     except SandboxRefused as exc:

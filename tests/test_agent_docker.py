@@ -6,6 +6,7 @@
   and scored by the wrapped verifier.
 - No network from inside: a TCP listener on the host (every address) is unreachable, and the
   container has no interface but `lo`.
+- The harness's environment holds no secret; another episode's key is 401.
 - Fail closed: with `agent.sandbox = "docker"` and no engine answering, the episode is an
   infrastructure error (`SandboxUnavailable`), never a host process.
 - The container is removed afterwards.
@@ -160,3 +161,16 @@ def test_rlbus_up_checks_the_harness_images(harness_dir, sandbox_image):
     assert not check_agent(bad, console)
     said = console.export_text()
     assert "agent harnesses run in docker" in said and "rlbus sandbox build-image" in said, said
+
+
+@docker_only
+@pytest.mark.asyncio
+async def test_the_container_holds_no_secret_and_no_other_episode(engine, harness_dir, sandbox_image):
+    _, (traj,), _ = await run(engine, docker_config(config(harness_dir, "report")))
+    prompt = traj.turns[0].text
+    report = json.loads(prompt[prompt.index("REPORT ") + 7 :].split("<|im_end|>")[0])
+    assert report["other_key"] == 401 and report["key"] == "rlbus-ep-", report
+    assert report["proc1"] == "PermissionError"  # docker-init runs as another uid
+    allowed = {"OPENAI_API_KEY", "OPENAI_BASE_URL", "RLBUS_TASK_FILE", "PYTHONPATH", "HOME", "PATH", "TMPDIR", "LANG"}
+    allowed |= {"PYTHONDONTWRITEBYTECODE", "HOSTNAME", "PWD", *RunConfig().agent.env}
+    assert set(report["env"]) <= allowed, set(report["env"]) - allowed  # no NATS url, credential or secret

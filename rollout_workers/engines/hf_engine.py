@@ -239,8 +239,8 @@ class HFEngine:
         mask = torch.zeros_like(ids)
         first = next(e for _, e, _ in hits if e is not None)
         layers = []
-        for k0, v0 in first.kv:
-            shape = (len(rows), k0.shape[0], width_p, k0.shape[2])
+        for k0, v0 in first.layers:
+            shape = (len(rows), k0.shape[1], width_p, k0.shape[3])
             layers.append((k0.new_zeros(shape), v0.new_zeros(shape)))
         for i, (r, (k, entry, _)) in enumerate(zip(rows, hits, strict=True)):
             tail = torch.as_tensor(np.asarray(r[k:], dtype=np.int64))
@@ -249,9 +249,9 @@ class HFEngine:
             if k:
                 ids[i, width_p - k : width_p] = torch.as_tensor(entry.ids[:k])
                 mask[i, width_p - k : width_p] = 1
-                for (kk, vv), (ke, ve) in zip(layers, entry.kv, strict=True):
-                    kk[i, :, width_p - k :] = ke[:, :k]
-                    vv[i, :, width_p - k :] = ve[:, :k]
+                for (kk, vv), (ke, ve) in zip(layers, entry.kv(k), strict=True):
+                    kk[i, :, width_p - k :] = ke
+                    vv[i, :, width_p - k :] = ve
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=[(k.to(self.device), v.to(self.device)) for k, v in layers])
@@ -263,7 +263,7 @@ class HFEngine:
         values; the entries these rows continued are dropped (the new ones cover them)."""
         torch = self.torch
         cache = out.cache
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers]
         length = kv[0][0].shape[2]  # the last generated token was never fed: not in the cache
         rows = out.sequences.shape[0]
         mask = enc["attention_mask"].repeat_interleave(rows // enc["attention_mask"].shape[0], dim=0)
@@ -275,7 +275,4 @@ class HFEngine:
             real = full[i].clone()
             real[width + int(len_np[i]) :] = False  # padding after the row's end-of-sequence
             pos = real.nonzero().squeeze(1)
-            self.prefix.put(
-                out.sequences[i, :length][pos].cpu().numpy(),
-                [(k[i][:, pos].detach().clone(), v[i][:, pos].detach().clone()) for k, v in kv],
-            )
+            self.prefix.put(out.sequences[i, :length][pos].cpu().numpy(), kv, i, pos)

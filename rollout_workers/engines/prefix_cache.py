@@ -3,7 +3,9 @@ prefills only its new suffix (`rollout.hf.prefix_reuse`, `hf_engine.HFEngine`).
 
 Guarantees:
 - An entry is one sequence's token ids and, per layer, the keys and values of exactly those
-  ids (no padding), as the model computed them in one `generate` call.
+  ids (no padding), as the model computed them in one `generate` call: a row of that call's
+  cache tensors and the positions of its ids there, read (copied) only when reused, so
+  keeping a batch costs no copy (the batch's tensors live while any of its entries does).
 - `lookup(ids)` returns the entry sharing the longest common prefix with `ids` and that
   prefix's length, capped at `len(ids) - 1` (the last prompt token is always fed again: its
   logits start the generation); 0 and None when nothing is shared.
@@ -25,10 +27,18 @@ import numpy as np
 
 @dataclass
 class Entry:
-    """One sequence: its ids and per-layer (keys, values), each [heads, len(ids), head_dim]."""
+    """One sequence: its ids, and where its keys/values are: per layer (keys, values) of a
+    batch ([rows, heads, length, head_dim]), its `row` there and the `pos` of its ids."""
 
     ids: np.ndarray
-    kv: list[tuple]
+    layers: list[tuple]
+    row: int = 0
+    pos: object = None
+
+    def kv(self, k: int) -> list[tuple]:
+        """Per layer (keys, values) of the first `k` ids, each [heads, k, head_dim]."""
+        at = self.pos[:k]
+        return [(keys[self.row][:, at], values[self.row][:, at]) for keys, values in self.layers]
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -84,10 +94,10 @@ class PrefixCache:
         with self._lock:
             self.entries.pop(key, None)
 
-    def put(self, ids, kv: list[tuple]) -> None:
+    def put(self, ids, layers: list[tuple], row: int = 0, pos=None) -> None:
         """Store one sequence (evicting the least recently used past `max_entries`)."""
         with self._lock:
-            self.entries[self._next] = Entry(np.asarray(ids, dtype=np.int64), kv)
+            self.entries[self._next] = Entry(np.asarray(ids, dtype=np.int64), layers, row, pos)
             self._next += 1
             while len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)

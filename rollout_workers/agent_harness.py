@@ -153,8 +153,10 @@ async def _check_python(sb, image: str) -> None:
     compiled extensions); checked once per image and process."""
     if image in _PY_CHECKED:
         return
+    from sandbox_workers.docker_harness import PY_VERSION_ARGV
+
     here = "%d.%d" % sys.version_info[:2]
-    res = await sb.execute(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], 30)
+    res = await sb.execute(PY_VERSION_ARGV, 30)
     there = res.stdout.strip()
     if res.exit_code != 0 or there != here:
         raise SandboxUnavailable(

@@ -28,6 +28,21 @@ from sandbox_workers.docker_engine import get_client, register_pool, start_reape
 from sandbox_workers.docker_pool import DEFAULT_IMAGE, RUN_USER, Exec, WarmPool, container_kwargs
 
 HARNESS_LABEL = "rlbus.sandbox.harness"
+PY_VERSION_ARGV = ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]
+"""Prints the python3's major.minor (a harness's bound site-packages need the worker's)."""
+
+
+def image_python(image: str) -> str:
+    """The major.minor of `image`'s python3 (a throwaway container: no network, uid 65534,
+    removed); RuntimeError naming the image when it cannot tell."""
+    client = get_client(None)
+    try:
+        out = client.containers.run(
+            image, PY_VERSION_ARGV, network_mode="none", user=RUN_USER, remove=True, stdout=True, stderr=True
+        )
+    except Exception as exc:
+        raise RuntimeError(f"cannot run python3 in image {image!r}: {exc}") from exc
+    return out.decode(errors="replace").strip()
 
 
 class HarnessPool(WarmPool):

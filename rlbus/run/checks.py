@@ -19,6 +19,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -157,7 +158,8 @@ def check_domains(cfg: RunConfig, console: Console) -> bool:
 
 def check_agent(cfg: RunConfig, console: Console) -> bool:
     """`kind = "agent"` domains: every `agent.python_path` directory must exist; harnesses in
-    docker (`agent.sandbox`) need an engine holding the images they use; in bwrap they need
+    docker (`agent.sandbox`) need an engine holding the images they use, whose python3 is this
+    one's major.minor when `agent.python_path` binds packages; in bwrap they need
     bubblewrap, or the operator's `agent.allow_host` (then said in red)."""
     if not any(dc.kind == "agent" for dc in cfg.sampler.domains.values()):
         return True
@@ -170,9 +172,18 @@ def check_agent(cfg: RunConfig, console: Console) -> bool:
         console.print(f"[bold red]rlbus up: agent.python_path directories {missing} do not exist[/]", highlight=False)
         return False
     if harness_sandbox(cfg) == "docker":
+        from sandbox_workers.docker_harness import image_python
+
+        here = "%d.%d" % sys.version_info[:2]
         try:
-            for image in {cfg.sandbox.image, cfg.sandbox.repo_image}:
+            for image in sorted({cfg.sandbox.image, cfg.sandbox.repo_image}):
                 probe_isolation("docker", image=image)
+                there = image_python(image) if cfg.agent.python_path else here
+                if there != here:
+                    raise RuntimeError(
+                        f"image {image!r} has python3 {there}, but agent.python_path binds packages of this "
+                        f"Python {here}: build it from python:{here}-slim, or set agent.python_path = []"
+                    )
         except Exception as exc:  # noqa: BLE001 - no engine, no image: refuse and say why
             console.print(
                 f"[bold red]rlbus up: agent harnesses run in docker (agent.sandbox): {exc}[/]", highlight=False

@@ -23,7 +23,8 @@ Guarantees (the engine contract of `rollout_workers.engines`, plus):
   kept sequence's ids feeds only the new suffix, still all rows in ONE batched `generate`
   (each row's reused keys/values left-padded in the cache, its suffix left-padded after
   them; positions follow the attention mask, so a row's positions are those of its own
-  tokens). A prompt sharing nothing is prefilled in full. Generated ids and behaviour
+  tokens). A prompt sharing nothing is prefilled in full; a model whose cache is not
+  full-attention `DynamicLayer`s (sliding windows, linear attention) keeps nothing. Generated ids and behaviour
   log-probs equal the no-reuse path's within float tolerance (tests/test_prefix_reuse.py),
   sampled ones under the same torch seed too. Every weight load clears the cache, a call
   that a load overlapped keeps nothing, and nothing is kept or reused while a speculative
@@ -262,7 +263,11 @@ class HFEngine:
         """Keep each output row's real ids (prompt and generation, no padding) with their keys and
         values; the entries these rows continued are dropped (the new ones cover them)."""
         torch = self.torch
-        cache = out.cache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = getattr(out, "cache", None)
+        if cache is None or not cache.layers or any(type(x) is not DynamicLayer for x in cache.layers):
+            return  # only full-attention dynamic layers hold every position's keys/values: else prefill in full
         kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers]
         length = kv[0][0].shape[2]  # the last generated token was never fed: not in the cache
         rows = out.sequences.shape[0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from sandbox_workers.base import Limits
 from sandbox_workers.docker_backend import DockerSandbox
 from sandbox_workers.docker_engine import get_client, register_pool, start_reaper, unregister_pool
-from sandbox_workers.docker_pool import DEFAULT_IMAGE, RUN_USER, Exec, WarmPool, container_kwargs
+from sandbox_workers.docker_pool import DEFAULT_IMAGE, RUN_USER, Exec, WarmPool, container_kwargs, missing_image_message
 
 HARNESS_LABEL = "rlbus.sandbox.harness"
 PY_VERSION_ARGV = ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]
@@ -34,8 +34,12 @@ PY_VERSION_ARGV = ["python3", "-c", "import sys; print('%d.%d' % sys.version_inf
 
 def image_python(image: str) -> str:
     """The major.minor of `image`'s python3 (a throwaway container: no network, uid 65534,
-    removed); RuntimeError naming the image when it cannot tell."""
+    removed; the image is never pulled); RuntimeError naming the image when it cannot tell."""
     client = get_client(None)
+    try:
+        client.images.get(image)  # never pulled: `containers.run` would pull a missing image
+    except Exception as exc:
+        raise RuntimeError(f"{missing_image_message(image)} ({type(exc).__name__})") from exc
     try:
         out = client.containers.run(
             image, PY_VERSION_ARGV, network_mode="none", user=RUN_USER, remove=True, stdout=True, stderr=True

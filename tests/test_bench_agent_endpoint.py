@@ -17,6 +17,7 @@ for module in ("openai", "fastapi", "uvicorn"):
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 def test_quick_bench_same_tokens_both_sides_and_overheads(tmp_path):
     out = tmp_path / "agent_endpoint.json"
     r = subprocess.run(

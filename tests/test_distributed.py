@@ -99,6 +99,7 @@ def worker(rank: int, port: int, model_dir: str, ckpt: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 def test_fsdp2_two_processes_gloo_step_and_sharded_checkpoint(tmp_path):
     model_dir = build_tiny_model(tmp_path / "m", **TINY)
     mp.spawn(worker, args=(free_port(), str(model_dir), str(tmp_path / "ckpt")), nprocs=WORLD, join=True)

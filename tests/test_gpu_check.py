@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("nats", "pydantic", "structlog", "sqlmodel", "rich", "peft", "vllm")
 # sys.modules[name] = None: `import name` raises ImportError and importlib.util.find_spec(name)
@@ -23,6 +25,7 @@ def blocked_env(tmp_path: Path) -> dict:
     return {**os.environ, "PYTHONPATH": str(tmp_path)}
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 def test_gpu_check_cpu_tiny_without_service_deps(tmp_path):
     env = blocked_env(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import pydantic"], capture_output=True, text=True, env=env, cwd=ROOT)

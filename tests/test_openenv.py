@@ -452,6 +452,7 @@ async def test_a_misconfigured_action_field_or_a_full_server_is_sandbox_unavaila
         one.stop()
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 async def test_a_server_killed_mid_episode_is_sandbox_unavailable_never_a_zero(model_dir, tmp_path):
     import httpx
 

@@ -424,6 +424,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 def test_generation_is_reproducible_across_processes_except_the_documented():
     """Two processes with different str hash seeds make the same tasks, except for the
     datasets NEEDS_CARE says depend on hash order."""

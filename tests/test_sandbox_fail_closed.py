@@ -193,6 +193,7 @@ async def _verify_in_worker(js, reg, spawn_worker, tmp_path, i: int, allow: bool
         proc.wait(10)
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 async def test_verifier_worker_refusal_is_an_infra_error_and_the_config_allows(
     bwrap_hidden, monkeypatch, js, run_id, tmp_path, spawn_worker, drop_run
 ):

@@ -77,6 +77,7 @@ async def test_scheduler_stops_after_max_evaluations_and_shuts_down(js, nats_url
     assert versions == [0, 1]
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 async def test_scheduler_stopped_before_any_version_shuts_down_in_full(js, run_id, tmp_path, spawn_worker):
     reg = Registry(run_id)
     await ensure_topology(js, reg)

@@ -246,6 +246,7 @@ asyncio.run(main())
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 def test_a_rank_dies_with_rank_0(model_dir, tmp_path):
     """kill -9 of rank 0 (the learner worker) leaves no rank behind (no orphan)."""
     script = tmp_path / "rank0.py"

@@ -221,6 +221,7 @@ async def test_tensorboard_and_wandb_get_every_metric(js, nats_url, run_id, tmp_
     assert [step for step, _ in wandb_points(run_path, "samples/nrows")] == [0, 1]
 
 
+@pytest.mark.e2e  # multi-process / fault case: make test-e2e
 async def test_a_restarted_tracker_neither_loses_nor_repeats_a_point(
     js, nats_url, run_id, tmp_path, drop_run, spawn_worker
 ):

@@ -227,6 +227,7 @@ asyncio.run(main(*sys.argv[1:]))
 """
 
 
+@pytest.mark.e2e  # fault case (a killed worker / client): make test-e2e
 async def test_ttl_reaps_session_of_a_dead_client(nc, nats_url, run_id, sandbox_worker, tmp_path):
     pool, tmpdir, _ = sandbox_worker(ttl=1.0)
     reg = Registry(run_id)

@@ -234,6 +234,7 @@ async def test_learner_reports_tasks_it_consumed_without_a_step(js, run_id, tmp_
 # -- a killed rollout worker's task goes to another worker ----------------------------------
 
 
+@pytest.mark.e2e  # fault case (a killed worker / client): make test-e2e
 async def test_task_of_killed_rollout_worker_is_redelivered(js, run_id, tmp_path, spawn_worker):
     """Worker A takes the task and hangs: the weight version announced just before points
     at a FIFO nobody writes, and A loads new weights first thing in its batch handler.

@@ -33,6 +33,7 @@ from typing import Any
 import msgpack
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 from bus.cache import LoadOnce
 from bus.hidden import HiddenDataMissing, hidden_ref_for
@@ -127,7 +128,7 @@ class CheckCache:
 
     def __init__(self, js: JetStreamContext, reg: Registry, max_entries: int = 65536) -> None:
         self.js, self.reg, self.max_entries = js, reg, max_entries
-        self._kv = None
+        self._kv: KeyValue | None = None
         self._checks: LoadOnce[tuple[str, str], TaskCheck] = LoadOnce(self._load, max_entries)
 
     async def get(self, domain: str, task_id: str) -> TaskCheck:

@@ -337,10 +337,12 @@ def train(cfg: RmConfig, rank: int = 0, world: int = 1) -> dict | None:
 # ------------------------------------------------------------------ ranks
 
 
-def _watch(children: list[subprocess.Popen]) -> None:
-    while True:
+def _watch(children: list[subprocess.Popen], done: threading.Event) -> None:
+    """Stop this process (exit 70) when a rank dies mid-run; never once `done` is set (the run
+    returned or raised: its caller handles that, and may be a process that lives on)."""
+    while not done.is_set():
         for p in children:
-            if p.poll() not in (None, 0):
+            if p.poll() not in (None, 0) and not done.is_set():
                 for q in children:
                     if q.poll() is None:
                         q.kill()
@@ -361,6 +363,11 @@ def run(cfg: RmConfig) -> dict:
     from learner.distributed import resolve_backend
     from learner.ranks import _store, join_group
 
+    if dist.is_initialized():
+        raise RuntimeError(
+            "train-rm --world-size > 1 needs a process outside any torch.distributed group "
+            "(this one is already in one): run `rlbus train-rm` in its own process"
+        )
     backend, timeout = resolve_backend(cfg.backend), 600.0
     store = _store("127.0.0.1", 0, cfg.world_size, True, timeout)
     env = dict(os.environ, **{ENV: json.dumps(asdict(cfg))})
@@ -382,17 +389,20 @@ def run(cfg: RmConfig) -> dict:
         )
         for r in range(1, cfg.world_size)
     ]
-    threading.Thread(target=_watch, args=(children,), daemon=True).start()
+    done = threading.Event()
+    threading.Thread(target=_watch, args=(children, done), daemon=True).start()
     try:
         join_group(store, 0, cfg.world_size, backend, timeout)
         summary = train(cfg, 0, cfg.world_size)
         dist.destroy_process_group()
     except BaseException:
+        done.set()
         for p in children:
             p.kill()
         raise
     for p in children:
         p.wait(60)
+    done.set()
     return summary
 
 

@@ -243,7 +243,7 @@ def test_rank_0_notices_a_lost_rank_while_idle(tiny_model, tmp_path):
     rank 0 stops (`peer_lost`; in the worker it exits with RANK_DIED_EXIT) instead of keeping a group a
     restarted rank 1 could never rejoin."""
     from bus.server import free_port
-    from learner.ranks import RankGroup
+    from learner.ranks import RankGroup, _leave
     from tests.test_sharded_learner import TINY
 
     model_dir = tiny_model(**TINY)
@@ -270,6 +270,9 @@ def test_rank_0_notices_a_lost_rank_while_idle(tiny_model, tmp_path):
             return group.dead
         finally:
             group.abort()
+            # this pytest process runs other tests: leave the failed group (a worker would exit)
+            await group.call(_leave)
+            group.pool.shutdown()
 
     try:
         dead = asyncio.run(rank0())

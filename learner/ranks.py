@@ -298,7 +298,7 @@ class RankGroup:
         here, logged as `learner.rank_died`); safe to call twice."""
         if not self.closing:
             for rank, proc in self.children.items():
-                if proc.poll() is not None and self.dead is None:
+                if _exit_code(proc) is not None and self.dead is None:
                     self.dead = f"learner rank {rank} (pid {proc.pid}) exited with {proc.returncode}"
                     log.error(
                         "learner.rank_died",
@@ -310,6 +310,18 @@ class RankGroup:
         self.closing = True
         self.kill_children()
         (self.run_path / RANKS_FILE).unlink(missing_ok=True)
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The child's exit code, or None while it runs. `poll()` alone answers None while another
+    thread (the watcher) holds the Popen's wait lock, which hid a killed rank from `abort`."""
+    code = proc.poll()
+    if code is None:
+        try:
+            code = proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            return None
+    return code
 
 
 def _leave() -> None:

@@ -40,6 +40,21 @@ def check_token(kind: str, value: str) -> str:
     return value
 
 
+PRIORITY_CLASSES: tuple[str, ...] = ("eval", "train")
+"""Priority classes of tasks at admission, highest first (`rollout_workers.admission`): `eval`
+(pipeline evaluation rounds) ahead of `train`. A GRPO group is one task, generated in one batch, so
+no sample waits on admission while its siblings are verified; a redelivered (retried) task is
+already served first within its class's consumer (nats-server delivers a consumer's redeliveries
+before new messages), so no separate finisher class exists."""
+
+
+def check_priority(value: str) -> str:
+    """Return `value` if it is a priority class, else raise ValueError naming them."""
+    if value not in PRIORITY_CLASSES:
+        raise ValueError(f"priority class {value!r} is not one of {', '.join(PRIORITY_CLASSES)}")
+    return value
+
+
 @dataclass(frozen=True)
 class Limits:
     """Hard ceilings of the run's streams (far above normal in-flight work)."""
@@ -115,10 +130,14 @@ class Registry:
         check_token("run_id", self.run_id)
 
     # -- subjects ---------------------------------------------------------------
-    def tasks(self, domain: str, pool: str = "short") -> str:
-        """Subject a domain's tasks of a duration pool are published on: `tasks.<run>.<domain>`
-        for the default `short` pool, `tasks.<run>.<domain>.<pool>` for another."""
+    def tasks(self, domain: str, pool: str = "short", priority: str = "train") -> str:
+        """Subject a domain's tasks of a duration pool and priority class are published on:
+        `tasks.<run>.<domain>` for the default `short` pool, `tasks.<run>.<domain>.<pool>` for
+        another (both class `train`), `tasks.<run>.<domain>.<pool>.<class>` for a higher class
+        (`PRIORITY_CLASSES`; the pool always named). Token counts differ, so no two overlap."""
         base = f"tasks.{self.run_id}.{check_token('domain', domain)}"
+        if check_priority(priority) != "train":
+            return f"{base}.{check_token('pool', pool)}.{priority}"
         return base if pool == "short" else f"{base}.{check_token('pool', pool)}"
 
     def traj(self, domain: str) -> str:
@@ -241,11 +260,15 @@ class Registry:
 
     # -- consumers --------------------------------------------------------------
     def rollout_consumer(
-        self, ack_wait_s: float = 60.0, max_ack_pending: int = 256, pool: str = "short"
+        self, ack_wait_s: float = 60.0, max_ack_pending: int = 256, pool: str = "short", priority: str = "train"
     ) -> ConsumerSpec:
-        """The shared durable every rollout worker of a duration pool pulls tasks from
-        (`rollout` for the `short` pool, `rollout-<pool>` otherwise; each its own ack_wait)."""
-        if pool == "short":
+        """The shared durable every rollout worker of a duration pool pulls tasks of a priority class
+        from (class `train`: `rollout` for the `short` pool, `rollout-<pool>` otherwise; a higher
+        class: `rollout-<pool>-<class>`; each pool its own ack_wait)."""
+        if check_priority(priority) != "train":
+            durable = f"rollout-{check_token('pool', pool)}-{priority}"
+            subject = f"tasks.{self.run_id}.*.{pool}.{priority}"
+        elif pool == "short":
             durable, subject = "rollout", f"tasks.{self.run_id}.*"
         else:
             durable, subject = f"rollout-{check_token('pool', pool)}", f"tasks.{self.run_id}.*.{pool}"

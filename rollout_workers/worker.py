@@ -12,7 +12,10 @@ Guarantees:
   task is redelivered to another worker.
 - Each duration pool (`rollout.pools`: `short`, `long`, ...) is pulled by its own loop
   through its own durable consumer, with its own ack_wait, in_progress cadence, batch
-  size and time budget, so long episodes never starve short ones.
+  size and time budget, so long episodes never starve short ones. With `rollout.priority.enabled`
+  (the default) a pool's loop pulls one durable consumer per priority class
+  (`rollout_workers.admission`): pipeline-eval tasks go ahead of training tasks, and training
+  keeps at least `rollout.priority.min_share` of admissions while it has work.
 - Refused tool calls (`ToolCall.error`: malformed JSON, unknown tool, bad arguments) are
   counted per domain and kind as `tool_errors.<domain>.<kind>`.
 - Tasks that offer tools, and OpenEnv tasks (`schemas.openenv_env.is_openenv`: one environment
@@ -61,6 +64,8 @@ from bus.payloads import PayloadCache
 from bus.publish import publish_many
 from bus.pull import Delivery, Retry, run_pull_loop
 from bus.session import Session, WorkerContext, worker_session
+from bus.subjects import PRIORITY_CLASSES
+from rollout_workers.admission import Admission, PrioritySubscription
 from rollout_workers.agent import SandboxUnavailable, run_episodes
 from rollout_workers.agent_harness import agent_domains, run_agent_tasks, socket_dir
 from rollout_workers.engines import close_engine, make_engine
@@ -208,6 +213,18 @@ async def roll_out_batch(
     counters["busy_s"] = counters.get("busy_s", 0.0) + (time.perf_counter() - started)
 
 
+async def pool_subscription(js, reg, pool: str, ack_wait: float, priority, counters: dict[str, float]):
+    """The subscription a pool's loop fetches from: with `rollout.priority.enabled`, one consumer per
+    priority class behind a `PrioritySubscription` (eval tasks first, training never starved below
+    `min_share`); else the pool's one training consumer, first come first served."""
+    if not priority.enabled:
+        return await pull_subscription(js, reg.rollout_consumer(ack_wait, pool=pool))
+    subs = {
+        c: await pull_subscription(js, reg.rollout_consumer(ack_wait, pool=pool, priority=c)) for c in PRIORITY_CLASSES
+    }
+    return PrioritySubscription(subs, Admission(PRIORITY_CLASSES, priority.min_share), counters=counters)
+
+
 async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
     """Run the rollout worker until stopped (or the context's test limits)."""
     rc = cfg.rollout
@@ -287,7 +304,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
 
         async def serve(pool: str, pc: PoolConfig) -> None:
             ack_wait = pc.ack_wait_s or rc.ack_wait_s
-            sub = await pull_subscription(s.js, s.reg.rollout_consumer(ack_wait, pool=pool))
+            sub = await pool_subscription(s.js, s.reg, pool, ack_wait, rc.priority, s.counters)
             await run_pull_loop(
                 s.js,
                 s.reg,

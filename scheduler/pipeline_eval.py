@@ -2,7 +2,12 @@
 
 With `scheduler.eval.mode = "pipeline"`, each evaluation round publishes every problem of
 the run's pinned eval sets (`scheduler.evaluation.EvalSuite`) as a greedy `Task` with
-`purpose="eval"` on the ordinary task subjects. Rollout workers generate them (multi-turn
+`purpose="eval"` on the task subjects of its priority class: `eval` when `rollout.priority.enabled`
+(the default), so the same rollout workers take them ahead of training tasks while training goes
+on beside them (at least `rollout.priority.min_share` of admissions; `rollout_workers.admission`),
+else `train`, first come first served. Nothing waits for a round but the scheduler's
+evaluation loop: the sampler keeps publishing and the learner keeps stepping (its in-flight bound
+counts training tasks only). Rollout workers generate them (multi-turn
 tool episodes included) with whatever weights they serve, verifier workers score them
 with the training verifiers, and the rewards land on REWARDS, where the learner acks
 them without training (it trains only `purpose="train"`), the curriculum ignores them,
@@ -50,7 +55,7 @@ from bus.checks import put_checks
 from bus.hidden import put_hidden
 from bus.payloads import put_payloads, rebind
 from bus.publish import publish_many
-from bus.subjects import Registry
+from bus.subjects import Registry, check_priority
 from schemas import DecodeError, Reward, Task, decode
 
 log = structlog.get_logger()
@@ -140,8 +145,9 @@ class Round:
 class PipelineEval:
     """Publishes eval rounds and collects their rewards from REWARDS (an ordered consumer)."""
 
-    def __init__(self, js, reg, suite, timeout_s: float = 600.0) -> None:
+    def __init__(self, js, reg, suite, timeout_s: float = 600.0, priority: str = "eval") -> None:
         self.js, self.reg, self.suite, self.timeout_s = js, reg, suite, timeout_s
+        self.priority = check_priority(priority)  # the class its tasks are published in (`bus.subjects`)
         self.rounds: dict[int, Round] = {}
         self.next_round = int(time.time())  # unique across scheduler restarts
         self._sub = None
@@ -203,7 +209,7 @@ class PipelineEval:
         t0 = time.monotonic()
         await self._store_hidden(names)
         await put_checks(self.js, self.reg, tasks, self.checks_stored)  # what the verifier scores by
-        await publish_many(self.js, [(self.reg.tasks(t.domain, t.pool), t) for t in tasks])
+        await publish_many(self.js, [(self.reg.tasks(t.domain, t.pool, self.priority), t) for t in tasks])
         waits = [asyncio.ensure_future(rnd.done.wait())] + ([asyncio.ensure_future(stop.wait())] if stop else [])
         try:
             await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -211,7 +217,13 @@ class PipelineEval:
             for w in waits:
                 w.cancel()
             del self.rounds[round_id]
-        self.last = {"round": round_id, "tasks": len(tasks), "rewards": len(rnd.got)}
+        self.last = {
+            "round": round_id,
+            "tasks": len(tasks),
+            "rewards": len(rnd.got),
+            "priority": self.priority,
+            "seconds": round(time.monotonic() - t0, 3),
+        }
         if stop is not None and stop.is_set() and not rnd.done.is_set():
             log.warning(
                 "scheduler.eval_round_abandoned",

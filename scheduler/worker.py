@@ -129,7 +129,8 @@ class SchedulerWorker:
         self.watcher = WeightWatcher(s.js, s.reg, s.counters)
         await self.watcher.start()
         if ec.eval.mode == "pipeline" or self.suite.pipeline_only():
-            self.pipeline = PipelineEval(s.js, s.reg, self.suite, ec.eval.timeout_s)
+            klass = "eval" if cfg.rollout.priority.enabled else "train"  # rollout pulls eval tasks first
+            self.pipeline = PipelineEval(s.js, s.reg, self.suite, ec.eval.timeout_s, klass)
             await self.pipeline.start()
 
     # -- work ------------------------------------------------------------------------------

@@ -28,6 +28,19 @@ def default_pools() -> dict[str, PoolConfig]:
     return {"short": PoolConfig(budget_s=300.0), "long": PoolConfig(ack_wait_s=300.0, budget_s=3600.0, batch_tasks=2)}
 
 
+class PrioritySection(Section):
+    """Priority at admission (`rollout_workers.admission`): each duration pool is pulled through one
+    consumer per priority class, highest first (`bus.subjects.PRIORITY_CLASSES`: `eval`, then `train`)."""
+
+    enabled: bool = True
+    """Pull `purpose=eval` tasks of pipeline evaluation (`scheduler.pipeline_eval`) through their own
+    `eval` consumers, ahead of training tasks; false: one consumer per pool, first come first served
+    (eval tasks then ride the training subjects)."""
+    min_share: float = Field(default=0.25, ge=0.0, le=0.5)
+    """The share of admissions a lower class always gets while it has work (no starvation):
+    0 is strict priority; at most 0.5."""
+
+
 class HFEngineSection(Section):
     """Settings of the `hf` engine (transformers/torch); the other engines ignore them."""
 
@@ -158,6 +171,8 @@ class RolloutSection(Section):
     pools: dict[str, PoolConfig] = Field(default_factory=default_pools)
     """Duration pools this worker serves, each pulled by its own loop and consumer (`short`
     is always served: a config naming only other pools gets the default `short` too)."""
+    priority: PrioritySection = Field(default_factory=PrioritySection)
+    """Priority classes at admission: eval tasks ahead of training tasks, with a floor for training."""
 
     @model_validator(mode="after")
     def _short_pool_always(self):

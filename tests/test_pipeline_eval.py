@@ -108,3 +108,63 @@ async def test_round_is_abandoned_when_stop_is_set(js, run_id, tmp_path):
     finally:
         await pe.stop()
     assert scores["arith"][:2] == (0.0, 12) and version is None
+
+
+TRAINING = """
+[sampler]
+group_size = 2
+max_inflight_tasks = 32
+publish_batch = 16
+[sampler.domains.quick]
+kind = "sleep"
+params = { seconds = 0.2 }
+[rollout]
+engine = "sleep"
+batch_tasks = 2
+[rollout.priority]
+min_share = 0.5
+[verifier]
+concurrency = 0
+[learner]
+policy = "null"
+groups_per_step = 2
+step_window_s = 0.5
+max_staleness = 100000
+checkpoint_every = 1000000
+"""
+
+
+@pytest.mark.e2e
+async def test_learner_steps_go_on_during_an_eval_round(js, run_id, tmp_path, spawn_worker):
+    """Eval beside training: a round's tasks ride the `eval` class on the same rollout worker that
+    keeps taking training tasks (min_share 0.5: one of each per batch of 2), and the learner keeps
+    stepping from the first eval task published to the last eval reward."""
+    import time
+
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    training = tmp_path / "train.toml"
+    training.write_text(TRAINING)
+    for role in ("learner", "sampler", "rollout", "verifier"):
+        spawn_worker(role, run_id, training)
+
+    async def step() -> int:
+        return int((await get_json(js, reg, LEARNER_PROGRESS) or {}).get("step", 0))
+
+    async def training_flows():
+        return await step() >= 2
+
+    await eventually(training_flows, 90, "the learner's first steps", tmp_path)
+    suite = EvalSuite.from_config(load_config(_write(tmp_path)))  # 12 arith problems, pipeline mode
+    pe = PipelineEval(js, reg, suite, timeout_s=120)
+    assert pe.priority == "eval"
+    await pe.start()
+    try:
+        before, t0 = await step(), time.monotonic()
+        scores, _ = await pe.evaluate()
+        after, seconds = await step(), time.monotonic() - t0
+    finally:
+        await pe.stop()
+    assert pe.last["tasks"] == pe.last["rewards"] == 12, pe.last  # the round completed
+    assert after >= before + 2, (before, after, seconds)  # steps went on during it
+    assert scores["arith"][1] == 12

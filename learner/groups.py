@@ -116,9 +116,11 @@ class GroupPool:
 
 
 def split_stale(group: Group, current_version: int, max_staleness: int) -> list[PooledSample]:
-    """Remove and return the group's samples older than `max_staleness` versions."""
+    """Remove and return the group's samples older than `max_staleness` versions, counted from
+    the oldest version that made any of a sample's tokens (`Trajectory.oldest_version`: an
+    episode that took new weights mid-turn or between turns is as old as its oldest token)."""
     stale = [
-        i for i, s in group.samples.items() if current_version - s.reward.trajectory.policy_version > max_staleness
+        i for i, s in group.samples.items() if current_version - s.reward.trajectory.oldest_version > max_staleness
     ]
     return [group.samples.pop(i) for i in stale]
 

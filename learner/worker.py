@@ -270,7 +270,7 @@ class Learner:
             metrics = await asyncio.to_thread(
                 train_step, self.policy, self.ref, self.optimizer, samples, self.pad_id, self.lc, loss_scale=scale
             )
-        lags = [self.version - s.reward.trajectory.policy_version for s in samples]
+        lags = [self.version - s.reward.trajectory.oldest_version for s in samples]  # from the oldest token
         metrics.update(staleness_mean=sum(lags) / len(lags), staleness_max=float(max(lags)))
         self.step += 1
         self.samples_trained += len(samples)

@@ -37,7 +37,12 @@ Guarantees:
 - A trajectory holds every turn's tokens in order; only model tokens are `trainable`
   (the learner's loss mask), prompt and tool tokens are context.
 - Each model turn carries the policy version that generated it: `before_turn` may
-  hot-load new weights between turns.
+  hot-load new weights between turns. With `inflight` (`rollout.inflight`,
+  `rollout_workers.inflight`) a turn is generated in chunks and new weights may also load
+  between its chunks; the turn then records its version runs `[(version, n_tokens), ...]`
+  (cut with its tokens after a tool call), its `policy_version` is its last run's, and its
+  behaviour log-probs stay per token. Eval tasks (`purpose = "eval"`) never take new weights
+  mid-turn: their turns are one engine call each, as without `inflight`.
 - Every tool call is listed with its execution result and exec_id (the integrity
   record when the sandbox side records), and files named in
   `verifier_params["export"]` are read from the sandbox as artifacts before it closes.
@@ -65,6 +70,7 @@ import numpy as np
 import structlog
 
 from rollout_workers.harbor_tools import CONTAINER_ARTIFACT, STATE_ARTIFACT, HarborEpisodeBox, is_harbor
+from rollout_workers.inflight import Inflight, for_tasks, generate_turn, turn_versions
 from schemas import BlobRef, Task, ToolCall, Trajectory, Turn, pack_f32, pack_i32
 from schemas.chat import prompt_input, prompt_text, tokenizer_of, tool_turn
 from schemas.openenv_env import RECORD_ARTIFACT, is_openenv
@@ -188,7 +194,7 @@ def add_model_turn(
             token_ids=pack_i32(ids),
             logprobs=pack_f32(logprobs),
             trainable=True,
-            policy_version=version,
+            **turn_versions(sample, version, len(ids)),
         )
     )
     ep.context.extend(int(x) for x in ids)
@@ -345,6 +351,16 @@ async def finish(ep: Episode) -> None:
         await sb.close()
 
 
+def _check_resolved(tasks: list[Task]) -> None:
+    """ValueError for a task whose repository is still only a reference."""
+    unresolved = [x.task_id for x in tasks if x.workspace_ref is not None and not x.workspace]
+    if unresolved:
+        raise ValueError(
+            f"tasks {unresolved} name their repository by reference: resolve it first "
+            "(rollout_workers.repo_payloads.resolve_workspaces)"
+        )
+
+
 async def run_episodes(
     engine,
     tasks: list[Task],
@@ -357,22 +373,20 @@ async def run_episodes(
     deadline: float | None = None,
     context_budget: int | None = None,
     obs_caps: tuple[int, int] | None = None,
+    inflight: Inflight | None = None,
 ) -> list[Episode]:
     """Every sample of `tasks` (which share group size, max_tokens and temperature) to the end;
     past `deadline` (time.monotonic) no new turn starts: live episodes end with `length`.
     `context_budget`: most tokens of an episode's context (default MAX_CONTEXT_TOKENS), never
-    more than the engine's `max_context`; `obs_caps`: repository tools' observation clip."""
-    unresolved = [x.task_id for x in tasks if x.workspace_ref is not None and not x.workspace]
-    if unresolved:
-        raise ValueError(
-            f"tasks {unresolved} name their repository by reference: resolve it first "
-            "(rollout_workers.repo_payloads.resolve_workspaces)"
-        )
+    more than the engine's `max_context`; `obs_caps`: repository tools' observation clip;
+    `inflight`: turns in chunks, new weights between them (none for a batch holding eval tasks)."""
+    _check_resolved(tasks)
     t = tasks[0]
     n, max_tokens, temperature = t.group_size, t.max_tokens, t.temperature
     sem = asyncio.Semaphore(slots)
     budget = context_budget or MAX_CONTEXT_TOKENS
     limit = min(budget, getattr(engine, "max_context", None) or budget)
+    inflight = for_tasks(inflight, tasks)
     episodes: list[Episode] = []
     completed = False
     try:
@@ -382,12 +396,12 @@ async def run_episodes(
             from rollout_workers.openenv_session import first_turn
 
             episodes = [Episode(task=x, sample_index=i, turns=[], context=[]) for x in tasks for i in range(n)]
-            samples, each = await first_turn(engine, episodes, sem, max_tokens, temperature)
+            samples, each = await first_turn(engine, episodes, sem, max_tokens, temperature, inflight)
         else:
             t0 = time.perf_counter()
             tok = tokenizer_of(engine)
             prompts = [prompt_input(tok, x.prompt, declared_tools(x.tool_format, x.tools)) for x in tasks]
-            groups = await asyncio.to_thread(engine.generate, prompts, n, max_tokens, temperature)
+            groups = await generate_turn(engine, prompts, n, max_tokens, temperature, inflight)
             episodes = new_episodes(engine, tasks, groups)
             each = (time.perf_counter() - t0) / max(1, len(episodes))
             samples = [s for g in groups for s in g]
@@ -417,7 +431,7 @@ async def run_episodes(
             if before_turn:
                 await before_turn()
             t0 = time.perf_counter()
-            nxt = await asyncio.to_thread(engine.generate, [ep.context for ep in live], 1, max_tokens, temperature)
+            nxt = await generate_turn(engine, [ep.context for ep in live], 1, max_tokens, temperature, inflight)
             each = (time.perf_counter() - t0) / len(live)
             samples = [g[0] for g in nxt]
         completed = True

@@ -375,10 +375,13 @@ def _tool_text(obs: dict) -> tuple[str, bool]:
     return (result if isinstance(result, str) else _json(result)), False
 
 
-async def first_turn(engine, episodes: list, slots: asyncio.Semaphore, max_tokens: int, temperature: float):
+async def first_turn(
+    engine, episodes: list, slots: asyncio.Semaphore, max_tokens: int, temperature: float, inflight=None
+):
     """Open the session of every openenv episode of a batch (at most `slots` opening at once), then
     generate every episode's first turn from its own prompt (other tasks' episodes: the task's
     prompt); each episode's prompt turn and context are set. (samples, generate seconds per episode).
+    `inflight`: the turn in chunks with new weights between them (`rollout_workers.inflight`).
     A session that fails raises SandboxUnavailable (the caller closes those that opened)."""
 
     async def open_one(ep) -> None:
@@ -401,7 +404,9 @@ async def first_turn(engine, episodes: list, slots: asyncio.Semaphore, max_token
     ]
     t0 = time.perf_counter()
     inputs = [prompt_input(tok, messages, tools) for messages, tools in views]
-    groups = await asyncio.to_thread(engine.generate, inputs, 1, max_tokens, temperature)
+    from rollout_workers.inflight import generate_turn
+
+    groups = await generate_turn(engine, inputs, 1, max_tokens, temperature, inflight)
     each = (time.perf_counter() - t0) / max(1, len(episodes))
     for ep, (messages, tools), group in zip(episodes, views, groups, strict=True):
         s = group[0]

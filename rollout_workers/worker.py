@@ -70,6 +70,7 @@ from rollout_workers.agent import SandboxUnavailable, run_episodes
 from rollout_workers.agent_harness import agent_domains, run_agent_tasks, socket_dir
 from rollout_workers.engines import close_engine, make_engine
 from rollout_workers.engines.sample import Sample
+from rollout_workers.inflight import Inflight, for_tasks, generate_turn, turn_versions
 from rollout_workers.repo_payloads import offload_artifacts, resolve_workspaces
 from rollout_workers.weights_watch import WeightWatcher
 from schemas import Task, Trajectory, Turn, pack_f32, pack_i32
@@ -99,7 +100,7 @@ def single_turn_trajectories(
                     token_ids=pack_i32(s.token_ids),
                     logprobs=pack_f32(s.logprobs),
                     trainable=True,
-                    policy_version=version,
+                    **turn_versions(s, version),  # in-flight updates: its version runs
                 ),
             ],
             finish_reason=s.finish_reason,
@@ -156,6 +157,7 @@ async def roll_out_batch(
     run_tool_tasks=None,
     run_agent_tasks=None,
     agent_domains: frozenset[str] | set[str] = frozenset(),
+    inflight: Inflight | None = None,
 ) -> None:
     """Generate a batch's trajectories and publish them once every weight version they may
     come from is verified (else raise Retry for the whole batch: nothing is published).
@@ -187,8 +189,8 @@ async def roll_out_batch(
             continue
         t0 = time.perf_counter()
         tok = tokenizer_of(engine)  # chat template when it has one (schemas.chat), plain text otherwise
-        groups = await asyncio.to_thread(
-            engine.generate, [prompt_input(tok, t.prompt) for t in tasks], n, max_tokens, temperature
+        groups = await generate_turn(  # in chunks, new weights between them, with rollout.inflight
+            engine, [prompt_input(tok, t.prompt) for t in tasks], n, max_tokens, temperature, for_tasks(inflight, tasks)
         )
         each = (time.perf_counter() - t0) / max(1, n * len(tasks))
         for task, samples in zip(tasks, groups, strict=True):
@@ -255,6 +257,10 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             )
 
         open_sandbox = await sandbox_opener(cfg, ctx, s)
+        inflight = None
+        if rc.inflight.enabled:  # weight updates in flight (rollout_workers.inflight)
+            reload = lambda: watcher.maybe_load(engine)
+            inflight = Inflight(rc.inflight.chunk_tokens, lambda: watcher.version, reload, watcher.load_lock)
         workspaces = PayloadCache(s.js, s.reg)
 
         async def run_tool_tasks(tasks: list[Task], deadline: float) -> list:
@@ -270,6 +276,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
                 deadline=deadline,
                 context_budget=rc.max_context_tokens,
                 obs_caps=(rc.observation_chars, rc.observation_chars // 2),
+                inflight=inflight,
             )
             count_tool_errors(s.counters, episodes)
             moved = await offload_artifacts(s.js, s.reg, episodes, rc.artifact_inline_bytes)
@@ -300,6 +307,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
                 run_tool_tasks=run_tool_tasks,
                 run_agent_tasks=agent_tasks,
                 agent_domains=agents,
+                inflight=inflight,
             )
 
         async def serve(pool: str, pc: PoolConfig) -> None:

@@ -118,7 +118,32 @@ class Turn(BaseModel):
     trainable: bool = False
     """True for model tokens the loss applies to; False for prompt/tool tokens."""
     policy_version: int = -1
-    """Weight version that produced this turn (-1 for non-model turns)."""
+    """Weight version that produced this turn (-1 for non-model turns); with `version_runs`, its last run's."""
+    version_runs: list[tuple[int, int]] = Field(default_factory=list)
+    """An assistant turn generated with weight updates in flight (`rollout.inflight`): the
+    versions that made its tokens, `[(version, n_tokens), ...]` in token order, covering exactly
+    its `token_ids`. Empty (absent on the wire): every token is from `policy_version`."""
+
+    @model_validator(mode="after")
+    def _runs_cover_tokens(self):
+        if self.version_runs:
+            n = len(self.token_ids) // 4
+            if any(v < 0 or k < 1 for v, k in self.version_runs):
+                raise ValueError(f"version_runs {self.version_runs}: versions must be >= 0, lengths >= 1")
+            if sum(k for _, k in self.version_runs) != n:
+                raise ValueError(
+                    f"version_runs {self.version_runs} cover {sum(k for _, k in self.version_runs)} tokens, the turn has {n}"
+                )
+            if self.policy_version != self.version_runs[-1][0]:
+                raise ValueError(
+                    f"policy_version {self.policy_version} is not the last run's version {self.version_runs[-1][0]}"
+                )
+        return self
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that made a token of this turn (-1 for non-model turns)."""
+        return min(v for v, _ in self.version_runs) if self.version_runs else self.policy_version
 
 
 class ToolCall(BaseModel):
@@ -218,6 +243,13 @@ class Trajectory(Message):
     """Artifacts too large to travel inline (over `rollout.artifact_inline_bytes`: a repo episode's
     diff), by reference; a name is here or in `artifacts`, never both. The verifier worker puts
     them into `artifacts` (sha256-checked) before its verifier runs. Absent on the wire = none."""
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that made any model token of the episode (every assistant
+        turn's every version run; -1 when none recorded one): what staleness counts from."""
+        versions = [t.oldest_version for t in self.turns if t.role == "assistant" and t.oldest_version >= 0]
+        return min(versions) if versions else self.policy_version
 
     @model_validator(mode="after")
     def _artifact_once(self):

@@ -26,9 +26,12 @@ Guarantees (the engine contract of `rollout_workers.engines`, plus):
   tokens). A prompt sharing nothing is prefilled in full; a model whose cache is not
   full-attention `DynamicLayer`s (sliding windows, linear attention) keeps nothing. Generated ids and behaviour
   log-probs equal the no-reuse path's within float tolerance (tests/test_prefix_reuse.py),
-  sampled ones under the same torch seed too. Every weight load clears the cache, a call
-  that a load overlapped keeps nothing, and nothing is kept or reused while a speculative
-  load is unsettled. The cache is thread-safe (concurrent calls from a worker's pools).
+  sampled ones under the same torch seed too. Every weight load clears the cache and moves
+  the weight epoch on twice (as it starts and once it is done), entries are salted with the
+  epoch they were computed under and only the current epoch's are reused, a call that a load
+  overlapped keeps nothing, and nothing is kept or reused while a speculative load is
+  unsettled: no key/value of one version is ever reused under another (in-flight updates,
+  `rollout_workers.inflight`, reload between the chunks of a turn). The cache is thread-safe (concurrent calls from a worker's pools).
 """
 
 from __future__ import annotations
@@ -72,7 +75,11 @@ class HFEngine:
         if self._unsettled():
             pending = self._speculative
             raise RuntimeError(f"speculative load of {pending.path} not verified yet: commit or roll it back first")
-        if self.prefix is not None:  # new weights: the kept keys/values are another policy's
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        """Weights change (or just changed): the kept keys/values are another policy's."""
+        if self.prefix is not None:
             self._weights_seen += 1
             self.prefix.clear()
 
@@ -93,7 +100,10 @@ class HFEngine:
 
                 self.base = AutoModelForCausalLM.from_pretrained(self.model_path).eval()
             blob = merged_state_blob(self.base, blob)
-        load_state_bytes(self.model, blob)
+        try:
+            load_state_bytes(self.model, blob)
+        finally:
+            self._new_epoch()
         self.model.eval()
 
     def load_weights_file(self, path: str, sha256: str) -> bool:
@@ -106,8 +116,11 @@ class HFEngine:
             return False
         if getattr(self, "_staging", None) is None:
             self._staging: dict = {}  # reused staging tensors (the previous weights after a swap)
-        if not load_state_file(self.model, path, sha256, self._staging):
-            return False
+        try:
+            if not load_state_file(self.model, path, sha256, self._staging):
+                return False
+        finally:
+            self._new_epoch()
         self.model.eval()
         return True
 
@@ -122,7 +135,10 @@ class HFEngine:
             return None
         if getattr(self, "_staging", None) is None:
             self._staging = {}
-        pending = load_state_file_speculative(self.model, path, self._staging)
+        try:
+            pending = load_state_file_speculative(self.model, path, self._staging)
+        finally:
+            self._new_epoch()
         if pending is not None:
             self._speculative = pending
         return pending
@@ -163,7 +179,7 @@ class HFEngine:
         weights = getattr(self, "_weights_seen", 0)
         enc, cache, used = None, None, []
         if keep and rows and not isinstance(rows[0], str) and (n == 1 or repeat):
-            enc, cache, used = self._reuse_batch(rows)
+            enc, cache, used = self._reuse_batch(rows, weights)
         if enc is None:
             enc = self.encode_batch(rows)
         if cache is not None:
@@ -196,7 +212,7 @@ class HFEngine:
         lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, gen.shape[1]))
         gen_np, logp_np, len_np = gen.cpu().numpy(), logp.cpu().numpy(), lengths.cpu().numpy()
         if keep and weights == self._weights_seen and not self._unsettled():
-            self._remember(enc, out, len_np, used)
+            self._remember(enc, out, len_np, used, weights)
         texts = self.tokenizer.batch_decode(
             [row[: min(L, f)] for row, L, f in zip(gen_np, len_np, first_eos.cpu().numpy())], skip_special_tokens=True
         )
@@ -226,12 +242,12 @@ class HFEngine:
             result.append(group)
         return result
 
-    def _reuse_batch(self, rows: list[list[int]]):
+    def _reuse_batch(self, rows: list[list[int]], epoch: int = 0):
         """(input_ids/attention_mask, the batched cache, the entry keys used) for token-id rows:
         per row its longest kept prefix (left-padded to the longest such prefix, in the cache)
         then its new suffix (left-padded after it). (None, None, []) when no row reuses anything."""
         torch = self.torch
-        hits = [self.prefix.lookup(r) for r in rows]
+        hits = [self.prefix.lookup(r, epoch) for r in rows]
         width_p = max(k for k, _, _ in hits)
         if width_p == 0:
             return None, None, []
@@ -259,7 +275,7 @@ class HFEngine:
         enc = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         return enc, cache, [key for _, _, key in hits if key is not None]
 
-    def _remember(self, enc, out, len_np, used) -> None:
+    def _remember(self, enc, out, len_np, used, epoch: int = 0) -> None:
         """Keep each output row's real ids (prompt and generation, no padding) with their keys and
         values; the entries these rows continued are dropped (the new ones cover them)."""
         torch = self.torch
@@ -280,4 +296,4 @@ class HFEngine:
             real = full[i].clone()
             real[width + int(len_np[i]) :] = False  # padding after the row's end-of-sequence
             pos = real.nonzero().squeeze(1)
-            self.prefix.put(out.sequences[i, :length][pos].cpu().numpy(), kv, i, pos)
+            self.prefix.put(out.sequences[i, :length][pos].cpu().numpy(), kv, i, pos, epoch)

@@ -14,6 +14,10 @@ Guarantees:
 - Bounded: at most `max_entries` entries, least recently used evicted first; `clear()`
   empties it (the engine clears it whenever its weights change: a cache of other weights
   would give other log-probs).
+- Salted by weights: every entry is stored with the engine's weight epoch (`put(...,
+  epoch=)`) and `lookup(ids, epoch=)` never returns an entry of another epoch, so even an
+  entry stored by a call that raced a weight load (in-flight updates reload between the
+  chunks of a turn) is never reused under the new weights.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Entry:
     layers: list[tuple]
     row: int = 0
     pos: object = None
+    epoch: int = 0
 
     def kv(self, k: int) -> list[tuple]:
         """Per layer (keys, values) of the first `k` ids, each [heads, k, head_dim]."""
@@ -71,13 +76,15 @@ class PrefixCache:
         with self._lock:
             self.entries.clear()
 
-    def lookup(self, ids) -> tuple[int, Entry | None, int | None]:
-        """(shared prefix length, entry, its key) for `ids`: the entry with the longest common
-        prefix, capped at len(ids) - 1; (0, None, None) when none shares a token."""
+    def lookup(self, ids, epoch: int = 0) -> tuple[int, Entry | None, int | None]:
+        """(shared prefix length, entry, its key) for `ids`: the entry of weight `epoch` with the
+        longest common prefix, capped at len(ids) - 1; (0, None, None) when none shares a token."""
         ids = np.asarray(ids, dtype=np.int64)
         best, best_key = 0, None
         with self._lock:
             for key, entry in self.entries.items():
+                if entry.epoch != epoch:
+                    continue  # another weights' keys/values: never reused
                 k = common_prefix(entry.ids, ids)
                 if k > best:
                     best, best_key = k, key
@@ -94,10 +101,10 @@ class PrefixCache:
         with self._lock:
             self.entries.pop(key, None)
 
-    def put(self, ids, layers: list[tuple], row: int = 0, pos=None) -> None:
-        """Store one sequence (evicting the least recently used past `max_entries`)."""
+    def put(self, ids, layers: list[tuple], row: int = 0, pos=None, epoch: int = 0) -> None:
+        """Store one sequence computed under weight `epoch` (evicting the least recently used past `max_entries`)."""
         with self._lock:
-            self.entries[self._next] = Entry(np.asarray(ids, dtype=np.int64), layers, row, pos)
+            self.entries[self._next] = Entry(np.asarray(ids, dtype=np.int64), layers, row, pos, epoch)
             self._next += 1
             while len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)

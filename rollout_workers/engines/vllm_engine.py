@@ -24,7 +24,10 @@ Guarantees (the engine contract of `rollout_workers.engines`, as `hf_engine.HFEn
   load since it has no tensor of its own) are re-packed, so new embeddings do change the
   logits. A LoRA adapter blob (`bus.weight_blobs.blob_kind`) is merged into the base weights
   this engine started from (never into the previous version), as HFEngine does. The prefix
-  cache is reset afterwards, so no KV from old weights is reused.
+  cache is reset afterwards, and every request is salted with the engine's weight count
+  (vLLM's per-request `cache_salt`, which enters the hash of every block), so no KV computed
+  under one version is reused under another, even where a reset could not run (in-flight
+  updates reload between the chunks of a turn, `rollout_workers.inflight`).
 - `close()` shuts the engine core down: no process it spawned outlives it (also on `with`).
 - Options (`from_config`: the `rollout.vllm` section): tier, dtype, enforce_eager,
   max_model_len, kv_cache_memory_mb, gpu_memory_utilization, max_num_seqs. Speed tiers from
@@ -260,8 +263,14 @@ class VLLMEngine:
             self.llm.collective_rpc("rlbus_load_weights", args=(path,))
         finally:
             os.unlink(path)
-        self.llm.reset_prefix_cache()
-        self.weights_loaded += 1
+        self.weights_loaded += 1  # first: the salt of every later request changes whatever the reset does
+        if not self.llm.reset_prefix_cache():
+            import structlog
+
+            structlog.get_logger().warning(
+                "rollout.vllm_prefix_reset_refused",
+                why="requests running; the per-version cache_salt still isolates them",
+            )
 
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float
@@ -284,7 +293,8 @@ class VLLMEngine:
             stop_token_ids=[self.eos_id],
             skip_special_tokens=True,
         )
-        requests = [{"prompt_token_ids": x} for x in ids for _ in range(copies)]
+        salt = self.cache_salt()
+        requests = [{"prompt_token_ids": x, "cache_salt": salt} for x in ids for _ in range(copies)]
         outs = self.llm.generate(requests, params, use_tqdm=False)
         result: list[list[Sample]] = []
         for i, prompt_ids in enumerate(ids):
@@ -303,6 +313,10 @@ class VLLMEngine:
                 ]
             )
         return result
+
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of requests under the weights held now (one per loaded version)."""
+        return f"rlbus-weights-{self.weights_loaded}"
 
     def close(self) -> None:
         """Shut the engine core (and the workers it spawned) down; idempotent."""

@@ -85,6 +85,20 @@ class VLLMEngineSection(Section):
     KV cache (a multi-turn episode's history, a group's shared prompt) are not computed again."""
 
 
+class InflightSection(Section):
+    """Weight updates in flight (`rollout_workers.inflight`): a model turn is generated in chunks and a
+    newer policy version is loaded between them (reload, then the prompt plus the tokens so far are
+    resubmitted), so a long turn does not run to its end on old weights. Works with every engine."""
+
+    enabled: bool = False
+    """Generate turns in chunks and take new versions between them; each assistant turn records its
+    version runs `[(version, n_tokens), ...]` and staleness counts from the oldest. False: new
+    versions load only between batches and turns (one call per turn)."""
+    chunk_tokens: int = Field(default=32, ge=1)
+    """Tokens per chunk: smaller takes new weights sooner, at one more engine call (and prefill of
+    the context, minus what the prefix cache keeps within a version) per chunk."""
+
+
 class ScriptedEngineSection(Section):
     """Settings of the `scripted` engine (no model: tool calls replayed from scripts); the other engines ignore them."""
 
@@ -147,6 +161,8 @@ class RolloutSection(Section):
     """The `scripted` engine's settings."""
     endpoint: EndpointSection = Field(default_factory=EndpointSection)
     """The OpenAI-compatible endpoint for harness-owned episodes (off by default)."""
+    inflight: InflightSection = Field(default_factory=InflightSection)
+    """Weight updates in flight: turns generated in chunks, new versions loaded between them (off by default)."""
     null_answer: str = Field(default="0", min_length=1, max_length=4096)
     """The fixed text every sample of the `null` (and `sleep`) engine answers: bus benchmarks, and the
     fault matrix's flood of answers that hit the verifier's answer limits (`answer-limit-flood`)."""

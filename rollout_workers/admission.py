@@ -30,6 +30,7 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -73,7 +74,7 @@ class Admission:
             self.credit[c] = min(max(0.0, owed), 1.0 + self.min_share * total)
 
 
-async def _fetch(sub, want: int, timeout: float) -> list[Msg]:
+async def _fetch(sub: Any, want: int, timeout: float) -> list[Msg]:
     try:
         return await sub.fetch(want, timeout=timeout)
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -85,7 +86,7 @@ class PrioritySubscription:
 
     def __init__(
         self,
-        subs: dict[str, object],
+        subs: dict[str, Any],
         admission: Admission,
         *,
         probe_s: float = 0.2,

@@ -1,7 +1,8 @@
 """The scheduler process: regression evaluation of weight versions (every domain whose source
 gives an eval set, `producers.eval_set`; with `scheduler.eval.mode = "pipeline"` the rounds between the
 local baseline and the local final score go through rollout and verifier workers as
-`purpose=eval` tasks, see `scheduler.pipeline_eval`), the recorder that writes the run's streams into the SQL
+`purpose=eval` tasks, in the `eval` priority class ahead of training with `rollout.priority.enabled`,
+see `scheduler.pipeline_eval`), the recorder that writes the run's streams into the SQL
 run store, dead-letter capture and the curriculum.
 
 Guarantees:

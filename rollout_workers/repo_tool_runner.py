@@ -7,6 +7,10 @@ execution whose output is the observation the model sees (signed like any other)
 Ops (argv after the source):
 - `list PATH`: the files under PATH, sorted, one per line (junk dirs skipped, see `SKIP_DIRS`).
 - `read PATH START END`: lines START..END (1-based, inclusive; 0 = to the end) with numbers.
+- `grep PATTERN PATH IGNORE_CASE MAX`: the lines matching the Python regex PATTERN in the file
+  PATH, or in every file under the directory PATH, as `LINE:TEXT` (`FILE:LINE:TEXT` under a
+  directory), each clipped to `GREP_LINE_CHARS`; at most MAX lines, then one line counting the
+  rest; `(no matching lines)` when none (exit 0); a pattern that does not compile: exit 2.
 - `write PATH`: the content staged in `INPUT` becomes PATH (parents created).
 - `patch`: the unified diff staged in `INPUT` is applied atomically: every file's hunks
   must match (exact context lines, any offset, no fuzz) or nothing is written.
@@ -92,6 +96,42 @@ def op_read(path, start, end):
     print("%s: lines %d-%d of %d" % (p, lo, hi, len(lines)))
     for i in range(lo, hi + 1):
         print("%6d  %s" % (i, lines[i - 1]))
+
+
+GREP_LINE_CHARS = 300
+GREP_MAX_FILE = 8 << 20
+
+
+def op_grep(pattern, path, ignore_case, limit):
+    try:
+        rx = re.compile(pattern, re.IGNORECASE if ignore_case == "1" else 0)
+    except re.error as exc:
+        raise Refused("pattern %r does not compile: %s" % (pattern, exc)) from None
+    p = safe(path)
+    if os.path.isdir(p):
+        files, named = walk(p), True
+    elif os.path.isfile(p):
+        files, named = [p], False
+    else:
+        raise Refused("no file or directory %r" % path)
+    shown, more = 0, 0
+    for f in files:
+        if os.path.getsize(f) > GREP_MAX_FILE:
+            continue
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for i, line in enumerate(fh, 1):
+                if not rx.search(line):
+                    continue
+                if shown >= int(limit):
+                    more += 1
+                    continue
+                text = line.rstrip("\n")[:GREP_LINE_CHARS]
+                print(("%s:%d:%s" % (f, i, text)) if named else ("%d:%s" % (i, text)))
+                shown += 1
+    if more:
+        print("(%d more matching lines not shown: narrow the pattern or read a line range)" % more)
+    if not shown:
+        print("(no matching lines)")
 
 
 def write(path, text):
@@ -230,7 +270,7 @@ def op_state():
 
 
 def main(argv):
-    ops = {"list": op_list, "read": op_read, "write": op_write, "patch": op_patch, "state": op_state}
+    ops = {"list": op_list, "read": op_read, "grep": op_grep, "write": op_write, "patch": op_patch, "state": op_state}
     try:
         ops[argv[0]](*argv[1:])
     except Refused as exc:

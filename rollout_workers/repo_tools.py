@@ -2,7 +2,7 @@
 
 A repo task (`Task.workspace` set, tools from `schemas.tool_protocol.REPO_TOOLS`) gets its
 repository written into the sandbox's work dir (`/work`) when the sandbox opens; each call of
-`list_files`, `read_file`, `write_file`, `apply_patch` or `run` is ONE recorded execution
+`list_files`, `read_file`, `grep`, `write_file`, `apply_patch` or `run` is ONE recorded execution
 (`AsyncSandbox.observe`), so its observation is signed and checked by the verifier like any
 other; `submit` runs nothing and ends the episode (`rollout_workers.agent`).
 
@@ -11,6 +11,9 @@ Guarantees:
   `repo_tool_runner.INPUT` (one `write_file` of the sandbox, any size the sandbox takes) and
   consumed by the runner program (`rollout_workers/repo_tool_runner.py`, sent as
   `python3 -c`), never passed on a command line; `run` is `/bin/sh -c COMMAND` in `/work`.
+- `read_file` shows lines `offset`..`offset + limit - 1` (or `start`..`end`; all by default);
+  `grep` (a Python regex, an argv item, never a shell word) shows at most `max_matches`
+  (default `GREP_MAX_MATCHES`) matching lines with their numbers and counts the rest.
 - Observations are clipped head + tail to the caller's `caps` (stdout, stderr chars) and
   say so with the `trunc` flag (`sandbox_workers.integrity.render_observation`).
 - `export_diff` is the unified diff (`schemas.repo_task.unified_diff`) of the sandbox's
@@ -38,6 +41,8 @@ RUNNER_PATH = Path(__file__).with_name("repo_tool_runner.py")
 INPUT = ".rlbus-tool-input"
 _SKIP_DIRS = frozenset({".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 EXPORT_TIMEOUT_S = 60.0
+GREP_MAX_MATCHES = 50
+"""`grep`'s matching lines shown when the call sets no `max_matches` (the rest are counted)."""
 
 
 class ExportFailed(RuntimeError):
@@ -61,13 +66,25 @@ async def setup_workspace(sandbox, files: dict[str, str]) -> None:
         await sandbox.write_files([(path, text.encode()) for path, text in sorted(files.items())])
 
 
+def read_range(args: dict) -> tuple[str, str]:
+    """`read_file`'s (first, last) line as the runner takes them (last 0 = to the end): `offset`
+    (1-based first line) and `limit` (how many lines) when given, overriding `start` / `end`."""
+    first = int(args.get("offset", args.get("start", 1)))
+    last = first + int(args["limit"]) - 1 if "limit" in args else int(args.get("end", 0))
+    return str(first), str(last)
+
+
 async def run_repo_tool(sandbox, call: Call, timeout: float | None, caps: tuple[int, int] | None):
     """Run one repository tool call (not `submit`); the sandbox's `Observation`."""
     args = call.args
     if call.tool == "list_files":
         argv = runner_argv("list", args.get("path", "."))
     elif call.tool == "read_file":
-        argv = runner_argv("read", args["path"], str(args.get("start", 1)), str(args.get("end", 0)))
+        argv = runner_argv("read", args["path"], *read_range(args))
+    elif call.tool == "grep":
+        flag = "1" if args.get("ignore_case") else "0"
+        limit = str(args.get("max_matches", GREP_MAX_MATCHES))
+        argv = runner_argv("grep", args["pattern"], args.get("path", "."), flag, limit)
     elif call.tool == "write_file":
         await sandbox.write_file(INPUT, args["content"].encode())
         argv = runner_argv("write", args["path"])

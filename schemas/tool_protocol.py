@@ -34,6 +34,8 @@ under `tags` each tool is its own tag, the main argument its body, the others at
 
     <list_files>PATH</list_files>
     <read_file start="N" end="M">PATH</read_file>          (start/end optional, 1-based, inclusive)
+    <read_file offset="N" limit="K">PATH</read_file>       (K lines from line N; overrides start/end)
+    <grep path="PATH" ignore_case="true">REGEX</grep>      (matching lines with numbers; path '.' default)
     <write_file path="PATH">CONTENT</write_file>
     <apply_patch>UNIFIED DIFF</apply_patch>
     <run>SHELL COMMAND</run>                                 (cwd /work, the repository)
@@ -45,7 +47,9 @@ relative to the container's working directory).
 
 A body's one leading newline is dropped (CONTENT and DIFF keep the rest byte for byte; PATH
 and COMMAND are stripped). Tags arguments are checked against the same JSON schemas as
-json ones (`start`/`end` must be integers), so a bad call is the same structured error.
+json ones (`start`/`end`/`offset`/`limit` must be integers), so a bad call is the same structured
+error. `grep` is a repository tool that `REPO_TOOLS` does not offer (a domain names it: the agentic
+`findoc`).
 
 Guarantees (`parse_call`, pure):
 - It finds the FIRST complete call of a model turn in the task's format (None: no call,
@@ -129,9 +133,28 @@ TOOL_SPECS.update(
         ),
         "read_file": _fn(
             "read_file",
-            "Show a file of the repository with line numbers (optionally only lines start..end, 1-based, inclusive).",
-            {"path": _PATH, "start": {"type": "integer", "minimum": 1}, "end": {"type": "integer", "minimum": 1}},
+            "Show a file of the repository with line numbers: all of it, `limit` lines from line "
+            "`offset`, or lines start..end (1-based, inclusive).",
+            {
+                "path": _PATH,
+                "offset": {"type": "integer", "minimum": 1, "description": "First line to show (1-based)."},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 100000, "description": "How many lines."},
+                "start": {"type": "integer", "minimum": 1},
+                "end": {"type": "integer", "minimum": 1},
+            },
             ["path"],
+        ),
+        "grep": _fn(
+            "grep",
+            "Search a file (or every file under a directory) of the repository for a regular "
+            "expression; the matching lines come back with their line numbers.",
+            {
+                "pattern": {"type": "string", "minLength": 1, "maxLength": 1024, "description": "Python regex."},
+                "path": {**_PATH, "description": "File or directory relative to the repository root ('.': all)."},
+                "ignore_case": {"type": "boolean"},
+                "max_matches": {"type": "integer", "minimum": 1, "maximum": 500, "description": "Lines shown (50)."},
+            },
+            ["pattern"],
         ),
         "write_file": _fn(
             "write_file",
@@ -175,6 +198,7 @@ HARBOR_TOOLS = ("bash", "read_file", "write_file", "submit")
 _REPO_BODY = {
     "list_files": "path",
     "read_file": "path",
+    "grep": "pattern",
     "write_file": "content",
     "apply_patch": "unified_diff",
     "run": "command",
@@ -183,7 +207,7 @@ _REPO_BODY = {
 }
 """Tags format: the argument a repository tool's tag body holds (None: no body)."""
 _VERBATIM = frozenset({"content", "unified_diff"})
-REPO_STOP_STRINGS = tuple(f"</{t}>" for t in (*REPO_TOOLS, "bash")) + ("<submit/>",)
+REPO_STOP_STRINGS = tuple(f"</{t}>" for t in (*REPO_TOOLS, "grep", "bash")) + ("<submit/>",)
 
 
 # Runs main.py like a REPL cell: every statement, then prints repr() of a final bare
@@ -380,9 +404,11 @@ def _repo_tag_call(text: str, tools: list[str]) -> Call | None:
         return None
     m, tool, body, end = best
     args: dict = {k: html.unescape(v) for k, v in _ATTR.findall(m.group(1) or "")}
-    for key in ("start", "end", "timeout"):
+    for key in ("start", "end", "offset", "limit", "max_matches", "timeout"):
         if key in args and re.fullmatch(r"\s*\d+\s*", args[key]):
             args[key] = int(args[key])
+    if args.get("ignore_case") in ("true", "1", "false", "0"):
+        args["ignore_case"] = args["ignore_case"] in ("true", "1")
     field_name = _REPO_BODY[tool]
     if field_name is not None:
         args[field_name] = body[1:] if body.startswith("\n") and field_name in _VERBATIM else body
@@ -412,7 +438,11 @@ def repo_call_text(tool: str, args: dict, tool_format: str) -> str:
     if tool_format == "json":
         return f"{JSON_CALL_OPEN}{json.dumps({'name': tool, 'arguments': args}, ensure_ascii=False)}{JSON_CALL_CLOSE}"
     body_key = _REPO_BODY[tool]
-    attrs = "".join(f' {k}="{html.escape(str(v), quote=True)}"' for k, v in args.items() if k != body_key)
+    attrs = "".join(
+        f' {k}="{html.escape(str(v).lower() if isinstance(v, bool) else str(v), quote=True)}"'
+        for k, v in args.items()
+        if k != body_key
+    )
     body = "" if body_key is None else str(args.get(body_key, ""))
     if body_key in _VERBATIM:
         body = "\n" + body

@@ -1,5 +1,5 @@
 """The agentic findoc variant (`params.agentic = true`): the filing is a file in the episode's
-sandbox, not in the prompt; the policy greps and reads line ranges with the repository tools and
+sandbox, not in the prompt; the policy greps and reads line ranges with the document tools and
 answers in its final turn. A scripted episode in a real bwrap sandbox greps the file, reads the
 lines it found, answers with the gold and scores 1 through the real verifier."""
 
@@ -43,7 +43,8 @@ def test_the_document_is_a_file_and_not_in_the_prompt(tmp_path, tokenizer_dir):
         assert body not in a.task.prompt[0].content and len(a.task.prompt[0].content) < len(body) / 2
         assert a.task.tools == list(AGENTIC_TOOLS) and a.hidden == p.hidden
         assert a.task.verifier_params == p.task.verifier_params
-        assert "grep -n" in a.task.prompt[0].content and "<read_file" in a.task.prompt[0].content
+        assert '<grep path="filing.md"' in a.task.prompt[0].content
+        assert '<read_file offset="1" limit="40">' in a.task.prompt[0].content
     with pytest.raises(Exception, match="unknown params"):
         make_source("r1", "findoc", config(tmp_path, tokenizer_dir, agentic_mode="true"))
     with pytest.raises(Exception, match="max_turns >= 2"):
@@ -60,8 +61,8 @@ def test_scripted_episode_greps_reads_and_answers(tmp_path, tokenizer_dir):
     doc = src.document("train", 2, 3)
     task = drawn.task.model_copy(update={"group_size": 1, "max_turns": 4, "max_tokens": 256})
     steps = [
-        {"tool": "run", "args": {"command": f"grep -n -i 'revenue' {FILE} | head -5"}},
-        {"tool": "read_file", "args": {"path": FILE, "start": 1, "end": 12}},
+        {"tool": "grep", "args": {"pattern": "revenue", "path": FILE, "ignore_case": True, "max_matches": 5}},
+        {"tool": "read_file", "args": {"path": FILE, "offset": 1, "limit": 12}},
         {"text": doc.question.completion},
     ]
     (tmp_path / "scripts").mkdir()
@@ -73,9 +74,9 @@ def test_scripted_episode_greps_reads_and_answers(tmp_path, tokenizer_dir):
 
     (ep,) = asyncio.run(run_episodes(engine, [task], version=lambda: 0, open_sandbox=open_one, context_budget=1 << 16))
     tools = [c.tool for c in ep.tool_calls]
-    assert tools == ["run", "read_file"], ep.tool_calls
+    assert tools == ["grep", "read_file"], ep.tool_calls
     grep, read = (t.text for t in ep.turns if t.role == "tool")
-    assert "revenue" in grep.lower() and ":" in grep  # grep -n's line numbers from the file
+    assert "revenue" in grep.lower() and ":" in grep  # the matching lines, numbered
     first_line = doc.body.splitlines()[0]
     assert first_line.strip() and first_line in read
     reward = score(as_trajectory(task, ep.final_text), round_trip(drawn.hidden))

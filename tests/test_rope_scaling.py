@@ -65,3 +65,27 @@ def test_bad_rope_specs_are_refused(tmp_path, spec, capsys):
 def test_too_few_original_positions_is_refused(tmp_path):
     with pytest.raises(ValueError, match="original positions"):
         build_tiny_model(tmp_path / "m", max_position_embeddings=64, rope_scaling=("linear", 8.0), **TINY)
+
+
+def test_model_section_rope_scaling_reaches_the_built_model(tmp_path):
+    """`[model] rope_scaling = "KIND:FACTOR"` is pushed down to the tiny model `rlbus up` builds; a
+    malformed one is refused when the config loads, naming the form."""
+    from rich.console import Console
+    from transformers import AutoConfig
+
+    from rlbus.run.prepare import prepare_model
+    from schemas.config import load_config
+
+    p = tmp_path / "run.toml"
+    body = (
+        "[model]\nhidden_size = 32\nnum_layers = 1\nnum_heads = 2\ntokenizer = 'char'\nmax_position_embeddings = 512\n"
+    )
+    p.write_text(body + 'rope_scaling = "yarn:2"\n[sft]\nenabled = false\n')
+    cfg = load_config(p)
+    start = prepare_model(cfg, tmp_path / "run", Console(quiet=True))
+    rope = AutoConfig.from_pretrained(start).to_dict()
+    rope = rope.get("rope_scaling") or rope.get("rope_parameters")
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0 and rope["original_max_position_embeddings"] == 256
+    p.write_text(body + 'rope_scaling = "cubic:2"\n')
+    with pytest.raises(Exception, match="KIND:FACTOR"):
+        load_config(p)

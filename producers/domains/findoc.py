@@ -8,9 +8,10 @@ generation budget), `eval_n` (16), `agentic` (false; see below). Anything else i
 
 Agentic variant (`agentic = true`, issue 33 item 4): the same document is not in the prompt but
 the file `FILE` in the episode's sandbox (`Task.workspace`); the prompt holds the question, the
-document's size and how to read it with the repository tools `read_file` (start/end lines) and
-`run` (e.g. `grep -n`), in the domain's `tool_format` (`schemas.tool_protocol`); the tools are
-`AGENTIC_TOOLS`. The answer is the final turn's `<answer>`, as in the plain kind. A document
+document's size and how to read it with the tools `grep` (a regex: the matching lines with their
+numbers, capped) and `read_file` (`offset`/`limit` lines), in the domain's `tool_format`
+(`schemas.tool_protocol`); the tools are `AGENTIC_TOOLS` (also `run`, a shell command in the
+sandbox). The answer is the final turn's `<answer>`, as in the plain kind. A document
 longer than the prompt budget is published (it is never in the context at once); the episode's
 context budget and `max_turns` (at least 2, else refused at start-up) bound what the policy reads. The prompt names the task as
 repository tasks do (`schemas.repo_task.PROMPT_TASK_LINE`), so `scripted` replays work.
@@ -53,7 +54,7 @@ from schemas.tool_protocol import repo_call_text
 PARAMS = ("lengths", "families", "tokenizer", "max_prompt_tokens", "eval_n", "agentic")
 FILE = "filing.md"
 """The agentic variant's document, in the sandbox's work dir."""
-AGENTIC_TOOLS = ("read_file", "run")
+AGENTIC_TOOLS = ("read_file", "grep", "run")
 INSTRUCTION = (
     f"Read the filing above and answer the question. Figures in the notes supersede the tables. "
     f"Give your final answer inside {ANSWER_OPEN}{ANSWER_CLOSE} tags."
@@ -102,8 +103,8 @@ def agentic_prompt(doc: Document, task_id: str, tool_format: str) -> list[ChatMe
     """The agentic variant's prompt: the question, the file and how to read it (no document)."""
     lines = doc.body.count("\n") + 1
     examples = [
-        repo_call_text("run", {"command": f"grep -n -i 'revenue' {FILE}"}, tool_format),
-        repo_call_text("read_file", {"path": FILE, "start": 1, "end": 40}, tool_format),
+        repo_call_text("grep", {"pattern": "revenue", "path": FILE, "ignore_case": True}, tool_format),
+        repo_call_text("read_file", {"path": FILE, "offset": 1, "limit": 40}, tool_format),
     ]
     return [
         ChatMessage(

@@ -34,6 +34,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from schemas.config.run import ROPE_KINDS as ROPE_KINDS
+from schemas.config.run import parse_rope_scaling  # one parser for the CLI and [model]
+
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = [PAD, EOS, UNK]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -81,24 +84,6 @@ def make_tokenizer(kind: str, seed: int = 0) -> PreTrainedTokenizerFast:
 
         return build_bpe_tokenizer(seed)
     raise ValueError(f"unknown tokenizer {kind!r}: expected 'bpe' or 'char'")
-
-
-ROPE_KINDS = ("linear", "dynamic", "yarn")
-"""RoPE scaling kinds a tiny model may be built with (HF `rope_scaling.rope_type`)."""
-
-
-def parse_rope_scaling(spec: str) -> tuple[str, float]:
-    """`KIND:FACTOR` (e.g. `linear:4`, `yarn:2.5`) as (kind, factor); ValueError naming the form."""
-    kind, _, factor = spec.partition(":")
-    try:
-        value = float(factor)
-    except ValueError:
-        value = 0.0
-    if kind not in ROPE_KINDS or not value > 1.0:
-        raise ValueError(
-            f"rope scaling {spec!r}: expected KIND:FACTOR with KIND one of {list(ROPE_KINDS)} and FACTOR > 1, e.g. linear:4"
-        )
-    return kind, value
 
 
 def rope_config(max_position_embeddings: int, rope_scaling: tuple[str, float] | None) -> dict:

@@ -39,7 +39,7 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
         return start
     base = Path(cfg.model.path) if cfg.model.path else folder.base_model
     if not cfg.model.path:
-        from rlbus.model.tiny_model import build_tiny_model
+        from rlbus.model.tiny_model import build_tiny_model, parse_rope_scaling
 
         build_tiny_model(
             base,
@@ -50,6 +50,7 @@ def prepare_model(cfg: RunConfig, run_path: Path, console: Console) -> Path:
             seed=cfg.run.seed,
             tokenizer=cfg.model.tokenizer,
             max_position_embeddings=cfg.model.max_position_embeddings,
+            rope_scaling=parse_rope_scaling(cfg.model.rope_scaling) if cfg.model.rope_scaling else None,
         )
         console.print(f"built tiny {cfg.model.arch} model ({cfg.model.tokenizer} tokenizer) at {base}")
     if not cfg.sft.enabled:

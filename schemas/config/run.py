@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from schemas.config.base import Section
 
@@ -59,6 +59,35 @@ class ModelSection(Section):
     """Tiny model attention heads."""
     max_position_embeddings: int = Field(default=512, ge=16)
     """Tiny model context in tokens (prompt + generation); longer contexts end an episode with `length`."""
+    rope_scaling: str = ""
+    """RoPE scaling of the tiny model as `KIND:FACTOR` (KIND linear, dynamic or yarn; FACTOR > 1):
+    the rotary embedding is scaled from max_position_embeddings / FACTOR original positions
+    (HF `rope_scaling`, as `rlbus init-model --rope-scaling`); empty = none. Ignored with `path`."""
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _rope_scaling_form(cls, value: str) -> str:
+        if value:
+            parse_rope_scaling(value)
+        return value
+
+
+ROPE_KINDS = ("linear", "dynamic", "yarn")
+"""RoPE scaling kinds a tiny model may be built with (HF `rope_scaling.rope_type`)."""
+
+
+def parse_rope_scaling(spec: str) -> tuple[str, float]:
+    """`KIND:FACTOR` (e.g. `linear:4`, `yarn:2.5`) as (kind, factor); ValueError naming the form."""
+    kind, _, factor = spec.partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = 0.0
+    if kind not in ROPE_KINDS or not value > 1.0:
+        raise ValueError(
+            f"rope scaling {spec!r}: expected KIND:FACTOR with KIND one of {list(ROPE_KINDS)} and FACTOR > 1, e.g. linear:4"
+        )
+    return kind, value
 
 
 class SFTSection(Section):

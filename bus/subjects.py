@@ -43,9 +43,8 @@ def check_token(kind: str, value: str) -> str:
 PRIORITY_CLASSES: tuple[str, ...] = ("eval", "train")
 """Priority classes of tasks at admission, highest first (`rollout_workers.admission`): `eval`
 (pipeline evaluation rounds) ahead of `train`. A GRPO group is one task, generated in one batch, so
-no sample waits on admission while its siblings are verified; a redelivered (retried) task is
-already served first within its class's consumer (nats-server delivers a consumer's redeliveries
-before new messages), so no separate finisher class exists."""
+no sample waits on admission while its siblings are verified, and no finisher class exists (see
+docs/architecture.md, Priority at admission)."""
 
 
 def check_priority(value: str) -> str:

@@ -4,6 +4,8 @@ JetStream consumers."""
 
 from __future__ import annotations
 
+import asyncio
+
 import nats.errors
 import pytest
 
@@ -120,3 +122,35 @@ async def test_consumers_per_class_admit_eval_first_and_keep_the_floor(js, run_i
     assert counters == {"admitted_eval": 6, "admitted_train": 6}
     with pytest.raises(nats.errors.TimeoutError):  # all taken: an idle fetch, as from one consumer
         await sub.fetch(4, timeout=0.2)
+
+
+@pytest.mark.usefixtures("drop_run")
+async def test_a_task_nakd_at_once_is_served_before_newer_ones_of_its_class(js, run_id):
+    """Why no finisher class: a group is one task, and a late one nak-ed at once comes back ahead of
+    the newer tasks of its consumer. (One nak-ed with a delay, as `Retry(delay)` does, comes back
+    when the consumer's redelivery timer fires, not ahead: see docs/architecture.md.)"""
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    await publish_many(js, [(reg.tasks("arith"), _task(run_id, i, "train")) for i in range(30)])
+    sub = await pull_subscription(js, reg.rollout_consumer(2))
+    (first,) = await sub.fetch(1, timeout=1.0)
+    assert first.headers["Nats-Msg-Id"] == "train-0"
+    await first.nak()
+    await asyncio.sleep(0.3)  # the server applies a nak asynchronously
+    (again,) = await sub.fetch(1, timeout=1.0)
+    assert again.headers["Nats-Msg-Id"] == "train-0" and again.metadata.num_delivered == 2
+
+
+@pytest.mark.usefixtures("drop_run")
+async def test_priority_off_is_one_consumer_first_come_first_served(js, run_id):
+    from types import SimpleNamespace
+
+    from rollout_workers.worker import pool_subscription
+
+    reg = Registry(run_id)
+    await ensure_topology(js, reg)
+    off = SimpleNamespace(enabled=False, min_share=0.25)
+    sub = await pool_subscription(js, reg, "short", 5, off, {})
+    assert not isinstance(sub, PrioritySubscription) and (await sub.consumer_info()).name == "rollout"
+    on = await pool_subscription(js, reg, "short", 5, SimpleNamespace(enabled=True, min_share=0.25), {})
+    assert isinstance(on, PrioritySubscription) and set(on.subs) == set(PRIORITY_CLASSES)

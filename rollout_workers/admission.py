@@ -17,11 +17,11 @@ Guarantees:
   batch's share plus one slot), never an unbounded burst. `min_share = 0` is strict priority.
 - Nothing is lost: every message fetched from any class is returned in the batch (highest class
   first) and acked, nak-ed or dead-lettered by the pull loop like any other.
-- Cheap when the higher classes are idle: a higher class is fetched only when its consumer
-  reports pending messages (checked at most every `check_s`), or holds delivered-but-unacked ones
-  (a nak-ed retry comes due among them: probed at most every `retry_probe_s`). Otherwise one
-  blocking fetch on the lowest class waits for work, for at most `block_s`, so a higher-class task
-  published meanwhile waits at most about that long.
+- Cheap when a class is idle: a class is probed only when its consumer reports pending messages
+  (checked at most every `check_s`), or holds delivered-but-unacked ones (a nak-ed retry comes due
+  among them: probed at most every `retry_probe_s`). When nothing was taken, one fetch on the
+  lowest class waits for work, for at most `block_s`, so a higher-class task published meanwhile
+  waits at most about that long.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ class PrioritySubscription:
         self._checked: dict[str, tuple[float, bool]] = {}  # class -> (when, may have work)
         self._probed: dict[str, float] = {}  # class -> last probe while only unacked ones were held
 
-    async def _may_have_work(self, cls: str) -> bool:
-        """Whether fetching `cls` may return something (the lowest class: always)."""
-        if cls == self.admission.classes[-1]:
+    async def _may_have_work(self, cls: str, waits: bool) -> bool:
+        """Whether fetching `cls` may return something (always, when the fetch would wait for work)."""
+        if waits:
             return True
         now = time.monotonic()
         when, answer = self._checked.get(cls, (-math.inf, True))
@@ -125,11 +125,13 @@ class PrioritySubscription:
         room, plan = batch, self.admission.plan(batch)
         for i, (cls, most) in enumerate(plan):
             want = min(most, room)
-            if want <= 0 or not await self._may_have_work(cls):
-                continue
             # the last step is the lowest class: with nothing taken yet it waits for work (bounded, so
-            # a higher class's task published meanwhile is seen soon); every other step only probes
-            wait = min(timeout, self.block_s) if i == len(plan) - 1 and room == batch else self.probe_s
+            # a higher class's task published meanwhile is seen soon); every other step only probes,
+            # and only a class whose consumer may hold work (an empty probe would cost `probe_s`)
+            waits = i == len(plan) - 1 and room == batch
+            if want <= 0 or not await self._may_have_work(cls, waits):
+                continue
+            wait = min(timeout, self.block_s) if waits else self.probe_s
             msgs = await _fetch(self.subs[cls], want, wait)
             got[cls] += msgs
             room -= len(msgs)

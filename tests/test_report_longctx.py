@@ -62,7 +62,7 @@ def run_path(tmp_path) -> Path:
     tasks = [_task(i, n, b) for i, (n, b) in enumerate((n, b) for n in (512, 1024, 2048) for b in ("0-10", "90-100"))]
     got = {t.msg_id: Reward(run_id="lc", trajectory=_reward(0, 4, 0).trajectory, reward=1.0) for t in tasks[:3]}
     groups = group_scores(tasks, got)["recall"]
-    old = {"length": {"512": 0.0}}
+    old = {"length": {"512": 0.0}, "length|position_bucket": {"512|0-10": 0.0}}  # v0: before RL
     store.record_evals(
         [
             EvalResult(run_id="lc", version=v, step=v, domain="recall", score=0.5, n=6, eval_set_sha256="h", groups=g)
@@ -88,6 +88,7 @@ def test_groups_and_tokens_are_stored_and_read_back(run_path):
     version, lengths, buckets, grid = recall_grid(evals)["recall"]
     assert (version, lengths, buckets) == (1, ["512", "1024", "2048"], ["0-10", "90-100"])
     assert grid == [[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]
+    assert recall_grid(evals, first=True)["recall"] == (0, ["512"], ["0-10"], [[0.0]])  # the before-RL eval
     series = tokens_reward(rewards, bins=2)["findoc"]
     assert [(round(x), y, n) for x, y, n in series] == [(105, 1.0, 2), (949, 0.5, 2)]
 
@@ -100,6 +101,18 @@ def test_report_has_the_long_context_section(run_path):
     assert "- findoc: 4 episodes" in text
     for name in ("accuracy_vs_length", "recall_heatmap", "tokens_vs_reward"):
         assert (run_path / "plots" / f"{name}.png").read_bytes()[:8] == PNG and f"plots/{name}.png" in text
+
+
+def test_heatmap_draws_before_and_after_side_by_side(tmp_path):
+    from rlbus.report.plots import recall_heatmap
+
+    after = {"recall": (3, ["512", "1024"], ["0-10", "90-100"], [[1.0, 0.5], [None, 0.0]])}
+    before = {"recall": (0, ["512", "1024"], ["0-10", "90-100"], [[0.0, 0.0], [0.0, None]])}
+    one = recall_heatmap(tmp_path / "one.png", after, {"recall": after["recall"]}).read_bytes()
+    two = recall_heatmap(tmp_path / "two.png", after, before).read_bytes()
+    assert one[:8] == two[:8] == PNG
+    width = int.from_bytes(one[16:20], "big"), int.from_bytes(two[16:20], "big")  # the PNG header's width
+    assert width[1] > 1.8 * width[0]  # a second panel: before (v0) beside after (v3)
 
 
 def test_empty_store_says_nothing_recorded(tmp_path):

@@ -22,7 +22,8 @@ Guarantees:
   measure: tokens, CPU seconds, sandbox seconds; a repo domain's score is its completion
   rate), and the long-context views (`rlbus.report.longctx`): `accuracy_vs_length.png` (eval accuracy
   per document length from `eval_results.groups`), `recall_heatmap.png` (recall accuracy per length
-  x needle position bucket), `tokens_vs_reward.png` (mean training reward vs tokens per episode,
+  x needle position bucket: the first eval, before RL, beside the newest), `tokens_vs_reward.png`
+  (mean training reward vs tokens per episode,
   `rewards.tokens`: the per-episode capability-cost curve). With many domains, line plots name at most
   `rlbus.report.plots.TOP_LABELLED` of them.
 - `report.md` is rewritten on every call (idempotent); it links the plots by relative
@@ -428,7 +429,7 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     capability_cost_curves(plots / "capability_cost_curve.png", cost_curves(evals))
     by_length, grids, per_episode = length_accuracy(evals), recall_grid(evals), tokens_reward(rewards)
     accuracy_vs_length(plots / "accuracy_vs_length.png", by_length)
-    recall_heatmap(plots / "recall_heatmap.png", grids)
+    recall_heatmap(plots / "recall_heatmap.png", grids, recall_grid(evals, first=True))  # before RL beside after
     tokens_vs_reward(plots / "tokens_vs_reward.png", per_episode)
 
     released = max((g.version for g in gates if g.released), default=None)

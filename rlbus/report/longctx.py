@@ -6,7 +6,8 @@ Guarantees:
   correct)]) sorted by length; domains without length groups are left out.
 - `recall_grid(evals)`: per domain whose evals carry the joint `"length|position_bucket"` group,
   the newest such eval's (version, lengths, buckets, grid[length][bucket] = fraction correct or
-  None where that cell had no item), lengths and buckets in numeric order.
+  None where that cell had no item), lengths and buckets in numeric order; `first=True`: the
+  domain's FIRST such eval instead (lowest version: before RL), for the before/after heatmap.
 - `tokens_reward(rewards, bins)`: per domain, ok training samples with recorded episode tokens
   (`rewards.tokens`) grouped into at most `bins` log-spaced token bins shared by all domains:
   [(geometric mean of the bin's tokens, mean reward, samples)], empty bins left out.
@@ -31,10 +32,11 @@ def _num(value: str) -> float:
         return math.inf
 
 
-def _newest(evals, param: str) -> dict:
-    """domain -> the newest eval row (by version, then recording time) carrying group `param`."""
+def _newest(evals, param: str, oldest: bool = False) -> dict:
+    """domain -> the newest (`oldest`: the first) eval row, by version then recording time,
+    carrying group `param`."""
     out: dict = {}
-    for e in sorted(evals, key=lambda e: (e.version, e.created_at)):
+    for e in sorted(evals, key=lambda e: (e.version, e.created_at), reverse=oldest):
         if (getattr(e, "groups", None) or {}).get(param):
             out[e.domain] = e
     return out
@@ -48,11 +50,11 @@ def length_accuracy(evals) -> dict[str, tuple[int, list[tuple[float, float]]]]:
     }
 
 
-def recall_grid(evals) -> dict[str, tuple[int, list[str], list[str], list[list[float | None]]]]:
-    """domain -> (version, lengths, position buckets, grid[length][bucket]) of its newest eval
-    with the joint length x position-bucket groups."""
+def recall_grid(evals, first: bool = False) -> dict[str, tuple[int, list[str], list[str], list[list[float | None]]]]:
+    """domain -> (version, lengths, position buckets, grid[length][bucket]) of its newest (`first`:
+    its first, the before-RL baseline) eval with the joint length x position-bucket groups."""
     out = {}
-    for d, e in sorted(_newest(evals, JOINT).items()):
+    for d, e in sorted(_newest(evals, JOINT, oldest=first).items()):
         cells = {tuple(k.split("|", 1)): float(v) for k, v in e.groups[JOINT].items() if "|" in k}
         lengths = sorted({a for a, _ in cells}, key=_num)
         buckets = sorted({b for _, b in cells}, key=_num)

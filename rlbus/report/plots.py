@@ -209,18 +209,26 @@ def accuracy_vs_length(path: Path, series: dict[str, tuple[int, list[tuple[float
     return _finish(fig, path)
 
 
-def recall_heatmap(path: Path, grids: dict) -> Path:
+def recall_heatmap(path: Path, grids: dict, before: dict | None = None) -> Path:
     """Recall accuracy per (document length, needle position bucket), one panel per domain (its
-    newest eval with joint groups), each cell annotated; empty cells blank."""
+    newest eval with joint groups), each cell annotated; empty cells blank. With `before` (the
+    domains' first such evals, `recall_grid(evals, first=True)`), a domain whose first eval is an
+    older version gets that panel first: before and after RL side by side."""
     import numpy as np
 
     plt = _pyplot()
-    panels = max(1, min(4, len(grids)))
+    shown = []
+    for domain, grid in grids.items():
+        old = (before or {}).get(domain)
+        if old is not None and old[0] != grid[0]:
+            shown.append((domain, old))
+        shown.append((domain, grid))
+    panels = max(1, min(4, len(shown)))
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.8), dpi=110, squeeze=False)
     if not grids:
         _empty(axes[0][0], "recall cells (length x position)")
         return _finish(fig, path)
-    for ax, (domain, (version, lengths, buckets, grid)) in zip(axes[0], list(grids.items())[:panels]):
+    for ax, (domain, (version, lengths, buckets, grid)) in zip(axes[0], shown[:panels]):
         data = np.array([[np.nan if x is None else x for x in row] for row in grid], dtype=float)
         img = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap="RdYlGn", vmin=0.0, vmax=1.0, origin="lower")
         for (r, c), v in np.ndenumerate(data):

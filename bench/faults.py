@@ -169,6 +169,15 @@ CASES: list[Case] = [
         for role in ("sampler", "rollout", "verifier", "learner", "scheduler")
     ],
     Case("kill-sandbox", kill("sandbox"), config=SANDBOX_CONFIG, role="sandbox", settle_steps=SETTLE_STEPS),
+    # weight updates in flight (rollout.inflight): every turn in 1-token chunks, a new version taken between
+    # them; the killed worker's partial turns are never published, its tasks are redelivered
+    Case(
+        "kill-rollout-inflight",
+        kill("rollout"),
+        overrides=("rollout.inflight.enabled=true", "rollout.inflight.chunk_tokens=1"),
+        role="rollout",
+        settle_steps=SETTLE_STEPS,
+    ),
     Case("sigstop-rollout", freeze("rollout", 20), cheap=True, role="rollout", settle_steps=SETTLE_STEPS),
     Case("store-full", _fill_store, needs=("root",), prepare=_prepare_tmpfs, heal=_free_store, cleanup=_cleanup_tmpfs),
     Case(

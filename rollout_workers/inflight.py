@@ -23,7 +23,7 @@ vllm, ...; nothing in an engine changes) and guarantees:
   the hf engine draws from one torch generator per batch step, so a row that stops early
   shifts the draws of the others), tests/test_inflight.py.
 - Between chunks `refresh()` (the weight watcher's `maybe_load(engine)`) loads at most one
-  newer version; it never waits for a version to appear, so versions published faster than
+  newer version (logged as `rollout.inflight_reload` with the tokens generated so far); it never waits for a version to appear, so versions published faster than
   they load cannot stall the turn: each boundary takes the newest one there is, and the turn
   always advances by a chunk.
 - Each chunk's engine call holds `lock` (the watcher's load lock) when given, so a load
@@ -42,8 +42,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 
 from rollout_workers.engines.sample import Sample
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -180,7 +183,10 @@ async def generate_turn(
     live = [r for r in flat if not r.done and r.n < max_tokens]
     while live:
         if inflight.refresh is not None:
+            before = inflight.version()
             await inflight.refresh()
+            if inflight.version() != before:
+                log.info("rollout.inflight_reload", version=inflight.version(), previous=before, tokens=live[0].n)
         budget = min(chunk, max_tokens - live[0].n)
         v, out = await _call(engine, inflight, [r.context() for r in live], 1, budget, temperature)
         for r, (s,) in zip(live, out, strict=True):

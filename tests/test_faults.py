@@ -73,6 +73,20 @@ def test_a_fault_outside_the_bus_heals_or_stops_with_the_next_step(tmp_path, nam
     assert row["dead_letters"] == 0, row
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_killing_rollout_with_weight_updates_in_flight_loses_nothing(tmp_path):
+    """The fault matrix's `kill-rollout-inflight` row: a rollout worker generating in 1-token chunks
+    (a new version between them) is SIGKILLed; restarted, it loses and duplicates nothing."""
+    case = _case("kill-rollout-inflight")
+    row = run_case(dataclasses.replace(case, overrides=(*case.overrides, "sft.enabled=false")), tmp_path, seed=0)
+    _check_row(row)
+    assert row["healed"] and not row["resume_needed"] and row["restarts"].get("rollout", 0) >= 1, row
+    assert row["dead_letters"] == 0, row
+    reloads = sum(p.read_text().count('"rollout.inflight_reload"') for p in tmp_path.rglob("rollout*.log"))
+    assert reloads > 0, "no version was taken between chunks"
+
+
 HARBOR = [c.fault for c in CASES if c.fault.startswith("harbor-")]
 """Harbor task containers (bench/fault_harbor.py): a private engine restarted mid-episode, a build
 and a test.sh that never end. They need a Docker engine (skipped with the reason without one)."""

@@ -58,6 +58,7 @@ BUILTINS: dict[str, str] = {
     "agent": "producers.domains.agent:AgentDomain",
     "findoc": "producers.domains.findoc:FindocDomain",
     "recall": "producers.domains.recall:RecallDomain",
+    "rlhf": "producers.domains.rlhf:RlhfDomain",
 }
 """Built-in domain kinds as `module:factory` (a module may be absent until it is built)."""
 

@@ -30,6 +30,8 @@ Guarantees:
   path and lists evals (purpose, baseline, best, final), the released version, the plateau,
   one capability-cost line per evaluated domain (first and last score, the cost so far at
   the last) and one row per domain (tasks scored, rewards, mean reward, last curriculum level and weight).
+- A run with `rlhf` domains also gets `rm_vs_rule.png` (RM score vs hidden-rule score per version),
+  a report section, and `rm_divergence` in summary.json (`rlbus.report.rlhf`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from rlbus.report.plots import (
     recall_heatmap,
     tokens_vs_reward,
 )
+from rlbus.report.rlhf import report_rlhf
 
 HEATMAP_COLUMNS = 60
 
@@ -431,6 +434,7 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
     accuracy_vs_length(plots / "accuracy_vs_length.png", by_length)
     recall_heatmap(plots / "recall_heatmap.png", grids, recall_grid(evals, first=True))  # before RL beside after
     tokens_vs_reward(plots / "tokens_vs_reward.png", per_episode)
+    rlhf_lines = report_rlhf(run_path, runs[0].config if runs else None, rewards, evals)  # rm_divergence
 
     released = max((g.version for g in gates if g.released), default=None)
     trained = [r for r in rewards if r.purpose == "train"]
@@ -492,6 +496,7 @@ def build_report(run_path: Path, db_url: str | None = None, run_id: str | None =
         "",
         *domain_table(rewards, updates),
         "",
+        *rlhf_lines,
     ]
     out = run_path / "report.md"
     out.write_text("\n".join(md))

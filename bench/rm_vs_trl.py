@@ -1,28 +1,35 @@
-"""Reward-model training, ours (`rlbus train-rm`) vs TRL `RewardTrainer`, one run.
+"""Reward-model training, ours (`rlbus train-rm`) vs TRL `RewardTrainer`, one run, two sizes.
 
-What it measures (`python bench/rm_vs_trl.py`, a few minutes on 2 cores):
+What it measures (`python bench/rm_vs_trl.py`; tens of minutes on 2 loaded cores):
 
-- Both sides train the SAME tiny base model (`rlbus.model.tiny_model`, char tokenizer,
-  `--hidden`, `--layers`; each side loads its own copy from the same directory) on the
-  SAME preference pairs: arithmetic prompts `a+b=` (two-digit a, b), chosen the sum,
-  rejected the product or the difference (the wrong operation), `--pairs` of them, split once into
-  train.jsonl / test.jsonl by `learner.rm_data`'s content hash; both sides train on train
-  and are scored on test.
-- Same optimisation: `--steps` AdamW steps of `--batch-size` pairs, lr `--lr`, no weight
+- At each `--sizes` (`10m`: hidden 320, 6 layers, 10.5M params; `50m`: hidden 512, 12
+  layers, 51.4M params; both Qwen2-shaped, head_dim 64, the locally trained byte-level
+  BPE of `rlbus.model.bpe_tokenizer`, vocab 2048, built by `build_tiny_model`, no download)
+  both sides train the SAME base (each side loads its own copy from the same directory)
+  on the SAME preference pairs: arithmetic prompts `a+b=` (two-digit a, b), chosen the
+  sum, rejected the product or the difference (the wrong operation), `--pairs` of them,
+  split once into train.jsonl / test.jsonl by `learner.rm_data`'s content hash; both
+  sides train on train and are scored on test.
+- Same optimisation: `--steps` (per size) AdamW steps of `--batch-size` pairs, lr `--lr`, no weight
   decay, betas (0.9, 0.999), gradient clipping 1.0, warmup min(50, steps/10) steps then
   cosine to 10% of lr (TRL: `cosine_with_min_lr`, `min_lr_rate` 0.1), fp32, no
   activation checkpointing (TRL's default is on: turned off), the same torch threads
   (`--threads`, default 1: on this shared 2-core machine 2 intra-op threads made our step
   8x slower, 0.68 s vs 0.084 s, from contention alone).
-- OURS: `learner.rm_train.run` (what `rlbus train-rm` runs), pairs/s from its summary
-  (training loop time), held-out accuracy from its `rm_report.json`.
+- OURS: `learner.rm_train.run` (what `rlbus train-rm` runs, defaults: one row per pair
+  with the prompt computed once, `learner.rm_shared`; fused AdamW, as TRL's default
+  `adamw_torch_fused`), pairs/s from its summary (optimizer steps' time), held-out
+  accuracy from its `rm_report.json`. Ours tokenizes (prompt, response) as a pair, as the
+  `model` verifier serves it (no EOS appended); TRL tokenizes prompt + response + EOS.
 - PEER: TRL `RewardTrainer` with `RewardConfig` as above (`max_length` the same; TRL
   appends EOS to each side, concatenates prompt + response and drops over-long pairs;
   none is over-long here). pairs/s = steps x batch / `train_runtime`; held-out accuracy
   per pair on test (`trl_accuracy`: r_chosen > r_rejected, each side as TRL tokenizes it;
   TRL's own `eval_accuracy`, a mean of per-batch means, is recorded next to it).
-- The sides alternate `--rounds` times (ours, TRL, ours, TRL, ...) so machine load hits both;
-  the median pairs/s and the mean accuracy are reported, `ratio` = ours / TRL pairs/s.
+- The sides alternate `--rounds` times (ours, TRL, then TRL, ours, ...) so machine load hits
+  both; per size the median pairs/s and the mean accuracy are reported, `ratio` = ours /
+  TRL pairs/s, `accuracy_gap_points` = 100 x (ours - TRL), and the 1-minute load average
+  after each run. Goal (issue 32 item 6): ratio >= 1.3 and gap >= -1 point at each size.
 
 Writes bench/results/rm_vs_trl.json (or `--out`).
 """
@@ -136,40 +143,54 @@ def trl_accuracy(model, tok, test: Path) -> float:
     return wins / len(rows)
 
 
+SIZES = {  # Qwen2-shaped, BPE (vocab 2048), head_dim 64; params as built (rlbus_model.json)
+    "10m": {"hidden_size": 320, "num_layers": 6, "num_heads": 5},
+    "50m": {"hidden_size": 512, "num_layers": 12, "num_heads": 8},
+}
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pairs", type=int, default=1200)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--sizes", default="10m,50m", help=f"comma-separated, of {sorted(SIZES)}")
+    p.add_argument("--pairs", type=int, default=2000)
+    p.add_argument("--steps", default="10m:60,50m:24", help="N for every size, or size:N,size:N")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--max-length", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench/results/rm_vs_trl.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    try:
+        spec = dict(x.split(":") if ":" in x else ("*", x) for x in args.steps.split(","))
+        args.steps_by_size = {s: int(spec.get(s, spec.get("*", 0))) for s in args.sizes}
+    except ValueError:
+        p.error(f"--steps {args.steps!r}: give N or size:N,size:N")
+    if min(args.steps_by_size.values(), default=0) < 1:
+        p.error(f"--steps {args.steps!r} leaves a size without steps: {args.steps_by_size}")
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown:
+        p.error(f"unknown --sizes {unknown}: choose from {sorted(SIZES)}")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    import torch
-
+def one_size(size: str, root: Path, train: Path, test: Path, args) -> dict:
+    """Both sides on the `size` base, alternating `--rounds` times; the size's summary."""
     from rlbus.model.tiny_model import build_tiny_model
 
-    torch.set_num_threads(args.threads)
+    base = build_tiny_model(root / f"base-{size}", tokenizer="bpe", seed=args.seed, **SIZES[size])
+    meta = json.loads((base / "rlbus_model.json").read_text())
     runs: dict[str, list[dict]] = {"ours": [], "trl": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        base = build_tiny_model(root / "base", hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
-        train, test = make_data(root, args.pairs, args.seed)
-        for k in range(args.rounds):  # alternate: load from other processes hits both sides
-            for name, fn in (("ours", ours), ("trl", trl_side)):
-                t0 = time.perf_counter()
-                r = fn(base, train, test, root / f"{name}{k}", args)
-                runs[name].append({**r, "wall_s": time.perf_counter() - t0})
-                print(name, k, runs[name][-1], flush=True)
+    steps = args.steps_by_size[size]
+    for k in range(args.rounds):  # alternate, starting side swapped each round: load hits both
+        order = (("ours", ours), ("trl", trl_side)) if k % 2 == 0 else (("trl", trl_side), ("ours", ours))
+        for name, fn in order:
+            t0 = time.perf_counter()
+            r = fn(base, train, test, root / f"{size}-{name}{k}", argparse.Namespace(**{**vars(args), "steps": steps}))
+            runs[name].append({**r, "wall_s": round(time.perf_counter() - t0, 2), "load_1m": os.getloadavg()[0]})
+            print(size, name, k, runs[name][-1], flush=True)
     summary = {
         name: {
             "pairs_per_s_median": statistics.median(r["pairs_per_s"] for r in rs),
@@ -178,18 +199,52 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, rs in runs.items()
     }
+    ratio = summary["ours"]["pairs_per_s_median"] / summary["trl"]["pairs_per_s_median"]
+    gap = summary["ours"]["heldout_accuracy_mean"] - summary["trl"]["heldout_accuracy_mean"]
+    return {
+        "params": meta["params"],
+        "steps": steps,
+        "model": {k: meta[k] for k in ("arch", "tokenizer", "vocab_size", "hidden_size", "num_layers", "num_heads")},
+        "ratio": round(ratio, 3),
+        "accuracy_gap_points": round(100 * gap, 2),
+        "goal_met": ratio >= 1.3 and gap >= -0.01,
+        **summary,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sizes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        train, test = make_data(root, args.pairs, args.seed)
+        for size in args.sizes:
+            sizes[size] = one_size(size, root, train, test, args)
+    from importlib.metadata import version
+
     result = {
+        "name": "rm_vs_trl",
+        "command": "python bench/rm_vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "trl": version("trl"),
+        "torch": version("torch"),
         "cpus": os.cpu_count(),
         "loadavg_1m_end": os.getloadavg()[0],
-        "ratio": summary["ours"]["pairs_per_s_median"] / summary["trl"]["pairs_per_s_median"],
-        **summary,
+        "goal": "per size: pairs/s >= 1.3x TRL's and held-out accuracy within 1 point",
+        "sizes": sizes,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("ours", "trl")}, indent=2))
-    for name in ("ours", "trl"):
-        print(name, {k: v for k, v in summary[name].items() if k != "runs"})
+    for size, r in sizes.items():
+        print(
+            size,
+            f"{r['params'] / 1e6:.1f}M params: ours {r['ours']['pairs_per_s_median']:.1f} pairs/s "
+            f"acc {r['ours']['heldout_accuracy_mean']:.3f} | TRL {r['trl']['pairs_per_s_median']:.1f} pairs/s "
+            f"acc {r['trl']['heldout_accuracy_mean']:.3f} | ratio {r['ratio']} gap {r['accuracy_gap_points']} pts",
+        )
     return 0
 
 

@@ -97,7 +97,7 @@ def padded(rows: list[list[int]], pad_id: int, device):
 def rewards(model, rows: list[list[int]], pad_id: int, device):
     """One forward: the scalar reward of each row (float32)."""
     ids, mask = padded(rows, pad_id, device)
-    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float()
 
 
 def plan_pairs(enc: Encoded, rows: list[int], max_tokens: int) -> list[list[int]]:
@@ -109,32 +109,48 @@ def plan_pairs(enc: Encoded, rows: list[int], max_tokens: int) -> list[list[int]
     return [[rows[j] for j in c] for c in chunks]
 
 
-def micro_loss(model, enc: Encoded, rows: list[int], n_pairs: int, center_coef: float, pad_id: int, device):
-    """(loss tensor scaled to the batch's `n_pairs`, chosen rewards, rejected rewards) of `rows`."""
+def micro_loss(
+    model, enc: Encoded, rows: list[int], n_pairs: int, center_coef: float, pad_id: int, device, shared=False
+):
+    """(loss tensor scaled to the batch's `n_pairs`, chosen rewards, rejected rewards) of `rows`;
+    `shared`: one row per pair, its prompt computed once (`learner.rm_shared`, same rewards)."""
     import torch
 
-    r = rewards(model, [enc.chosen[i] for i in rows] + [enc.rejected[i] for i in rows], pad_id, device)
-    rc, rr = r[: len(rows)], r[len(rows) :]
+    if shared:
+        from learner.rm_shared import pair_rewards
+
+        rc, rr = pair_rewards(model, enc, rows, pad_id, device)
+    else:
+        r = rewards(model, [enc.chosen[i] for i in rows] + [enc.rejected[i] for i in rows], pad_id, device)
+        rc, rr = r[: len(rows)], r[len(rows) :]
     margin = torch.tensor([enc.margin[i] for i in rows], dtype=torch.float32, device=device)
     return bt_loss(rc, rr, margin, center_coef, pairs=n_pairs), rc.detach(), rr.detach()
 
 
-def accumulate(model, enc: Encoded, jobs: list[tuple[list[int], bool]], n_pairs: int, cfg, ctx, device, scale=1.0):
+def accumulate(
+    model, enc: Encoded, jobs: list[tuple[list[int], bool]], n_pairs: int, cfg, ctx, device, scale=1.0, shared=False
+):
     """Backward every job's loss (a job: (rows, real); a padding job is zero-weighted, as
     `learner.sharded` pads ranks); `cfg` has `center_coef` and `pad_id`. Returns (loss sum,
-    correct pairs) of the real jobs."""
-    loss_sum, correct = 0.0, 0
+    correct pairs) of the real jobs, read from the device once, after the last backward."""
+    import torch
+
+    loss_sum, correct = [], []
     for rows, real in jobs:
         with ctx():
-            loss, rc, rr = micro_loss(model, enc, rows, n_pairs, cfg.center_coef, cfg.pad_id, device)
+            loss, rc, rr = micro_loss(model, enc, rows, n_pairs, cfg.center_coef, cfg.pad_id, device, shared)
         (loss * (scale if real else 0.0)).backward()
         if real:
-            loss_sum += float(loss.detach())
-            correct += int((rc > rr).sum())
-    return loss_sum, correct
+            loss_sum.append(loss.detach())
+            correct.append((rc > rr).sum())
+    if not loss_sum:
+        return 0.0, 0
+    return float(torch.stack(loss_sum).sum()), int(torch.stack(correct).sum())
 
 
-def score_all(model, enc: Encoded, pad_id: int, device, ctx, max_tokens: int) -> tuple[list[float], list[float]]:
+def score_all(
+    model, enc: Encoded, pad_id: int, device, ctx, max_tokens: int, shared=False
+) -> tuple[list[float], list[float]]:
     """Rewards of every pair's sides, without gradients, in length-sorted micro-batches."""
     import torch
 
@@ -142,9 +158,9 @@ def score_all(model, enc: Encoded, pad_id: int, device, ctx, max_tokens: int) ->
     with torch.no_grad():
         for rows in plan_pairs(enc, list(range(len(enc.chosen))), max_tokens):
             with ctx():
-                _, c, r = micro_loss(model, enc, rows, len(rows), 0.0, pad_id, device)
-            for k, i in enumerate(rows):
-                rc[i], rr[i] = float(c[k]), float(r[k])
+                _, c, r = micro_loss(model, enc, rows, len(rows), 0.0, pad_id, device, shared)
+            for i, a, b in zip(rows, c.tolist(), r.tolist()):
+                rc[i], rr[i] = a, b
     return rc, rr
 
 

@@ -11,8 +11,10 @@ Guarantees:
   (seed, step), which makes resume exact.
 - Each step: length-sorted micro-batches of whole pairs (`learner.rm.plan_pairs`); with N
   ranks each takes every N-th one (zero-weighted padding jobs so every rank runs as many),
-  losses scaled by N so FSDP2's gradient average is the one-rank gradient. AdamW, linear
-  warmup then cosine to 10% (`learner.sft.lr_factor`), gradient clipping.
+  losses scaled by N so FSDP2's gradient average is the one-rank gradient. AdamW (fused
+  on one rank), linear warmup then cosine to 10% (`learner.sft.lr_factor`), gradient clipping.
+  On one rank, a model `learner.rm_shared.supports` runs one row per pair with the prompt
+  computed once (`shared_prefix`, on by default; the same rewards, so the same loss).
 - `dtype = "auto"` trains under bf16 autocast (fp32 master weights) where the device has
   native bf16 (`learner.step.bf16_problem`), else fp32; "bf16" where it has none is an error.
 - Checkpoints every `save_every` steps and at the end of training: `checkpoints/rm.pt`
@@ -71,6 +73,8 @@ class RmConfig:
     eval_every: int = 50
     save_every: int = 50
     progress: bool = True
+    shared_prefix: bool = True
+    """One row per pair with the prompt computed once where the model allows (`learner.rm_shared`); False: two rows."""
     stop_after: int = 0
     """Stop (checkpointed, no export) after this many steps of this invocation: tests, preemption drills."""
     pad_id: int = 0
@@ -158,8 +162,12 @@ class Trainer:
         compute_context(self.dtype, self.device)  # a clear error now where bf16 cannot run
         self.ctx = lambda: compute_context(self.dtype, self.device)
         self.model = model.train()
+        from learner.rm_shared import supports
+
+        self.shared = cfg.shared_prefix and world == 1 and supports(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        fused = world == 1 and self.device.type in ("cpu", "cuda")  # one kernel for all params; TRL's default too
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         n = len(self.data.train)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * n / cfg.batch_size))
         self.warmup = max(1, min(50, self.total_steps // 10))
@@ -218,7 +226,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.lr * lr_factor(step / self.total_steps, step, self.warmup)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, correct = accumulate(self.model, self.train_enc, jobs, len(rows), cfg, self.ctx, self.device, self.world)
+        loss, correct = accumulate(
+            self.model, self.train_enc, jobs, len(rows), cfg, self.ctx, self.device, self.world, self.shared
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         self.optimizer.step()
@@ -239,7 +249,13 @@ class Trainer:
         self.model.eval()
         try:
             return score_all(
-                self.model, self.held_enc, self.cfg.pad_id, self.device, self.ctx, self.cfg.micro_batch_tokens
+                self.model,
+                self.held_enc,
+                self.cfg.pad_id,
+                self.device,
+                self.ctx,
+                self.cfg.micro_batch_tokens,
+                self.shared,
             )
         finally:
             self.model.train()
@@ -320,6 +336,7 @@ def train(cfg: RmConfig, rank: int = 0, world: int = 1) -> dict | None:
         "wall_pairs_per_s": round(pairs / max(1e-9, seconds), 2),
         "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "dtype": t.dtype,
+        "shared_prefix": t.shared,
         "world_size": world,
         "lora_rank": cfg.lora_rank,
         "train_pairs": len(t.data.train),

@@ -110,6 +110,52 @@ def test_micro_batched_gradient_equals_the_one_batch_gradient(tiny_model):
     assert torch.allclose(grads(small), grads([list(range(6))]), atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_shared_prompt_rows_give_the_two_row_rewards_and_gradients(tiny_model, impl):
+    """One packed row per pair (prompt once) = two right-padded rows: rewards, loss, gradients;
+    includes a side that is a prefix of the other and a pair truncated from the left."""
+    import torch
+
+    from learner.rm import encode_pairs, load_reward_model, micro_loss
+    from learner.rm_data import Pair
+    from learner.rm_shared import pack, shared_prefix_len, supports
+
+    model, tok = load_reward_model(tiny_model(**TINY, tokenizer="bpe"))
+    model.config._attn_implementation = impl
+    assert supports(model)
+    pairs = [Pair(r["prompt"], r["chosen"] + "x" * (i % 3), r["rejected"], 0.1 * i) for i, r in enumerate(rows(5))]
+    pairs += [Pair("q", "ab", "abcd"), Pair("long " * 40, "y", "z")]
+    enc = encode_pairs(tok, pairs, 24)
+    assert enc.truncated == 1
+    ids, _, seg, last_c, last_r = pack(enc, list(range(len(pairs))), tok.pad_token_id)
+    assert ids.shape[1] < 2 * max(enc.lengths)  # fewer positions than two padded rows
+    assert shared_prefix_len([1, 2], [1, 2, 3]) == 1 and shared_prefix_len([5], [5]) == 0
+
+    def run(shared):
+        model.zero_grad()
+        loss, rc, rr = micro_loss(
+            model, enc, list(range(len(pairs))), len(pairs), 0.05, tok.pad_token_id, "cpu", shared
+        )
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return loss.detach(), rc, rr, grads
+
+    for two, one in zip(run(False), run(True)):
+        assert torch.allclose(two, one, atol=1e-5), (two - one).abs().max()
+
+
+def test_shared_prompt_is_off_for_lora_and_sharded_models(tmp_path, tiny_model):
+    from learner.rm import load_reward_model
+    from learner.rm_shared import supports
+    from learner.rm_train import Trainer
+
+    lora, _ = load_reward_model(tiny_model(**TINY), lora_rank=2)
+    assert not supports(lora)
+    data = write_jsonl(tmp_path / "p.jsonl", rows(8))
+    assert Trainer(cfg(tmp_path, tiny_model(**TINY), [data])).shared
+    assert not Trainer(cfg(tmp_path, tiny_model(**TINY), [data], shared_prefix=False)).shared
+
+
 # ---------------------------------------------------------------- data
 
 

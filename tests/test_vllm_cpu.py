@@ -224,6 +224,47 @@ def test_lora_version_is_merged_into_the_start_weights(started, model_dir):
     assert moved > 10 * TOL  # the adapter did change the model
 
 
+@vllm_test
+def test_prefix_cache_never_serves_kv_of_older_weights(started, model_dir, tmp_path):
+    """A prompt of more than one KV block cached under version A, then version B loaded:
+    vLLM answers it as HF does under B. The control shows the test can fail: the same
+    weights loaded raw (`rlbus_load_weights` over RPC, with neither the engine's cache reset
+    nor anything else of `load_weights`) leave the previous version's cached blocks in use,
+    and the log-probs then differ from HF's beyond the tolerance."""
+    import torch
+
+    engine, _ = started
+    prompt = [("revenue 2024: 1,234 (thousands); margin up. " * 6)[:200]]  # 200 chars > one 128-token block
+    hf_a = hf_engine(model_dir)
+    hf_b = hf_engine(model_dir)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for name, p in hf_b.model.named_parameters():
+            if "k_proj" in name or "v_proj" in name:  # what the cached keys and values are made of
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    blob_a, blob_b = state_to_bytes(hf_a.model), state_to_bytes(hf_b.model)
+    engine.load_weights(blob_a)
+    engine.generate(prompt, 1, 8, 0.0)  # A's KV blocks of the prompt now cached
+    engine.generate(prompt, 1, 8, 0.0)
+    engine.load_weights(blob_b)
+    FIGURES["new_version_max_abs_logprob_diff"] = agreement(
+        engine.generate(prompt, 1, 8, 0.0), hf_b.generate(prompt, 1, 8, 0.0)
+    )
+    assert FIGURES["new_version_max_abs_logprob_diff"] <= TOL
+    raw = tmp_path / "a.safetensors"  # control: back to A without load_weights: B's blocks are served
+    raw.write_bytes(blob_a)
+    engine.llm.collective_rpc("rlbus_load_weights", args=(str(raw),))
+    stale, want = engine.generate(prompt, 1, 8, 0.0)[0][0], hf_a.generate(prompt, 1, 8, 0.0)[0][0]
+    n = min(len(stale.logprobs), len(want.logprobs))
+    FIGURES["stale_kv_control_logprob_diff"] = float(np.abs(stale.logprobs[:n] - want.logprobs[:n]).max())
+    print(
+        f"new version: max |dlogprob| vs HF {FIGURES['new_version_max_abs_logprob_diff']:.2e}; stale-KV control {FIGURES['stale_kv_control_logprob_diff']:.2e}"
+    )
+    assert FIGURES["stale_kv_control_logprob_diff"] > 10 * TOL, "control: a raw reload must reuse the old KV"
+    engine.load_weights(blob_a)  # the engine's own path: the stale blocks are gone
+    assert agreement(engine.generate(prompt, 1, 8, 0.0), hf_a.generate(prompt, 1, 8, 0.0)) <= TOL
+
+
 def train_tool_user(model_dir, ids: list[int], steps: int = 300):
     """The HF model from `model_dir`, trained to reproduce `ids` (one fixed trajectory)."""
     import torch

@@ -127,8 +127,8 @@ async def test_consumers_per_class_admit_eval_first_and_keep_the_floor(js, run_i
 @pytest.mark.usefixtures("drop_run")
 async def test_a_task_nakd_at_once_is_served_before_newer_ones_of_its_class(js, run_id):
     """Why no finisher class: a group is one task, and a late one nak-ed at once comes back ahead of
-    the newer tasks of its consumer. (One nak-ed with a delay, as `Retry(delay)` does, comes back
-    when the consumer's redelivery timer fires, not ahead: see docs/architecture.md.)"""
+    the newer tasks of its consumer. (One nak-ed with a delay, as `Retry(delay)` does, too once due on
+    its first delivery; later ones wait for the consumer's backoff: see docs/architecture.md.)"""
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     await publish_many(js, [(reg.tasks("arith"), _task(run_id, i, "train")) for i in range(30)])

@@ -90,7 +90,7 @@ def run_side(
         rewards = await asyncio.gather(*(s._score(t, None) for t in trajs))
         seconds = time.perf_counter() - t0
         s.executor.shutdown()
-        return seconds, [r.reward for r in rewards], (s.batcher.batches if s.batcher else len(trajs))
+        return seconds, [r.reward for r in rewards], (s.batcher.batches if s.batching else len(trajs))
 
     return asyncio.run(go())
 

@@ -79,7 +79,7 @@ def test_the_worker_scores_a_batch_in_one_call_with_the_unbatched_rewards(rm_dir
 
     asyncio.run(few())
     assert s2.batcher.batches == 1 and s2.batcher.items == 3
-    assert scorer(batch_size=1).batcher is None  # batch 1, no normalisation: the per-trajectory path
+    assert not scorer(batch_size=1).batching  # batch 1, no normalisation: the per-trajectory path
 
 
 def test_a_reward_model_gone_mid_run_is_an_infra_error_never_a_zero(rm_dir, tmp_path):
@@ -158,3 +158,88 @@ def test_bench_rm_serving_runs_and_checks_equal_rewards(tmp_path):
     result = json.loads(out.read_text())
     assert result["max_abs_reward_diff"] < 1e-4 and result["batched"]["calls"] == 2
     assert result["unbatched"]["calls"] == 8 and result["speedup"] > 0 and result["speedup_buckets"] > 0
+
+
+# ---------------------------------------------------------------- pairwise judging (issue 32, item 7)
+
+
+def group_trajs(rm_dir, answers, group="g", size=None, **params):
+    """A GRPO group's trajectories in pairwise mode (sample_index = position in `answers`)."""
+    return [
+        rm_traj(a, group=group, question="3+4=", model_path=str(rm_dir), mode="pairwise", **params).model_copy(
+            update={"group_size": size or len(answers), "sample_index": i}
+        )
+        for i, a in enumerate(answers)
+    ]
+
+
+def test_win_rates_are_order_invariant_and_sum_to_half_the_group():
+    import random
+
+    from verifier_workers.rm_pairwise import win_rates
+
+    rng = random.Random(0)
+    s = [rng.gauss(0, 2) for _ in range(7)]
+    w = win_rates(s)
+    assert sum(w) == pytest.approx(len(s) / 2, abs=1e-9) and all(0 < x < 1 for x in w)
+    order = sorted(range(7), key=lambda i: s[i])
+    assert [w[i] for i in order] == sorted(w)  # a stronger sample wins more often
+    perm = list(range(7))
+    rng.shuffle(perm)
+    assert win_rates([s[i] for i in perm]) == pytest.approx([w[i] for i in perm], abs=1e-12)
+    assert win_rates([1.3]) == [0.5] and win_rates([2.0, 2.0]) == [0.5, 0.5]
+
+
+def test_pairwise_holds_a_group_across_batches_and_any_arrival_order_scores_the_same(rm_dir):
+    import random
+
+    answers = ANSWERS[:6]
+    trajs = group_trajs(rm_dir, answers)
+    results = []
+    for seed in (0, 1):
+        order = list(range(len(trajs)))
+        random.Random(seed).shuffle(order)
+        s = scorer(batch_size=2, batch_timeout_s=0.01, group_timeout_s=30.0)  # members would fill 3 batches
+
+        async def run(order=order, s=s):
+            out = {}
+            for i in order:  # one at a time, each its own fetch: the group waits for its last member
+                out[i] = asyncio.create_task(s._score(trajs[i], None))
+                await asyncio.sleep(0.02)
+            return {i: (await t).components["score"] for i, t in out.items()}
+
+        results.append(asyncio.run(asyncio.wait_for(run(), 60)))
+        assert s.batcher.batches == 1 and s.batcher.partial_groups == 0  # the whole group in one call
+    assert results[0] == pytest.approx(results[1], abs=1e-9)
+    assert sum(results[0].values()) == pytest.approx(len(answers) / 2, abs=1e-6)
+
+
+def test_pairwise_group_timeout_scores_the_members_present(rm_dir):
+    trajs = group_trajs(rm_dir, ANSWERS[:3], size=5)  # 2 of 5 never arrive
+    s = scorer(batch_size=8, batch_timeout_s=0.01, group_timeout_s=0.1)
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*(s._score(t, None) for t in trajs)), 30)
+
+    scores = [r.components["score"] for r in asyncio.run(run())]
+    assert s.batcher.partial_groups == 1 and sum(scores) == pytest.approx(1.5, abs=1e-6)
+    lone = group_trajs(rm_dir, ["7"], group="alone", size=4)
+    assert asyncio.run(asyncio.wait_for(s._score(lone[0], None), 30)).components["score"] == 0.5
+
+
+def test_pairwise_mode_is_refused_alone_and_unknown_modes_are_input_errors(rm_dir):
+    from verifier_workers.verdict import VerifierInputError
+    from verifier_workers.verifiers.model import verify_model, verify_model_batch
+
+    with pytest.raises(VerifierInputError, match="group"):
+        verify_model(group_trajs(rm_dir, ["7"])[0])
+    bad = rm_traj("7", model_path=str(rm_dir), mode="tournament")
+    assert isinstance(verify_model_batch([(bad, None)])[0], VerifierInputError)
+    # a pairwise task goes through the batcher even where per-trajectory scoring is configured
+    s = scorer(batch_size=1, group_timeout_s=30.0)
+    trajs = group_trajs(rm_dir, ["7", "no 9"])
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*(s._score(t, None) for t in trajs)), 30)
+
+    assert sum(r.components["score"] for r in asyncio.run(run())) == pytest.approx(1.0, abs=1e-6)

@@ -33,8 +33,9 @@ Guarantees:
 - Each trajectory is acked as soon as its own Reward is out: a slow one never holds back
   the others.
 - A verifier with a `batched` hook (the `model` verifier) is scored through
-  `rm_serving.RmBatcher` (`verifier.rm`: batch size, timeout, normalisation): one call
-  for the trajectories this worker holds, each still getting its own Reward or failure.
+  `rm_serving.RmBatcher` (`verifier.rm`: batch size, timeout, normalisation; a task in
+  pairwise mode always, whatever the batch size): one call for the trajectories this worker
+  holds, each still getting its own Reward or failure.
 """
 
 from __future__ import annotations
@@ -330,8 +331,8 @@ class Scorer:
         self.inline_policy = InlinePolicy()
         self.inline_calls = 0
         rm = self.limits.rm  # batched verifiers (the `model` one) go through the batcher
-        batching = rm.batch_size > 1 or rm.normalize != "none"
-        self.batcher = RmBatcher(rm, self.executor, run_path) if batching else None
+        self.batching = rm.batch_size > 1 or rm.normalize != "none"
+        self.batcher = RmBatcher(rm, self.executor, run_path)  # pairwise tasks need it whatever the batch size
 
     async def _batched(self, fn, traj: Trajectory, payload: dict | None, embed: Trajectory) -> Reward:
         """Score through the batcher (`verifier_workers.rm_serving`); failures as `run_verifier`'s."""
@@ -365,8 +366,8 @@ class Scorer:
             if self.js is None:
                 raise VerifierInfraError("trajectory has artifacts by reference but this scorer has no bus connection")
             traj = await resolve_artifacts(self.js, self.reg, traj)
-        batched = RmBatcher.batched_fn(registry.get(traj.verifier)) if self.batcher is not None else None
-        if batched is not None:
+        batched = RmBatcher.batched_fn(registry.get(traj.verifier))
+        if batched is not None and (self.batching or self.batcher.needs_group(traj)):
             return await self._batched(batched, traj, payload, embed)
         if self.concurrency <= 0:
             return score(traj, payload, embed)
@@ -488,7 +489,7 @@ async def run(cfg: RunConfig, ctx: WorkerContext) -> dict[str, float]:
             stop=s.stop,
             counters=s.counters,
         )
-        if scorer.batcher is not None:
-            scorer.batcher.close()
-            s.counters["rm_batches"] = scorer.batcher.batches
+        scorer.batcher.close()
+        s.counters["rm_batches"] = scorer.batcher.batches
+        s.counters["rm_partial_groups"] = scorer.batcher.partial_groups
         return s.counters

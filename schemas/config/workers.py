@@ -57,8 +57,12 @@ class RmServingSection(Section):
     would pad more (0.25: at most a quarter padding). 1 (the default) runs one forward per batch and model."""
     normalize: Literal["none", "running", "group"] = "none"
     """`score` becomes the logit normalised by the running mean/std of every logit this worker scored
-    (`running`, kept in the run folder and restored on restart) or by its group's mean/std among the
-    batch's trajectories (`group`); `none` keeps sigmoid(logit)."""
+    (`running`, kept in the run folder and restored on restart) or by its group's mean/std (`group`: the
+    group's members are held until all are in, see `group_timeout_s`); `none` keeps sigmoid(logit)."""
+    group_timeout_s: float = Field(default=10.0, gt=0)
+    """`normalize = "group"` and tasks with `verifier_params.mode = "pairwise"` hold a group's members
+    until all `group_size` are in; past this many seconds from its first member, the members present
+    are scored among themselves (a lone member: z-score 0, win rate 0.5) and counted (`rm_partial_groups`)."""
 
 
 class VerifierSection(Section):

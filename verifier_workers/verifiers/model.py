@@ -28,6 +28,10 @@ Guarantees:
   `verify_model.batched`.
 - Input is truncated from the left to `max_length` tokens (default 1024, capped by the
   model's positions), so the response and the judge's "Answer:" are always seen.
+- `verifier_params.mode = "pairwise"` (`verifier_workers.rm_pairwise`): the worker's batcher
+  holds the group and replaces `score` with the sample's win rate in it; `verify_model`
+  alone refuses it (`VerifierInputError`: one trajectory has no group); another mode than
+  pointwise/pairwise is a `VerifierInputError`.
 - Each (path, kind) is loaded once per process (thread-safe) in eval mode, float32, CPU,
   and again when its config.json changes (a model re-exported in place).
 - No model configured raises `VerifierInputError` (the task is unusable); a configured
@@ -47,6 +51,7 @@ from typing import Any
 
 from schemas import Trajectory
 from verifier_workers.errors import VerifierInfraError
+from verifier_workers.rm_pairwise import MODES, is_pairwise
 from verifier_workers.verdict import Verdict, VerifierInputError
 
 ENV = "RLBUS_REWARD_MODEL"
@@ -235,6 +240,8 @@ def _verdict(kind: str, s: float, threshold: float, logit: float | None) -> Verd
 
 def _group_key(traj: Trajectory) -> tuple:
     p = traj.verifier_params
+    if p.get("mode", "pointwise") not in MODES:
+        raise VerifierInputError(f"model verifier mode={p.get('mode')!r} is not one of {MODES}")
     return (model_path(p), p.get("judge"), int(p.get("max_length", DEFAULT_MAX_LENGTH)), p.get("positive_label"))
 
 
@@ -294,6 +301,11 @@ def verify_model_batch(
 
 def verify_model(traj: Trajectory, hidden: dict | None = None) -> Verdict:
     """Score the final answer with the configured reward model or judge (a batch of one)."""
+    if is_pairwise(traj.verifier_params):
+        raise VerifierInputError(
+            "model verifier mode='pairwise' compares a group's samples: it is scored by the verifier worker's "
+            "group batching (verifier_workers.rm_serving), not one trajectory alone"
+        )
     result = verify_model_batch([(traj, hidden)])[0]
     if isinstance(result, Exception):
         raise result

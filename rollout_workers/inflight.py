@@ -85,8 +85,9 @@ class _Row:
     def n(self) -> int:
         return sum(len(x) for x in self.ids)
 
-    def context(self) -> list[int]:
-        return [int(x) for x in self.prompt_ids] + [int(x) for part in self.ids for x in part]
+    def context(self) -> np.ndarray:
+        """The prompt and the tokens so far, as ids (one array: no per-token Python loop)."""
+        return np.concatenate([self.prompt_ids, *self.ids]).astype(np.int32)
 
     def add(self, s: Sample, version: int) -> None:
         self.ids.append(np.asarray(s.token_ids, dtype=np.int32))

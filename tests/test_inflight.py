@@ -191,6 +191,9 @@ def test_prefix_cache_is_salted_by_weight_epoch(model_dir):
 
 @pytest.mark.usefixtures("drop_run")
 async def test_versions_published_faster_than_they_load_never_stall_a_turn(js, run_id, model_dir, tmp_path):
+    """At every chunk boundary two versions are announced before the reload and a third while the
+    reload runs (the episode paused for it): the turn takes the newest there is each time, skips
+    the others, and always advances."""
     reg = Registry(run_id)
     await ensure_topology(js, reg)
     store, publisher = FileStore(tmp_path / "w"), load_model(model_dir)
@@ -198,31 +201,34 @@ async def test_versions_published_faster_than_they_load_never_stall_a_turn(js, r
     await watcher.start()
     engine = HFEngine(str(model_dir))
     published = [0]
-    await publish_version(js, reg, publisher, 0, 0, {}, store=store)
 
-    async def flood():  # back to back, no pause: announcements outpace the loads between chunks
-        for v in range(1, 200):
-            perturb(publisher, v, scale=0.01)
-            await publish_version(js, reg, publisher, v, v, {}, store=store)
-            published[0] = v
-            await asyncio.sleep(0)
+    async def publish_next():
+        v = published[0] + 1
+        perturb(publisher, v, scale=0.01)
+        await publish_version(js, reg, publisher, v, v, {}, store=store)
+        published[0] = v
+
+    async def refresh():
+        await publish_next()
+        await publish_next()
+        while watcher.newest_version < published[0]:
+            await asyncio.sleep(0.005)
+        await asyncio.gather(watcher.maybe_load(engine), publish_next())  # one more while paused for the reload
 
     try:
+        await publish_version(js, reg, publisher, 0, 0, {}, store=store)
         while watcher.newest_version < 0:
             await asyncio.sleep(0.01)
         await watcher.maybe_load(engine)
-        pub = asyncio.create_task(flood())
-        await asyncio.sleep(0.05)
-        inflight = Inflight(1, lambda: watcher.version, lambda: watcher.maybe_load(engine), watcher.load_lock)
-        groups = await asyncio.wait_for(generate_turn(engine, [PROMPT], 2, 24, 1.0, inflight), 60)
-        pub.cancel()
+        inflight = Inflight(2, lambda: watcher.version, refresh, watcher.load_lock)
+        groups = await asyncio.wait_for(generate_turn(engine, [PROMPT], 2, 8, 0.0, inflight), 60)
         await watcher.settle()
     finally:
         await watcher.close()
+    taken = set()
     for s in groups[0]:
         versions = [v for v, _ in s.runs]
         assert sum(k for _, k in s.runs) == len(s.token_ids) and versions == sorted(set(versions))
-        assert versions[-1] <= published[0]
-    loaded = len({v for s in groups[0] for v, _ in s.runs})
-    assert loaded >= 2, groups[0][0].runs  # new weights were taken mid-turn
-    assert published[0] > max(v for s in groups[0] for v, _ in s.runs)  # publishing outpaced loading
+        taken |= set(versions)
+    assert len(taken) >= 2, groups[0][0].runs  # new weights were taken mid-turn
+    assert len(set(range(published[0] + 1)) - taken) >= len(taken)  # most announced versions were skipped

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from rollout_workers.repo_tools import read_range
 from sandbox_workers.async_sandbox import Observation
 from sandbox_workers.base import ExecResult
 from sandbox_workers.harbor_box import BoxSpec, HarborBox, HarborEngineError
@@ -89,7 +90,8 @@ class HarborEpisodeBox:
             if call.tool == "read_file":
                 text = self.box.read_file(args["path"]).decode("utf-8", "replace")
                 lines = text.splitlines()
-                lo, hi = int(args.get("start") or 1), int(args.get("end") or len(lines))
+                first, last = read_range(args)  # offset/limit over start/end, as the repository tools
+                lo, hi = int(first), int(last) or len(lines)
                 body = "\n".join(f"{i:6d}  {line}" for i, line in enumerate(lines[lo - 1 : hi], start=lo))
                 return _ok(
                     f"{self.box.path(args['path'])}: lines {lo}-{min(hi, len(lines))} of {len(lines)}\n{body}", t0

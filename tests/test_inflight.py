@@ -232,3 +232,22 @@ async def test_versions_published_faster_than_they_load_never_stall_a_turn(js, r
         taken |= set(versions)
     assert len(taken) >= 2, groups[0][0].runs  # new weights were taken mid-turn
     assert len(set(range(published[0] + 1)) - taken) >= len(taken)  # most announced versions were skipped
+
+
+def test_agent_turn_cut_after_its_tool_call_keeps_the_runs_of_its_tokens(model_dir):
+    from rollout_workers.agent import Episode, add_model_turn
+    from rollout_workers.engines.sample import Sample
+
+    engine = HFEngine(str(model_dir))
+    ids = engine.encode("<py>print(1)</py> and more text after the call")
+    call_len = len(engine.encode("<py>print(1)</py>"))
+    assert engine.decode(ids[:call_len]) == "<py>print(1)</py>"
+    sample = Sample(np.array([1, 2], np.int32), ids, np.full(len(ids), -0.5, np.float32), engine.decode(ids), "length")
+    sample.runs = [(3, 4), (4, call_len - 4 + 2), (5, len(ids) - call_len - 2)]
+    task = make_task("run-x", group_size=1, max_tokens=64, tools=["python"], max_turns=4)
+    ep = Episode(task=task, sample_index=0, turns=[], context=[1, 2])
+    call = add_model_turn(engine, ep, sample, 5, 0.0)
+    assert call is not None and call.code.strip() == "print(1)"
+    answer = ep.turns[-1]
+    assert len(answer.token_ids) // 4 == call_len
+    assert answer.version_runs == [(3, 4), (4, call_len - 4)] and answer.policy_version == 4

@@ -8,7 +8,8 @@ SFT steps, same max_steps, only `learner.beta` differs):
 
 What it writes: `rlhf.json` (per side: beta, the aligned points (version, RM score, rule
 score), `rm_divergence` and its reason as `rlbus.report.rlhf` computes them, the first and
-last points, the rule's best and the version of the RM's best) and `rm_vs_rule.png` (one
+last points, the rule's best, the version of the RM's best, and the first version whose rule
+score is at most half of v0's with the RM score there: how far the KL term holds the fall off) and `rm_vs_rule.png` (one
 panel per side, RM and rule on one chart each, divergence marked). Reads only each run's
 SQL store (`<run>/run.db`); needs no NATS server. A run folder without a store is an error
 naming it.
@@ -60,6 +61,8 @@ def side(run: Path) -> dict:
         "last": points[-1][:3] if points else None,
         "best_rule": best_rule[:3] if best_rule else None,
         "best_rm_version": best_rm[0] if best_rm else None,
+        "rule_halved_at": next((v for v, _, rule, _ in points if points and rule <= points[0][2] / 2), None),
+        "rm_at_rule_halved": next((rm for _, rm, rule, _ in points if points and rule <= points[0][2] / 2), None),
         "rm_divergence": divergence,
         "rm_divergence_reason": reason,
     }
@@ -103,6 +106,7 @@ def main() -> int:
         div = s["rm_divergence"]
         print(
             f"{s['run']} beta={s['beta']}: first {s['first']} last {s['last']} "
+            f"rule halved at v{s['rule_halved_at']} "
             f"divergence {'none' if div is None else 'v' + str(div['at_version'])} ({s['rm_divergence_reason']})"
         )
     return 0

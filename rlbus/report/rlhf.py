@@ -20,6 +20,7 @@ Guarantees:
   Not found: None with the reason (too few points, or which condition never held).
 - `write_summary` adds `rm_divergence` (dict or null) and `rm_divergence_reason` to
   `<run>/summary.json`, atomically, keeping every other key (a missing file gets just these).
+  A live run's launcher rewrites summary.json without them: report again once the run stops.
 """
 
 from __future__ import annotations

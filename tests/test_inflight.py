@@ -251,3 +251,21 @@ def test_agent_turn_cut_after_its_tool_call_keeps_the_runs_of_its_tokens(model_d
     answer = ep.turns[-1]
     assert len(answer.token_ids) // 4 == call_len
     assert answer.version_runs == [(3, 4), (4, call_len - 4)] and answer.policy_version == 4
+
+
+def test_run_episodes_in_chunks_records_runs_and_eval_tasks_stay_one_call(model_dir):
+    from rollout_workers.agent import run_episodes
+
+    engine = HFEngine(str(model_dir))
+    inflight = Inflight(3, version=lambda: 2)
+    for purpose, expect_runs in (("train", True), ("eval", False)):
+        task = make_task("run-x", group_size=2, max_tokens=10, tools=["python"], max_turns=2, purpose=purpose)
+        episodes = asyncio.run(
+            run_episodes(engine, [task], version=lambda: 2, open_sandbox=None, inflight=inflight, slots=1)
+        )
+        for ep in episodes:
+            for t in ep.turns:
+                if t.role == "assistant":
+                    assert t.policy_version == 2
+                    assert bool(t.version_runs) == expect_runs
+                    assert not expect_runs or t.version_runs == [(2, len(t.token_ids) // 4)]

@@ -155,9 +155,11 @@ def mean3(rows: list[tuple[float, float, float]]) -> dict:
 
 
 def rope_of(model_dir: Path) -> str:
+    """`KIND:FACTOR` of a model's RoPE scaling (transformers 5 writes `rope_parameters`), else `none`."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    rs = cfg.get("rope_scaling") or {}
-    return f"{rs.get('rope_type', rs.get('type'))}:{rs.get('factor')}" if rs else "none"
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    return f"{kind}:{rs['factor']:g}" if kind not in (None, "default") and rs.get("factor") else "none"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

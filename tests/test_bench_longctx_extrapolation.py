@@ -59,3 +59,14 @@ def test_bench_smoke_writes_every_length_and_decile(tmp_path):
     res = json.loads(out.read_text())["models"]["linear:4"]["eval"]
     assert [res[f]["length"] for f in ("1x", "2x", "4x")] == [128, 256, 512]
     assert all(len(res[f]["by_position"]) == 10 and res[f]["n"] == 10 for f in res)
+
+
+def test_rope_of_reads_both_config_spellings(tmp_path):
+    for body, want in (
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "linear:2"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn:4"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "none"),
+        ({}, "none"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps(body))
+        assert lcx.rope_of(tmp_path) == want

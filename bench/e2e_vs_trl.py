@@ -42,9 +42,10 @@ seeds * 2 * (minutes + 0.5) + 1 min):
   `peer` are the means over seeds, `ratio` = ours/peer (design target >= 1.0), and
   `gains_per_seed` keeps every run. Samples trained and steps are recorded per run.
 
-The machine may be shared with other processes: the two sides run one after the other
-(ours, then TRL, per seed), so load differences between the windows enter the result;
-`load_avg` is recorded before each side.
+The machine may be shared with other processes: the two sides run one after the other,
+alternating which goes first (ours first for even seeds, TRL first for odd ones; `order` per
+run), so load drifting during a seed does not always favour one side; `load_avg` is recorded
+before each side.
 
 This script runs the seeds and writes the result; the settings, start and evaluation are in
 `bench/e2e_shared.py`, the two training runs in `bench/e2e_runs.py`, the curve figures and the
@@ -277,10 +278,13 @@ def main() -> dict:
         print(f"start accuracy {acc0:.3f} (n={a.eval_n}) after SFT {sft}", flush=True)
         for seed in range(a.first_seed, a.first_seed + a.seeds):
             run: dict = {"seed": seed, "load_avg": {}}
-            if "ours" in sides:
-                ours_side(a, run, start, tmp, acc0, threads)
-            if "trl" in sides:
-                trl_side(a, run, start, tmp, threads)
+            order = ("ours", "trl") if seed % 2 == 0 else ("trl", "ours")  # alternate: load drifts hit both
+            run["order"] = [side for side in order if side in sides]
+            for side in run["order"]:
+                if side == "ours":
+                    ours_side(a, run, start, tmp, acc0, threads)
+                else:
+                    trl_side(a, run, start, tmp, threads)
             runs.append(run)
         total = time.monotonic() - t
 

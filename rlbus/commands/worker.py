@@ -9,6 +9,8 @@ Guarantees:
   whose password is redacted (`***`, as the run folder keeps it) is refused with what to
   pass instead.
 - `sandbox.allow_degraded` reaches the code verifiers through the environment.
+- Started by `rlbus up` with a start gate (`rlbus.run.startgate`), it does its imports and then
+  waits for the launcher to open the gate before it connects or reads the model.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def main(args: argparse.Namespace) -> int:
         until_idle=args.until_idle,
         configured_model=cfg.model.path,
     )
+    from rlbus.run.startgate import pass_gate
+
+    pass_gate(args.role, role(args.role).module, cfg)  # started by `up` before the model was ready: wait
     asyncio.run(importlib.import_module(role(args.role).module).run(cfg, ctx))
     return 0
 

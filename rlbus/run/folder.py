@@ -8,6 +8,7 @@
     model/start     the warm-started model every role loads
     nats/           the embedded nats-server's JetStream store and its log
     logs/<role>.log each worker's output
+    start.gate      exists once the launcher has the model and streams ready (`rlbus.run.startgate`)
     checkpoints/    the learner's checkpoints (`learner.pt`)
 
 Guarantees:
@@ -126,6 +127,11 @@ class RunFolder:
     @property
     def server_log(self) -> Path:
         return self.nats / "nats-server.log"
+
+    @property
+    def start_gate(self) -> Path:
+        """The start gate the workers `up` started early wait for (`rlbus.run.startgate`)."""
+        return self.path / "start.gate"
 
     @property
     def logs(self) -> Path:

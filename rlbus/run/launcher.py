@@ -7,6 +7,11 @@ Guarantees:
 - Roles start in `bus.roles.start_order(cfg)`: the learner first, the sampler last; the
   sandbox service only with `sandbox.remote`, the tracker only when `tracking.backends`
   lists one (a missing tracking package stops `up` before anything starts, naming the extra).
+  They start as soon as the server is up and config.json written, behind the start gate
+  (`rlbus.run.startgate`): their imports overlap the model's build and SFT, and the gate opens
+  once the model is ready and the streams exist. `DEFERRED_ROLES` (scheduler, tracker) start
+  once the learner has stepped (or `DEFER_CAP_S` after the start, or at a stop); a drain waits
+  for their first heartbeat before it stops them, so the baseline and final evaluation still run.
 - Stop (limits or Ctrl-C) drains by `bus.roles.stop_phases()`: the sampler stops first, the
   pipeline gets `run.drain_seconds` to finish in-flight work, then rollout, verifier and the
   sandbox service, then the learner (which records what it still holds), then the scheduler
@@ -44,17 +49,26 @@ from bus.conn import connect, ensure_topology
 from bus.roles import start_order, stop_phases
 from bus.server import EmbeddedNats, free_port
 from bus.subjects import Registry
-from rlbus.report.plots import reward_curve
 from rlbus.run.accounting import account
 from rlbus.run.checks import DEGRADED_WARNING, preflight
 from rlbus.run.folder import RunFolder
+from rlbus.run.forked import can_fork
 from rlbus.run.harbor_start import reap_harbor_run
 from rlbus.run.live import Snapshot, line, render
 from rlbus.run.monitor import Monitor, summary_dict
 from rlbus.run.prepare import new_run_id, prepare_model, secret_env, write_redacted_config
+from rlbus.run.startgate import START_GATE_ENV, close_gate, loads_model, open_gate, prewarm
 from rlbus.run.supervisor import Supervisor
 from rlbus.run.watchdog import FatalStop, HeartbeatWatch, ServerKeeper, log_size, resume_command, store_full
 from schemas.config import RunConfig
+
+DEFERRED_ROLES = ("scheduler", "tracker")
+"""Roles started after the others: once the learner has taken its first step, `DEFER_CAP_S` after
+the run started, or at a stop, whichever comes first. Neither feeds the first step (the scheduler's
+version-0 baseline scores the start checkpoint's own files, so it can overlap the first steps; the
+recorder and the tracker read durable consumers, so they miss nothing), and their imports and the
+baseline's generation would take the cores the first step needs."""
+DEFER_CAP_S = 30.0
 
 
 def roles_to_start(cfg: RunConfig) -> list[str]:
@@ -91,6 +105,25 @@ class RunLoop:
         self._last_line = 0.0
         reserve = cfg.run.drain_seconds + 25.0
         self.deadline = t0 + cfg.run.max_minutes * 60 - reserve if cfg.run.max_minutes else None
+        self.deferred = [r for r in roles_to_start(cfg) if r in DEFERRED_ROLES and r not in sup.procs]
+        self.started_at = time.monotonic()
+
+    def start_deferred(self, now: bool = False) -> None:
+        """Start the deferred roles once the learner has stepped or `DEFER_CAP_S` passed (`now`: at once)."""
+        if self.deferred and (now or self.snap.step >= 1 or time.monotonic() - self.started_at >= DEFER_CAP_S):
+            for role in self.deferred:
+                self.sup.start(role)
+            self.deferred = []
+
+    async def await_heartbeats(self, roles, timeout: float) -> None:
+        """Wait (at most `timeout`) until each of `roles` that runs has sent a heartbeat: a deferred
+        role started just before a stop handles SIGTERM (its baseline and final evaluation) only
+        once its session is open."""
+        end = time.monotonic() + timeout
+        for role in roles:
+            proc = self.sup.procs.get(role)
+            while proc and proc.poll() is None and proc.pid not in self.mon.last_heartbeat and time.monotonic() < end:
+                await asyncio.sleep(0.2)
 
     def say(self, text: str, style: str = "bold yellow") -> None:
         """One plain console line about a fault and what was done (above the live view)."""
@@ -161,8 +194,11 @@ class RunLoop:
             if not failure:
                 await self._refresh()
                 self.summary_path.write_text(json.dumps(summary_dict(self.snap, self.mon), indent=2))
+                self.start_deferred()
             reason = self._stop_reason(failure)
             if reason:
+                if not failure:
+                    self.start_deferred(now=True)  # the baseline and final evaluation still happen
                 return reason, failure
 
     async def drain(self, stop_reason: str) -> None:
@@ -183,6 +219,7 @@ class RunLoop:
             if d.get("tasks", 1) == 0 and d.get("traj", 1) == 0 and d.get("rewards", 1) == 0:
                 break
         for roles, timeout in rest:  # rollout/verifier/sandbox, learner, scheduler, tracker (no-op when not running)
+            await self.await_heartbeats([r for r in roles if r in DEFERRED_ROLES], timeout)
             await self.sup.stop(list(roles), timeout)
         await asyncio.sleep(0.5)  # let the last eval result arrive
 
@@ -201,6 +238,8 @@ class RunLoop:
             if not self.fatal:
                 raise
             extra["accounting"] = f"skipped: the bus did not answer ({type(exc).__name__})"
+        from rlbus.report.plots import reward_curve  # matplotlib: at the end, not on the way to the first step
+
         summary = summary_dict(self.snap, self.mon, acc, extra)
         self.summary_path.write_text(json.dumps(summary, indent=2))
         steps = sorted(self.mon.step_rewards.items())
@@ -232,27 +271,21 @@ async def run_up(
     t0: float,
     console: Console,
     keeper: ServerKeeper,
+    sup: Supervisor,
     sandbox_isolation: str | None = None,
 ) -> int:
-    """Supervise a prepared run until its limits; return the exit code (1 only when it failed)."""
+    """Supervise a prepared run until its limits; return the exit code (1 only when it failed).
+    The early roles (`sup`) already run, waiting at the start gate: it opens once the streams exist."""
     reg = Registry(cfg.run.run_id)
     nc = await connect(nats_url, name="rlbus-launcher")
     js = nc.jetstream(timeout=30)
     await ensure_topology(js, reg)
     folder = RunFolder(run_path)
-    config_file = folder.config_json
-    write_redacted_config(cfg, config_file)
-    from sandbox_workers.integrity import load_or_create_secret
-
-    load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
-    sup = Supervisor(run_path, config_file, nats_url, reg.run_id, run_dir, secret_env=secret_env(cfg))
-    sup.server_pid, sup.monitor_url = keeper.pid, keeper.monitor_url
+    open_gate(folder.start_gate)
     snap = Snapshot(run_id=reg.run_id, phase="running", restarts=sup.restarts)
     mon = Monitor(js, reg, snap)
     mon.sandbox_isolation = sandbox_isolation
     await mon.start(nc)
-    for role in roles_to_start(cfg):
-        sup.start(role)
     run = RunLoop(cfg, run_path, t0, console, sup, mon, snap, keeper, nc)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, run.interrupted.set)
@@ -268,7 +301,7 @@ async def run_up(
         # containers still waiting for a verifier, the bus connection
         if run.live:
             run.live.stop()
-        sup.kill_all()
+        sup.kill_all()  # `up` kills them again on its way out (early roles stopped before this point)
         reap_harbor_run(cfg, reg.run_id, console)
         await _close(nc)
     console.print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=1))
@@ -286,6 +319,35 @@ async def _close(nc) -> None:
         await asyncio.wait_for(nc.close(), 5)
     except Exception:  # noqa: BLE001 - closing a connection to a dead server
         pass
+
+
+def start_early(cfg: RunConfig, run_path: Path, run_dir: Path, nats_url: str, keeper: ServerKeeper) -> Supervisor:
+    """Write config.json and the tool secret, then start every role but the deferred ones
+    (`DEFERRED_ROLES`) behind a closed start gate: they import while the model is prepared.
+    They are forked from this process after it imported torch and transformers' model code
+    (when a role loads a model), so no role pays for those imports again."""
+    folder = RunFolder(run_path)
+    close_gate(folder.start_gate)
+    write_redacted_config(cfg, folder.config_json)
+    from sandbox_workers.integrity import load_or_create_secret
+
+    load_or_create_secret(run_path)  # before any worker: the sandbox side and verifiers share it
+    sup = Supervisor(
+        run_path,
+        folder.config_json,
+        nats_url,
+        cfg.run.run_id,
+        run_dir,
+        secret_env=secret_env(cfg) | {START_GATE_ENV: str(folder.start_gate)},
+    )
+    sup.server_pid, sup.monitor_url = keeper.pid, keeper.monitor_url
+    early = [r for r in roles_to_start(cfg) if r not in DEFERRED_ROLES]
+    if any(loads_model(r, cfg) for r in early):
+        prewarm("rlbus.commands.worker", model=True)  # once here (the tiny model and SFT need it too), not per role
+    fork = can_fork()  # no threads here yet, and the child can carry a worker's command line
+    for role in early:
+        sup.start(role, fork=fork)  # no torch op has run in this process yet
+    return sup
 
 
 def _start_server(cfg: RunConfig, run_path: Path, resume: bool, console: Console):
@@ -366,9 +428,11 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None, debu
         return 1
     url, server = _start_server(cfg, run_path, resume is not None, console)
     keeper = ServerKeeper(server, RunFolder(run_path).nats, run_path)
+    sup: Supervisor | None = None
     try:
+        sup = start_early(cfg, run_path, run_dir, url, keeper)  # imports overlap the model's preparation
         prepare_model(cfg, run_path, console)  # a resumed run already has it: returns at once
-        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, keeper, sandbox_isolation=isolation))
+        return asyncio.run(run_up(cfg, run_path, run_dir, url, t0, console, keeper, sup, sandbox_isolation=isolation))
     except Exception as exc:
         if debug:
             raise
@@ -382,4 +446,6 @@ def up(cfg: RunConfig, config_path: str | None, resume: Path | None = None, debu
         )
         return 1
     finally:
+        if sup is not None:
+            sup.kill_all()  # a failed SFT or start: the early roles waiting at the gate go too
         keeper.stop()

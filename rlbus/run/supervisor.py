@@ -2,7 +2,8 @@
 
 Guarantees:
 - Each role runs as `rlbus worker ROLE` in its own process and session (so its process
-  group holds whatever it started), logging to `<run>/logs/<role>.log`.
+  group holds whatever it started), logging to `<run>/logs/<role>.log`; `start(role, fork=True)`
+  forks it from the launcher (`rlbus.run.forked`) instead of a fresh interpreter, restarts never.
 - `poll()` restarts a worker that exited while the run is live, up to `MAX_RESTARTS`
   per role; one more exit is the run's failure, with the log to read.
 - `kill_hung(role)` SIGKILLs a frozen worker's whole process group (a stopped process
@@ -27,6 +28,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.run.folder import RunFolder
+from rlbus.run.forked import ForkedWorker, fork_worker
 from schemas.redact import NATS_URL_ENV, redact_url
 
 log = structlog.get_logger()
@@ -53,7 +55,7 @@ class Supervisor:
             run_dir,
         )
         self.secret_env = dict(secret_env or {})
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedWorker] = {}
         self.server_pid: int | None = None
         self.monitor_url: str | None = None  # the run's own nats-server monitoring endpoint
         self.restarts: dict[str, int] = {}
@@ -62,8 +64,9 @@ class Supervisor:
         self.folder = RunFolder(run_path)
         self.folder.logs.mkdir(parents=True, exist_ok=True)
 
-    def start(self, role: str) -> None:
-        """Start `rlbus worker ROLE` for this run."""
+    def start(self, role: str, fork: bool = False) -> None:
+        """Start `rlbus worker ROLE` for this run (`fork`: forked from this process, sharing what it
+        imported, `rlbus.run.forked`; only before the launcher has threads or ran torch)."""
         # the URL travels by environment (only this user reads /proc/<pid>/environ), never argv
         cmd = [
             sys.executable,
@@ -84,10 +87,14 @@ class Supervisor:
         # idle OpenMP threads sleep instead of spinning: every role shares the cores (bench/learner_scale.py
         # measured 3-5x the CPU per step with the default spin-wait on a loaded 2-core machine)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.procs[role] = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-        )
-        logf.close()
+        if fork:
+            logf.close()
+            self.procs[role] = fork_worker(cmd[3:], env, self.folder.log(role))
+        else:
+            self.procs[role] = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+            )
+            logf.close()
         self.write_state()
 
     def write_state(self) -> None:

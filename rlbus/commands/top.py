@@ -4,7 +4,7 @@ Panels: per-stage throughput (the workers' heartbeat counters of `bus.telemetry.
 by `bus.telemetry.Heartbeats`), stream depths and
 every consumer's lag (pending, ack-pending, redelivered, waiting pulls), dead letters,
 recent reward and latest eval per domain, learner step and weight version, a staleness
-histogram (current version minus each recent reward's `policy_version`), and the
+histogram (current version minus each recent reward's oldest token version, `Trajectory.oldest_version`), and the
 workers' heartbeats (age, host, pid, metrics port).
 
 Guarantees:
@@ -98,7 +98,7 @@ async def collect_frame(js, reg: Registry, beats: Heartbeats, recent: int = 256)
         if r.trajectory.policy_version < 0:
             staleness["unknown"] += 1  # an episode without a model turn records no version
             continue
-        lag = max(0, version - r.trajectory.policy_version)
+        lag = max(0, version - r.trajectory.oldest_version)  # from its oldest token, as the learner counts
         staleness[str(lag) if lag < 4 else "4+"] += 1
     evals: dict[str, EvalResult] = {}
     for e in await _recent(js, reg.stream("EVAL"), max(128, 2 * len(by_domain)), EvalResult):

@@ -11,7 +11,15 @@ from types import SimpleNamespace
 import pytest
 
 from producers.domains.rlhf import preference_pairs, rule_answer, rule_score, write_pairs
-from rlbus.report.rlhf import aligned, report_rlhf, rlhf_domains, rm_divergence, rm_series, rule_series
+from rlbus.report.rlhf import (
+    aligned,
+    report_rlhf,
+    rlhf_domains,
+    rm_divergence,
+    rm_point_variances,
+    rm_series,
+    rule_series,
+)
 from schemas.config import load_config
 
 RULE_WORDS = ("max_chars", "gold", "rule", "long_share")
@@ -156,6 +164,24 @@ def test_no_divergence_with_a_flat_rm_or_too_few_points():
     assert div is None and "needs 3" in why
     with pytest.raises(ValueError):
         rm_divergence([], window=1)
+
+
+def test_an_rm_rise_within_its_own_noise_is_not_a_rise():
+    # beta 1.0's run: the RM rose 0.0007/version over v0..v91, inside its sample noise
+    pts = [(0, 0.630, 0.78, 50), (81, 0.680, 0.76, 50), (91, 0.690, 0.76, 50)]
+    div, _ = rm_divergence(pts, window=3)
+    assert div is not None  # without the RM's noise the window reads as a divergence
+    div, why = rm_divergence(pts, window=3, rm_var={0: 0.3**2 / 40, 81: 0.3**2 / 40, 91: 0.3**2 / 40})
+    assert div is None and "standard errors" in why
+    # the same rise over many samples is real
+    div, _ = rm_divergence(pts, window=3, rm_var={0: 1e-7, 81: 1e-7, 91: 1e-7})
+    assert div is not None and div["rm_slope_se"] < 1e-4
+    rewards = [
+        SimpleNamespace(domain="rlhf", purpose="train", status="ok", policy_version=v, reward=r)
+        for v, r in [(0, 0.0), (3, 1.0), (10, 0.5), (12, 0.5), (20, 2.0)]
+    ]
+    var = rm_point_variances(rewards, ["rlhf"], [0, 10])
+    assert var[0] == pytest.approx(0.5 / 2) and var[10] == pytest.approx(1.5 / 2 / 3)
 
 
 def test_series_are_aligned_per_evaluated_version():

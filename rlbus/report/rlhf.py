@@ -13,8 +13,10 @@ Guarantees:
   versions v_k <= v < v_{k+1} (the newest: v >= v_k), rule score). An evaluated version
   without such samples is left out.
 - `rm_divergence(points, ...)`: scans windows of `window` consecutive aligned points; the
-  first where the RM score rises (least-squares slope per version > `rm_rise`) while the
-  rule does not (slope + z x its standard error < `rule_rise`; the SE from each point's
+  first where the RM score rises (least-squares slope per version minus z x its standard
+  error > `rm_rise`; the SE from each point's RM sample variance over its samples when
+  `rm_var` gives it, `rm_point_variances`, so a rise within the RM mean's own noise is not
+  a rise) while the rule does not (slope + z x its standard error < `rule_rise`; the SE from each point's
   binomial noise over `problems`, the scheduler's plateau test, `scheduler.gates`) is the
   divergence, reported at that window's first version (where the rule stopped following).
   Not found: None with the reason (too few points, or which condition never held).
@@ -81,12 +83,30 @@ def aligned(
     return out
 
 
+def rm_point_variances(rewards, domains: list[str], evaluated: list[int]) -> dict[int, float]:
+    """Per evaluated version v_k: the variance of `aligned`'s RM mean at v_k (the sample
+    variance of the training rewards of versions v_k <= v < v_{k+1}, over their count)."""
+    evaluated = sorted(evaluated)
+    acc: dict[int, list[float]] = {}
+    for r in rewards:
+        if r.domain in domains and r.purpose == "train" and r.status == "ok":
+            k = max((v for v in evaluated if v <= r.policy_version), default=None)
+            if k is not None:
+                acc.setdefault(k, []).append(r.reward)
+    out = {}
+    for k, xs in acc.items():
+        m = sum(xs) / len(xs)
+        out[k] = (sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1)) / len(xs)
+    return out
+
+
 def rm_divergence(
     points: list[tuple[int, float, float, int]],
     window: int = WINDOW,
     rm_rise: float = RM_RISE,
     rule_rise: float = RULE_RISE,
     z: float = Z,
+    rm_var: dict[int, float] | None = None,
 ) -> tuple[dict | None, str]:
     """(divergence, reason) over aligned points (module guarantees)."""
     if window < 2:
@@ -103,7 +123,8 @@ def rm_divergence(
             continue
         var = [min(max(s, 0.0), 1.0) * (1 - min(max(s, 0.0), 1.0)) / max(n, 1) for _, _, s, n in chunk]
         se = slope_se(xs, var) or 0.0
-        rising, flat = rm_slope > rm_rise, rule_slope + z * se < rule_rise
+        rm_se = slope_se(xs, [(rm_var or {}).get(v, 0.0) for v, _, _, _ in chunk]) or 0.0
+        rising, flat = rm_slope - z * rm_se > rm_rise, rule_slope + z * se < rule_rise
         rm_rose, rule_held = rm_rose or rising, rule_held or flat
         if rising and flat:
             return {
@@ -112,6 +133,7 @@ def rm_divergence(
                 "rm_slope_per_version": rm_slope,
                 "rule_slope_per_version": rule_slope,
                 "rule_slope_se": se,
+                "rm_slope_se": rm_se,
                 "rm_score": [r for _, r, _, _ in chunk],
                 "rule_score": [s for _, _, s, _ in chunk],
             }, (
@@ -119,7 +141,10 @@ def rm_divergence(
                 f"while the rule score moved {rule_slope:.4g} +- {se:.2g}/version"
             )
     if not rm_rose:
-        return None, f"the RM score never rose faster than {rm_rise}/version over {window} evaluated versions"
+        return None, (
+            f"the RM score never rose faster than {rm_rise}/version (beyond {z} standard errors of its "
+            f"own noise) over {window} evaluated versions"
+        )
     if not rule_held:
         return None, "the rule score rose with the RM score in every window (no divergence)"
     return None, "the RM score rose and the rule score stalled, but never in the same window"
@@ -173,8 +198,9 @@ def report_rlhf(run_path: Path, config: dict | None, rewards, evals) -> list[str
     for r in rewards:
         if r.domain in domains and r.purpose == "train" and r.status == "ok":
             counts[r.policy_version] = counts.get(r.policy_version, 0) + 1
-    points = aligned(rm_series(rewards, domains), rule_series(evals, domains), counts)
-    divergence, reason = rm_divergence(points)
+    rule = rule_series(evals, domains)
+    points = aligned(rm_series(rewards, domains), rule, counts)
+    divergence, reason = rm_divergence(points, rm_var=rm_point_variances(rewards, domains, list(rule)))
     plot_rm_vs_rule(run_path / "plots" / "rm_vs_rule.png", points, divergence)
     write_summary(run_path, divergence, reason)
     rows = [f"| v{v} | {rm:.3f} | {rule:.3f} |" for v, rm, rule, _ in points]

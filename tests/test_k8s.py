@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus.subjects import Registry
+from bus.subjects import PRIORITY_CLASSES, Registry
 from rlbus.deploy import k8s
 from schemas.config import load_config
 
@@ -126,6 +126,11 @@ def test_scaled_objects_have_keda_fields(tmp_path):
             assert meta["account"] == "$G"
     rollout = scaled[f"{RUN}-rollout"]["spec"]
     assert {t["metadata"]["lagThreshold"] for t in rollout["triggers"]} == {"5"}
+    consumers = {t["metadata"]["consumer"] for t in rollout["triggers"]}
+    assert {"rollout", "rollout-short-eval"} <= consumers  # an eval backlog scales rollout too
+    out, _ = _render(tmp_path / "fcfs", "rollout.priority.enabled=false")
+    fcfs = next(s for s in _scaled(out) if s["metadata"]["name"].endswith("-rollout"))
+    assert not any(t["metadata"]["consumer"].endswith("-eval") for t in fcfs["spec"]["triggers"])
     assert scaled[f"{RUN}-verifier"]["spec"]["maxReplicaCount"] == 20
 
 
@@ -251,8 +256,12 @@ async def _run_topology(js, reg: Registry, cfg) -> None:
     from bus.conn import ensure_consumer, ensure_topology
 
     await ensure_topology(js, reg)
+    classes = PRIORITY_CLASSES if cfg.rollout.priority.enabled else ("train",)
     for pool, pc in cfg.rollout.pools.items():
-        await ensure_consumer(js, reg.rollout_consumer(pc.ack_wait_s or cfg.rollout.ack_wait_s, pool=pool))
+        for c in classes:
+            await ensure_consumer(
+                js, reg.rollout_consumer(pc.ack_wait_s or cfg.rollout.ack_wait_s, pool=pool, priority=c)
+            )
     await ensure_consumer(js, reg.verifier_consumer(cfg.verifier.ack_wait_s))
 
 
@@ -270,7 +279,7 @@ async def test_scaled_object_names_exist_on_the_server(tmp_path, monitored_serve
         await nc.close()
     consumers = jsz(monitored_server.monitor_url)
     triggers = [t["metadata"] for so in _scaled(out) for t in so["spec"]["triggers"]]
-    assert len(triggers) == len(cfg.rollout.pools) + 1
+    assert len(triggers) == len(cfg.rollout.pools) * len(PRIORITY_CLASSES) + 1
     for m in triggers:
         assert (m["account"], m["stream"], m["consumer"]) in consumers, (m, sorted(consumers))
     assert ("$G", f"TASKS_{RUN}", "rollout") in consumers and ("$G", f"TRAJ_{RUN}", "verifier") in consumers

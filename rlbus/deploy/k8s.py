@@ -8,7 +8,9 @@ Guarantees:
   DNS label of at most `MAX_RUN_ID` characters (it prefixes every object name); auth off (Kubernetes
   always runs with per-role NATS users); a role device the manifests cannot request; no image.
 - Stream and consumer names of the ScaledObjects come from `bus.subjects.Registry(run_id)`: the TASKS
-  consumer of every rollout pool (`rollout_consumer(pool=...)`) and the TRAJ consumer `verifier`. A
+  consumer of every rollout pool (`rollout_consumer(pool=...)`), with `rollout.priority.enabled` also
+  each pool's higher classes (`rollout_consumer(pool=..., priority="eval")`: an eval backlog scales
+  rollout workers too), and the TRAJ consumer `verifier`. A
   consumer KEDA cannot find makes it fall back to the stream's last sequence and scale to the maximum,
   so these names are never typed here.
 - The run config is a ConfigMap (URL passwords redacted, `sandbox.remote = true` as in compose); NATS
@@ -33,7 +35,7 @@ from typing import Any
 
 from bus.auth import password_env
 from bus.roles import ROLES
-from bus.subjects import Registry
+from bus.subjects import PRIORITY_CLASSES, Registry
 from rlbus.deploy import k8s_nats, k8s_objects
 from schemas.config import RunConfig
 
@@ -197,9 +199,12 @@ def scaled_object(ctx: Context, role: str, specs: list, scaling) -> dict[str, An
 
 
 def keda_objects(ctx: Context) -> list[dict[str, Any]]:
-    """ScaledObjects of the rollout pool (every duration pool's TASKS consumer) and the verifier pool."""
+    """ScaledObjects of the rollout pool (every duration pool's TASKS consumers, one per priority
+    class when priority is on) and the verifier pool."""
     reg = Registry(ctx.run_id)
-    rollout = [reg.rollout_consumer(pool=pool) for pool in ctx.cfg.rollout.pools]
+    higher = [c for c in PRIORITY_CLASSES if c != "train"] if ctx.cfg.rollout.priority.enabled else []
+    classes = ["train", *higher]  # the training consumer's trigger first
+    rollout = [reg.rollout_consumer(pool=pool, priority=c) for pool in ctx.cfg.rollout.pools for c in classes]
     return [
         scaled_object(ctx, "rollout", rollout, ctx.deploy.rollout),
         scaled_object(ctx, "verifier", [reg.verifier_consumer()], ctx.deploy.verifier),

@@ -153,7 +153,7 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="10m,50m", help=f"comma-separated, of {sorted(SIZES)}")
     p.add_argument("--pairs", type=int, default=2000)
-    p.add_argument("--steps", default="10m:60,50m:24", help="N for every size, or size:N,size:N")
+    p.add_argument("--steps", default="10m:60,50m:20", help="N for every size, or size:N,size:N")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--max-length", type=int, default=64)
@@ -221,8 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         train, test = make_data(root, args.pairs, args.seed)
-        for size in args.sizes:
+        for size in args.sizes:  # the JSON is rewritten after each size (a long run leaves what it finished)
             sizes[size] = one_size(size, root, train, test, args)
+            write(args, argv, sizes)
+    for size, r in sizes.items():
+        print(
+            size,
+            f"{r['params'] / 1e6:.1f}M params: ours {r['ours']['pairs_per_s_median']:.1f} pairs/s "
+            f"acc {r['ours']['heldout_accuracy_mean']:.3f} | TRL {r['trl']['pairs_per_s_median']:.1f} pairs/s "
+            f"acc {r['trl']['heldout_accuracy_mean']:.3f} | ratio {r['ratio']} gap {r['accuracy_gap_points']} pts",
+        )
+    return 0
+
+
+def write(args, argv, sizes: dict) -> None:
     from importlib.metadata import version
 
     result = {
@@ -238,14 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    for size, r in sizes.items():
-        print(
-            size,
-            f"{r['params'] / 1e6:.1f}M params: ours {r['ours']['pairs_per_s_median']:.1f} pairs/s "
-            f"acc {r['ours']['heldout_accuracy_mean']:.3f} | TRL {r['trl']['pairs_per_s_median']:.1f} pairs/s "
-            f"acc {r['trl']['heldout_accuracy_mean']:.3f} | ratio {r['ratio']} gap {r['accuracy_gap_points']} pts",
-        )
-    return 0
 
 
 if __name__ == "__main__":

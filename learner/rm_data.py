@@ -204,8 +204,9 @@ def load_pairs(
 
 
 def render(tokenizer, pair: Pair, side: str) -> tuple[str, str | None]:
-    """(text, text_pair) to tokenize for `side` ('chosen' / 'rejected'): the `model`
-    verifier's (question, response) for text, one chat-template text for conversations."""
+    """(text, text_pair) of `side` ('chosen' / 'rejected'): (prompt, response) for text, which
+    `learner.rm.side_ids` joins into one text as the `model` verifier does; one chat-template
+    text (and None) for conversations."""
     response = getattr(pair, side)
     if isinstance(response, str) and not isinstance(pair.prompt, list):
         return pair.prompt, response

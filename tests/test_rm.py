@@ -127,8 +127,8 @@ def test_shared_prompt_rows_give_the_two_row_rewards_and_gradients(tiny_model, i
     pairs += [Pair("q", "ab", "abcd"), Pair("long " * 40, "y", "z")]
     enc = encode_pairs(tok, pairs, 24)
     assert enc.truncated == 1
-    ids, _, seg, last_c, last_r = pack(enc, list(range(len(pairs))), tok.pad_token_id)
-    assert ids.shape[1] < 2 * max(enc.lengths)  # fewer positions than two padded rows
+    ids = pack(enc, list(range(5)), tok.pad_token_id)[0]
+    assert ids.shape[1] < 2 * max(enc.lengths[:5])  # fewer positions than two padded rows
     assert shared_prefix_len([1, 2], [1, 2, 3]) == 1 and shared_prefix_len([5], [5]) == 0
 
     def run(shared):
@@ -142,6 +142,24 @@ def test_shared_prompt_rows_give_the_two_row_rewards_and_gradients(tiny_model, i
 
     for two, one in zip(run(False), run(True)):
         assert torch.allclose(two, one, atol=1e-5), (two - one).abs().max()
+
+
+def test_training_encodes_each_side_as_the_verifier_serves_it(tiny_model):
+    """train-rm's ids are the `model` verifier's: prompt + response as one text, EOS last,
+    cut from the left (so an RM trained by TRL's RewardTrainer, same form, is read as trained)."""
+    from learner.rm import encode_pairs, load_reward_model
+    from learner.rm_data import Pair
+    from verifier_workers.verifiers.model import classifier_ids
+
+    _, tok = load_reward_model(tiny_model(**TINY, tokenizer="bpe"))
+    pairs = [Pair("12+34=", "46", "408"), Pair("57+88=", "145", "-31"), Pair("long " * 40, "yes", "no")]
+    enc = encode_pairs(tok, pairs, 16)
+    for i, p in enumerate(pairs):
+        assert enc.chosen[i] == classifier_ids(tok, p.prompt, p.chosen, 16)
+        assert enc.rejected[i] == classifier_ids(tok, p.prompt, p.rejected, 16)
+        assert enc.chosen[i][-1] == tok.eos_token_id and len(enc.chosen[i]) <= 16
+    assert enc.chosen[0] == tok("12+34=46")["input_ids"] + [tok.eos_token_id]
+    assert enc.truncated == 1 and enc.both_truncated == 1
 
 
 def test_shared_prompt_is_off_for_lora_and_sharded_models(tmp_path, tiny_model):
@@ -247,7 +265,8 @@ def test_overlong_pairs_are_truncated_from_the_left_and_counted(tiny_model):
     enc = encode_pairs(tok, pairs, 32)
     assert enc.truncated == 2 and enc.both_truncated == 1 and len(enc.chosen) == 3  # none dropped
     assert all(len(ids) <= 32 for ids in enc.chosen + enc.rejected)
-    assert tok.decode(enc.chosen[0]).endswith("END") and tok.decode(enc.rejected[0]).endswith("FIN")
+    eos = tok.eos_token  # the response and the EOS after it survive the cut
+    assert tok.decode(enc.chosen[0]).endswith("END" + eos) and tok.decode(enc.rejected[0]).endswith("FIN" + eos)
 
 
 # ---------------------------------------------------------------- training, export, resume
@@ -280,7 +299,7 @@ def test_train_export_loads_in_transformers_and_scores_in_the_model_verifier(tmp
 
     tok = AutoTokenizer.from_pretrained(out / "model")
     with torch.no_grad():
-        direct = rm(**tok("3+4=", "7", return_tensors="pt")).logits[0, 0]
+        direct = rm(**tok("3+4=7" + tok.eos_token, return_tensors="pt")).logits[0, 0]  # TRL's form, read as-is
     assert float(direct) == pytest.approx(good.components["logit"], abs=1e-5)
 
 

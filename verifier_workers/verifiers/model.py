@@ -5,7 +5,9 @@ Hugging Face directory, loaded with `local_files_only` (never downloaded). Its k
 `verifier_params["judge"]` (`classifier` | `causal`), else read from the config:
 `...ForSequenceClassification` architectures are classifiers, anything else a causal LM.
 
-- classifier (reward model): scores the pair (question, response); the score is
+- classifier (reward model): scores question + response as one text with the tokenizer's
+  EOS appended (`classifier_ids`: `rlbus train-rm`'s and TRL RewardTrainer's input form,
+  so RMs trained by either are read as trained), pooled at the EOS; the score is
   sigmoid(logit) for a one-label head, else the softmax probability of label
   `positive_label` (default: the last label).
 - causal (LLM judge): the judge prompt `JUDGE_TEMPLATE` (question, reference, rubric,
@@ -219,9 +221,19 @@ def judge_score(m: Loaded, logits) -> float:
     return yes / (yes + no) if yes + no > 0 else 0.5
 
 
+def classifier_ids(tokenizer, question: str, response: str, max_length: int) -> list[int]:
+    """A reward model's input: question + response as one text, EOS appended unless already
+    last, the last `max_length` ids kept (the left end is cut, the response and EOS stay)."""
+    ids = tokenizer(question + response)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids = ids + [eos]
+    return ids[-max_length:]
+
+
 def score_classifier(m: Loaded, question: str, response: str, max_length: int, positive: int | None) -> float:
     """Probability that the reward model calls the response good."""
-    ids = m.tokenizer(question, response, truncation=True, max_length=max_length)["input_ids"]
+    ids = classifier_ids(m.tokenizer, question, response, max_length)
     return classifier_score(row_logits(m, [ids])[0], positive)
 
 
@@ -254,7 +266,7 @@ def _score_group(items: list[tuple[Trajectory, dict | None]], max_padding: float
     responses = [t.final_text or "" for t, _ in items]
     thresholds = [float(t.verifier_params.get("threshold", 0.5)) for t, _ in items]
     if m.kind == "classifier":
-        rows = m.tokenizer(questions, responses, truncation=True, max_length=max_length)["input_ids"]
+        rows = [classifier_ids(m.tokenizer, q, r, max_length) for q, r in zip(questions, responses)]
         positive = params.get("positive_label")
         return [
             _verdict(m.kind, classifier_score(row, positive), th, float(row[0]) if row.numel() == 1 else None)

@@ -104,12 +104,14 @@ def worker_marks(run_path: Path, t0: float) -> dict:
     return marks
 
 
-def one_run(config: str, sft: str, sft_steps: int, tmp: Path, index: int, timeout: float) -> dict:
+def one_run(config: str, sft: str, sft_steps: int, tmp: Path, index: int, timeout: float, sets=()) -> dict:
     """One `rlbus up CONFIG --max-steps 1`: its timeline (seconds from the start of `rlbus up`)."""
     run_id = f"{Path(config).stem}-{sft}-{index}"
     cmd = [sys.executable, "-m", "rlbus.cli", "up", config, "--run-dir", str(tmp), "--run-id", run_id]
     cmd += ["--max-steps", "1", "--set", "run.drain_seconds=1"]
     cmd += ["--set", "sft.enabled=false"] if sft == "off" else ["--set", f"sft.max_steps={sft_steps}"]
+    for kv in sets:
+        cmd += ["--set", kv]
     load = os.getloadavg()
     marks: dict = {}
     lines: list = []
@@ -179,6 +181,14 @@ def main() -> dict:
     ap.add_argument("--runs", type=int, default=3, help="runs per case, alternated across cases")
     ap.add_argument("--label", default="before", help="key under which the result is stored")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run; the demo needs learner.skip_zero_variance=false, else a barely "
+        "trained model's all-zero groups are all skipped and no step ever comes",
+    )
     ap.add_argument("--out", default=str(RESULT))
     a = ap.parse_args()
     cases = [(c, s) for c in a.configs.split(",") for s in a.sft.split(",")]
@@ -187,7 +197,7 @@ def main() -> dict:
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-first-step-") as d:
         for i in range(a.runs):
             for config, sft in cases:
-                row = one_run(config, sft, a.sft_steps, Path(d), i, a.timeout)
+                row = one_run(config, sft, a.sft_steps, Path(d), i, a.timeout, a.set)
                 rows.append(row)
                 print(
                     f"{Path(config).stem} sft={sft} run {i}: first step {row['first_step_s']} s "
@@ -197,7 +207,7 @@ def main() -> dict:
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
         "command": f"python bench/first_step.py --configs {a.configs} --sft {a.sft} --sft-steps {a.sft_steps} "
-        f"--runs {a.runs} --label {a.label}",
+        f"--runs {a.runs} --label {a.label}" + "".join(f" --set {kv}" for kv in a.set),
         "commit": git.stdout.strip(),
         "cases": summarize(rows),
         "rows": rows,

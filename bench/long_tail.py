@@ -25,8 +25,9 @@ inputs: the learner's `learner.step` log events and the REWARDS stream, read bac
 - rollout idle around version boundaries (`rollout_idle_near_versions`): the share of the time
   within +-`BOUNDARY_S` of each version's step during which the rollout worker ran no engine
   batch (batches rebuilt from the trajectories: `batch_intervals`);
-- staleness p50/p99: the learner's version at a reward's arrival minus its trajectory's oldest
-  version (`Trajectory.oldest_version`, what the learner's gate counts);
+- staleness p50/p99: the learner's version at a reward's arrival (its newest `learner.step`
+  event by then) minus its trajectory's oldest version (`Trajectory.oldest_version`, what the
+  learner's gate counts), clamped at 0 (a version's first rewards can beat its log line);
 - group completion latency p50/p99: a group's last reward time minus the start of the engine
   batch that generated it (so: the batch's wait on its slowest episode plus verification; the
   time a task queued in TASKS before a worker took it is not included).
@@ -196,7 +197,8 @@ def derive(steps: list[tuple[float, int]], rewards: list[dict], t0: float, t1: f
     (dicts: created_at (the reward's), traj_at and gen_s (its trajectory's created_at and
     generate_seconds), oldest_version, group_id), `samples` trained in the window."""
     inside = [r for r in rewards if t0 <= r["created_at"] <= t1]
-    stale = [version_at(steps, r["created_at"]) - r["oldest_version"] for r in inside]
+    # a version's first rewards can arrive before its `learner.step` line is logged: clamped at 0
+    stale = [max(0, version_at(steps, r["created_at"]) - r["oldest_version"]) for r in inside]
     groups: dict[str, list[dict]] = {}
     for r in rewards:
         groups.setdefault(r["group_id"], []).append(r)

@@ -68,13 +68,15 @@ def test_derive_staleness_and_group_latency():
         rw(2.6, 2.3, 0.9, 1, "a"),  # stale 1
         rw(3.5, 3.4, 0.4, 3, "b"),  # stale 0; batch b [3.0, 3.4]
         rw(9.0, 8.9, 0.5, 3, "c"),  # after the window
+        rw(0.9, 0.8, 0.3, 1, "d"),  # version 1 before its step line (1.0 s): staleness 0, not -1
     ]
     d = lt.derive(steps, rewards, 0.0, 4.0, samples=8)
     assert d["trained_samples_per_s"] == 2.0
-    assert d["staleness_p50"] == 1 and d["staleness_p99"] == 2
-    assert d["rewards"] == 3 and d["groups"] == 2 and d["steps"] == 3
-    assert d["group_latency_p50_s"] == 0.5 and d["group_latency_p99_s"] == 2.1  # b: 3.5-3.0, a: 2.6-0.5
-    # boundaries 1, 2, 3 (+-1 s: [0, 4]); busy [0.5, 2.3] and [3.0, 3.4]: idle 4 - 2.2 = 1.8 of 4
+    assert d["staleness_p50"] == 0 and d["staleness_p99"] == 2  # [2, 1, 0, 0]: d's clamped 0, never -1
+    assert d["rewards"] == 4 and d["groups"] == 3 and d["steps"] == 3
+    # d: 0.9-0.5, b: 3.5-3.0, a: 2.6-0.5
+    assert d["group_latency_p50_s"] == 0.5 and d["group_latency_p99_s"] == 2.1
+    # boundaries 1, 2, 3 (+-1 s: [0, 4]); busy [0.5, 2.3], [0.5, 0.8] and [3.0, 3.4]: idle 1.8 of 4
     assert d["rollout_idle_near_versions"] == pytest.approx(0.45)
 
 

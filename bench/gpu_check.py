@@ -27,6 +27,14 @@ cpu --tiny` runs the same code on a tiny shape in seconds):
   written to a temp file renamed into place while a thread hashes the same buffers
   (sha256), as `bus.weight_stores.FileStore.put_segments` does. `publish_gb_s` = bytes /
   (wall time from model to file in place and hash done), in GB/s (1e9 bytes).
+- LONGCTX (issue 33's prefix-reuse bench on the GPU): per history length (`--histories`, 2k/8k/32k
+  tokens on the 0.5B shape), the time of one later turn of a multi-turn episode: the context is
+  the history plus a `LONGCTX_OBS`-token tool observation, then `LONGCTX_GEN` greedy tokens.
+  `off` prefills the whole context (no reuse); `on` continues from the KV cache of the history
+  as the previous turn left it (a deep copy of a `DynamicCache`, the HF engine's
+  `rollout.hf.prefix_reuse`), so only the observation is prefilled. Both sides' ids must be
+  equal (greedy; a difference is reported as `ids_equal: false`). `longctx_exponent_off/on` =
+  the least-squares slope of log(turn time) on log(history) (1 = linear; the goal with reuse: at most 1).
 - LOOP: not run (`loop: null`): it needs nats-server.
 
 Imports only torch, transformers, safetensors, numpy, the standard library and project
@@ -65,7 +73,7 @@ SHAPES = {
         num_hidden_layers=24,
         num_attention_heads=14,
         num_key_value_heads=2,
-        max_position_embeddings=32768,
+        max_position_embeddings=40960,  # room for the 32k long-context history (rope, no learned table)
         rope_theta=1_000_000.0,
         tie_word_embeddings=True,
     ),
@@ -85,6 +93,8 @@ WORKLOADS = {
     "qwen2-0.5b": dict(batch=8, seq_len=2048, steps=5, warmup=2, prompts=8, samples=8, prompt_len=128, new_tokens=256),
     "tiny": dict(batch=8, seq_len=64, steps=3, warmup=1, prompts=2, samples=2, prompt_len=8, new_tokens=16),
 }
+HISTORIES = {"qwen2-0.5b": [2048, 8192, 32768], "tiny": [64, 128, 256]}
+LONGCTX_OBS, LONGCTX_GEN = 64, 32
 
 
 def log(msg: str) -> None:
@@ -241,6 +251,76 @@ def generate_bench(torch, model, device, w: dict) -> dict:
     }
 
 
+def longctx_bench(torch, model, device, histories: list[int]) -> dict:
+    """A later turn's time at each history, prefix reuse off vs on (see the docstring's LONGCTX)."""
+    import copy
+    import math
+
+    from transformers import DynamicCache
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = copy.deepcopy(model).to(dtype).eval()
+    g = torch.Generator(device="cpu").manual_seed(3)
+
+    def turn(gen, ids, cache):
+        sync(torch, device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = gen.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                do_sample=False,
+                max_new_tokens=LONGCTX_GEN,
+                min_new_tokens=LONGCTX_GEN,
+                pad_token_id=0,
+                eos_token_id=None,
+                use_cache=True,
+            )
+        sync(torch, device)
+        return out[:, ids.shape[1] :].cpu(), time.perf_counter() - t0
+
+    rows = []
+    turn(gen, torch.randint(2, gen.config.vocab_size, (1, 32), generator=g).to(device), None)  # warm-up
+    for h in histories:
+        history = torch.randint(2, gen.config.vocab_size, (1, h), generator=g).to(device)
+        obs = torch.randint(2, gen.config.vocab_size, (1, LONGCTX_OBS), generator=g).to(device)
+        with torch.no_grad():  # the previous turn's cache: the history's keys and values
+            prev = gen(input_ids=history, past_key_values=DynamicCache(config=gen.config), use_cache=True)
+        context = torch.cat([history, obs], dim=1)
+        ids_off, t_off = turn(gen, context, None)
+        ids_on, t_on = turn(gen, context, copy.deepcopy(prev.past_key_values))
+        del prev
+        rows.append(
+            {
+                "history": h,
+                "turn_s_off": round(t_off, 4),
+                "turn_s_on": round(t_on, 4),
+                "speedup": round(t_off / t_on, 2),
+                "ids_equal": bool(torch.equal(ids_off, ids_on)),
+            }
+        )
+        log(f"longctx {h}: off {t_off:.3f}s on {t_on:.3f}s")
+    del gen
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    def slope(key: str):
+        xs = [math.log(r["history"]) for r in rows]
+        ys = [math.log(max(r[key], 1e-9)) for r in rows]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 3) if sxx > 0 else None
+
+    return {
+        "longctx": rows,
+        "longctx_exponent_off": slope("turn_s_off"),
+        "longctx_exponent_on": slope("turn_s_on"),
+        "longctx_note": f"one later turn: history + {LONGCTX_OBS}-token observation, {LONGCTX_GEN} greedy "
+        "tokens; off = full prefill, on = continue the history's DynamicCache (rollout.hf.prefix_reuse)",
+    }
+
+
 def publish_bench(model, directory: str) -> dict:
     """One weight version to a file, hashed while written (see the module docstring)."""
     from bus.weight_blobs import state_segments, state_tensors, state_to_bytes, write_file_atomic
@@ -301,6 +381,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=PEAK_FLOPS / 1e12,
         help=f"bf16 dense peak the MFU is taken against (default {PEAK_FLOPS / 1e12:g}, the H200 figure used here)",
     )
+    ap.add_argument(
+        "--histories", type=int, nargs="+", help="long-context history lengths in tokens (default: per shape)"
+    )
     for key in WORKLOADS["qwen2-0.5b"]:
         ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key, help="override the shape's workload")
     return ap.parse_args(argv)
@@ -336,7 +419,9 @@ def main(argv=None) -> dict:
     result.update(learner_bench(torch, model, params, device, w, deadline, a.peak_tflops * 1e12))
     log(f"learner {result['learner_tok_s']} tok/s; generation")
     result.update(generate_bench(torch, model, device, w))
-    log(f"generate {result['generate_tok_s']} tok/s; publish")
+    log(f"generate {result['generate_tok_s']} tok/s; long context")
+    result.update(longctx_bench(torch, model, device, a.histories or HISTORIES[shape]))
+    log(f"long-context exponent off {result['longctx_exponent_off']} on {result['longctx_exponent_on']}; publish")
     result.update(publish_bench(model, a.publish_dir))
     if device.type == "cuda":
         result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)

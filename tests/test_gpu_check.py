@@ -48,4 +48,7 @@ def test_gpu_check_cpu_tiny_without_service_deps(tmp_path):
     for key in ("learner_tok_s", "generate_tok_s", "publish_gb_s"):
         assert isinstance(out[key], (int, float)) and out[key] > 0, (key, out[key])
     assert out["publish_bytes"] > 4 * out["params"] - 1  # fp32, each tensor once
+    assert [r["history"] for r in out["longctx"]] == [64, 128, 256]  # issue 33's prefix-reuse bench, GPU side
+    assert all(r["ids_equal"] for r in out["longctx"]), out["longctx"]  # reuse changes no greedy token
+    assert out["longctx_exponent_off"] is not None and out["longctx_exponent_on"] is not None
     assert list(tmp_path.iterdir()) == [tmp_path / "sitecustomize.py"]  # the weight file went with its temp dir

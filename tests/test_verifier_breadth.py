@@ -519,8 +519,9 @@ def test_domains_example_config_loads_every_builtin_kind():
     cfg = load_config(ROOT / "examples/domains.toml")
     bench_only = {"sleep"}  # the scheduling benchmark's kind, not a task domain
     # docker episodes and verifiers (examples/repo.toml, examples/harbor.toml); a live environment server (examples/openenv.toml)
-    # long documents: examples/long_context.toml; a harness per episode: examples/agent.toml
-    own_example = {"repo", "harbor", "openenv", "findoc", "recall", "agent"}
+    # long documents: examples/long_context.toml; a harness per episode: examples/agent.toml;
+    # a trained reward model as the only reward: examples/rlhf.toml
+    own_example = {"repo", "harbor", "openenv", "findoc", "recall", "agent", "rlhf"}
     assert {kind_of(n, dc) for n, dc in cfg.sampler.domains.items()} == set(BUILTINS) - bench_only - own_example
     elsewhere = set()
     for path in sorted((ROOT / "examples").glob("*.toml")):

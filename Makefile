@@ -33,9 +33,12 @@ demo: $(VENV) bubblewrap
 # in-process integration tests against a real nats-server, plus one smoke `rlbus up`. Every
 # tier prints its 25 slowest tests. `-m` on the command line replaces pyproject's default.
 PYTEST := $(BIN)/python -m pytest -q --durations=25
+# `make test` runs its files on TEST_WORKERS pytest-xdist workers (whole files per worker,
+# `--dist loadfile`, so a file's fixtures and servers stay in one process); TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 test: $(VENV) bubblewrap
-	$(PYTEST)
+	$(PYTEST) $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # full `rlbus up` runs, fault cases and multi-process training (no docker, no vLLM)
 test-e2e: $(VENV) bubblewrap

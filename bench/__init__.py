@@ -6,11 +6,18 @@ here: when a requirement is missing it prints ONE line to stdout,
 `SKIP bench/<name>.py: needs <what> (<how to get it>)[; <hint>]`, and exits 0. It checks cheaply
 (`importlib.util.find_spec` for modules, imports nothing it names; torch only for `cuda`;
 one ping of the Docker engine for `docker`) and returns None when everything is there.
+
+`start_roles(...)` / `stop_procs(...)`: the worker processes of a bench side (each role as
+`python -m rlbus.cli worker ROLE` in its own session, its output in `<log_prefix>-<role>.log`),
+and stopping them (SIGTERM to each live process group, SIGKILL to what is left after `timeout`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,3 +65,32 @@ def skip_unless(
     if needs:
         print(f"SKIP {_script(script)}: needs {' and '.join(needs)}" + (f"; {hint}" if hint else ""), flush=True)
         raise SystemExit(0)
+
+
+ROLES = ("learner", "verifier", "rollout", "sampler")
+
+
+def start_roles(
+    cfg_path: Path, nats_url: str, run_id: str, run_dir: Path, log_prefix: Path, roles: tuple[str, ...] = ROLES
+) -> list[subprocess.Popen]:
+    """Start each role as `python -m rlbus.cli worker ROLE` (see the module docstring)."""
+    procs = []
+    for role in roles:
+        with open(f"{log_prefix}-{role}.log", "wb") as log:  # the child holds its own descriptor
+            cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(cfg_path)]
+            cmd += ["--nats-url", nats_url, "--run-id", run_id, "--run-dir", str(run_dir)]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def stop_procs(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    """SIGTERM each live process group, then SIGKILL each one still running after `timeout` s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

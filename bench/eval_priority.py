@@ -23,8 +23,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import start_roles, stop_procs
 from bus.conn import connect, ensure_topology
 from bus.kv import LEARNER_PROGRESS, get_json
 from bus.server import EmbeddedNats
@@ -123,21 +122,10 @@ def run_scenario(name: str, enabled: bool, tmp: Path, suite: EvalSuite) -> list[
     server = EmbeddedNats(tmp / f"nats-{name}").start()
     procs = []
     try:
-        for role in ("learner", "verifier", "rollout", "sampler"):
-            log = open(tmp / f"{name}-{role}.log", "wb")
-            cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(cfg_path)]
-            cmd += ["--nats-url", server.url, "--run-id", run_id, "--run-dir", str(tmp / "runs")]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs += start_roles(cfg_path, server.url, run_id, tmp / "runs", tmp / name)
         return asyncio.run(measure(server.url, Registry(run_id), suite, "eval" if enabled else "train"))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_procs(procs)
         server.stop()
 
 

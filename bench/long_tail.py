@@ -43,8 +43,6 @@ import json
 import math
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench import start_roles, stop_procs
 
 RESULT = ROOT / "bench" / "results" / "long_tail.json"
 SHORT_S, STALENESS, STEP_WINDOW_S, BOUNDARY_S = 0.2, 4, 0.5, 1.0
@@ -310,21 +310,10 @@ def run_side(name: str, side: dict, tmp: Path, seconds: float) -> dict:
     server = EmbeddedNats(tmp / f"nats-{name}").start()
     procs = []
     try:
-        for role in ("learner", "verifier", "rollout", "sampler"):
-            log = open(tmp / f"{name}-{role}.log", "wb")
-            cmd = [sys.executable, "-m", "rlbus.cli", "worker", role, "--config", str(cfg_path)]
-            cmd += ["--nats-url", server.url, "--run-id", run_id, "--run-dir", str(tmp / "runs")]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs += start_roles(cfg_path, server.url, run_id, tmp / "runs", tmp / name)
         m = asyncio.run(measure(server.url, run_id, seconds, procs))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_procs(procs)
         server.stop()
     steps = step_times(tmp / f"{name}-learner.log")
     out = derive(steps, m["rewards"], m["t0"], m["t1"], m["samples"])

@@ -25,8 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console
 from rich.table import Table
 
+from bench import start_roles, stop_procs
 from bus.conn import connect
 from bus.server import EmbeddedNats
 from bus.subjects import Registry
@@ -105,31 +104,7 @@ def run_scenario(name: str, config: str, tmp: Path, console: Console) -> dict:
     reg = Registry(run_id)
     procs = []
     try:
-        for role in ("learner", "verifier", "rollout", "sampler"):
-            log = open(tmp / f"{name}-{role}.log", "wb")
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "rlbus.cli",
-                        "worker",
-                        role,
-                        "--config",
-                        str(cfg_path),
-                        "--nats-url",
-                        server.url,
-                        "--run-id",
-                        run_id,
-                        "--run-dir",
-                        str(tmp / "runs"),
-                    ],
-                    cwd=ROOT,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        procs += start_roles(cfg_path, server.url, run_id, tmp / "runs", tmp / name)
         subject = reg.rewards("quick")
         deadline = time.monotonic() + 120
         while asyncio.run(stored(server.url, reg, subject)) == 0:
@@ -152,14 +127,7 @@ def run_scenario(name: str, config: str, tmp: Path, console: Console) -> dict:
             "slow_rewards_total": slow,
         }
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_procs(procs)
         server.stop()
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner.rm_data import Pair, render
+from schemas.config.workers import RM_INPUT_FORM
 
 
 class RmModelError(ValueError):
@@ -221,6 +222,7 @@ def export(model, tokenizer, out: Path) -> Path:
         model = model.merge_and_unload()
     model.config.num_labels = 1
     model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.rlbus_rm_input = RM_INPUT_FORM  # the verifier serves exactly this form
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

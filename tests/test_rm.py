@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
+
+from schemas.config.workers import RM_INPUT_FORM
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
 
@@ -301,6 +304,21 @@ def test_train_export_loads_in_transformers_and_scores_in_the_model_verifier(tmp
     with torch.no_grad():
         direct = rm(**tok("3+4=7" + tok.eos_token, return_tensors="pt")).logits[0, 0]  # TRL's form, read as-is
     assert float(direct) == pytest.approx(good.components["logit"], abs=1e-5)
+
+    # an rlbus RM of another input form (or from before the form was recorded) is refused, never scored
+    from verifier_workers.errors import VerifierInfraError
+    from verifier_workers.verifiers.model import check_input_form
+
+    assert rm.config.rlbus_rm_input == RM_INPUT_FORM
+    conf = json.loads((out / "model" / "config.json").read_text())
+    for form in ("tokenizer(prompt, response)", None):
+        old = out.parent / f"old-{form is None}"
+        shutil.copytree(out, old)
+        (old / "model" / "config.json").write_text(json.dumps({**conf, "rlbus_rm_input": form}))
+        with pytest.raises(VerifierInfraError, match="retrain it"):
+            check_input_form(old / "model")
+    (old / "rm_report.json").unlink()  # no marks at all: a classifier from elsewhere, served in TRL's form
+    check_input_form(old / "model")
 
 
 def test_resume_is_exact(tmp_path, tiny_model):

@@ -44,6 +44,12 @@ class SandboxSection(Section):
     """Service: most sessions one sandbox worker holds at once."""
 
 
+RM_INPUT_FORM = "text+response+eos/1"
+"""How a reward model reads a sample: question + response as one text with the tokenizer's EOS
+appended (TRL RewardTrainer's form). `rlbus train-rm` writes it into the export's config.json as
+`rlbus_rm_input`; the `model` verifier refuses an rlbus export of another form (or none)."""
+
+
 class RmServingSection(Section):
     """How a verifier worker serves reward models (the `model` verifier; `verifier_workers.rm_serving`)."""
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Trajectory
+from schemas.config.workers import RM_INPUT_FORM
 from verifier_workers.errors import VerifierInfraError
 from verifier_workers.rm_pairwise import MODES, is_pairwise
 from verifier_workers.verdict import Verdict, VerifierInputError
@@ -109,6 +110,24 @@ def kind_of(path: Path, asked: str | None) -> str:
     return "classifier" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal"
 
 
+def check_input_form(path: Path) -> None:
+    """Refuse (infrastructure error: retried, then dead-lettered, never a score) a reward model
+    `rlbus train-rm` exported for another input form than the one served (`RM_INPUT_FORM`), or
+    before the form was recorded (a `rm_report.json` beside the model and no `rlbus_rm_input`).
+    A classifier from elsewhere (no such marks) is served in TRL's form."""
+    try:
+        form = json.loads((path / "config.json").read_text()).get("rlbus_rm_input")
+    except (OSError, ValueError) as exc:
+        raise VerifierInfraError(f"reward model {str(path)!r} has no readable config.json: {exc}") from exc
+    ours = (path.parent / "rm_report.json").exists()
+    if form != RM_INPUT_FORM and (form is not None or ours):
+        raise VerifierInfraError(
+            f"reward model {str(path)!r} was trained for input form {form or 'tokenizer(prompt, response)'!r}, "
+            f"but the model verifier serves {RM_INPUT_FORM!r}: retrain it with `rlbus train-rm` "
+            "(scoring it anyway would give rewards it never learned)"
+        )
+
+
 def _first_token_ids(tokenizer, forms: tuple[str, ...]) -> set[int]:
     ids = set()
     for form in forms:
@@ -123,6 +142,8 @@ def _load(path: Path, kind: str) -> Loaded:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     cls = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
+    if kind == "classifier":
+        check_input_form(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = cls.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32).eval()

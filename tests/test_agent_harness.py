@@ -221,3 +221,13 @@ def test_rlbus_up_checks_agent_domains_at_start(harness_dir):
         not check_agent(bad, console)
         and "agent.python_path directories ['/nope'] do not exist" in console.export_text()
     )
+
+
+def test_the_start_check_looks_only_at_the_images_the_harnesses_use(harness_dir):
+    from rlbus.run.checks import agent_images
+
+    cfg = config(harness_dir, "ok")  # wraps math: the plain sandbox image
+    assert agent_images(cfg) == [cfg.sandbox.image]
+    domains = {n: dc.model_copy(update={"wraps": "repo"}) for n, dc in cfg.sampler.domains.items()}
+    repo = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"domains": domains})})
+    assert agent_images(repo) == [cfg.sandbox.repo_image]  # a workspace: the repository image

@@ -156,6 +156,18 @@ def check_domains(cfg: RunConfig, console: Console) -> bool:
     return ok
 
 
+WORKSPACE_KINDS = frozenset({"repo", "findoc"})
+"""Kinds whose tasks may carry a workspace: a harness wrapping them runs in `sandbox.repo_image`
+(`rollout_workers.agent_harness`); every other harness in `sandbox.image`."""
+
+
+def agent_images(cfg: RunConfig) -> list[str]:
+    """The docker images the run's agent harnesses run in (sorted, each once)."""
+    agents = [dc for dc in cfg.sampler.domains.values() if dc.kind == "agent"]
+    images = {cfg.sandbox.repo_image if dc.wraps in WORKSPACE_KINDS else cfg.sandbox.image for dc in agents}
+    return sorted(images)
+
+
 def check_agent(cfg: RunConfig, console: Console) -> bool:
     """`kind = "agent"` domains: every `agent.python_path` directory must exist; harnesses in
     docker (`agent.sandbox`) need an engine holding the images they use, whose python3 is this
@@ -176,7 +188,7 @@ def check_agent(cfg: RunConfig, console: Console) -> bool:
 
         here = "%d.%d" % sys.version_info[:2]
         try:
-            for image in sorted({cfg.sandbox.image, cfg.sandbox.repo_image}):
+            for image in agent_images(cfg):
                 probe_isolation("docker", image=image)
                 there = image_python(image) if cfg.agent.python_path else here
                 if there != here:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def side(run: Path) -> dict:
     """One run's curves and divergence."""
-    from rlbus.report.rlhf import aligned, rlhf_domains, rm_divergence, rm_point_variances, rm_series, rule_series
+    from rlbus.report.rlhf import rlhf_curves, rlhf_domains
     from scheduler.store import open_store
     from scheduler.store_rows import EvalResultRow, RewardRow, RunRow
 
@@ -43,13 +43,7 @@ def side(run: Path) -> dict:
         store.close()
     config = runs[0].config if runs else {}
     domains = rlhf_domains(config)
-    counts: dict[int, int] = {}
-    for r in rewards:
-        if r.domain in domains and r.purpose == "train" and r.status == "ok":
-            counts[r.policy_version] = counts.get(r.policy_version, 0) + 1
-    rule = rule_series(evals, domains)
-    points = aligned(rm_series(rewards, domains), rule, counts)
-    divergence, reason = rm_divergence(points, rm_var=rm_point_variances(rewards, domains, list(rule)))
+    points, divergence, reason = rlhf_curves(rewards, evals, domains)
     best_rule = max(points, key=lambda p: p[2]) if points else None
     best_rm = max(points, key=lambda p: p[1]) if points else None
     return {

@@ -189,11 +189,9 @@ def write_summary(run_path: Path, divergence: dict | None, reason: str) -> Path:
     return path
 
 
-def report_rlhf(run_path: Path, config: dict | None, rewards, evals) -> list[str]:
-    """Plot, summary keys and report.md lines of a run with rlhf domains ([] without any)."""
-    domains = rlhf_domains(config)
-    if not domains:
-        return []
+def rlhf_curves(rewards, evals, domains: list[str]) -> tuple[list, dict | None, str]:
+    """(aligned points, divergence, reason) of `domains`: the RM means weighted by their samples,
+    the RM noise from `rm_point_variances` (what the report and bench/rlhf.py both show)."""
     counts: dict[int, int] = {}
     for r in rewards:
         if r.domain in domains and r.purpose == "train" and r.status == "ok":
@@ -201,6 +199,15 @@ def report_rlhf(run_path: Path, config: dict | None, rewards, evals) -> list[str
     rule = rule_series(evals, domains)
     points = aligned(rm_series(rewards, domains), rule, counts)
     divergence, reason = rm_divergence(points, rm_var=rm_point_variances(rewards, domains, list(rule)))
+    return points, divergence, reason
+
+
+def report_rlhf(run_path: Path, config: dict | None, rewards, evals) -> list[str]:
+    """Plot, summary keys and report.md lines of a run with rlhf domains ([] without any)."""
+    domains = rlhf_domains(config)
+    if not domains:
+        return []
+    points, divergence, reason = rlhf_curves(rewards, evals, domains)
     plot_rm_vs_rule(run_path / "plots" / "rm_vs_rule.png", points, divergence)
     write_summary(run_path, divergence, reason)
     rows = [f"| v{v} | {rm:.3f} | {rule:.3f} |" for v, rm, rule, _ in points]
